@@ -1,0 +1,34 @@
+# Two commands do all the set-up: `make serve` and `make test`. Both create .venv and install
+# the pinned dependencies (constraints.txt) on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+
+.PHONY: serve test proto lock clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[server,dev]'
+	touch $(STAMP)
+
+## Start the server on the default model (gpt2; random weights with a warning when offline).
+serve: $(STAMP)
+	$(BIN)/gpt2serve serve $(ARGS)
+
+## Run the whole test suite.
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+## Regenerate the checked-in protobuf/gRPC code after editing proto/.
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+## Re-pin constraints.txt from the current environment.
+lock: $(STAMP)
+	$(BIN)/pip freeze --exclude-editable --exclude gpt2serve | sed 's/+cpu$$//' > constraints.txt
+
+clean:
+	rm -rf $(VENV)

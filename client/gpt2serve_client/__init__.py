@@ -1,0 +1,22 @@
+"""Typed Python client for gpt2serve (gRPC: Client, AsyncClient; REST: RestClient).
+
+Needs neither torch nor transformers.
+"""
+
+from .errors import Gpt2ServeError
+from .grpc_client import AsyncClient, Client
+from .rest_client import RestClient
+from .types import (
+    Architecture,
+    HealthStatus,
+    ModelInfo,
+    NextTokenResult,
+    ParameterBreakdown,
+    Timings,
+    TokenLogprob,
+)
+
+__all__ = [
+    "Architecture", "AsyncClient", "Client", "Gpt2ServeError", "HealthStatus", "ModelInfo",
+    "NextTokenResult", "ParameterBreakdown", "RestClient", "Timings", "TokenLogprob",
+]

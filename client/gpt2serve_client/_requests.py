@@ -1,0 +1,42 @@
+"""Build request messages and bodies from client arguments, once for all three clients."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ._proto import gpt2serve_pb2 as pb
+
+Prompt = str | Sequence[int]
+
+
+def prompt_fields(prompt: Prompt) -> dict[str, Any]:
+    """A prompt is text or a sequence of token ids."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    return {"prompt_token_ids": [int(t) for t in prompt]}
+
+
+def next_token_proto(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool) -> pb.NextTokenRequest:
+    return pb.NextTokenRequest(
+        **prompt_fields(prompt), top_k=top_k, trace_layers=trace_layers, include_layers=include_layers
+    )
+
+
+def next_token_batch_proto(
+    prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool
+) -> pb.NextTokenBatchRequest:
+    return pb.NextTokenBatchRequest(
+        prompts=[pb.Prompt(**prompt_fields(p)) for p in prompts],
+        top_k=top_k, trace_layers=trace_layers, include_layers=include_layers,
+    )
+
+
+def next_token_json(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool) -> dict[str, Any]:
+    return {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers}
+
+
+def next_token_batch_json(
+    prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool
+) -> dict[str, Any]:
+    items = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    return {"prompts": items, "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers}

@@ -1,0 +1,161 @@
+"""Typed results shared by the clients and the server (which builds responses from them).
+
+Each type converts to and from its protobuf message and its REST JSON form (snake_case
+fields that mirror the proto).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._proto import gpt2serve_pb2 as pb
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+    def to_proto(self) -> pb.TokenLogprob:
+        return pb.TokenLogprob(token_id=self.token_id, token=self.token, logprob=self.logprob)
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenLogprob) -> TokenLogprob:
+        return cls(token_id=msg.token_id, token=msg.token, logprob=msg.logprob)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenLogprob:
+        return cls(token_id=data["token_id"], token=data["token"], logprob=data["logprob"])
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ms: float = 0.0
+    forward_ms: float = 0.0
+    total_ms: float = 0.0
+
+    def to_proto(self) -> pb.Timings:
+        return pb.Timings(queue_ms=self.queue_ms, forward_ms=self.forward_ms, total_ms=self.total_ms)
+
+    @classmethod
+    def from_proto(cls, msg: pb.Timings) -> Timings:
+        return cls(queue_ms=msg.queue_ms, forward_ms=msg.forward_ms, total_ms=msg.total_ms)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timings:
+        return cls(**{k: data.get(k, 0.0) for k in ("queue_ms", "forward_ms", "total_ms")})
+
+
+@dataclass(frozen=True)
+class NextTokenResult:
+    """The most likely next token (`token`, `token_id`, `logprob`) and the top-k list."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TokenLogprob]
+    prompt_token_ids: list[int]
+    timings: Timings = field(default_factory=Timings)
+    trace_id: str = ""
+    batch_size: int = 1
+    layers: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_proto(self) -> pb.NextTokenResponse:
+        return pb.NextTokenResponse(
+            token_id=self.token_id, token=self.token, logprob=self.logprob,
+            top=[t.to_proto() for t in self.top], prompt_token_ids=self.prompt_token_ids,
+            timings=self.timings.to_proto(), trace_id=self.trace_id, batch_size=self.batch_size,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.NextTokenResponse) -> NextTokenResult:
+        return cls(
+            token_id=msg.token_id, token=msg.token, logprob=msg.logprob,
+            top=[TokenLogprob.from_proto(t) for t in msg.top],
+            prompt_token_ids=list(msg.prompt_token_ids), timings=Timings.from_proto(msg.timings),
+            trace_id=msg.trace_id, batch_size=msg.batch_size,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> NextTokenResult:
+        return cls(
+            token_id=data["token_id"], token=data["token"], logprob=data["logprob"],
+            top=[TokenLogprob.from_dict(t) for t in data["top"]],
+            prompt_token_ids=list(data["prompt_token_ids"]),
+            timings=Timings.from_dict(data.get("timings") or {}),
+            trace_id=data.get("trace_id", ""), batch_size=data.get("batch_size", 1),
+            layers=list(data.get("layers") or []),
+        )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    n_layer: int
+    n_head: int
+    d_model: int
+    d_head: int
+    d_mlp: int
+    n_ctx: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ParameterBreakdown:
+    token_embedding: int
+    position_embedding: int
+    attention_qkv: int
+    attention_output: int
+    mlp: int
+    layer_norm: int
+    lm_head: int
+    total: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str
+    weights: str  # "pretrained" | "random"
+    weights_source: str
+    dtype: str
+    device: str
+    architecture: Architecture
+    parameters: ParameterBreakdown
+    max_prompt_tokens: int
+    max_batch_size: int
+
+    def to_proto(self) -> pb.ModelInfo:
+        data = asdict(self)
+        return pb.ModelInfo(
+            **{**data, "architecture": pb.Architecture(**data["architecture"]),
+               "parameters": pb.ParameterBreakdown(**data["parameters"])}
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
+        scalars = {f: getattr(msg, f) for f in cls.__dataclass_fields__ if f not in ("architecture", "parameters")}
+        return cls(
+            **scalars,
+            architecture=Architecture(**{f: getattr(msg.architecture, f) for f in Architecture.__dataclass_fields__}),
+            parameters=ParameterBreakdown(
+                **{f: getattr(msg.parameters, f) for f in ParameterBreakdown.__dataclass_fields__}
+            ),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
+        scalars = {f: data[f] for f in cls.__dataclass_fields__ if f not in ("architecture", "parameters")}
+        return cls(
+            **scalars,
+            architecture=Architecture(**{f: data["architecture"][f] for f in Architecture.__dataclass_fields__}),
+            parameters=ParameterBreakdown(
+                **{f: data["parameters"][f] for f in ParameterBreakdown.__dataclass_fields__}
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    serving: bool
+    status: str  # "SERVING", "NOT_SERVING", ...

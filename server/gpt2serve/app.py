@@ -1,0 +1,91 @@
+"""Wire the parts together and run gRPC and REST in one process, over one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+import uvicorn
+
+from .config import ServeConfig
+from .engine.engine import Engine
+from .engine.loading import load_model
+from .scheduling.batcher import Batcher
+from .service import InferenceService
+from .transport.grpc_server import GrpcTransport
+from .transport.rest import create_app
+
+log = logging.getLogger("gpt2serve")
+SHUTDOWN_GRACE_S = 10.0
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """Bind here rather than in uvicorn, so port 0 yields a known ephemeral port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(config: ServeConfig) -> None:
+    # Transports come up first, so probes answer (alive, not ready) while the model loads.
+    service = InferenceService(config)
+    grpc_transport = GrpcTransport(service, config.host, config.grpc_port)
+    http_socket = bind_http_socket(config.host, config.http_port)
+    http_server = uvicorn.Server(
+        uvicorn.Config(create_app(service), log_level=config.log_level, access_log=False, lifespan="off")
+    )
+    await grpc_transport.start()
+    await grpc_transport.set_serving(False)
+    http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="http")
+    while not http_server.started and not http_task.done():
+        await asyncio.sleep(0.01)
+    if http_task.done():
+        await http_task  # Raises why uvicorn could not start.
+    print(f"gpt2serve listening: grpc={config.host}:{grpc_transport.port} "
+          f"http=http://{config.host}:{http_socket.getsockname()[1]}", flush=True)
+
+    try:
+        loaded = await asyncio.to_thread(
+            load_model, config.model, config.device, config.dtype,
+            seed=config.seed, random_fallback=config.random_fallback,
+        )
+    except BaseException:
+        http_server.should_exit = True
+        await grpc_transport.stop(0)
+        await asyncio.gather(http_task, return_exceptions=True)
+        raise
+    batcher = Batcher(
+        Engine(loaded), max_batch_size=config.max_batch_size,
+        max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
+    )
+    batcher.start()
+    service.attach(loaded, batcher)
+    service.ready = True
+    await grpc_transport.set_serving(True)
+    info = service.model_info()
+    print(f"gpt2serve ready: model={info.model} weights={info.weights} device={info.device} dtype={info.dtype}",
+          flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+
+    log.info("shutting down")
+    service.ready = False
+    await grpc_transport.set_serving(False)
+    http_server.should_exit = True
+    await grpc_transport.stop(SHUTDOWN_GRACE_S)
+    await asyncio.gather(http_task, return_exceptions=True)
+    await batcher.stop()
+
+
+def run(config: ServeConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))

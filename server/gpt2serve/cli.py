@@ -1,0 +1,100 @@
+"""The `gpt2serve` command: `serve` runs the server, `next` asks one for a next token.
+
+`next` uses only the client package, so it starts fast and needs neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Sequence
+
+from .config import EnvDefaults, add_serve_arguments, config_from_args
+
+
+def visible(token: str) -> str:
+    """Show GPT-2's leading space and control characters so a token reads unambiguously."""
+    return token.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+
+
+def format_next_token(result) -> str:
+    rows = [("rank", "token", "prob", "logprob", "id")]
+    for rank, t in enumerate(result.top, 1):
+        rows.append((str(rank), repr(visible(t.token))[1:-1], f"{math.exp(t.logprob):.4f}", f"{t.logprob:.4f}", str(t.token_id)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    align = ["<", "<", ">", ">", ">"]
+    lines = [
+        f"next token: {visible(result.token)!r} (id {result.token_id}, p={math.exp(result.logprob):.4f})",
+        f"prompt tokens: {list(result.prompt_token_ids)}",
+        "",
+    ]
+    for i, row in enumerate(rows):
+        lines.append("  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    t = result.timings
+    lines.append("")
+    lines.append(f"queue {t.queue_ms:.1f} ms, forward {t.forward_ms:.1f} ms, total {t.total_ms:.1f} ms, batch of {result.batch_size}")
+    if result.trace_id:
+        lines.append(f"trace id: {result.trace_id}")
+    return "\n".join(lines)
+
+
+def cmd_next(args: argparse.Namespace) -> int:
+    from gpt2serve_client import Client, Gpt2ServeError
+
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            result = client.next_token(args.prompt, top_k=args.top_k, trace_layers=args.trace)
+    except Gpt2ServeError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    print(format_next_token(result))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"gpt2serve serve: {exc}", file=sys.stderr)
+        return 2
+    from .app import run  # Imports torch: only when serving.
+    from .errors import ModelLoadError
+
+    try:
+        run(config)
+    except ModelLoadError as exc:
+        print(f"gpt2serve serve: cannot load model: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser(environ=os.environ) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpt2serve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gRPC + REST server")
+    add_serve_arguments(serve, environ)
+    serve.set_defaults(func=cmd_serve)
+
+    nxt = sub.add_parser("next", help="print the next token for a prompt, with a top-k table")
+    nxt.add_argument("prompt")
+    env = EnvDefaults(nxt, environ)
+    env.add("--top-k", type=int, default=5, help="alternatives to show")
+    env.add("--target", default="localhost:50051", help="gRPC server host:port")
+    env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
+    nxt.add_argument("--trace", action="store_true", help="trace this request's layers and print the trace id")
+    nxt.set_defaults(func=cmd_next)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Server configuration: one frozen dataclass, read from CLI flags and GPT2SERVE_* env vars.
+
+Every flag `--some-flag` may also come from `GPT2SERVE_SOME_FLAG`; an explicit flag wins.
+This is the only module that reads the environment for gpt2serve settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+ENV_PREFIX = "GPT2SERVE_"
+DEVICES_HELP = "auto (CUDA when present, else CPU), cpu, cuda, cuda:N"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "gpt2"
+    device: str = "auto"
+    dtype: str = "auto"
+    host: str = "0.0.0.0"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    max_batch_size: int = 64
+    max_batch_delay_ms: float = 5.0
+    max_queue: int = 1024
+    # 0 means "the model's context length".
+    max_prompt_tokens: int = 0
+    # When the default hub model cannot be loaded, serve random weights instead of failing.
+    random_fallback: bool = True
+    seed: int = 0
+    log_level: str = "info"
+
+
+def env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+class EnvDefaults:
+    """Adds flags whose defaults come from the environment when set there."""
+
+    def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str]):
+        self.parser = parser
+        self.environ = environ
+
+    def add(self, flag: str, *, type=str, default=None, help: str = "", **kwargs) -> None:
+        name = env_name(flag)
+        if name in self.environ:
+            raw = self.environ[name]
+            try:
+                default = type(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                self.parser.error(f"{name}={raw!r}: {exc}")
+        if type is parse_bool:
+            kwargs.setdefault("nargs", "?")
+            kwargs.setdefault("const", True)
+        self.parser.add_argument(
+            flag, type=type, default=default, help=f"{help} [env {name}; default: %(default)s]", **kwargs
+        )
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    d = ServeConfig()
+    env = EnvDefaults(parser, environ)
+    env.add("--model", default=d.model,
+            help="Hugging Face id, local checkpoint directory, or random:<arch> (random:gpt2, random:tiny, ...)")
+    env.add("--device", default=d.device, help=DEVICES_HELP)
+    env.add("--dtype", default=d.dtype, choices=DTYPES, help="auto: bf16/fp16 on GPU, fp32 on CPU")
+    env.add("--host", default=d.host, help="address both servers bind to")
+    env.add("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0: pick a free one)")
+    env.add("--http-port", type=int, default=d.http_port, help="REST port (0: pick a free one)")
+    env.add("--max-batch-size", type=int, default=d.max_batch_size,
+            help="most prompts in one forward pass, and in one NextTokenBatch call")
+    env.add("--max-batch-delay-ms", type=float, default=d.max_batch_delay_ms,
+            help="how long a batch may wait to fill")
+    env.add("--max-queue", type=int, default=d.max_queue, help="prompts waiting beyond this are refused")
+    env.add("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
+            help="longest prompt accepted; 0: the model's context length")
+    env.add("--random-fallback", type=parse_bool, default=d.random_fallback,
+            help="serve random:<arch> weights, with a warning, when the model cannot be loaded; "
+                 "set false in production")
+    env.add("--seed", type=int, default=d.seed, help="seed for random:<arch> weights")
+    env.add("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    config = ServeConfig(**{name: getattr(args, name) for name in ServeConfig.__dataclass_fields__})
+    validate(config)
+    return config
+
+
+def validate(config: ServeConfig) -> None:
+    problems = []
+    if config.max_batch_size < 1:
+        problems.append("--max-batch-size must be >= 1")
+    if config.max_batch_delay_ms < 0:
+        problems.append("--max-batch-delay-ms must be >= 0")
+    if config.max_queue < 1:
+        problems.append("--max-queue must be >= 1")
+    if config.max_prompt_tokens < 0:
+        problems.append("--max-prompt-tokens must be >= 0")
+    for port in (config.grpc_port, config.http_port):
+        if not 0 <= port <= 65535:
+            problems.append(f"port {port} is outside 0..65535")
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -1,0 +1,1 @@
+"""Model execution: loading, tokenizing and batched forward passes. No telemetry, no transport."""

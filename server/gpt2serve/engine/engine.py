@@ -1,0 +1,68 @@
+"""Batched next-token forward passes over a loaded GPT-2.
+
+Prompts of different lengths share one forward: they are left-padded so every prompt's last
+token sits in the last column, with an attention mask that hides the padding and position ids
+that start at 0 at each prompt's first real token. Only the last position goes through the LM
+head, so a prompt in a batch gets the same answer it gets alone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .loading import LoadedModel
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    top: list[list[TokenScore]]  # per prompt, most likely first
+    forward_s: float
+    padded_len: int
+
+
+class Engine:
+    """Owns the model. Not thread-safe: one worker thread calls it (see scheduling)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.pad_token_id = loaded.tokenizer.eos_token_id or 0
+
+    @torch.inference_mode()
+    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> BatchOutput:
+        started = time.perf_counter()
+        input_ids, attention_mask, position_ids = self.left_pad(prompts)
+        hidden = self.model.transformer(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # (B, T, d_model)
+        logits = self.model.lm_head(hidden[:, -1, :])  # (B, vocab): last position only
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, vocab), fp32 whatever the model dtype
+        top_values, top_ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()  # one device->host copy
+        top = [
+            [TokenScore(i, v) for i, v in zip(ids[:k], values[:k])]
+            for ids, values, k in zip(top_ids, top_values, top_ks)
+        ]
+        return BatchOutput(top, time.perf_counter() - started, input_ids.shape[1])
+
+    def left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, length = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)  # (B, T)
+        attention_mask = torch.zeros((batch, length), dtype=torch.long)  # (B, T), 1 = real token
+        for row, prompt in enumerate(prompts):
+            input_ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, length - len(prompt):] = 1
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T), 0 at first real token
+        to = dict(device=self.device, non_blocking=True)
+        return input_ids.to(**to), attention_mask.to(**to), position_ids.to(**to)

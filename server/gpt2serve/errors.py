@@ -1,0 +1,39 @@
+"""Errors the service raises, each with its gRPC status name and HTTP status.
+
+Transports map these to wire status codes; nothing below transport knows about either protocol.
+"""
+
+from __future__ import annotations
+
+
+class ServeError(Exception):
+    code = "INTERNAL"
+    http_status = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServeError):
+    code = "INVALID_ARGUMENT"
+    http_status = 400
+
+
+class ResourceExhausted(ServeError):
+    code = "RESOURCE_EXHAUSTED"
+    http_status = 429
+
+
+class Unavailable(ServeError):
+    code = "UNAVAILABLE"
+    http_status = 503
+
+
+class DeadlineExceeded(ServeError):
+    code = "DEADLINE_EXCEEDED"
+    http_status = 504
+
+
+class ModelLoadError(Exception):
+    """The requested weights could not be loaded (bad path, unreachable hub, not GPT-2)."""

@@ -1,0 +1,1 @@
+"""Request scheduling: the queue between transports and the engine, and batch formation."""

@@ -1,0 +1,130 @@
+"""Dynamic batching: an asyncio queue in front of the one worker thread that owns the model.
+
+Requests wait in a bounded queue; a batch is formed from what is queued, waiting at most
+`max_batch_delay` for more to arrive, up to `max_batch_size`, and run in the worker thread so
+the event loop keeps serving (health checks, new requests) during a forward pass. Requests
+whose caller has gone away are dropped before they reach the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..engine.engine import Engine, TokenScore
+from ..errors import ResourceExhausted, ServeError, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScheduledOutput:
+    top: list[TokenScore]
+    queue_s: float
+    forward_s: float
+    batch_size: int
+
+
+@dataclass
+class _Pending:
+    token_ids: list[int]
+    top_k: int
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.perf_counter)
+
+
+class EngineFailure(ServeError):
+    """The forward pass for a batch raised; only that batch's requests see it."""
+
+
+class Batcher:
+    def __init__(self, engine: Engine, *, max_batch_size: int, max_batch_delay_s: float, max_queue: int):
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.max_batch_delay_s = max_batch_delay_s
+        self.max_queue = max_queue
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._task: asyncio.Task | None = None
+        self.batches_run = 0
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while not self._queue.empty():
+            pending = self._queue.get_nowait()
+            if not pending.future.done():
+                pending.future.set_exception(Unavailable("server is shutting down"))
+        self._executor.shutdown(wait=True)
+
+    async def submit(self, prompts: Sequence[list[int]], top_k: int) -> list[ScheduledOutput]:
+        """Queue all prompts of one request together (or none of them) and await their answers."""
+        if self._task is None or self._task.done():
+            raise Unavailable("the model worker is not running")
+        if self._queue.qsize() + len(prompts) > self.max_queue:
+            raise ResourceExhausted(
+                f"queue full ({self._queue.qsize()} of {self.max_queue} waiting); retry later"
+            )
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(list(p), top_k, loop.create_future()) for p in prompts]
+        for item in pending:
+            self._queue.put_nowait(item)
+        try:
+            return await asyncio.gather(*(item.future for item in pending))
+        except BaseException:
+            for item in pending:  # Caller gone or one prompt failed: drop the rest.
+                item.future.cancel()
+            raise
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect_batch(loop)
+            if not batch:
+                continue
+            started = time.perf_counter()
+            try:
+                output = await loop.run_in_executor(
+                    self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch]
+                )
+            except Exception as exc:  # Fail this batch only; keep serving.
+                log.exception("forward pass failed for a batch of %d", len(batch))
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(EngineFailure(f"forward pass failed: {exc}"))
+                continue
+            self.batches_run += 1
+            for item, top in zip(batch, output.top):
+                if not item.future.done():
+                    item.future.set_result(
+                        ScheduledOutput(top, started - item.enqueued_at, output.forward_s, len(batch))
+                    )
+
+    async def _collect_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
+        batch = [await self._queue.get()]
+        deadline = loop.time() + self.max_batch_delay_s
+        while len(batch) < self.max_batch_size:
+            if self._queue.empty():
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+            else:
+                batch.append(self._queue.get_nowait())
+        # Callers that cancelled (client gone, deadline passed) never reach the model.
+        return [item for item in batch if not item.future.done()]

@@ -1,0 +1,115 @@
+"""The inference service both transports call: validate, tokenize, schedule, build results.
+
+Transports only decode their wire format into these calls and encode what comes back, so every
+rule about what a valid request is lives here, once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from gpt2serve_client.types import ModelInfo, NextTokenResult, Timings, TokenLogprob
+
+from .config import ServeConfig
+from .engine.loading import LoadedModel
+from .engine.model_info import architecture, parameter_breakdown
+from .errors import InvalidArgument, Unavailable
+from .scheduling.batcher import Batcher, ScheduledOutput
+
+DEFAULT_TOP_K = 5
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """A prompt as it arrives: text or token ids (exactly one of them)."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+
+
+class InferenceService:
+    """Starts without a model (transports answer UNAVAILABLE / 503 while it loads); `attach` makes it ready."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.max_batch_size = config.max_batch_size
+        self.ready = False
+        self._attached: tuple[LoadedModel, Batcher, ModelInfo] | None = None
+
+    def attach(self, loaded: LoadedModel, batcher: Batcher) -> None:
+        n_ctx = loaded.model.config.n_positions
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.model.config.vocab_size
+        self.max_prompt_tokens = min(self.config.max_prompt_tokens or n_ctx, n_ctx)
+        info = ModelInfo(
+            model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
+            dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
+            architecture=architecture(loaded.model), parameters=parameter_breakdown(loaded.model),
+            max_prompt_tokens=self.max_prompt_tokens, max_batch_size=self.max_batch_size,
+        )
+        self._attached = (loaded, batcher, info)
+
+    def _require_model(self) -> tuple[LoadedModel, Batcher, ModelInfo]:
+        if self._attached is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        return self._attached
+
+    def model_info(self) -> ModelInfo:
+        return self._require_model()[2]
+
+    async def next_token(self, prompt: PromptInput, top_k: int | None = None) -> NextTokenResult:
+        return (await self.next_token_batch([prompt], top_k))[0]
+
+    async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None) -> list[NextTokenResult]:
+        received = time.perf_counter()
+        _, batcher, _ = self._require_model()
+        if not prompts:
+            raise InvalidArgument("prompts: at least one prompt is required")
+        if len(prompts) > self.max_batch_size:
+            raise InvalidArgument(f"prompts: {len(prompts)} prompts exceed the limit of {self.max_batch_size} per call")
+        k = self.resolve_top_k(top_k)
+        token_ids = [self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
+                     for i, p in enumerate(prompts)]
+        outputs = await batcher.submit(token_ids, k)
+        total_ms = (time.perf_counter() - received) * 1000
+        return [self.build_result(ids, out, total_ms) for ids, out in zip(token_ids, outputs)]
+
+    def resolve_top_k(self, top_k: int | None) -> int:
+        if top_k is None:
+            return DEFAULT_TOP_K
+        if not 1 <= top_k <= self.vocab_size:
+            raise InvalidArgument(f"top_k: {top_k} is outside 1..{self.vocab_size}")
+        return top_k
+
+    def resolve_prompt(self, prompt: PromptInput, where: str) -> list[int]:
+        if prompt.text and prompt.token_ids:
+            raise InvalidArgument(f"{where}: give prompt text or prompt_token_ids, not both")
+        if prompt.token_ids:
+            token_ids = list(prompt.token_ids)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidArgument(
+                    f"{where}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}"
+                )
+        elif prompt.text:
+            token_ids = self.tokenizer.encode(prompt.text)
+        else:
+            raise InvalidArgument(f"{where}: the prompt is empty; give prompt text or prompt_token_ids")
+        if not token_ids:
+            raise InvalidArgument(f"{where}: the prompt encodes to no tokens")
+        if len(token_ids) > self.max_prompt_tokens:
+            raise InvalidArgument(
+                f"{where}: {len(token_ids)} tokens exceed the limit of {self.max_prompt_tokens} (--max-prompt-tokens)"
+            )
+        return token_ids
+
+    def build_result(self, prompt_token_ids: list[int], out: ScheduledOutput, total_ms: float) -> NextTokenResult:
+        top = [TokenLogprob(s.token_id, self.tokenizer.token_text(s.token_id), s.logprob) for s in out.top]
+        return NextTokenResult(
+            token_id=top[0].token_id, token=top[0].token, logprob=top[0].logprob, top=top,
+            prompt_token_ids=prompt_token_ids,
+            timings=Timings(queue_ms=out.queue_s * 1000, forward_ms=out.forward_s * 1000, total_ms=total_ms),
+            batch_size=out.batch_size,
+        )

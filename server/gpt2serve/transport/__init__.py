@@ -1,0 +1,1 @@
+"""Transports: gRPC and REST. They decode requests, call the service, encode results."""

@@ -1,0 +1,112 @@
+"""The REST transport (FastAPI): JSON bodies mirroring the proto, OpenAPI at /docs.
+
+Errors answer `{"error": {"code": "INVALID_ARGUMENT", "message": "..."}}` with the matching
+HTTP status: 400 for bad values, 422 for malformed JSON or wrong types, 429 when the queue is
+full, 503 while not ready.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from gpt2serve_client.types import ModelInfo, NextTokenResult
+
+from .. import __version__
+from ..errors import ServeError
+from ..service import InferenceService, PromptInput
+
+log = logging.getLogger(__name__)
+
+
+class Body(BaseModel):
+    # Unknown fields are errors, so a typo ("topk") is reported instead of silently ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class NextTokenBody(Body):
+    prompt: StrictStr | None = Field(None, description="Prompt text", examples=["The capital of France is"])
+    prompt_token_ids: list[StrictInt] | None = Field(None, description="Prompt as GPT-2 token ids, instead of text")
+    top_k: StrictInt | None = Field(None, description="How many alternatives to return (1..vocab); default 5")
+    trace_layers: StrictBool = False
+    include_layers: StrictBool = False
+
+
+class NextTokenBatchBody(Body):
+    prompts: list[StrictStr | list[StrictInt]] = Field(
+        ..., description="Prompt texts or token-id lists", examples=[["The capital of France is", [464, 3139]]]
+    )
+    top_k: StrictInt | None = None
+    trace_layers: StrictBool = False
+    include_layers: StrictBool = False
+
+
+class BatchResults(BaseModel):
+    results: list[NextTokenResult]
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+
+
+def describe_validation_error(request: Request, exc: RequestValidationError) -> str:
+    if "json" not in request.headers.get("content-type", ""):
+        return "the body must be a JSON object sent with 'Content-Type: application/json'"
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def batch_prompt(item: str | list[int]) -> PromptInput:
+    return PromptInput(text=item) if isinstance(item, str) else PromptInput(token_ids=item)
+
+
+def create_app(service: InferenceService) -> FastAPI:
+    app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server")
+
+    @app.exception_handler(ServeError)
+    async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
+        return error_response(exc.http_status, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, "INTERNAL", "internal error; see server log")
+
+    @app.post("/v1/next-token", response_model=NextTokenResult)
+    async def next_token(body: NextTokenBody) -> NextTokenResult:
+        prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
+        return await service.next_token(prompt, body.top_k)
+
+    @app.post("/v1/next-token/batch", response_model=BatchResults)
+    async def next_token_batch(body: NextTokenBatchBody) -> BatchResults:
+        results = await service.next_token_batch([batch_prompt(p) for p in body.prompts], body.top_k)
+        return BatchResults(results=results)
+
+    @app.get("/v1/model", response_model=ModelInfo)
+    async def model_info() -> ModelInfo:
+        return service.model_info()
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        """Alive: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """Ready: the model is loaded and requests are accepted."""
+        if service.ready:
+            return JSONResponse({"status": "ready"})
+        return error_response(503, "UNAVAILABLE", "not ready")
+
+    return app

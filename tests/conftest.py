@@ -1,0 +1,87 @@
+"""Shared fixtures: a real gpt2serve process on ephemeral ports, and reference models."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+STARTUP_TIMEOUT_S = 120
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    log_path: Path
+    grpc_target: str = ""
+    http_url: str = ""
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_line(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log())
+            if match:
+                return match
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        raise TimeoutError(f"no {pattern!r} within {timeout}s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> ServerProcess:
+    """Start `gpt2serve serve` on loopback with ephemeral ports; returns once it listens (or is ready)."""
+    log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
+    command = [sys.executable, "-m", "gpt2serve.cli", "serve", "--host", "127.0.0.1",
+               "--grpc-port", "0", "--http-port", "0", *args]
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    server = ServerProcess(proc, log_path)
+    match = server.wait_for_line(r"gpt2serve listening: grpc=(\S+) http=(\S+)")
+    server.grpc_target, server.http_url = match.group(1), match.group(2)
+    if wait_ready:
+        server.wait_for_line(r"gpt2serve ready:")
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> ServerProcess:
+    """One random:tiny server (seed 0) shared by the transport tests."""
+    srv = launch_server(tmp_path_factory.mktemp("server"), "--model", "random:tiny", "--max-batch-delay-ms", "20")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The same weights the server serves (random:tiny, seed 0), in this process."""
+    from gpt2serve.engine.loading import load_model
+
+    return load_model("random:tiny", "cpu", "float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
+
+    return bundled_gpt2_tokenizer()
