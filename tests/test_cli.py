@@ -1,0 +1,82 @@
+"""The `gpt2serve` command line and its configuration (flags and GPT2SERVE_* env vars)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpt2serve.cli import build_parser, visible
+from gpt2serve.config import ServeConfig, config_from_args
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpt2serve.cli", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_next_prints_token_and_top_k_table(server, tiny_model, tokenizer):
+    from reference import reference_logprobs
+
+    out = run_cli("next", "The capital of France is", "--top-k", "3", "--target", server.grpc_target)
+    assert out.returncode == 0, out.stderr
+    ref = reference_logprobs(tiny_model.model, [464, 3139, 286, 4881, 318])
+    best = int(ref.argmax())
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"next token: {visible(tokenizer.token_text(best))!r} (id {best},")
+    assert "[464, 3139, 286, 4881, 318]" in out.stdout
+    header = next(i for i, line in enumerate(lines) if line.split()[:5] == ["rank", "token", "prob", "logprob", "id"])
+    rows = [line.split() for line in lines[header + 2: header + 5]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    for row in rows:
+        token_id, logprob, prob = int(row[-1]), float(row[-2]), float(row[-3])
+        assert abs(logprob - ref[token_id].item()) < 1e-3
+        assert abs(prob - math.exp(logprob)) < 1e-4
+
+
+def test_next_shows_the_leading_space():
+    assert visible(" Paris") == "␣Paris"
+    assert visible("\n") == "\\n"
+
+
+def test_next_against_the_target_from_env(server):
+    out = run_cli("next", "Hello", env={"GPT2SERVE_TARGET": server.grpc_target, "GPT2SERVE_TOP_K": "2"})
+    assert out.returncode == 0, out.stderr
+    header = out.stdout.splitlines().index(next(line for line in out.stdout.splitlines() if line.startswith("rank")))
+    assert len([line for line in out.stdout.splitlines()[header + 2:] if line[:1].isdigit()]) == 2
+
+
+def test_next_reports_errors_without_a_traceback(server):
+    out = run_cli("next", "", "--target", server.grpc_target)
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: INVALID_ARGUMENT:") and "Traceback" not in out.stderr
+
+
+def test_serve_flags_and_env():
+    args = build_parser({"GPT2SERVE_MAX_BATCH_SIZE": "8", "GPT2SERVE_MODEL": "random:tiny",
+                         "GPT2SERVE_RANDOM_FALLBACK": "false"}).parse_args(["serve", "--grpc-port", "6000"])
+    config = config_from_args(args)
+    assert config == ServeConfig(model="random:tiny", max_batch_size=8, grpc_port=6000, random_fallback=False)
+    # An explicit flag wins over the environment.
+    args = build_parser({"GPT2SERVE_MAX_BATCH_SIZE": "8"}).parse_args(["serve", "--max-batch-size", "3"])
+    assert config_from_args(args).max_batch_size == 3
+
+
+def test_defaults_follow_the_contract():
+    config = config_from_args(build_parser({}).parse_args(["serve"]))
+    assert (config.model, config.device, config.dtype, config.grpc_port, config.http_port) == (
+        "gpt2", "auto", "auto", 50051, 8000)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--max-batch-size", "0"], ["serve", "--grpc-port", "70000"]])
+def test_bad_serve_flags_exit_2(argv):
+    out = run_cli(*argv)
+    assert out.returncode == 2 and ("must be" in out.stderr or "outside" in out.stderr), out.stderr
+
+
+def test_bad_env_value_is_reported():
+    out = run_cli("serve", env={"GPT2SERVE_MAX_QUEUE": "lots"})
+    assert out.returncode == 2 and "GPT2SERVE_MAX_QUEUE" in out.stderr
