@@ -30,23 +30,26 @@ def rest_client(server):
         yield client
 
 
-def run_async(coro_fn, server):
-    async def main():
-        async with AsyncClient(server.grpc_target) as client:
-            return await coro_fn(client)
+@pytest.fixture(scope="module")
+def ask(server, grpc_client, rest_client):
+    """ask(kind, method, *args): call one client method through the "grpc", "async" or "rest" client."""
 
-    return asyncio.run(main())
+    def call(kind: str, method: str, *args, **kwargs):
+        if kind == "async":
+            async def main():
+                async with AsyncClient(server.grpc_target) as client:
+                    return await getattr(client, method)(*args, **kwargs)
+
+            return asyncio.run(main())
+        return getattr({"grpc": grpc_client, "rest": rest_client}[kind], method)(*args, **kwargs)
+
+    return call
 
 
 @pytest.mark.parametrize("kind", ["grpc", "async", "rest"])
-def test_next_token_matches_transformers(kind, server, grpc_client, rest_client, tiny_model, tokenizer):
+def test_next_token_matches_transformers(kind, ask, tiny_model, tokenizer):
     for prompt, k in zip(PROMPTS, [5, 1, 10, 3]):
-        if kind == "grpc":
-            result = grpc_client.next_token(prompt, top_k=k)
-        elif kind == "rest":
-            result = rest_client.next_token(prompt, top_k=k)
-        else:
-            result = run_async(lambda c: c.next_token(prompt, top_k=k), server)
+        result = ask(kind, "next_token", prompt, top_k=k)
         ids = tokenizer.encode(prompt)
         assert_matches_reference(tiny_model.model, result, ids, k)
         assert result.token == tokenizer.token_text(result.token_id)
@@ -60,26 +63,16 @@ def test_real_token_ids_of_the_example_prompt(grpc_client):
 
 
 @pytest.mark.parametrize("kind", ["grpc", "async", "rest"])
-def test_token_id_prompts(kind, server, grpc_client, rest_client, tiny_model):
+def test_token_id_prompts(kind, ask, tiny_model):
     ids = [50256, 464, 3139, 11, 0, 50255]
-    if kind == "grpc":
-        result = grpc_client.next_token(ids, top_k=4)
-    elif kind == "rest":
-        result = rest_client.next_token(ids, top_k=4)
-    else:
-        result = run_async(lambda c: c.next_token(ids, top_k=4), server)
+    result = ask(kind, "next_token", ids, top_k=4)
     assert_matches_reference(tiny_model.model, result, ids, 4)
 
 
 @pytest.mark.parametrize("kind", ["grpc", "async", "rest"])
-def test_batch_of_different_lengths_matches_each_alone(kind, server, grpc_client, rest_client, tiny_model, tokenizer):
+def test_batch_of_different_lengths_matches_each_alone(kind, ask, tiny_model, tokenizer):
     prompts = [*PROMPTS, [464, 3139]]
-    if kind == "grpc":
-        results = grpc_client.next_token_batch(prompts, top_k=6)
-    elif kind == "rest":
-        results = rest_client.next_token_batch(prompts, top_k=6)
-    else:
-        results = run_async(lambda c: c.next_token_batch(prompts, top_k=6), server)
+    results = ask(kind, "next_token_batch", prompts, top_k=6)
     assert len(results) == len(prompts)
     for prompt, result in zip(prompts, results):
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -118,13 +111,8 @@ def test_concurrent_rest_and_grpc_threads(server, tiny_model, tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["grpc", "async", "rest"])
-def test_model_info(kind, server, grpc_client, rest_client, tiny_model):
-    if kind == "grpc":
-        info = grpc_client.model_info()
-    elif kind == "rest":
-        info = rest_client.model_info()
-    else:
-        info = run_async(lambda c: c.model_info(), server)
+def test_model_info(kind, ask, tiny_model):
+    info = ask(kind, "model_info")
     model = tiny_model.model
     assert (info.model, info.weights, info.dtype, info.device) == ("random:tiny", "random", "float32", "cpu")
     assert info.weights_source == "random:tiny (seed 0)"
@@ -137,11 +125,6 @@ def test_model_info(kind, server, grpc_client, rest_client, tiny_model):
 
 
 @pytest.mark.parametrize("kind", ["grpc", "async", "rest"])
-def test_health(kind, server, grpc_client, rest_client):
-    if kind == "grpc":
-        health = grpc_client.health()
-    elif kind == "rest":
-        health = rest_client.health()
-    else:
-        health = run_async(lambda c: c.health(), server)
+def test_health(kind, ask):
+    health = ask(kind, "health")
     assert health.serving and health.status == "SERVING"
