@@ -15,6 +15,15 @@ HTTP_TO_CODE = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND
                 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
+def error_from_response(response: httpx.Response) -> Gpt2ServeError:
+    try:
+        error = response.json()["error"]
+        code, message = error["code"], error["message"]
+    except (ValueError, KeyError, TypeError):
+        code, message = HTTP_TO_CODE.get(response.status_code, "UNKNOWN"), response.text
+    return Gpt2ServeError(code, message, http_status=response.status_code)
+
+
 class RestClient:
     def __init__(self, base_url: str = "http://localhost:8000", *, timeout: float = DEFAULT_TIMEOUT_S,
                  http_client: httpx.Client | None = None):
@@ -32,12 +41,7 @@ class RestClient:
             raise Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__) from None
         if response.is_success:
             return response.json()
-        try:
-            error = response.json()["error"]
-            code, message = error["code"], error["message"]
-        except (ValueError, KeyError, TypeError):
-            code, message = HTTP_TO_CODE.get(response.status_code, "UNKNOWN"), response.text
-        raise Gpt2ServeError(code, message, http_status=response.status_code)
+        raise error_from_response(response)
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, timeout: float | None = None) -> NextTokenResult:

@@ -72,6 +72,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
 def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2serve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +94,12 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
     nxt.add_argument("--trace", action="store_true", help="trace this request's layers and print the trace id")
     nxt.set_defaults(func=cmd_next)
+
+    bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")
+    from .bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

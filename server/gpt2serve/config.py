@@ -25,7 +25,7 @@ class ServeConfig:
     grpc_port: int = 50051
     http_port: int = 8000
     max_batch_size: int = 64
-    max_batch_delay_ms: float = 5.0
+    max_batch_delay_ms: float = 25.0
     max_queue: int = 1024
     # 0 means "the model's context length".
     max_prompt_tokens: int = 0
@@ -84,7 +84,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--max-batch-size", type=int, default=d.max_batch_size,
             help="most prompts in one forward pass, and in one NextTokenBatch call")
     env.add("--max-batch-delay-ms", type=float, default=d.max_batch_delay_ms,
-            help="how long a batch may wait to fill")
+            help="longest wait for the clients of the last batch to send again (see scheduling)")
     env.add("--max-queue", type=int, default=d.max_queue, help="prompts waiting beyond this are refused")
     env.add("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
             help="longest prompt accepted; 0: the model's context length")

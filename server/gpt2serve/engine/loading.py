@@ -81,6 +81,18 @@ def build_random_model(arch: str, seed: int) -> GPT2LMHeadModel:
         return GPT2LMHeadModel(config).eval()
 
 
+def build_model_like(info) -> LoadedModel:
+    """Random weights with the architecture, dtype and device a server reports (for benchmarks)."""
+    a = info.architecture
+    config = GPT2Config(n_layer=a.n_layer, n_head=a.n_head, n_embd=a.d_model, n_inner=a.d_mlp,
+                        n_positions=a.n_ctx, vocab_size=a.vocab_size)
+    device, dtype = torch.device(info.device), DTYPES[info.dtype]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return LoadedModel(model, bundled_gpt2_tokenizer(), f"like:{info.model}", "random", "bench", device, dtype)
+
+
 def hub_reachable() -> bool:
     """A quick TCP probe, so an offline machine fails in seconds, not after minutes of retries."""
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):

@@ -1,0 +1,245 @@
+"""`gpt2serve bench`: closed-loop load against a running server, and in the same run the
+in-process limit (the model alone on this machine, same prompts, batch sizes and dtype).
+
+The ratio of the two is the number to watch: these machines are shared and noisy, so absolute
+req/s move from run to run while a ratio measured in one run holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from gpt2serve_client import AsyncClient, Gpt2ServeError, ModelInfo
+from gpt2serve_client.grpc_client import DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class LoadResult:
+    api: str
+    concurrency: int
+    duration_s: float
+    requests: int
+    errors: int
+    req_per_s: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_batch_size: float
+    error_codes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class InProcessResult:
+    batch_size: int
+    prompts_per_s: float
+    forward_p50_ms: float
+
+
+def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s: float, warmup_s: float,
+                   api: str) -> LoadResult:
+    """`concurrency` workers, each sending its next request as soon as the last one answers."""
+    latencies: list[float] = []
+    batch_sizes: list[int] = []
+    errors: dict[str, int] = {}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
+
+    async def worker(index: int) -> None:
+        i = index
+        while (now := loop.time()) < stop_at:
+            sent = time.perf_counter()
+            try:
+                result = await call(prompts[i % len(prompts)])
+            except Gpt2ServeError as exc:
+                if now >= measure_from:
+                    errors[exc.code] = errors.get(exc.code, 0) + 1
+                continue
+            finally:
+                i += concurrency
+            if now >= measure_from and loop.time() <= stop_at:
+                latencies.append(time.perf_counter() - sent)
+                batch_sizes.append(result.batch_size)
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    latencies.sort()
+    n = len(latencies)
+    # Each request reports the size of the batch it ran in; a batch of b is seen b times.
+    batches = sum(1 / b for b in batch_sizes) if batch_sizes else 0
+    return LoadResult(
+        api=api, concurrency=concurrency, duration_s=duration_s, requests=n, errors=sum(errors.values()),
+        req_per_s=n / duration_s, p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
+        p99_ms=percentile(latencies, 0.99) * 1000, mean_batch_size=n / batches if batches else 0.0,
+        error_codes=errors,
+    )
+
+
+async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, warmup_s: float) -> LoadResult:
+    async with AsyncClient(target) as client:
+        return await run_load(lambda p: client.next_token(p, top_k=5), prompts, concurrency, duration_s, warmup_s,
+                              "grpc")
+
+
+class KeepAliveHttp:
+    """A lean HTTP/1.1 keep-alive connection for load generation.
+
+    httpx spends more CPU per request than the server does; on a 2-core machine shared with
+    the server that measured the client, not the server. This does only what the load needs.
+    """
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_json(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        return int(status_line.split()[1]), await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float, warmup_s: float) -> LoadResult:
+    from urllib.parse import urlparse
+
+    from gpt2serve_client.types import NextTokenResult
+
+    url = urlparse(base_url)
+    pool = [KeepAliveHttp(url.hostname, url.port or 80) for _ in range(concurrency)]
+    free = list(pool)
+
+    async def call(prompt):
+        conn = free.pop()
+        try:
+            status, body = await conn.post_json("/v1/next-token", json.dumps({"prompt_token_ids": prompt}).encode())
+        finally:
+            free.append(conn)
+        data = json.loads(body)
+        if status != 200:
+            raise Gpt2ServeError(data["error"]["code"], data["error"]["message"], http_status=status)
+        return NextTokenResult.from_dict(data)
+
+    try:
+        return await run_load(call, prompts, concurrency, duration_s, warmup_s, "rest")
+    finally:
+        for conn in pool:
+            conn.close()
+
+
+class InProcessModel:
+    """The same architecture and dtype on this machine, no server: the most it can do."""
+
+    def __init__(self, info: ModelInfo):
+        from .engine.engine import Engine
+        from .engine.loading import build_model_like
+
+        self.engine = Engine(build_model_like(info))
+
+    def measure(self, prompts: list[list[int]], batch_size: int, duration_s: float) -> list[float]:
+        """Forward times (s) of batches of `batch_size` prompts, for about `duration_s`."""
+        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        for _ in range(2):  # Warm up allocator and kernels.
+            self.engine.next_token(batch, [5] * batch_size)
+        times = []
+        stop_at = time.perf_counter() + duration_s
+        while time.perf_counter() < stop_at or len(times) < 3:
+            times.append(self.engine.next_token(batch, [5] * batch_size).forward_s)
+        return times
+
+
+def summarize(batch_size: int, times: list[float]) -> InProcessResult:
+    return InProcessResult(batch_size, batch_size * len(times) / sum(times), statistics.median(times) * 1000)
+
+
+def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult]) -> str:
+    best = limit[-1]
+    single = limit[0]
+    lines = [
+        f"model {info.model} ({info.weights} weights), {info.dtype} on {info.device}",
+        f"server ({load.api}, {load.concurrency} clients, {load.duration_s:.0f} s): {load.req_per_s:.1f} req/s, "
+        f"p50 {load.p50_ms:.1f} ms, p90 {load.p90_ms:.1f} ms, p99 {load.p99_ms:.1f} ms, "
+        f"mean batch {load.mean_batch_size:.1f}, errors {load.errors} {load.error_codes or ''}".rstrip(),
+        "in-process limit: " + ", ".join(
+            f"batch {r.batch_size}: {r.prompts_per_s:.1f} prompts/s (forward p50 {r.forward_p50_ms:.1f} ms)"
+            for r in limit),
+        f"ratio server / in-process (batch {best.batch_size}): {load.req_per_s / best.prompts_per_s:.3f}",
+        f"latency over single forward: p50 {load.p50_ms - single.forward_p50_ms:+.1f} ms",
+    ]
+    return "\n".join(lines)
+
+
+async def fetch_info(target: str) -> ModelInfo:
+    async with AsyncClient(target) as client:
+        return await client.model_info()
+
+
+def run_bench(args) -> int:
+    info = asyncio.run(fetch_info(args.target))
+    prompts = make_prompts(256, args.prompt_tokens, info.architecture.vocab_size, args.seed)
+    sizes = sorted({1, min(args.concurrency, info.max_batch_size)})
+    model = InProcessModel(info)
+    # Half the in-process measurement before the load and half after, so drift in a noisy
+    # machine's speed during the run hits both sides of the ratio alike.
+    times = {size: model.measure(prompts, size, args.limit_duration / 2) for size in sizes}
+    if args.api == "grpc":
+        load = asyncio.run(load_grpc(args.target, prompts, args.concurrency, args.duration, args.warmup))
+    else:
+        load = asyncio.run(load_rest(args.http_target, prompts, args.concurrency, args.duration, args.warmup))
+    for size in sizes:
+        times[size] += model.measure(prompts, size, args.limit_duration / 2)
+    limit = [summarize(size, times[size]) for size in sizes]
+    report = {
+        "model": asdict(info), "prompt_tokens": args.prompt_tokens, "load": asdict(load),
+        "in_process": [asdict(r) for r in limit],
+        "ratio": load.req_per_s / limit[-1].prompts_per_s,
+        "p50_over_single_forward_ms": load.p50_ms - limit[0].forward_p50_ms,
+    }
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_report(info, load, limit))
+    return 0 if load.requests else 1
+
+
+def add_bench_arguments(parser) -> None:
+    parser.add_argument("--target", default="localhost:50051", help="gRPC server host:port")
+    parser.add_argument("--http-target", default="http://localhost:8000", help="REST base URL (--api rest)")
+    parser.add_argument("--api", choices=("grpc", "rest"), default="grpc")
+    parser.add_argument("--concurrency", "-c", type=int, default=64, help="closed-loop clients")
+    parser.add_argument("--duration", "-d", type=float, default=10.0, help="measured seconds of load")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
+    parser.add_argument("--limit-duration", type=float, default=8.0, help="seconds per in-process batch size (half before the load, half after)")
+    parser.add_argument("--prompt-tokens", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON report")
