@@ -16,7 +16,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from gpt2serve_client import AsyncClient, Gpt2ServeError, ModelInfo
-from gpt2serve_client.grpc_client import DEFAULT_TIMEOUT_S
 
 
 @dataclass

@@ -73,12 +73,16 @@ def random_config(arch: str) -> GPT2Config:
     return GPT2Config(**ARCHITECTURES[arch])
 
 
-def build_random_model(arch: str, seed: int) -> GPT2LMHeadModel:
-    """Seeded random weights in fp32: the same (arch, seed) always gives the same model."""
-    config = random_config(arch)
+def seeded_model(config: GPT2Config, seed: int) -> GPT2LMHeadModel:
+    """Seeded random weights in fp32, without disturbing the global RNG."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return GPT2LMHeadModel(config).eval()
+
+
+def build_random_model(arch: str, seed: int) -> GPT2LMHeadModel:
+    """The same (arch, seed) always gives the same model."""
+    return seeded_model(random_config(arch), seed)
 
 
 def build_model_like(info) -> LoadedModel:
@@ -87,9 +91,7 @@ def build_model_like(info) -> LoadedModel:
     config = GPT2Config(n_layer=a.n_layer, n_head=a.n_head, n_embd=a.d_model, n_inner=a.d_mlp,
                         n_positions=a.n_ctx, vocab_size=a.vocab_size)
     device, dtype = torch.device(info.device), DTYPES[info.dtype]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = seeded_model(config, seed=0).to(device=device, dtype=dtype).requires_grad_(False)
     return LoadedModel(model, bundled_gpt2_tokenizer(), f"like:{info.model}", "random", "bench", device, dtype)
 
 

@@ -51,10 +51,10 @@ class BatchResults(BaseModel):
     results: list[NextTokenResult]
 
 
-def json_response(data) -> Response:
-    """Encode a result dataclass directly: re-validating our own output through pydantic on the hot
-    path cost more CPU than the rest of the REST handler. `response_model` still documents it."""
-    return Response(json.dumps(asdict(data), separators=(",", ":")), media_type="application/json")
+def json_response(payload: dict) -> Response:
+    """Encode results directly: re-validating our own output through pydantic on the hot path
+    cost more CPU than the rest of the REST handler. `response_model` still documents it."""
+    return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
 def error_response(status: int, code: str, message: str) -> JSONResponse:
@@ -94,13 +94,12 @@ def create_app(service: InferenceService) -> FastAPI:
     @app.post("/v1/next-token", response_model=NextTokenResult)
     async def next_token(body: NextTokenBody) -> Response:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
-        return json_response(await service.next_token(prompt, body.top_k))
+        return json_response(asdict(await service.next_token(prompt, body.top_k)))
 
     @app.post("/v1/next-token/batch", response_model=BatchResults)
     async def next_token_batch(body: NextTokenBatchBody) -> Response:
         results = await service.next_token_batch([batch_prompt(p) for p in body.prompts], body.top_k)
-        return Response(json.dumps({"results": [asdict(r) for r in results]}, separators=(",", ":")),
-                        media_type="application/json")
+        return json_response({"results": [asdict(r) for r in results]})
 
     @app.get("/v1/model", response_model=ModelInfo)
     async def model_info() -> ModelInfo:
