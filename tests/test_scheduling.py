@@ -75,3 +75,52 @@ def test_a_call_larger_than_the_queue_is_refused(small_queue_server):
     with pytest.raises(Gpt2ServeError) as error:
         asyncio.run(main())
     assert error.value.code == "RESOURCE_EXHAUSTED" and "never fit" in error.value.message
+
+
+def test_a_rest_client_that_hangs_up_leaves_the_queue_at_once(small_queue_server):
+    """A REST caller that disconnects frees its queue slot and never reaches the model."""
+    srv = small_queue_server
+    host, port = srv.http_url.removeprefix("http://").split(":")
+
+    async def main():
+        async with AsyncClient(srv.grpc_target) as client:
+            big = asyncio.create_task(client.next_token_batch([LONG_PROMPT] * 4, top_k=1, timeout=300))
+            await asyncio.sleep(0.5)  # The big batch is in the model worker; the queue is empty.
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = b'{"prompt": "hanging up"}'
+            writer.write(b"POST /v1/next-token HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            waiting = [asyncio.create_task(client.next_token(f"waiting {i}", timeout=300)) for i in range(3)]
+            await asyncio.sleep(0.2)
+            # REST caller + 3 = the queue of 4 is full, which proves the REST request was queued.
+            with pytest.raises(Gpt2ServeError) as full:
+                await client.next_token("no room")
+            assert full.value.code == "RESOURCE_EXHAUSTED"
+
+            writer.close()
+            await asyncio.sleep(0.3)
+            assert not big.done()
+            late = asyncio.create_task(client.next_token("takes the freed slot", timeout=300))
+            await big
+            return await asyncio.gather(*waiting, late)
+
+    results = asyncio.run(main())
+    # The hung-up request never reached the model: the next batch holds the 4 live ones.
+    assert [r.batch_size for r in results] == [4, 4, 4, 4]
+
+
+def test_a_long_prompt_runs_in_its_own_batch(small_queue_server):
+    """Length grouping: a 300-token prompt queued with short ones does not pad them to 300."""
+    async def main():
+        async with AsyncClient(small_queue_server.grpc_target) as client:
+            big = asyncio.create_task(client.next_token_batch([LONG_PROMPT] * 4, top_k=1, timeout=300))
+            await asyncio.sleep(0.5)
+            short = [asyncio.create_task(client.next_token([464, 3139, 286 + i], timeout=300)) for i in range(3)]
+            long = asyncio.create_task(client.next_token(LONG_PROMPT[:300], timeout=300))
+            await big
+            return await asyncio.gather(*short), await long
+
+    short, long = asyncio.run(main())
+    assert [r.batch_size for r in short] == [3, 3, 3]
+    assert long.batch_size == 1

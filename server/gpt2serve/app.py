@@ -12,7 +12,7 @@ import uvicorn
 from .config import ServeConfig
 from .engine.engine import Engine
 from .engine.loading import load_model
-from .scheduling.batcher import Batcher
+from .scheduling.batcher import Batcher, new_engine_thread
 from .service import InferenceService
 from .transport.grpc_server import GrpcTransport
 from .transport.rest import create_app
@@ -29,6 +29,17 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
+
+
+def load_engine(config: ServeConfig) -> Engine:
+    """Runs in the engine thread: load, then one warm-up forward so the first request is not slow."""
+    loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
+                        random_fallback=config.random_fallback)
+    engine = Engine(loaded)
+    engine.warm_up()
+    log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
+             engine.fixed_cost_tokens)
+    return engine
 
 
 async def serve(config: ServeConfig) -> None:
@@ -49,19 +60,19 @@ async def serve(config: ServeConfig) -> None:
     print(f"gpt2serve listening: grpc={config.host}:{grpc_transport.port} "
           f"http=http://{config.host}:{http_socket.getsockname()[1]}", flush=True)
 
+    engine_thread = new_engine_thread()
     try:
-        loaded = await asyncio.to_thread(
-            load_model, config.model, config.device, config.dtype,
-            seed=config.seed, random_fallback=config.random_fallback,
-        )
+        engine = await asyncio.get_running_loop().run_in_executor(engine_thread, load_engine, config)
     except BaseException:
+        engine_thread.shutdown(wait=False)
         http_server.should_exit = True
         await grpc_transport.stop(0)
         await asyncio.gather(http_task, return_exceptions=True)
         raise
+    loaded = engine.loaded
     batcher = Batcher(
-        Engine(loaded), max_batch_size=config.max_batch_size,
-        max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
+        engine, max_batch_size=config.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
+        max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
     )
     batcher.start()
     service.attach(loaded, batcher)

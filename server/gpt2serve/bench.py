@@ -30,6 +30,10 @@ class LoadResult:
     p90_ms: float
     p99_ms: float
     mean_batch_size: float
+    # Medians of the server's own timings: where the client-observed latency went.
+    server_queue_p50_ms: float
+    server_forward_p50_ms: float
+    server_total_p50_ms: float
     error_codes: dict[str, int] = field(default_factory=dict)
 
 
@@ -57,6 +61,7 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
     """`concurrency` workers, each sending its next request as soon as the last one answers."""
     latencies: list[float] = []
     batch_sizes: list[int] = []
+    timings: list = []
     errors: dict[str, int] = {}
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -77,6 +82,7 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
             if now >= measure_from and loop.time() <= stop_at:
                 latencies.append(time.perf_counter() - sent)
                 batch_sizes.append(result.batch_size)
+                timings.append(result.timings)
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     latencies.sort()
@@ -87,8 +93,16 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
         api=api, concurrency=concurrency, duration_s=duration_s, requests=n, errors=sum(errors.values()),
         req_per_s=n / duration_s, p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
         p99_ms=percentile(latencies, 0.99) * 1000, mean_batch_size=n / batches if batches else 0.0,
+        server_queue_p50_ms=median_of(t.queue_ms for t in timings),
+        server_forward_p50_ms=median_of(t.forward_ms for t in timings),
+        server_total_p50_ms=median_of(t.total_ms for t in timings),
         error_codes=errors,
     )
+
+
+def median_of(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
 
 
 async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, warmup_s: float) -> LoadResult:
@@ -188,6 +202,8 @@ def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult
         f"server ({load.api}, {load.concurrency} clients, {load.duration_s:.0f} s): {load.req_per_s:.1f} req/s, "
         f"p50 {load.p50_ms:.1f} ms, p90 {load.p90_ms:.1f} ms, p99 {load.p99_ms:.1f} ms, "
         f"mean batch {load.mean_batch_size:.1f}, errors {load.errors} {load.error_codes or ''}".rstrip(),
+        f"server-side p50: queue {load.server_queue_p50_ms:.1f} ms, forward {load.server_forward_p50_ms:.1f} ms, "
+        f"total {load.server_total_p50_ms:.1f} ms",
         "in-process limit: " + ", ".join(
             f"batch {r.batch_size}: {r.prompts_per_s:.1f} prompts/s (forward p50 {r.forward_p50_ms:.1f} ms)"
             for r in limit),

@@ -27,6 +27,8 @@ class ServeConfig:
     max_batch_size: int = 64
     max_batch_delay_ms: float = 25.0
     max_queue: int = 1024
+    # Padded tokens (batch size x longest prompt) in one forward; bounds activation memory.
+    max_batch_tokens: int = 16384
     # 0 means "the model's context length".
     max_prompt_tokens: int = 0
     # When the default hub model cannot be loaded, serve random weights instead of failing.
@@ -86,6 +88,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--max-batch-delay-ms", type=float, default=d.max_batch_delay_ms,
             help="longest wait for the clients of the last batch to send again (see scheduling)")
     env.add("--max-queue", type=int, default=d.max_queue, help="prompts waiting beyond this are refused")
+    env.add("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+            help="most padded tokens (prompts x longest prompt) in one forward; a longer single prompt still runs alone")
     env.add("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
             help="longest prompt accepted; 0: the model's context length")
     env.add("--random-fallback", type=parse_bool, default=d.random_fallback,
@@ -109,6 +113,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--max-batch-delay-ms must be >= 0")
     if config.max_queue < 1:
         problems.append("--max-queue must be >= 1")
+    if config.max_batch_tokens < 1:
+        problems.append("--max-batch-tokens must be >= 1")
     if config.max_prompt_tokens < 0:
         problems.append("--max-prompt-tokens must be >= 0")
     for port in (config.grpc_port, config.http_port):

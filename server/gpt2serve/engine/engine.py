@@ -17,6 +17,11 @@ import torch
 from .loading import LoadedModel
 
 
+# A forward's cost that does not grow with the batch, in padded tokens' worth (see warm_up).
+DEFAULT_FIXED_COST_TOKENS = 32.0
+MAX_FIXED_COST_TOKENS = 4096.0
+
+
 @dataclass(frozen=True)
 class TokenScore:
     token_id: int
@@ -38,6 +43,25 @@ class Engine:
         self.model = loaded.model
         self.device = loaded.device
         self.pad_token_id = loaded.tokenizer.eos_token_id or 0
+        self.fixed_cost_tokens = DEFAULT_FIXED_COST_TOKENS  # Refined by warm_up().
+
+    def warm_up(self) -> None:
+        """Pay for first-forward allocations and kernel choice before the server says ready, and
+        measure `fixed_cost_tokens`: a forward costs about fixed + c * padded tokens, and the
+        scheduler's length grouping needs fixed / c (large on a GPU, tens of tokens on a CPU)."""
+        small, large = (1, 8), (8, 16)  # (prompts, tokens each)
+
+        def best_of_3(shape: tuple[int, int]) -> float:
+            batch = [[self.pad_token_id] * shape[1]] * shape[0]
+            return min(self.next_token(batch, [1] * shape[0]).forward_s for _ in range(3))
+
+        t_small, t_large = best_of_3(small), best_of_3(large)
+        per_token = (t_large - t_small) / (large[0] * large[1] - small[0] * small[1])
+        fixed = t_small - small[0] * small[1] * per_token
+        if per_token > 0 and fixed > 0:
+            self.fixed_cost_tokens = min(max(fixed / per_token, 1.0), MAX_FIXED_COST_TOKENS)
+        else:  # Timing noise, or the device is far from saturated: padding is nearly free.
+            self.fixed_cost_tokens = MAX_FIXED_COST_TOKENS
 
     @torch.inference_mode()
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> BatchOutput:

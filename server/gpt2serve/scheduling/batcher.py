@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..engine.engine import Engine, TokenScore
+from .grouping import plan_batch
 from ..errors import ResourceExhausted, ServeError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,17 @@ class _Pending:
     top_k: int
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.perf_counter)
+    waiting: bool = True  # Counted in the queue depth until taken into a batch or abandoned.
+
+
+def new_engine_thread() -> ThreadPoolExecutor:
+    """The one thread that loads the model and runs every forward.
+
+    Load and run in the same thread: libgomp keeps one OpenMP thread pool per calling thread,
+    and a model loaded in one thread and run in another left two pools contending for the
+    cores, which made each forward 30-50% slower on a 2-core machine (bf16 worst).
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
 class EngineFailure(ServeError):
@@ -47,20 +59,25 @@ class EngineFailure(ServeError):
 
 
 class Batcher:
-    def __init__(self, engine: Engine, *, max_batch_size: int, max_batch_delay_s: float, max_queue: int):
+    def __init__(self, engine: Engine, *, max_batch_size: int, max_batch_delay_s: float, max_queue: int,
+                 max_batch_tokens: int, engine_thread: ThreadPoolExecutor | None = None):
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue = max_queue
+        self.max_batch_tokens = max_batch_tokens
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._backlog: list[_Pending] = []  # Left over by length grouping; runs before newer arrivals.
+        self._waiting = 0  # Live requests in queue + backlog (abandoned ones stop counting at once).
+        # Pass the thread that loaded the model: see `new_engine_thread()`.
+        self._executor = engine_thread or new_engine_thread()
         self._task: asyncio.Task | None = None
         self.batches_run = 0
         self._expected_batch = 1  # Target size of the next batch (see module doc).
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._waiting
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="batcher")
@@ -69,8 +86,10 @@ class Batcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        leftover = self._backlog
         while not self._queue.empty():
-            pending = self._queue.get_nowait()
+            leftover.append(self._queue.get_nowait())
+        for pending in leftover:
             if not pending.future.done():
                 pending.future.set_exception(Unavailable("server is shutting down"))
         self._executor.shutdown(wait=True)
@@ -81,20 +100,25 @@ class Batcher:
             raise Unavailable("the model worker is not running")
         if len(prompts) > self.max_queue:
             raise ResourceExhausted(f"{len(prompts)} prompts can never fit a queue of {self.max_queue} (--max-queue)")
-        if self._queue.qsize() + len(prompts) > self.max_queue:
-            raise ResourceExhausted(
-                f"queue full ({self._queue.qsize()} of {self.max_queue} waiting); retry later"
-            )
+        if self._waiting + len(prompts) > self.max_queue:
+            raise ResourceExhausted(f"queue full ({self._waiting} of {self.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
         pending = [_Pending(list(p), top_k, loop.create_future()) for p in prompts]
         for item in pending:
+            item.future.add_done_callback(lambda _, item=item: self._stop_waiting(item))
             self._queue.put_nowait(item)
+        self._waiting += len(pending)
         try:
             return await asyncio.gather(*(item.future for item in pending))
         except BaseException:
             for item in pending:  # Caller gone or one prompt failed: drop the rest.
                 item.future.cancel()
             raise
+
+    def _stop_waiting(self, item: _Pending) -> None:
+        if item.waiting:
+            item.waiting = False
+            self._waiting -= 1
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -114,7 +138,7 @@ class Batcher:
                         item.future.set_exception(EngineFailure(f"forward pass failed: {exc}"))
                 continue
             self.batches_run += 1
-            self._expected_batch = self._queue.qsize() + len(batch)
+            self._expected_batch = self._waiting + len(batch)
             for item, top in zip(batch, output.top):
                 if not item.future.done():
                     item.future.set_result(
@@ -122,19 +146,32 @@ class Batcher:
                     )
 
     async def _collect_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
-        batch = [await self._queue.get()]
+        """Wait for candidates (see module doc), then run the length group of the oldest one."""
+        candidates = self._backlog or [await self._queue.get()]
         deadline = loop.time() + self.max_batch_delay_s
-        target = min(self.max_batch_size, max(self._expected_batch, self._queue.qsize() + 1))
-        while len(batch) < target:
+        target = min(self.max_batch_size, max(self._expected_batch, self._waiting))
+        while len(candidates) < target:
             if self._queue.empty():
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                    candidates.append(await asyncio.wait_for(self._queue.get(), remaining))
                 except TimeoutError:
                     break
             else:
-                batch.append(self._queue.get_nowait())
+                candidates.append(self._queue.get_nowait())
         # Callers that cancelled (client gone, deadline passed) never reach the model.
-        return [item for item in batch if not item.future.done()]
+        candidates = [item for item in candidates if not item.future.done()]
+        if not candidates:
+            self._backlog = []
+            return []
+        chosen = set(plan_batch(
+            [len(item.token_ids) for item in candidates], 0, max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens, fixed_cost_tokens=self.engine.fixed_cost_tokens,
+        ))
+        batch = [item for i, item in enumerate(candidates) if i in chosen]
+        self._backlog = [item for i, item in enumerate(candidates) if i not in chosen]
+        for item in batch:
+            self._stop_waiting(item)
+        return batch

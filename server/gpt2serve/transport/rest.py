@@ -7,9 +7,11 @@ full, 503 while not ready.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from dataclasses import asdict
+from typing import Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +25,7 @@ from ..errors import ServeError
 from ..service import InferenceService, PromptInput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Body(BaseModel):
@@ -71,6 +74,32 @@ def describe_validation_error(request: Request, exc: RequestValidationError) -> 
     return "; ".join(parts)
 
 
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it when the client hangs up, so its prompts leave the queue
+    instead of reaching the model (Starlette does not cancel a handler on disconnect)."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    """Nobody is left to answer."""
+
+
 def batch_prompt(item: str | list[int]) -> PromptInput:
     return PromptInput(text=item) if isinstance(item, str) else PromptInput(token_ids=item)
 
@@ -91,14 +120,20 @@ def create_app(service: InferenceService) -> FastAPI:
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, "INTERNAL", "internal error; see server log")
 
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        return error_response(499, "CANCELLED", "client closed the connection")  # Never read by anyone.
+
     @app.post("/v1/next-token", response_model=NextTokenResult)
-    async def next_token(body: NextTokenBody) -> Response:
+    async def next_token(body: NextTokenBody, request: Request) -> Response:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
-        return json_response(asdict(await service.next_token(prompt, body.top_k)))
+        result = await unless_disconnected(request, service.next_token(prompt, body.top_k))
+        return json_response(asdict(result))
 
     @app.post("/v1/next-token/batch", response_model=BatchResults)
-    async def next_token_batch(body: NextTokenBatchBody) -> Response:
-        results = await service.next_token_batch([batch_prompt(p) for p in body.prompts], body.top_k)
+    async def next_token_batch(body: NextTokenBatchBody, request: Request) -> Response:
+        prompts = [batch_prompt(p) for p in body.prompts]
+        results = await unless_disconnected(request, service.next_token_batch(prompts, body.top_k))
         return json_response({"results": [asdict(r) for r in results]})
 
     @app.get("/v1/model", response_model=ModelInfo)
