@@ -28,7 +28,7 @@ proto: $(STAMP)
 
 ## Re-pin constraints.txt from the current environment.
 lock: $(STAMP)
-	$(BIN)/pip freeze --exclude-editable --exclude gpt2serve | sed 's/+cpu$$//' > constraints.txt
+	$(BIN)/pip freeze --exclude-editable --exclude gpt2serve | sed 's/+cpu$$//' | LC_ALL=C sort > constraints.txt
 
 clean:
 	rm -rf $(VENV)

@@ -48,6 +48,75 @@ class Timings:
         return cls(**{k: data.get(k, 0.0) for k in ("queue_ms", "forward_ms", "total_ms")})
 
 
+def _fields_of(cls, get) -> dict[str, Any]:
+    """Scalar and list fields of a flat dataclass, read from a message or a dict via `get`."""
+    return {name: get(name) for name in cls.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class TokenProb:
+    token_id: int
+    token: str
+    prob: float
+
+
+@dataclass(frozen=True)
+class HeadSummary:
+    """One attention head, seen from the prompt's last position (definitions: docs/tracing.md)."""
+
+    entropy: float
+    max_weight: float
+    top_position: int
+    top_token_id: int
+    top_token: str
+    first_token_weight: float
+    previous_token_score: float
+
+
+SHAPE_FIELDS = ("batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape",
+                "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape")
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """What one transformer block did to this prompt: shapes, per-head attention, norms, logit lens."""
+
+    index: int
+    batch_hidden_shape: list[int]
+    batch_qkv_shape: list[int]
+    batch_attn_shape: list[int]
+    batch_mlp_shape: list[int]
+    hidden_shape: list[int]
+    qkv_shape: list[int]
+    attn_shape: list[int]
+    mlp_shape: list[int]
+    heads: list[HeadSummary]
+    residual_norm: float
+    attn_output_norm: float
+    mlp_output_norm: float
+    logit_lens: list[TokenProb]
+    duration_ms: float
+
+    def to_proto(self) -> pb.LayerReport:
+        data = asdict(self)
+        return pb.LayerReport(**{**data, "heads": [pb.HeadSummary(**h) for h in data["heads"]],
+                                 "logit_lens": [pb.TokenProb(**t) for t in data["logit_lens"]]})
+
+    @classmethod
+    def from_proto(cls, msg: pb.LayerReport) -> LayerReport:
+        data = _fields_of(cls, lambda name: getattr(msg, name))
+        data.update({name: list(data[name]) for name in SHAPE_FIELDS})
+        data["heads"] = [HeadSummary(**_fields_of(HeadSummary, lambda n, h=h: getattr(h, n))) for h in msg.heads]
+        data["logit_lens"] = [TokenProb(**_fields_of(TokenProb, lambda n, t=t: getattr(t, n)))
+                              for t in msg.logit_lens]
+        return cls(**data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerReport:
+        return cls(**{**data, "heads": [HeadSummary(**h) for h in data["heads"]],
+                      "logit_lens": [TokenProb(**t) for t in data["logit_lens"]]})
+
+
 @dataclass(frozen=True)
 class NextTokenResult:
     """The most likely next token (`token`, `token_id`, `logprob`) and the top-k list."""
@@ -60,13 +129,14 @@ class NextTokenResult:
     timings: Timings = field(default_factory=Timings)
     trace_id: str = ""
     batch_size: int = 1
-    layers: list[dict[str, Any]] = field(default_factory=list)
+    layers: list[LayerReport] = field(default_factory=list)
 
     def to_proto(self) -> pb.NextTokenResponse:
         return pb.NextTokenResponse(
             token_id=self.token_id, token=self.token, logprob=self.logprob,
             top=[t.to_proto() for t in self.top], prompt_token_ids=self.prompt_token_ids,
             timings=self.timings.to_proto(), trace_id=self.trace_id, batch_size=self.batch_size,
+            layers=[layer.to_proto() for layer in self.layers],
         )
 
     @classmethod
@@ -76,6 +146,7 @@ class NextTokenResult:
             top=[TokenLogprob.from_proto(t) for t in msg.top],
             prompt_token_ids=list(msg.prompt_token_ids), timings=Timings.from_proto(msg.timings),
             trace_id=msg.trace_id, batch_size=msg.batch_size,
+            layers=[LayerReport.from_proto(layer) for layer in msg.layers],
         )
 
     @classmethod
@@ -86,7 +157,7 @@ class NextTokenResult:
             prompt_token_ids=list(data["prompt_token_ids"]),
             timings=Timings.from_dict(data.get("timings") or {}),
             trace_id=data.get("trace_id", ""), batch_size=data.get("batch_size", 1),
-            layers=list(data.get("layers") or []),
+            layers=[LayerReport.from_dict(layer) for layer in data.get("layers") or []],
         )
 
 

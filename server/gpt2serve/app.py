@@ -14,6 +14,8 @@ from .engine.engine import Engine
 from .engine.loading import load_model
 from .scheduling.batcher import Batcher, new_engine_thread
 from .service import InferenceService
+from .telemetry.spans import Telemetry
+from .telemetry.tracing import setup_tracing
 from .transport.grpc_server import GrpcTransport
 from .transport.rest import create_app
 
@@ -44,7 +46,9 @@ def load_engine(config: ServeConfig) -> Engine:
 
 async def serve(config: ServeConfig) -> None:
     # Transports come up first, so probes answer (alive, not ready) while the model loads.
-    service = InferenceService(config)
+    tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
+    telemetry = Telemetry()
+    service = InferenceService(config, telemetry)
     grpc_transport = GrpcTransport(service, config.host, config.grpc_port)
     http_socket = bind_http_socket(config.host, config.http_port)
     http_server = uvicorn.Server(
@@ -73,6 +77,7 @@ async def serve(config: ServeConfig) -> None:
     batcher = Batcher(
         engine, max_batch_size=config.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
         max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
+        observer=telemetry,
     )
     batcher.start()
     service.attach(loaded, batcher)
@@ -95,6 +100,8 @@ async def serve(config: ServeConfig) -> None:
     await grpc_transport.stop(SHUTDOWN_GRACE_S)
     await asyncio.gather(http_task, return_exceptions=True)
     await batcher.stop()
+    if tracer_provider is not None:
+        tracer_provider.shutdown()  # Flushes the spans still queued for export.
 
 
 def run(config: ServeConfig) -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+import logging
 from typing import Mapping
 
+log = logging.getLogger(__name__)
 ENV_PREFIX = "GPT2SERVE_"
 DEVICES_HELP = "auto (CUDA when present, else CPU), cpu, cuda, cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRACE_LAYERS_MODES = ("never", "on-request", "always")
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,31 @@ class ServeConfig:
     random_fallback: bool = True
     seed: int = 0
     log_level: str = "info"
+    # Per-layer spans and reports: never, when a request asks (trace_layers / include_layers), always.
+    trace_layers: str = "on-request"
+    # Share of requests traced (parent-based); layer-traced requests are always kept.
+    trace_sample_ratio: float = 1.0
+    # "otlp", "console" or None: decided by the standard OTEL_* variables (see telemetry.tracing).
+    otel_traces_exporter: str | None = None
+
+
+def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
+    """Which exporter the OTEL_* variables ask for: "otlp", "console", or None (tracing off).
+
+    The OTel default exporter is OTLP to localhost:4317; a server that nobody pointed at a
+    collector should not log export failures forever, so an endpoint or an explicit
+    OTEL_TRACES_EXPORTER is required."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter in ("none", "console", "otlp"):
+        return None if exporter == "none" else exporter
+    if exporter:
+        log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none); tracing is off", exporter)
+        return None
+    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return "otlp"
+    return None
 
 
 def env_name(flag: str) -> str:
@@ -97,6 +125,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "set false in production")
     env.add("--seed", type=int, default=d.seed, help="seed for random:<arch> weights")
     env.add("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    env.add("--trace-layers", default=d.trace_layers, choices=TRACE_LAYERS_MODES,
+            help="per-layer spans and reports: never, on-request (trace_layers / include_layers), always")
+    env.add("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,
+            help="share of requests traced when OTEL_EXPORTER_OTLP_ENDPOINT is set; layer-traced ones always are")
+    parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -115,6 +148,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--max-queue must be >= 1")
     if config.max_batch_tokens < 1:
         problems.append("--max-batch-tokens must be >= 1")
+    if not 0.0 <= config.trace_sample_ratio <= 1.0:
+        problems.append("--trace-sample-ratio must be within 0..1")
     if config.max_prompt_tokens < 0:
         problems.append("--max-prompt-tokens must be >= 0")
     for port in (config.grpc_port, config.http_port):

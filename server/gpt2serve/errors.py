@@ -20,6 +20,11 @@ class InvalidArgument(ServeError):
     http_status = 400
 
 
+class FailedPrecondition(ServeError):
+    code = "FAILED_PRECONDITION"
+    http_status = 400
+
+
 class ResourceExhausted(ServeError):
     code = "RESOURCE_EXHAUSTED"
     http_status = 429

@@ -7,18 +7,33 @@ rule about what a valid request is lives here, once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, format_trace_id
 
 from gpt2serve_client.types import ModelInfo, NextTokenResult, Timings, TokenLogprob
 
 from .config import ServeConfig
 from .engine.loading import LoadedModel
 from .engine.model_info import architecture, parameter_breakdown
-from .errors import InvalidArgument, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, Unavailable
 from .scheduling.batcher import Batcher, ScheduledOutput
+from .telemetry.spans import RequestTrace, Telemetry
 
 DEFAULT_TOP_K = 5
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request arrived and what it asked to see; transports fill this in."""
+
+    span_name: str = "next_token"  # "gpt2serve.v1.Gpt2Serve/NextToken", "POST /v1/next-token"
+    parent: Context | None = None  # W3C trace context from gRPC metadata or HTTP headers
+    attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes
+    trace_layers: bool = False
+    include_layers: bool = False
 
 
 @dataclass(frozen=True)
@@ -32,8 +47,9 @@ class PromptInput:
 class InferenceService:
     """Starts without a model (transports answer UNAVAILABLE / 503 while it loads); `attach` makes it ready."""
 
-    def __init__(self, config: ServeConfig):
+    def __init__(self, config: ServeConfig, telemetry: Telemetry | None = None):
         self.config = config
+        self.telemetry = telemetry or Telemetry()
         self.max_batch_size = config.max_batch_size
         self.ready = False
         self._attached: tuple[LoadedModel, Batcher, ModelInfo] | None = None
@@ -50,6 +66,7 @@ class InferenceService:
             max_prompt_tokens=self.max_prompt_tokens, max_batch_size=self.max_batch_size,
         )
         self._attached = (loaded, batcher, info)
+        self.telemetry.model_name, self.telemetry.vocab_size = loaded.name, self.vocab_size
 
     def _require_model(self) -> tuple[LoadedModel, Batcher, ModelInfo]:
         if self._attached is None:
@@ -59,22 +76,44 @@ class InferenceService:
     def model_info(self) -> ModelInfo:
         return self._require_model()[2]
 
-    async def next_token(self, prompt: PromptInput, top_k: int | None = None) -> NextTokenResult:
-        return (await self.next_token_batch([prompt], top_k))[0]
+    async def next_token(self, prompt: PromptInput, top_k: int | None = None,
+                         options: RequestOptions = RequestOptions()) -> NextTokenResult:
+        return (await self.next_token_batch([prompt], top_k, options))[0]
 
-    async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None) -> list[NextTokenResult]:
+    async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None,
+                               options: RequestOptions = RequestOptions()) -> list[NextTokenResult]:
         received = time.perf_counter()
-        _, batcher, _ = self._require_model()
-        if not prompts:
-            raise InvalidArgument("prompts: at least one prompt is required")
-        if len(prompts) > self.max_batch_size:
-            raise InvalidArgument(f"prompts: {len(prompts)} prompts exceed the limit of {self.max_batch_size} per call")
-        k = self.resolve_top_k(top_k)
-        token_ids = [self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
-                     for i, p in enumerate(prompts)]
-        outputs = await batcher.submit(token_ids, k)
-        total_ms = (time.perf_counter() - received) * 1000
-        return [self.build_result(ids, out, total_ms) for ids, out in zip(token_ids, outputs)]
+        with self.telemetry.request_span(options.span_name, options.parent, options.attributes,
+                                         options.trace_layers) as span:
+            _, batcher, _ = self._require_model()
+            if not prompts:
+                raise InvalidArgument("prompts: at least one prompt is required")
+            if len(prompts) > self.max_batch_size:
+                raise InvalidArgument(
+                    f"prompts: {len(prompts)} prompts exceed the limit of {self.max_batch_size} per call")
+            k = self.resolve_top_k(top_k)
+            token_ids = [self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
+                         for i, p in enumerate(prompts)]
+            trace = self.request_trace(span, options)
+            span.set_attribute("gen_ai.usage.input_tokens", sum(map(len, token_ids)))
+            span.set_attribute("gen_ai.usage.output_tokens", len(token_ids))
+            span.set_attribute("gen_ai.request.top_k", k)
+            outputs = await batcher.submit(token_ids, k, trace)
+            for out in outputs[:1]:  # The prompts of one call enter the queue together.
+                self.telemetry.queue_span(span, out.enqueued_ns, out.batch_started_ns)
+            trace_id = format_trace_id(trace.span_context.trace_id) if trace.sampled else ""
+            total_ms = (time.perf_counter() - received) * 1000
+            return [self.build_result(ids, out, total_ms, trace_id, options.include_layers)
+                    for ids, out in zip(token_ids, outputs)]
+
+    def request_trace(self, span: Span, options: RequestOptions) -> RequestTrace:
+        mode = self.config.trace_layers
+        if mode == "never" and (options.trace_layers or options.include_layers):
+            raise FailedPrecondition("per-layer reports are off on this server (--trace-layers never)")
+        sampled = span.is_recording() and span.get_span_context().trace_flags.sampled
+        layer_spans = sampled and (options.trace_layers or mode == "always")
+        return RequestTrace(span.get_span_context(), layers_wanted=layer_spans or options.include_layers,
+                            layer_spans=layer_spans)
 
     def resolve_top_k(self, top_k: int | None) -> int:
         if top_k is None:
@@ -105,11 +144,13 @@ class InferenceService:
             )
         return token_ids
 
-    def build_result(self, prompt_token_ids: list[int], out: ScheduledOutput, total_ms: float) -> NextTokenResult:
+    def build_result(self, prompt_token_ids: list[int], out: ScheduledOutput, total_ms: float, trace_id: str,
+                     include_layers: bool) -> NextTokenResult:
         top = [TokenLogprob(s.token_id, self.tokenizer.token_text(s.token_id), s.logprob) for s in out.top]
         return NextTokenResult(
             token_id=top[0].token_id, token=top[0].token, logprob=top[0].logprob, top=top,
             prompt_token_ids=prompt_token_ids,
             timings=Timings(queue_ms=out.queue_s * 1000, forward_ms=out.forward_s * 1000, total_ms=total_ms),
-            batch_size=out.batch_size,
+            trace_id=trace_id, batch_size=out.batch_size,
+            layers=(out.layers or []) if include_layers else [],
         )

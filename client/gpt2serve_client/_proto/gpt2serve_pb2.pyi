@@ -62,7 +62,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class NextTokenResponse(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size")
+    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class NextTokenResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
@@ -79,7 +80,70 @@ class NextTokenResponse(_message.Message):
     timings: Timings
     trace_id: str
     batch_size: int
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    layers: _containers.RepeatedCompositeFieldContainer[LayerReport]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ...) -> None: ...
+
+class LayerReport(_message.Message):
+    __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BATCH_HIDDEN_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_QKV_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ATTN_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_MLP_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    QKV_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ATTN_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MLP_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_NORM_FIELD_NUMBER: _ClassVar[int]
+    ATTN_OUTPUT_NORM_FIELD_NUMBER: _ClassVar[int]
+    MLP_OUTPUT_NORM_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    batch_hidden_shape: _containers.RepeatedScalarFieldContainer[int]
+    batch_qkv_shape: _containers.RepeatedScalarFieldContainer[int]
+    batch_attn_shape: _containers.RepeatedScalarFieldContainer[int]
+    batch_mlp_shape: _containers.RepeatedScalarFieldContainer[int]
+    hidden_shape: _containers.RepeatedScalarFieldContainer[int]
+    qkv_shape: _containers.RepeatedScalarFieldContainer[int]
+    attn_shape: _containers.RepeatedScalarFieldContainer[int]
+    mlp_shape: _containers.RepeatedScalarFieldContainer[int]
+    heads: _containers.RepeatedCompositeFieldContainer[HeadSummary]
+    residual_norm: float
+    attn_output_norm: float
+    mlp_output_norm: float
+    logit_lens: _containers.RepeatedCompositeFieldContainer[TokenProb]
+    duration_ms: float
+    def __init__(self, index: _Optional[int] = ..., batch_hidden_shape: _Optional[_Iterable[int]] = ..., batch_qkv_shape: _Optional[_Iterable[int]] = ..., batch_attn_shape: _Optional[_Iterable[int]] = ..., batch_mlp_shape: _Optional[_Iterable[int]] = ..., hidden_shape: _Optional[_Iterable[int]] = ..., qkv_shape: _Optional[_Iterable[int]] = ..., attn_shape: _Optional[_Iterable[int]] = ..., mlp_shape: _Optional[_Iterable[int]] = ..., heads: _Optional[_Iterable[_Union[HeadSummary, _Mapping]]] = ..., residual_norm: _Optional[float] = ..., attn_output_norm: _Optional[float] = ..., mlp_output_norm: _Optional[float] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+
+class HeadSummary(_message.Message):
+    __slots__ = ("entropy", "max_weight", "top_position", "top_token_id", "top_token", "first_token_weight", "previous_token_score")
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOP_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_TOKEN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    entropy: float
+    max_weight: float
+    top_position: int
+    top_token_id: int
+    top_token: str
+    first_token_weight: float
+    previous_token_score: float
+    def __init__(self, entropy: _Optional[float] = ..., max_weight: _Optional[float] = ..., top_position: _Optional[int] = ..., top_token_id: _Optional[int] = ..., top_token: _Optional[str] = ..., first_token_weight: _Optional[float] = ..., previous_token_score: _Optional[float] = ...) -> None: ...
+
+class TokenProb(_message.Message):
+    __slots__ = ("token_id", "token", "prob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    prob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., prob: _Optional[float] = ...) -> None: ...
 
 class NextTokenBatchResponse(_message.Message):
     __slots__ = ("results",)

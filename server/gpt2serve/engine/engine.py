@@ -9,11 +9,15 @@ head, so a prompt in a batch gets the same answer it gets alone.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from gpt2serve_client.types import LayerReport
+
+from ..introspection.probe import ForwardTimeline, LayerProbe
 from .loading import LoadedModel
 
 
@@ -33,6 +37,10 @@ class BatchOutput:
     top: list[list[TokenScore]]  # per prompt, most likely first
     forward_s: float
     padded_len: int
+    started_ns: int  # wall clock (time.time_ns) of the forward
+    ended_ns: int
+    layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> one report per block
+    timeline: ForwardTimeline | None = None  # stage times, when any row was traced
 
 
 class Engine:
@@ -64,12 +72,19 @@ class Engine:
             self.fixed_cost_tokens = MAX_FIXED_COST_TOKENS
 
     @torch.inference_mode()
-    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> BatchOutput:
-        started = time.perf_counter()
+    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
+                   traced_rows: Sequence[int] = ()) -> BatchOutput:
+        """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection)."""
+        started, started_ns = time.perf_counter(), time.time_ns()
         input_ids, attention_mask, position_ids = self.left_pad(prompts)
-        hidden = self.model.transformer(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # (B, T, d_model)
+        probe = None
+        if traced_rows:
+            probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], input_ids,
+                               self.loaded.tokenizer.token_text)
+        with probe.attached() if probe else nullcontext():
+            hidden = self.model.transformer(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state  # (B, T, d_model)
         logits = self.model.lm_head(hidden[:, -1, :])  # (B, vocab): last position only
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, vocab), fp32 whatever the model dtype
         top_values, top_ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max)
@@ -78,7 +93,13 @@ class Engine:
             [TokenScore(i, v) for i, v in zip(ids[:k], values[:k])]
             for ids, values, k in zip(top_ids, top_values, top_ks)
         ]
-        return BatchOutput(top, time.perf_counter() - started, input_ids.shape[1])
+        layers, timeline = {}, None
+        if probe:
+            probe.finish()
+            per_row, timeline = probe.reports()
+            layers = dict(zip(traced_rows, per_row))
+        return BatchOutput(top, time.perf_counter() - started, input_ids.shape[1], started_ns, time.time_ns(),
+                           layers, timeline)
 
     def left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, length = len(prompts), max(len(p) for p in prompts)

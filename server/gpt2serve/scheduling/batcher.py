@@ -18,9 +18,11 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
-from ..engine.engine import Engine, TokenScore
+from gpt2serve_client.types import LayerReport
+
+from ..engine.engine import BatchOutput, Engine, TokenScore
 from .grouping import plan_batch
 from ..errors import ResourceExhausted, ServeError, Unavailable
 
@@ -33,6 +35,15 @@ class ScheduledOutput:
     queue_s: float
     forward_s: float
     batch_size: int
+    enqueued_ns: int  # wall clock, for the queue span
+    batch_started_ns: int
+    layers: list[LayerReport] | None  # when the request's trace asked for them
+
+
+class BatchObserver(Protocol):
+    """Told about every batch (telemetry); `traces` are what each row's submitter passed, in row order."""
+
+    def record_batch(self, traces: Sequence[Any], output: BatchOutput, started_ns: int) -> None: ...
 
 
 @dataclass
@@ -40,7 +51,9 @@ class _Pending:
     token_ids: list[int]
     top_k: int
     future: asyncio.Future
+    trace: Any = None  # Opaque to scheduling; handed to the observer. `layers_wanted` marks traced rows.
     enqueued_at: float = field(default_factory=time.perf_counter)
+    enqueued_ns: int = field(default_factory=time.time_ns)
     waiting: bool = True  # Counted in the queue depth until taken into a batch or abandoned.
 
 
@@ -60,8 +73,10 @@ class EngineFailure(ServeError):
 
 class Batcher:
     def __init__(self, engine: Engine, *, max_batch_size: int, max_batch_delay_s: float, max_queue: int,
-                 max_batch_tokens: int, engine_thread: ThreadPoolExecutor | None = None):
+                 max_batch_tokens: int, engine_thread: ThreadPoolExecutor | None = None,
+                 observer: BatchObserver | None = None):
         self.engine = engine
+        self.observer = observer
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_s
         self.max_queue = max_queue
@@ -94,7 +109,7 @@ class Batcher:
                 pending.future.set_exception(Unavailable("server is shutting down"))
         self._executor.shutdown(wait=True)
 
-    async def submit(self, prompts: Sequence[list[int]], top_k: int) -> list[ScheduledOutput]:
+    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: Any = None) -> list[ScheduledOutput]:
         """Queue all prompts of one request together (or none of them) and await their answers."""
         if self._task is None or self._task.done():
             raise Unavailable("the model worker is not running")
@@ -103,7 +118,7 @@ class Batcher:
         if self._waiting + len(prompts) > self.max_queue:
             raise ResourceExhausted(f"queue full ({self._waiting} of {self.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
-        pending = [_Pending(list(p), top_k, loop.create_future()) for p in prompts]
+        pending = [_Pending(list(p), top_k, loop.create_future(), trace) for p in prompts]
         for item in pending:
             item.future.add_done_callback(lambda _, item=item: self._stop_waiting(item))
             self._queue.put_nowait(item)
@@ -126,10 +141,12 @@ class Batcher:
             batch = await self._collect_batch(loop)
             if not batch:
                 continue
-            started = time.perf_counter()
+            started, started_ns = time.perf_counter(), time.time_ns()
+            traced_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "layers_wanted", False)]
             try:
                 output = await loop.run_in_executor(
-                    self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch]
+                    self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],
+                    traced_rows,
                 )
             except Exception as exc:  # Fail this batch only; keep serving.
                 log.exception("forward pass failed for a batch of %d", len(batch))
@@ -139,11 +156,17 @@ class Batcher:
                 continue
             self.batches_run += 1
             self._expected_batch = self._waiting + len(batch)
-            for item, top in zip(batch, output.top):
+            if self.observer is not None:
+                try:
+                    self.observer.record_batch([p.trace for p in batch], output, started_ns)
+                except Exception:  # Telemetry must never fail a request.
+                    log.exception("batch observer failed")
+            for row, (item, top) in enumerate(zip(batch, output.top)):
                 if not item.future.done():
-                    item.future.set_result(
-                        ScheduledOutput(top, started - item.enqueued_at, output.forward_s, len(batch))
-                    )
+                    item.future.set_result(ScheduledOutput(
+                        top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
+                        started_ns, output.layers.get(row),
+                    ))
 
     async def _collect_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
         """Wait for candidates (see module doc), then run the length group of the oldest one."""

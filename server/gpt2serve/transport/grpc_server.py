@@ -6,6 +6,7 @@ import functools
 import logging
 
 import grpc
+from opentelemetry import propagate
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -14,7 +15,7 @@ from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..errors import ServeError
-from ..service import InferenceService, PromptInput
+from ..service import InferenceService, PromptInput, RequestOptions
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
@@ -42,6 +43,16 @@ def prompt_input(msg: pb.NextTokenRequest | pb.Prompt) -> PromptInput:
     return PromptInput(text=msg.prompt, token_ids=list(msg.prompt_token_ids))
 
 
+def request_options(method: str, request, context: grpc.aio.ServicerContext) -> RequestOptions:
+    """Span name and attributes, the caller's W3C trace context (metadata), and what it asked to see."""
+    metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+    return RequestOptions(
+        span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
+        attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
+        trace_layers=request.trace_layers, include_layers=request.include_layers,
+    )
+
+
 class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
     def __init__(self, service: InferenceService):
         self.service = service
@@ -49,13 +60,15 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
     @status_errors
     async def NextToken(self, request: pb.NextTokenRequest, context) -> pb.NextTokenResponse:
         top_k = request.top_k if request.HasField("top_k") else None
-        result = await self.service.next_token(prompt_input(request), top_k)
+        options = request_options("NextToken", request, context)
+        result = await self.service.next_token(prompt_input(request), top_k, options)
         return result.to_proto()
 
     @status_errors
     async def NextTokenBatch(self, request: pb.NextTokenBatchRequest, context) -> pb.NextTokenBatchResponse:
         top_k = request.top_k if request.HasField("top_k") else None
-        results = await self.service.next_token_batch([prompt_input(p) for p in request.prompts], top_k)
+        options = request_options("NextTokenBatch", request, context)
+        results = await self.service.next_token_batch([prompt_input(p) for p in request.prompts], top_k, options)
         return pb.NextTokenBatchResponse(results=[r.to_proto() for r in results])
 
     @status_errors

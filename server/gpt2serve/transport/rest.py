@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
+from opentelemetry import propagate
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -22,7 +23,7 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from .. import __version__
 from ..errors import ServeError
-from ..service import InferenceService, PromptInput
+from ..service import InferenceService, PromptInput, RequestOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,6 +101,15 @@ class ClientDisconnected(Exception):
     """Nobody is left to answer."""
 
 
+def request_options(request: Request, route: str, body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
+    """Span name and attributes, the caller's W3C trace context (headers), and what it asked to see."""
+    return RequestOptions(
+        span_name=f"POST {route}", parent=propagate.extract(request.headers),
+        attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme},
+        trace_layers=body.trace_layers, include_layers=body.include_layers,
+    )
+
+
 def batch_prompt(item: str | list[int]) -> PromptInput:
     return PromptInput(text=item) if isinstance(item, str) else PromptInput(token_ids=item)
 
@@ -127,13 +137,15 @@ def create_app(service: InferenceService) -> FastAPI:
     @app.post("/v1/next-token", response_model=NextTokenResult)
     async def next_token(body: NextTokenBody, request: Request) -> Response:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
-        result = await unless_disconnected(request, service.next_token(prompt, body.top_k))
+        options = request_options(request, "/v1/next-token", body)
+        result = await unless_disconnected(request, service.next_token(prompt, body.top_k, options))
         return json_response(asdict(result))
 
     @app.post("/v1/next-token/batch", response_model=BatchResults)
     async def next_token_batch(body: NextTokenBatchBody, request: Request) -> Response:
         prompts = [batch_prompt(p) for p in body.prompts]
-        results = await unless_disconnected(request, service.next_token_batch(prompts, body.top_k))
+        options = request_options(request, "/v1/next-token/batch", body)
+        results = await unless_disconnected(request, service.next_token_batch(prompts, body.top_k, options))
         return json_response({"results": [asdict(r) for r in results]})
 
     @app.get("/v1/model", response_model=ModelInfo)

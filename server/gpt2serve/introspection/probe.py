@@ -1,0 +1,184 @@
+"""Layer-by-layer reports for the traced rows of a batch, computed on the device during the forward.
+
+Forward hooks on each block capture what the block already computes (its fused QKV projection,
+attention and MLP outputs, the residual stream) and reduce it, for the traced rows only, to a
+few numbers per head and per layer. The attention probabilities of a traced row are rebuilt
+from the model's own Q and K (softmax(QK^T / sqrt(d_head)) with the causal mask over the row's
+real tokens), so every row, traced or not, keeps the fast SDPA kernel in the model itself.
+Everything stays on the device until one host copy at the end (`LayerProbe.reports`).
+
+Layer timings: host clocks on CPU (where a kernel finishes before the hook runs); CUDA events on
+a GPU, read once after the forward instead of a host sync per layer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from gpt2serve_client.types import HeadSummary, LayerReport, TokenProb
+
+LOGIT_LENS_K = 5
+
+
+@dataclass
+class ForwardTimeline:
+    """Wall-clock spans of the forward's stages, in time.time_ns() units."""
+
+    embed: tuple[int, int]
+    blocks: list[tuple[int, int]]
+    unembed: tuple[int, int]
+
+
+@dataclass
+class _Clock:
+    """Marks points in the forward: host time on CPU, CUDA events on a GPU (converted at the end)."""
+
+    device: torch.device
+    marks: list = field(default_factory=list)
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.time_ns())
+
+    def times_ns(self, end_ns: int) -> list[int]:
+        """Every mark as wall-clock ns. CUDA events only give intervals, so they are anchored at
+        `end_ns`, a host time taken just after the device reached the last mark (a sync)."""
+        if self.device.type != "cuda":
+            return list(self.marks)
+        last = self.marks[-1]
+        return [end_ns - round(mark.elapsed_time(last) * 1e6) for mark in self.marks]
+
+
+class LayerProbe:
+    """Hooks one forward; `reports()` afterwards gives per-row layer summaries and the timeline."""
+
+    def __init__(self, model: nn.Module, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
+                 token_text: Callable[[int], str]):
+        self.model = model
+        self.token_text = token_text
+        self.transformer = model.transformer
+        self.rows = list(rows)
+        self.lengths = list(lengths)  # real (unpadded) length of each traced row
+        self.input_ids = input_ids  # (B, T)
+        self.n_head = self.transformer.config.n_head
+        self.clock = _Clock(input_ids.device)
+        self._stats: list[dict[str, torch.Tensor]] = []  # per block: device tensors, stacked over traced rows
+        self._attn_out: torch.Tensor | None = None
+        self._mlp_out: torch.Tensor | None = None
+        self._end_ns = 0
+
+    @contextmanager
+    def attached(self) -> Iterator[LayerProbe]:
+        handles = [self.transformer.h[0].register_forward_pre_hook(lambda *_: self.clock.mark())]
+        for block in self.transformer.h:
+            handles.append(block.attn.c_attn.register_forward_hook(self._on_qkv))
+            handles.append(block.attn.register_forward_hook(self._on_attn_output))
+            handles.append(block.mlp.register_forward_hook(self._on_mlp_output))
+            handles.append(block.register_forward_hook(self._on_block_output))
+        self.clock.mark()  # forward start
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    # Hooks ---------------------------------------------------------------------------------
+
+    def _on_qkv(self, _module, _inputs, qkv: torch.Tensor) -> None:
+        d_model = qkv.shape[-1] // 3
+        d_head = d_model // self.n_head
+        per_row = []
+        for row, length in zip(self.rows, self.lengths):
+            q, k, _ = qkv[row, -length:].float().split(d_model, dim=-1)  # each (L, d)
+            q = q.view(length, self.n_head, d_head).transpose(0, 1)  # (H, L, dh)
+            k = k.view(length, self.n_head, d_head).transpose(0, 1)  # (H, L, dh)
+            scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)  # (H, L, L)
+            causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (H, L, L)
+            last = probs[:, -1, :]  # (H, L): where the last position looks
+            entropy = -(last * last.clamp_min(1e-30).log()).sum(dim=-1)  # (H,)
+            max_weight, top_position = last.max(dim=-1)  # (H,), (H,)
+            if length > 1:
+                previous = probs.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=-1)  # (H,): mean of p[i, i-1]
+            else:
+                previous = torch.zeros(self.n_head, device=qkv.device)
+            top_token_id = self.input_ids[row, -length:][top_position]  # (H,)
+            per_row.append(torch.stack([entropy, max_weight, top_position.float(), top_token_id.float(),
+                                        last[:, 0], previous]))  # (6, H)
+        self._stats.append({"heads": torch.stack(per_row)})  # (R, 6, H)
+
+    def _on_attn_output(self, _module, _inputs, output) -> None:
+        self._attn_out = output[0] if isinstance(output, tuple) else output  # (B, T, d)
+
+    def _on_mlp_output(self, _module, _inputs, output: torch.Tensor) -> None:
+        self._mlp_out = output  # (B, T, d)
+
+    def _on_block_output(self, _module, _inputs, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # (B, T, d)
+        rows = self.rows
+        last_hidden = hidden[rows, -1].float()  # (R, d)
+        stats = self._stats[-1]
+        stats["norms"] = torch.stack([
+            last_hidden.norm(dim=-1), self._attn_out[rows, -1].float().norm(dim=-1),
+            self._mlp_out[rows, -1].float().norm(dim=-1),
+        ], dim=-1)  # (R, 3)
+        # Logit lens: decode the residual stream as if this were the last block.
+        logits = self.model.lm_head(self.transformer.ln_f(hidden[rows, -1]))  # (R, vocab)
+        lens_probs, lens_ids = logits.float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)  # (R, k)
+        stats["lens_probs"], stats["lens_ids"] = lens_probs, lens_ids
+        self.clock.mark()  # block end
+
+    # After the forward -------------------------------------------------------------------------
+
+    def reports(self) -> tuple[list[list[LayerReport]], ForwardTimeline]:
+        """Per traced row (in `rows` order), one LayerReport per block; and the stage timeline.
+        Call after the forward's output reached the host and `finish()` marked its end."""
+        host = [{name: tensor.tolist() for name, tensor in stats.items()} for stats in self._stats]
+        marks = self.clock.times_ns(self._end_ns)  # start, embed end, each block's end, unembed end
+        timeline = ForwardTimeline(
+            embed=(marks[0], marks[1]), blocks=list(zip(marks[1:-2], marks[2:-1])), unembed=(marks[-2], marks[-1]),
+        )
+        config = self.transformer.config
+        batch, padded = self.input_ids.shape
+        d_model, n_head = config.n_embd, config.n_head
+        d_head, d_mlp = d_model // n_head, config.n_inner or 4 * d_model
+        per_row = []
+        for r, length in enumerate(self.lengths):
+            layers = []
+            for index, (stats, (start, end)) in enumerate(zip(host, timeline.blocks)):
+                entropy, max_weight, top_position, top_token_id, first, previous = stats["heads"][r]
+                residual, attn_norm, mlp_norm = stats["norms"][r]
+                heads = [
+                    HeadSummary(entropy=e, max_weight=m, top_position=int(p), top_token_id=int(t),
+                                top_token=self.token_text(int(t)), first_token_weight=f, previous_token_score=v)
+                    for e, m, p, t, f, v in zip(entropy, max_weight, top_position, top_token_id, first, previous)
+                ]
+                layers.append(LayerReport(
+                    index=index,
+                    batch_hidden_shape=[batch, padded, d_model], batch_qkv_shape=[batch, n_head, padded, d_head],
+                    batch_attn_shape=[batch, n_head, padded, padded], batch_mlp_shape=[batch, padded, d_mlp],
+                    hidden_shape=[length, d_model], qkv_shape=[n_head, length, d_head],
+                    attn_shape=[n_head, length, length], mlp_shape=[length, d_mlp],
+                    heads=heads, residual_norm=residual, attn_output_norm=attn_norm, mlp_output_norm=mlp_norm,
+                    logit_lens=[TokenProb(int(i), self.token_text(int(i)), p)
+                                for i, p in zip(stats["lens_ids"][r], stats["lens_probs"][r])],
+                    duration_ms=(end - start) / 1e6,
+                ))
+            per_row.append(layers)
+        return per_row, timeline
+
+    def finish(self) -> None:
+        """Mark the end of ln_f + unembed + top-k (call after their outputs reached the host)."""
+        self.clock.mark()
+        self._end_ns = time.time_ns()

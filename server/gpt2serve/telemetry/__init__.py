@@ -1,0 +1,1 @@
+"""Telemetry: turns what the engine and scheduler report into spans (and, later, metrics)."""
