@@ -81,3 +81,39 @@ def test_bad_serve_flags_exit_2(argv):
 def test_bad_env_value_is_reported():
     out = run_cli("serve", env={"GPT2SERVE_MAX_QUEUE": "lots"})
     assert out.returncode == 2 and "GPT2SERVE_MAX_QUEUE" in out.stderr
+
+
+def test_next_trace_prints_a_per_layer_table(server, tiny_model):
+    """Against the plain session server: no exporter there, so the table comes from include_layers."""
+    from reference import reference_layers
+
+    prompt_ids = [464, 3139, 286, 4881, 318]
+    out = run_cli("next", "The capital of France is", "--trace", "--target", server.grpc_target)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layer"))
+    rows = lines[header + 2: header + 2 + tiny_model.model.config.n_layer]
+    want = reference_layers(tiny_model.model, prompt_ids)
+    for index, row in enumerate(rows):
+        assert row.split()[:5] == [str(index), "[5,64]", "[4,5,16]", "[4,5,5]", "[5,256]"]
+        # The most focused head's weight and position, as the reference computes them.
+        focused = max(range(len(want[index]["max_weight"])), key=lambda h: want[index]["max_weight"][h])
+        assert f"h{focused} -> " in row
+        assert f"({want[index]['top_position'][focused]}, {want[index]['max_weight'][focused]:.2f})" in row
+    assert "(batch shapes: hidden [1,5,64], attn [1,4,5,5])" in out.stdout
+
+
+def test_layer_reports_refused_when_the_server_says_never(tmp_path):
+    from conftest import launch_server
+
+    from gpt2serve_client import Client, Gpt2ServeError
+
+    srv = launch_server(tmp_path, "--model", "random:tiny", "--trace-layers", "never")
+    try:
+        with Client(srv.grpc_target) as client:
+            assert client.next_token("fine").token
+            with pytest.raises(Gpt2ServeError) as refused:
+                client.next_token("layers please", include_layers=True)
+        assert refused.value.code == "FAILED_PRECONDITION" and "--trace-layers never" in refused.value.message
+    finally:
+        srv.stop()

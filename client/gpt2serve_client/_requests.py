@@ -8,6 +8,21 @@ from ._proto import gpt2serve_pb2 as pb
 
 Prompt = str | Sequence[int]
 
+try:
+    from opentelemetry import propagate as _propagate
+except ImportError:  # The API is a dependency, but a stripped install still works untraced.
+    _propagate = None
+
+
+def trace_headers() -> dict[str, str]:
+    """The caller's current trace context as W3C `traceparent` (and `tracestate`) headers, or {}.
+
+    Sent as gRPC metadata and HTTP headers so the server's spans join the caller's trace."""
+    carrier: dict[str, str] = {}
+    if _propagate is not None:
+        _propagate.inject(carrier)
+    return carrier
+
 
 def prompt_fields(prompt: Prompt) -> dict[str, Any]:
     """A prompt is text or a sequence of token ids."""

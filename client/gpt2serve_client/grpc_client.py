@@ -20,6 +20,10 @@ def _error(exc: grpc.RpcError) -> Gpt2ServeError:
     return Gpt2ServeError(exc.code().name, exc.details() or "")
 
 
+def _metadata() -> tuple[tuple[str, str], ...] | None:
+    return tuple(_requests.trace_headers().items()) or None
+
+
 class Client:
     """Blocking gRPC client. Every call has a deadline (`timeout` seconds unless overridden)."""
 
@@ -33,7 +37,7 @@ class Client:
 
     def _call(self, method, request, timeout: float | None):
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout)
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=_metadata())
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -79,7 +83,7 @@ class AsyncClient:
 
     async def _call(self, method, request, timeout: float | None):
         try:
-            return await method(request, timeout=self.timeout if timeout is None else timeout)
+            return await method(request, timeout=self.timeout if timeout is None else timeout, metadata=_metadata())
         except grpc.RpcError as exc:
             raise _error(exc) from None
 

@@ -34,7 +34,7 @@ class RestClient:
                  timeout: float | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         try:
-            response = self._http.request(method, path, json=body, **kwargs)
+            response = self._http.request(method, path, json=body, headers=_requests.trace_headers(), **kwargs)
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
         except httpx.TransportError as exc:

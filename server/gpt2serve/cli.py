@@ -37,9 +37,35 @@ def format_next_token(result) -> str:
     t = result.timings
     lines.append("")
     lines.append(f"queue {t.queue_ms:.1f} ms, forward {t.forward_ms:.1f} ms, total {t.total_ms:.1f} ms, batch of {result.batch_size}")
+    if result.layers:
+        lines += ["", format_layers(result)]
     if result.trace_id:
         lines.append(f"trace id: {result.trace_id}")
     return "\n".join(lines)
+
+
+def format_layers(result) -> str:
+    """One row per block: shapes, what the most focused head looks at, and the logit-lens guess."""
+    rows = [("layer", "hidden", "qkv", "attn", "mlp", "focused head -> token (pos, weight)", "logit lens", "ms")]
+    for layer in result.layers:
+        head_index, head = max(enumerate(layer.heads), key=lambda h: h[1].max_weight)
+        lens = layer.logit_lens[0]
+        rows.append((
+            str(layer.index), shape(layer.hidden_shape), shape(layer.qkv_shape), shape(layer.attn_shape),
+            shape(layer.mlp_shape),
+            f"h{head_index} -> {visible(head.top_token)!r} ({head.top_position}, {head.max_weight:.2f})",
+            f"{visible(lens.token)!r} {lens.prob:.2f}", f"{layer.duration_ms:.2f}",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    batch = result.layers[0]
+    lines.append(f"(batch shapes: hidden {shape(batch.batch_hidden_shape)}, attn {shape(batch.batch_attn_shape)})")
+    return "\n".join(lines)
+
+
+def shape(dims) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"
 
 
 def cmd_next(args: argparse.Namespace) -> int:
@@ -47,7 +73,8 @@ def cmd_next(args: argparse.Namespace) -> int:
 
     try:
         with Client(args.target, timeout=args.timeout) as client:
-            result = client.next_token(args.prompt, top_k=args.top_k, trace_layers=args.trace)
+            result = client.next_token(args.prompt, top_k=args.top_k, trace_layers=args.trace,
+                                       include_layers=args.trace)
     except Gpt2ServeError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
@@ -92,7 +119,7 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--top-k", type=int, default=5, help="alternatives to show")
     env.add("--target", default="localhost:50051", help="gRPC server host:port")
     env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
-    nxt.add_argument("--trace", action="store_true", help="trace this request's layers and print the trace id")
+    nxt.add_argument("--trace", action="store_true", help="trace this request's layers: print a per-layer table and the trace id")
     nxt.set_defaults(func=cmd_next)
 
     bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")

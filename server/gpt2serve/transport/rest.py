@@ -115,7 +115,10 @@ def batch_prompt(item: str | list[int]) -> PromptInput:
 
 
 def create_app(service: InferenceService) -> FastAPI:
-    app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server")
+    # FastAPI's own telemetry is off: the service makes the request span (with the trace_layers
+    # sampling rule) and a second server span per request would only add cost and clutter.
+    app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server",
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
 
     @app.exception_handler(ServeError)
     async def serve_error(_: Request, exc: ServeError) -> JSONResponse:

@@ -1,0 +1,189 @@
+"""Layer traces end to end: a real server exports over OTLP/gRPC to a receiver in this process.
+
+The server samples nothing by ratio (--trace-sample-ratio 0), so every trace that arrives was
+kept because it asked for its layers, or because its caller's context was sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from conftest import launch_server
+from otlp_receiver import OtlpReceiver
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
+from reference import assert_layer_matches, reference_layers
+
+from gpt2serve_client import AsyncClient, Client, RestClient
+
+PROMPT = [464, 3139, 286, 4881, 318]  # "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    rx = OtlpReceiver().start()
+    yield rx
+    rx.stop()
+
+
+@pytest.fixture(scope="module")
+def traced_server(tmp_path_factory, receiver):
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+           "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "gpt2serve-under-test",
+           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    srv = launch_server(tmp_path_factory.mktemp("traced"), "--model", "random:tiny", "--trace-sample-ratio", "0",
+                        "--max-batch-delay-ms", "100", env=env)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client_tracer():
+    """The caller's own tracing (not exported): its context must reach the server."""
+    return TracerProvider().get_tracer("test-caller")
+
+
+LAYER_SPANS = {"embed", "block 0", "block 1", "ln_f+unembed"}  # random:tiny has 2 blocks
+
+
+def by_name(spans) -> dict:
+    named = {}
+    for span in spans:
+        named.setdefault(span.name, []).append(span)
+    return named
+
+
+def assert_layer_trace(spans, request_name: str, caller_span_id: str, model, prompt, batch_size: int, padded: int):
+    named = by_name(spans)
+    (request,) = named[request_name]
+    (queue,) = named["queue"]
+    (batch,) = named["batch"]
+    (forward,) = named["forward"]
+    assert request.kind == SpanKind.SERVER.value + 1  # OTLP enum: SPAN_KIND_SERVER = 2
+    assert request.parent_span_id == caller_span_id
+    assert request.attributes["gen_ai.request.model"] == "random:tiny"
+    assert request.attributes["gen_ai.usage.input_tokens"] == len(prompt)
+    assert request.resource["service.name"] == "gpt2serve-under-test"
+    assert request.resource["deployment.environment"] == "test"
+    assert queue.parent_span_id == request.span_id and batch.parent_span_id == request.span_id
+    assert (request.trace_id, request.span_id) in batch.links
+    assert batch.attributes["gpt2serve.batch.size"] == batch_size
+    assert forward.parent_span_id == batch.span_id
+    for name in LAYER_SPANS:
+        (span,) = named[name]
+        assert span.parent_span_id == forward.span_id, name
+        assert forward.start_ns <= span.start_ns <= span.end_ns <= forward.end_ns, name
+    assert request.start_ns <= queue.start_ns <= queue.end_ns <= batch.start_ns + 1_000_000
+    assert batch.end_ns <= request.end_ns
+
+    cfg = model.config
+    want = reference_layers(model, prompt)
+    for index in range(cfg.n_layer):
+        attrs = named[f"block {index}"][0].attributes
+        assert len(attrs) < 64
+        assert attrs["gpt2.layer.index"] == index
+        assert attrs["gpt2.shape.hidden"] == [batch_size, padded, cfg.n_embd]
+        assert attrs["gpt2.shape.qkv"] == [batch_size, cfg.n_head, padded, cfg.n_embd // cfg.n_head]
+        assert attrs["gpt2.shape.attn_scores"] == [batch_size, cfg.n_head, padded, padded]
+        assert attrs["gpt2.shape.mlp_hidden"] == [batch_size, padded, 4 * cfg.n_embd]
+        assert attrs["gpt2.request.shape.hidden"] == [len(prompt), cfg.n_embd]
+        assert attrs["gpt2.request.shape.attn_scores"] == [cfg.n_head, len(prompt), len(prompt)]
+        got = {key.removeprefix("gpt2.head."): value for key, value in attrs.items() if key.startswith("gpt2.head.")}
+        got["residual_norm"] = attrs["gpt2.residual_norm"]
+        got["logit_lens_ids"] = attrs["gpt2.logit_lens.token_id"]
+        got["logit_lens_probs"] = attrs["gpt2.logit_lens.prob"]
+        assert_layer_matches(got, want[index])
+        assert len(attrs["gpt2.head.top_token"]) == cfg.n_head
+
+
+def test_grpc_layer_trace_joins_the_callers_trace(traced_server, receiver, client_tracer, tiny_model):
+    with client_tracer.start_as_current_span("caller") as caller, Client(traced_server.grpc_target) as client:
+        result = client.next_token(PROMPT, trace_layers=True)
+    caller_trace = format_trace_id(caller.get_span_context().trace_id)
+    assert result.trace_id == caller_trace
+    spans = receiver.wait_for(caller_trace, {"gpt2serve.v1.Gpt2Serve/NextToken", "queue", "batch", "forward"} | LAYER_SPANS)
+    assert_layer_trace(spans, "gpt2serve.v1.Gpt2Serve/NextToken", format_span_id(caller.get_span_context().span_id),
+                       tiny_model.model, PROMPT, batch_size=1, padded=len(PROMPT))
+
+
+def test_rest_layer_trace_joins_the_callers_trace(traced_server, receiver, client_tracer, tiny_model):
+    with client_tracer.start_as_current_span("caller") as caller, RestClient(traced_server.http_url) as client:
+        result = client.next_token(PROMPT, trace_layers=True, include_layers=True)
+    caller_trace = format_trace_id(caller.get_span_context().trace_id)
+    assert result.trace_id == caller_trace
+    spans = receiver.wait_for(caller_trace, {"POST /v1/next-token", "queue", "batch", "forward"} | LAYER_SPANS)
+    assert_layer_trace(spans, "POST /v1/next-token", format_span_id(caller.get_span_context().span_id),
+                       tiny_model.model, PROMPT, batch_size=1, padded=len(PROMPT))
+    # include_layers returns the same numbers the spans carry.
+    block = by_name(spans)["block 1"][0].attributes
+    assert [h.entropy for h in result.layers[1].heads] == pytest.approx(block["gpt2.head.entropy"], abs=1e-6)
+
+
+def test_traced_request_in_a_batch_with_untraced_ones_of_other_lengths(traced_server, receiver, tiny_model):
+    """Two layer-traced requests share a batch with untraced ones: each trace holds its own layers,
+    equal to the prompt computed alone; the untraced ones are not exported (ratio 0)."""
+    others = [[40, 588], [1212, 318, 257, 1332, 286, 262, 1080, 13, 632], [50256], [11, 12, 13]]
+    second = [8888, 7777, 6666]
+
+    async def main():
+        async with AsyncClient(traced_server.grpc_target) as client:
+            calls = [client.next_token(p) for p in others]
+            calls += [client.next_token(PROMPT, trace_layers=True), client.next_token(second, trace_layers=True)]
+            return await asyncio.gather(*calls)
+
+    *untraced, first_result, second_result = asyncio.run(main())
+    assert first_result.batch_size > 1 and first_result.batch_size == second_result.batch_size, "not batched"
+    assert all(r.trace_id == "" for r in untraced)
+    batch_size, padded = first_result.batch_size, 9  # the longest prompt of the batch
+    named_first = by_name(receiver.wait_for(first_result.trace_id, LAYER_SPANS))
+    named_second = by_name(receiver.wait_for(second_result.trace_id, LAYER_SPANS))
+    # One shared batch span (in the first traced request's trace), linked to both requests.
+    batch_spans = named_first.get("batch", []) + named_second.get("batch", [])
+    assert len(batch_spans) == 1
+    linked_traces = {trace_id for trace_id, _ in batch_spans[0].links}
+    assert linked_traces == {first_result.trace_id, second_result.trace_id}
+    for result, prompt, named in ((first_result, PROMPT, named_first), (second_result, second, named_second)):
+        for index in range(tiny_model.model.config.n_layer):
+            attrs = named[f"block {index}"][0].attributes
+            assert attrs["gpt2.shape.hidden"][:2] == [batch_size, padded]
+            assert attrs["gpt2.request.shape.hidden"][0] == len(prompt)
+            got = {k.removeprefix("gpt2.head."): v for k, v in attrs.items() if k.startswith("gpt2.head.")}
+            want = reference_layers(tiny_model.model, prompt)[index]
+            want.pop("residual_norm", None)
+            want.pop("logit_lens_ids", None)
+            want.pop("logit_lens_probs", None)
+            assert_layer_matches(got, want)
+
+
+def test_unsampled_requests_are_not_exported_and_return_no_trace_id(traced_server, receiver):
+    with Client(traced_server.grpc_target) as client:
+        plain = client.next_token([1, 2, 3, 4, 5, 6, 7])
+        marker = client.next_token(PROMPT, trace_layers=True)
+    assert plain.trace_id == "" and plain.layers == []
+    receiver.wait_for(marker.trace_id, LAYER_SPANS)  # exported after the plain request ended
+    prompt_tokens = {s.attributes.get("gen_ai.usage.input_tokens") for s in receiver.spans
+                     if s.kind == SpanKind.SERVER.value + 1}
+    assert 7 not in prompt_tokens, "the unsampled 7-token request was exported"
+
+
+def test_include_layers_without_tracing(traced_server):
+    with Client(traced_server.grpc_target) as client:
+        result = client.next_token(PROMPT, include_layers=True)
+    assert result.trace_id == ""  # ratio 0 and no trace_layers: nothing exported
+    assert [layer.index for layer in result.layers] == [0, 1]
+    assert result.layers[-1].logit_lens[0].token_id == result.token_id
+
+
+def test_layer_reports_over_rest_equal_grpc(traced_server):
+    with Client(traced_server.grpc_target) as grpc_client:
+        via_grpc = grpc_client.next_token(PROMPT, include_layers=True).layers
+    body = {"prompt_token_ids": PROMPT, "include_layers": True}
+    via_rest = httpx.post(f"{traced_server.http_url}/v1/next-token", json=body).json()["layers"]
+    assert len(via_rest) == len(via_grpc)
+    for rest_layer, grpc_layer in zip(via_rest, via_grpc):
+        assert rest_layer["hidden_shape"] == grpc_layer.hidden_shape
+        assert [h["top_token"] for h in rest_layer["heads"]] == [h.top_token for h in grpc_layer.heads]
+        assert [h["entropy"] for h in rest_layer["heads"]] == pytest.approx([h.entropy for h in grpc_layer.heads],
+                                                                            abs=1e-5)
