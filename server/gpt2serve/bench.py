@@ -130,6 +130,9 @@ class KeepAliveHttp:
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         self.writer.write(head + body)
         status_line = await self.reader.readline()
+        if not status_line:
+            self.writer = None  # Reconnect next time.
+            raise Gpt2ServeError("UNAVAILABLE", "the server closed the connection")
         length = 0
         while (line := await self.reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.partition(b":")
