@@ -19,6 +19,7 @@ from reference import assert_layer_matches, reference_layers
 from gpt2serve_client import AsyncClient, Client, RestClient
 
 PROMPT = [464, 3139, 286, 4881, 318]  # "The capital of France is"
+LONG = [(i * 7919) % 50000 for i in range(250)]
 
 
 @pytest.fixture(scope="module")
@@ -123,21 +124,28 @@ def test_rest_layer_trace_joins_the_callers_trace(traced_server, receiver, clien
 
 def test_traced_request_in_a_batch_with_untraced_ones_of_other_lengths(traced_server, receiver, tiny_model):
     """Two layer-traced requests share a batch with untraced ones: each trace holds its own layers,
-    equal to the prompt computed alone (the 3-token one left-padded to at least 5); the untraced
-    ones are not exported (ratio 0). Length grouping may run the 9-token prompt separately."""
-    others = [[40, 588], [1212, 318, 257, 1332, 286, 262, 1080, 13, 632], [50256], [11, 12, 13]]
+    equal to the prompt computed alone (the 3-token one left-padded to 5); the untraced ones are
+    not exported (ratio 0)."""
+    others = [[40, 588], [1212, 318, 257, 1332], [50256], [11, 12, 13]]
     second = [8888, 7777, 6666]
 
     async def main():
         async with AsyncClient(traced_server.grpc_target) as client:
-            calls = [client.next_token(p) for p in others]
-            calls += [client.next_token(PROMPT, trace_layers=True), client.next_token(second, trace_layers=True)]
-            return await asyncio.gather(*calls)
+            async def round_of_six(traced: bool):
+                calls = [client.next_token(p) for p in others]
+                calls += [client.next_token(PROMPT, trace_layers=traced), client.next_token(second, trace_layers=traced)]
+                return await asyncio.gather(*calls)
+
+            # Occupy the model (~0.2 s) so the six queue up and leave the queue together.
+            busy = asyncio.create_task(client.next_token_batch([LONG] * 64, top_k=1, timeout=60))
+            await asyncio.sleep(0.05)
+            six = await round_of_six(True)
+            assert (await busy)[0].batch_size == 64
+            return six
 
     *untraced, first_result, second_result = asyncio.run(main())
-    assert first_result.batch_size > 1 and first_result.batch_size == second_result.batch_size, "not batched"
+    assert [r.batch_size for r in (*untraced, first_result, second_result)] == [6] * 6, "not one batch"
     assert all(r.trace_id == "" for r in untraced)
-    batch_size = first_result.batch_size
     named_first = by_name(receiver.wait_for(first_result.trace_id, LAYER_SPANS))
     named_second = by_name(receiver.wait_for(second_result.trace_id, LAYER_SPANS))
     # One shared batch span (in the first traced request's trace), linked to both requests.
@@ -149,7 +157,7 @@ def test_traced_request_in_a_batch_with_untraced_ones_of_other_lengths(traced_se
         for index in range(tiny_model.model.config.n_layer):
             attrs = named[f"block {index}"][0].attributes
             batch_rows, padded = attrs["gpt2.shape.hidden"][:2]
-            assert batch_rows == batch_size and padded >= len(PROMPT)  # grouped with the 5-token prompt
+            assert [batch_rows, padded] == [6, len(PROMPT)]  # the 3-token prompt is left-padded to 5
             assert attrs["gpt2.request.shape.hidden"][0] == len(prompt)
             got = {k.removeprefix("gpt2.head."): v for k, v in attrs.items() if k.startswith("gpt2.head.")}
             want = reference_layers(tiny_model.model, prompt)[index]
@@ -189,3 +197,12 @@ def test_layer_reports_over_rest_equal_grpc(traced_server):
         assert [h["top_token"] for h in rest_layer["heads"]] == [h.top_token for h in grpc_layer.heads]
         assert [h["entropy"] for h in rest_layer["heads"]] == pytest.approx([h.entropy for h in grpc_layer.heads],
                                                                             abs=1e-5)
+
+
+def test_no_trace_id_when_the_server_exports_nothing(server, client_tracer):
+    """The session server has no OTLP endpoint: even a sampled caller gets no trace id back,
+    since no span of this request will exist anywhere; include_layers still works."""
+    with client_tracer.start_as_current_span("caller"), Client(server.grpc_target) as client:
+        result = client.next_token(PROMPT, trace_layers=True, include_layers=True)
+    assert result.trace_id == ""
+    assert len(result.layers) == 2

@@ -57,8 +57,9 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s: float, warmup_s: float,
-                   api: str) -> LoadResult:
-    """`concurrency` workers, each sending its next request as soon as the last one answers."""
+                   api: str, between=None) -> LoadResult:
+    """`concurrency` workers, each sending its next request as soon as the last one answers.
+    `between(prompt)`, if given, runs after each measured request (the interleaved in-process forward)."""
     latencies: list[float] = []
     batch_sizes: list[int] = []
     timings: list = []
@@ -83,6 +84,8 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
                 latencies.append(time.perf_counter() - sent)
                 batch_sizes.append(result.batch_size)
                 timings.append(result.timings)
+                if between is not None:
+                    between(prompts[(i - concurrency) % len(prompts)])
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
     latencies.sort()
@@ -91,7 +94,8 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
     batches = sum(1 / b for b in batch_sizes) if batch_sizes else 0
     return LoadResult(
         api=api, concurrency=concurrency, duration_s=duration_s, requests=n, errors=sum(errors.values()),
-        req_per_s=n / duration_s, p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
+        req_per_s=n / sum(latencies) if between and latencies else n / duration_s,  # interleaved: request time only
+        p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
         p99_ms=percentile(latencies, 0.99) * 1000, mean_batch_size=n / batches if batches else 0.0,
         server_queue_p50_ms=median_of(t.queue_ms for t in timings),
         server_forward_p50_ms=median_of(t.forward_ms for t in timings),
@@ -105,10 +109,11 @@ def median_of(values) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, warmup_s: float) -> LoadResult:
+async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
+                    between=None) -> LoadResult:
     async with AsyncClient(target) as client:
         return await run_load(lambda p: client.next_token(p, top_k=5), prompts, concurrency, duration_s, warmup_s,
-                              "grpc")
+                              "grpc", between)
 
 
 class KeepAliveHttp:
@@ -145,7 +150,8 @@ class KeepAliveHttp:
             self.writer.close()
 
 
-async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float, warmup_s: float) -> LoadResult:
+async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
+                    between=None) -> LoadResult:
     from urllib.parse import urlparse
 
     from gpt2serve_client.types import NextTokenResult
@@ -166,7 +172,7 @@ async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float,
         return NextTokenResult.from_dict(data)
 
     try:
-        return await run_load(call, prompts, concurrency, duration_s, warmup_s, "rest")
+        return await run_load(call, prompts, concurrency, duration_s, warmup_s, "rest", between)
     finally:
         for conn in pool:
             conn.close()
@@ -180,6 +186,9 @@ class InProcessModel:
         from .engine.loading import build_model_like
 
         self.engine = Engine(build_model_like(info))
+
+    def forward_s(self, batch: list[list[int]]) -> float:
+        return self.engine.next_token(batch, [5] * len(batch)).forward_s
 
     def measure(self, prompts: list[list[int]], batch_size: int, duration_s: float) -> list[float]:
         """Forward times (s) of batches of `batch_size` prompts, for about `duration_s`."""
@@ -229,12 +238,18 @@ def run_bench(args) -> int:
     # Half the in-process measurement before the load and half after, so drift in a noisy
     # machine's speed during the run hits both sides of the ratio alike.
     times = {size: model.measure(prompts, size, args.limit_duration / 2) for size in sizes}
+    # One client: time the model alone between the server's requests too, so both latencies come
+    # from the same seconds of this noisy machine (the single-forward p50 uses these samples).
+    interleaved: list[float] = []
+    between = (lambda p: interleaved.append(model.forward_s([p]))) if args.concurrency == 1 else None
     if args.api == "grpc":
-        load = asyncio.run(load_grpc(args.target, prompts, args.concurrency, args.duration, args.warmup))
+        load = asyncio.run(load_grpc(args.target, prompts, args.concurrency, args.duration, args.warmup, between))
     else:
-        load = asyncio.run(load_rest(args.http_target, prompts, args.concurrency, args.duration, args.warmup))
+        load = asyncio.run(load_rest(args.http_target, prompts, args.concurrency, args.duration, args.warmup, between))
     for size in sizes:
         times[size] += model.measure(prompts, size, args.limit_duration / 2)
+    if interleaved:
+        times[1] = interleaved
     limit = [summarize(size, times[size]) for size in sizes]
     report = {
         "model": asdict(info), "prompt_tokens": args.prompt_tokens, "load": asdict(load),

@@ -167,11 +167,15 @@ class Batcher:
                         top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
                         started_ns, output.layers.get(row),
                     ))
+            # Let the answered handlers run (encode, send) before the next batch's wait starts:
+            # its clock is for callers coming back, not for our own responses going out.
+            await asyncio.sleep(0)
 
     async def _collect_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
         """Wait for candidates (see module doc), then run the length group of the oldest one."""
         candidates = self._backlog or [await self._queue.get()]
-        deadline = loop.time() + self.max_batch_delay_s
+        started = loop.time()
+        deadline = started + self.max_batch_delay_s
         target = min(self.max_batch_size, max(self._expected_batch, self._waiting))
         while len(candidates) < target:
             if self._queue.empty():
@@ -184,6 +188,8 @@ class Batcher:
                     break
             else:
                 candidates.append(self._queue.get_nowait())
+        log.debug("batch: %d of target %d after %.1f ms (%d queued)", len(candidates), target,
+                  (loop.time() - started) * 1000, self._queue.qsize())
         # Callers that cancelled (client gone, deadline passed) never reach the model.
         candidates = [item for item in candidates if not item.future.done()]
         if not candidates:

@@ -36,12 +36,9 @@ class RequestTrace:
     """What a queued prompt carries for telemetry (opaque to the scheduler)."""
 
     span_context: SpanContext
+    sampled: bool  # the request span is recorded and will be exported
     layers_wanted: bool  # compute per-layer reports for it (include_layers or exported layer spans)
     layer_spans: bool  # export per-layer spans for it
-
-    @property
-    def sampled(self) -> bool:
-        return self.span_context.is_valid and self.span_context.trace_flags.sampled
 
 
 def layer_attributes(report: LayerReport, row: int) -> dict:
@@ -92,8 +89,9 @@ class Telemetry:
             try:
                 yield span
             except Exception as exc:
-                span.set_status(Status(StatusCode.ERROR, str(exc)))
                 span.set_attribute("error.type", getattr(exc, "code", type(exc).__name__))
+                if getattr(exc, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
+                    span.set_status(Status(StatusCode.ERROR, str(exc)))
                 raise
 
     def queue_span(self, request_span: Span, start_ns: int, end_ns: int) -> None:

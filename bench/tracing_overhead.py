@@ -1,0 +1,127 @@
+"""What tracing costs, measured in one run (the issue 4 targets in docs/benchmarks.md).
+
+1. Tracing configured but requests not traced: two servers on this machine, one exporting over
+   OTLP (sample ratio 0, so nothing is traced) and one without tracing, loaded in alternating
+   rounds at 64 gRPC clients; the throughput cost is 1 - traced-config / plain.
+2. A fully traced request (trace_layers: every layer's summaries, logit lens, spans exported):
+   one client alternates traced and untraced requests on the tracing server; the extra latency
+   is p50 traced / p50 untraced - 1.
+
+Spans go to an OTLP/gRPC sink in this process that counts and discards them.
+
+    .venv/bin/python bench/tracing_overhead.py [--model random:gpt2] [--rounds 3] [--round-s 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent import futures
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from gpt2serve.bench import load_grpc, make_prompts
+from gpt2serve_client import AsyncClient
+
+
+class CountingSink(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self):
+        self.spans = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):
+        self.spans += sum(len(s.spans) for rs in request.resource_spans for s in rs.scope_spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def launch(model: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt2serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
+         "--grpc-port", "0", "--http-port", "0", "--trace-sample-ratio", "0"],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        text = open(log.name).read()
+        if "gpt2serve ready" in text:
+            return proc, re.search(r"grpc=(\S+)", text).group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(text)
+        time.sleep(0.2)
+    raise TimeoutError(open(log.name).read())
+
+
+async def alternate_latency(target: str, prompts, pairs: int) -> tuple[list[float], list[float]]:
+    traced, plain = [], []
+    async with AsyncClient(target) as client:
+        for i in range(5):
+            await client.next_token(prompts[i], trace_layers=True)
+        for i in range(pairs):
+            for flag, sink in ((True, traced), (False, plain)) if i % 2 else ((False, plain), (True, traced)):
+                started = time.perf_counter()
+                await client.next_token(prompts[i % len(prompts)], trace_layers=flag)
+                sink.append(time.perf_counter() - started)
+    return traced, plain
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:gpt2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--round-s", type=float, default=6.0)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--pairs", type=int, default=150)
+    args = parser.parse_args()
+
+    sink = CountingSink()
+    plain_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    traced_env = {**plain_env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.port}",
+                  "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    servers = {"tracing configured": launch(args.model, traced_env), "tracing off": launch(args.model, plain_env)}
+    try:
+        prompts = make_prompts(256, 5, 50257)
+        totals = {name: 0 for name in servers}
+        for round_index in range(args.rounds):
+            order = list(servers) if round_index % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                load = asyncio.run(load_grpc(servers[name][1], prompts, args.clients, args.round_s, 1.0))
+                totals[name] += load.requests
+                print(f"round {round_index}: {name}: {load.req_per_s:.1f} req/s, mean batch {load.mean_batch_size:.1f}",
+                      flush=True)
+        untraced_cost = 1 - totals["tracing configured"] / totals["tracing off"]
+        spans_before = sink.spans
+        traced, plain = asyncio.run(alternate_latency(servers["tracing configured"][1], prompts, args.pairs))
+        p50_traced, p50_plain = statistics.median(traced) * 1000, statistics.median(plain) * 1000
+        time.sleep(1.0)  # let the batch span processor flush
+        report = {
+            "model": args.model, "clients": args.clients, "rounds": args.rounds, "round_s": args.round_s,
+            "untraced_throughput_cost": untraced_cost,
+            "req_per_s": {name: n / (args.rounds * args.round_s) for name, n in totals.items()},
+            "one_client_p50_ms": {"trace_layers": p50_traced, "untraced": p50_plain},
+            "traced_extra_latency": p50_traced / p50_plain - 1,
+            "spans_exported_during_latency_test": sink.spans - spans_before,
+        }
+        print(json.dumps(report, indent=2))
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+        sink.server.stop(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
