@@ -32,7 +32,7 @@ def engine(tiny_model):
 @pytest.mark.parametrize("traced", [[0], [2], [1, 3], [0, 1, 2, 3]])
 def test_reports_match_eager_attention_alone(engine, tiny_model, traced):
     """Traced rows share a left-padded batch with untraced rows of other lengths."""
-    out = engine.next_token(PROMPTS, [5] * len(PROMPTS), traced_rows=traced)
+    out = engine.layer_reports(engine.next_token(PROMPTS, [5] * len(PROMPTS), traced_rows=traced))
     assert sorted(out.layers) == sorted(traced)
     model = tiny_model.model
     cfg = model.config
@@ -60,7 +60,7 @@ def test_reports_match_eager_attention_alone(engine, tiny_model, traced):
 
 def test_untraced_batches_carry_no_reports_and_answers_do_not_change(engine):
     plain = engine.next_token(PROMPTS, [5] * 4)
-    traced = engine.next_token(PROMPTS, [5] * 4, traced_rows=[1])
+    traced = engine.layer_reports(engine.next_token(PROMPTS, [5] * 4, traced_rows=[1]))
     assert plain.layers == {} and plain.timeline is None
     for a, b in zip(plain.top, traced.top):
         assert [s.token_id for s in a] == [s.token_id for s in b]

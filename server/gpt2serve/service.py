@@ -113,7 +113,8 @@ class InferenceService:
         sampled = span.is_recording() and span.get_span_context().trace_flags.sampled
         layer_spans = sampled and (options.trace_layers or mode == "always")
         return RequestTrace(span.get_span_context(), sampled=sampled,
-                            layers_wanted=layer_spans or options.include_layers, layer_spans=layer_spans)
+                            layers_wanted=layer_spans or options.include_layers, layer_spans=layer_spans,
+                            layers_in_response=options.include_layers)
 
     def resolve_top_k(self, top_k: int | None) -> int:
         if top_k is None:

@@ -73,9 +73,12 @@ class LayerProbe:
         self.input_ids = input_ids  # (B, T)
         self.n_head = self.transformer.config.n_head
         self.clock = _Clock(input_ids.device)
-        self._stats: list[dict[str, torch.Tensor]] = []  # per block: device tensors, stacked over traced rows
-        self._attn_out: torch.Tensor | None = None
-        self._mlp_out: torch.Tensor | None = None
+        # Captured by the hooks (slices only, so the answer is not delayed); reduced after it.
+        self._qkv: list[list[torch.Tensor]] = []  # per block, per traced row: (L, 3d)
+        self._hidden_last: list[torch.Tensor] = []  # per block: (R, d) residual after the block
+        self._attn_last: list[torch.Tensor] = []  # per block: (R, d)
+        self._mlp_last: list[torch.Tensor] = []  # per block: (R, d)
+        self._stats: list[dict[str, torch.Tensor]] = []  # per block, after reduce(): device tensors
         self._end_ns = 0
 
     @contextmanager
@@ -93,51 +96,54 @@ class LayerProbe:
             for handle in handles:
                 handle.remove()
 
-    # Hooks ---------------------------------------------------------------------------------
+    # Hooks: slices of what the block computed, for the traced rows ------------------------------
 
     def _on_qkv(self, _module, _inputs, qkv: torch.Tensor) -> None:
-        d_model = qkv.shape[-1] // 3
-        d_head = d_model // self.n_head
-        per_row = []
-        for row, length in zip(self.rows, self.lengths):
-            q, k, _ = qkv[row, -length:].float().split(d_model, dim=-1)  # each (L, d)
-            q = q.view(length, self.n_head, d_head).transpose(0, 1)  # (H, L, dh)
-            k = k.view(length, self.n_head, d_head).transpose(0, 1)  # (H, L, dh)
-            scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)  # (H, L, L)
-            causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).tril()
-            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (H, L, L)
-            last = probs[:, -1, :]  # (H, L): where the last position looks
-            entropy = -(last * last.clamp_min(1e-30).log()).sum(dim=-1)  # (H,)
-            max_weight, top_position = last.max(dim=-1)  # (H,), (H,)
-            if length > 1:
-                previous = probs.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=-1)  # (H,): mean of p[i, i-1]
-            else:
-                previous = torch.zeros(self.n_head, device=qkv.device)
-            top_token_id = self.input_ids[row, -length:][top_position]  # (H,)
-            per_row.append(torch.stack([entropy, max_weight, top_position.float(), top_token_id.float(),
-                                        last[:, 0], previous]))  # (6, H)
-        self._stats.append({"heads": torch.stack(per_row)})  # (R, 6, H)
+        self._qkv.append([qkv[row, -length:] for row, length in zip(self.rows, self.lengths)])  # (L, 3d) each
 
     def _on_attn_output(self, _module, _inputs, output) -> None:
-        self._attn_out = output[0] if isinstance(output, tuple) else output  # (B, T, d)
+        output = output[0] if isinstance(output, tuple) else output  # (B, T, d)
+        self._attn_last.append(output[self.rows, -1])  # (R, d)
 
     def _on_mlp_output(self, _module, _inputs, output: torch.Tensor) -> None:
-        self._mlp_out = output  # (B, T, d)
+        self._mlp_last.append(output[self.rows, -1])  # (R, d)
 
     def _on_block_output(self, _module, _inputs, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output  # (B, T, d)
-        rows = self.rows
-        last_hidden = hidden[rows, -1].float()  # (R, d)
-        stats = self._stats[-1]
-        stats["norms"] = torch.stack([
-            last_hidden.norm(dim=-1), self._attn_out[rows, -1].float().norm(dim=-1),
-            self._mlp_out[rows, -1].float().norm(dim=-1),
-        ], dim=-1)  # (R, 3)
-        # Logit lens: decode the residual stream as if this were the last block.
-        logits = self.model.lm_head(self.transformer.ln_f(hidden[rows, -1]))  # (R, vocab)
-        lens_probs, lens_ids = logits.float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)  # (R, k)
-        stats["lens_probs"], stats["lens_ids"] = lens_probs, lens_ids
+        self._hidden_last.append(hidden[self.rows, -1])  # (R, d)
         self.clock.mark()  # block end
+
+    # After the answers went out: reduce on the device, all blocks at once ---------------------------
+
+    def reduce(self) -> None:
+        n_layer = len(self._qkv)
+        hidden = torch.stack(self._hidden_last).float()  # (n_layer, R, d)
+        norms = torch.stack([hidden.norm(dim=-1), torch.stack(self._attn_last).float().norm(dim=-1),
+                             torch.stack(self._mlp_last).float().norm(dim=-1)], dim=-1)  # (n_layer, R, 3)
+        heads = torch.stack([self._head_stats(r, length) for r, length in enumerate(self.lengths)], dim=1)
+        self._stats = [{"heads": heads[i], "norms": norms[i]} for i in range(n_layer)]  # (R, 6, H), (R, 3)
+
+    def _head_stats(self, r: int, length: int) -> torch.Tensor:
+        """Per block and head, from the model's own Q and K for row r: (n_layer, 6, H)."""
+        qkv = torch.stack([layer[r] for layer in self._qkv]).float()  # (n_layer, L, 3d)
+        n_layer, d_model = qkv.shape[0], qkv.shape[-1] // 3
+        d_head = d_model // self.n_head
+        q, k, _ = qkv.split(d_model, dim=-1)  # each (n_layer, L, d)
+        q = q.view(n_layer, length, self.n_head, d_head).transpose(1, 2)  # (n_layer, H, L, dh)
+        k = k.view(n_layer, length, self.n_head, d_head).transpose(1, 2)  # (n_layer, H, L, dh)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)  # (n_layer, H, L, L)
+        causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).tril()
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (n_layer, H, L, L)
+        last = probs[..., -1, :]  # (n_layer, H, L): where the last position looks
+        entropy = -(last * last.clamp_min(1e-30).log()).sum(dim=-1)  # (n_layer, H)
+        max_weight, top_position = last.max(dim=-1)  # (n_layer, H)
+        if length > 1:
+            previous = probs.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=-1)  # (n_layer, H): mean p[i, i-1]
+        else:
+            previous = torch.zeros_like(entropy)
+        top_token_id = self.input_ids[self.rows[r], -length:][top_position]  # (n_layer, H)
+        return torch.stack([entropy, max_weight, top_position.float(), top_token_id.float(), last[..., 0],
+                            previous], dim=1)  # (n_layer, 6, H)
 
     # After the forward -------------------------------------------------------------------------
 
@@ -178,7 +184,20 @@ class LayerProbe:
             per_row.append(layers)
         return per_row, timeline
 
+    def lens_inputs(self) -> torch.Tensor:
+        """Every block's last-position residual through ln_f, (n_layer * R, d), for the engine to
+        decode in one product (one per block would stream the unembedding matrix n_layer times)."""
+        return self.transformer.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
+
+    def take_lens_logits(self, logits: torch.Tensor) -> None:
+        """The decoded `lens_inputs()`: (n_layer * R, vocab)."""
+        n_rows = len(self.rows)
+        probs, ids = logits.float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)  # (n_layer * R, k)
+        probs, ids = probs.view(-1, n_rows, LOGIT_LENS_K), ids.view(-1, n_rows, LOGIT_LENS_K)  # (n_layer, R, k)
+        for stats, layer_probs, layer_ids in zip(self._stats, probs, ids):
+            stats["lens_probs"], stats["lens_ids"] = layer_probs, layer_ids
+
     def finish(self) -> None:
-        """Mark the end of ln_f + unembed + top-k (call after their outputs reached the host)."""
+        """Mark the end of the forward's last stage (after its outputs reached the host)."""
         self.clock.mark()
         self._end_ns = time.time_ns()

@@ -130,6 +130,23 @@ class Batcher:
                 item.future.cancel()
             raise
 
+    def _answer(self, batch: list[_Pending], output: BatchOutput, started: float, started_ns: int,
+                needs_layers: bool) -> None:
+        """Resolve the batch's futures; with needs_layers=False only those not waiting for layers."""
+        for row, (item, top) in enumerate(zip(batch, output.top)):
+            if item.future.done() or (not needs_layers and getattr(item.trace, "layers_in_response", False)):
+                continue
+            item.future.set_result(ScheduledOutput(
+                top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
+                started_ns, output.layers.get(row),
+            ))
+
+    def _observe(self, traces: list, output: BatchOutput, started_ns: int) -> None:
+        try:
+            self.observer.record_batch(traces, output, started_ns)
+        except Exception:  # Telemetry must never fail a request or the scheduler.
+            log.exception("batch observer failed")
+
     def _stop_waiting(self, item: _Pending) -> None:
         if item.waiting:
             item.waiting = False
@@ -156,17 +173,21 @@ class Batcher:
                 continue
             self.batches_run += 1
             self._expected_batch = self._waiting + len(batch)
-            if self.observer is not None:
+            if output.probe is not None:
+                # Per-layer reports cost extra (the logit lens): answer everyone who does not need
+                # them in the response first, then build them in the engine thread.
+                self._answer(batch, output, started, started_ns, needs_layers=False)
                 try:
-                    self.observer.record_batch([p.trace for p in batch], output, started_ns)
-                except Exception:  # Telemetry must never fail a request.
-                    log.exception("batch observer failed")
-            for row, (item, top) in enumerate(zip(batch, output.top)):
-                if not item.future.done():
-                    item.future.set_result(ScheduledOutput(
-                        top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
-                        started_ns, output.layers.get(row),
-                    ))
+                    output = await loop.run_in_executor(self._executor, self.engine.layer_reports, output)
+                except Exception as exc:
+                    log.exception("layer reports failed for a batch of %d", len(batch))
+                    for item in batch:
+                        if not item.future.done():
+                            item.future.set_exception(EngineFailure(f"per-layer reports failed: {exc}"))
+                    continue
+            self._answer(batch, output, started, started_ns, needs_layers=True)
+            if self.observer is not None:  # After the answers: spans are not on anyone's critical path.
+                loop.call_soon(self._observe, [p.trace for p in batch], output, started_ns)
             # Let the answered handlers run (encode, send) before the next batch's wait starts:
             # its clock is for callers coming back, not for our own responses going out.
             await asyncio.sleep(0)

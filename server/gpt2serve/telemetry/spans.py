@@ -39,6 +39,7 @@ class RequestTrace:
     sampled: bool  # the request span is recorded and will be exported
     layers_wanted: bool  # compute per-layer reports for it (include_layers or exported layer spans)
     layer_spans: bool  # export per-layer spans for it
+    layers_in_response: bool = False  # its answer waits for the reports (include_layers)
 
 
 def layer_attributes(report: LayerReport, row: int) -> dict:
