@@ -7,7 +7,7 @@
    one client alternates traced and untraced requests on the tracing server, idle 100 ms
    between requests; the extra latency is p50 traced / p50 untraced - 1. The layer reports are
    finished in the engine thread after the answer (logit lens included), so this measures what
-   the caller waits for; the extra engine time per traced request is printed separately.
+   the caller waits for; a third kind, with include_layers, waits for the reports too.
 
 Spans go to an OTLP/gRPC sink in this process that counts and discards them.
 
@@ -66,21 +66,25 @@ def launch(model: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
     raise TimeoutError(open(log.name).read())
 
 
-async def alternate_latency(target: str, prompts, pairs: int) -> tuple[list[float], list[float]]:
-    traced, plain = [], []
+KINDS = {"untraced": {}, "trace_layers": {"trace_layers": True},
+         "trace_layers+include_layers": {"trace_layers": True, "include_layers": True}}
+
+
+async def alternate_latency(target: str, prompts, rounds: int) -> dict[str, list[float]]:
+    """One client, the kinds in turn; idle 100 ms before each request, since a traced request's
+    layer reports are built after its answer and the next request would otherwise wait for them."""
+    latencies = {kind: [] for kind in KINDS}
     async with AsyncClient(target) as client:
         for i in range(5):
-            await client.next_token(prompts[i], trace_layers=True)
-        for i in range(pairs):
-            for flag, sink in ((True, traced), (False, plain)) if i % 2 else ((False, plain), (True, traced)):
-                # Idle between requests: a traced request's layer reports are built after its
-                # answer; without the pause the next (untraced) request would wait for them and
-                # make the two look closer than they are.
+            await client.next_token(prompts[i], trace_layers=True, include_layers=True)
+        for i in range(rounds):
+            kinds = list(KINDS)[i % 3:] + list(KINDS)[:i % 3]
+            for kind in kinds:
                 await asyncio.sleep(0.1)
                 started = time.perf_counter()
-                await client.next_token(prompts[i % len(prompts)], trace_layers=flag)
-                sink.append(time.perf_counter() - started)
-    return traced, plain
+                await client.next_token(prompts[i % len(prompts)], **KINDS[kind])
+                latencies[kind].append(time.perf_counter() - started)
+    return latencies
 
 
 def main() -> int:
@@ -89,7 +93,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--round-s", type=float, default=6.0)
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--pairs", type=int, default=150)
+    parser.add_argument("--latency-rounds", type=int, default=120, help="requests of each kind at 1 client")
     args = parser.parse_args()
 
     sink = CountingSink()
@@ -109,15 +113,16 @@ def main() -> int:
                       flush=True)
         untraced_cost = 1 - totals["tracing configured"] / totals["tracing off"]
         spans_before = sink.spans
-        traced, plain = asyncio.run(alternate_latency(servers["tracing configured"][1], prompts, args.pairs))
-        p50_traced, p50_plain = statistics.median(traced) * 1000, statistics.median(plain) * 1000
+        latencies = asyncio.run(alternate_latency(servers["tracing configured"][1], prompts, args.latency_rounds))
+        p50 = {kind: statistics.median(values) * 1000 for kind, values in latencies.items()}
         time.sleep(1.0)  # let the batch span processor flush
         report = {
             "model": args.model, "clients": args.clients, "rounds": args.rounds, "round_s": args.round_s,
             "untraced_throughput_cost": untraced_cost,
             "req_per_s": {name: n / (args.rounds * args.round_s) for name, n in totals.items()},
-            "one_client_p50_ms": {"trace_layers": p50_traced, "untraced": p50_plain},
-            "traced_extra_latency": p50_traced / p50_plain - 1,
+            "one_client_p50_ms": p50,
+            "traced_extra_latency": p50["trace_layers"] / p50["untraced"] - 1,
+            "include_layers_extra_latency": p50["trace_layers+include_layers"] / p50["untraced"] - 1,
             "spans_exported_during_latency_test": sink.spans - spans_before,
         }
         print(json.dumps(report, indent=2))
