@@ -27,6 +27,7 @@ from .grouping import plan_batch
 from ..errors import ResourceExhausted, ServeError, Unavailable
 
 log = logging.getLogger(__name__)
+STREAMING_WAIT_FACTOR = 3  # see Batcher._wait_until
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,15 @@ class Batcher:
         except Exception:  # Telemetry must never fail a request or the scheduler.
             log.exception("batch observer failed")
 
+    def _wait_until(self, started: float, last_arrival: float) -> float:
+        """`max_batch_delay` after the batch's first request; past that, keep waiting while the
+        expected callers are still arriving (one within the last half delay), up to
+        STREAMING_WAIT_FACTOR delays. REST callers come back more slowly than gRPC ones (more CPU
+        per request on both ends): 63 of 64 made the delay and the last one ran a batch alone."""
+        still_arriving = min(started + STREAMING_WAIT_FACTOR * self.max_batch_delay_s,
+                             last_arrival + self.max_batch_delay_s / 2)
+        return max(started + self.max_batch_delay_s, still_arriving)
+
     def _stop_waiting(self, item: _Pending) -> None:
         if item.waiting:
             item.waiting = False
@@ -195,18 +205,18 @@ class Batcher:
     async def _collect_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
         """Wait for candidates (see module doc), then run the length group of the oldest one."""
         candidates = self._backlog or [await self._queue.get()]
-        started = loop.time()
-        deadline = started + self.max_batch_delay_s
+        started = last_arrival = loop.time()
         target = min(self.max_batch_size, max(self._expected_batch, self._waiting))
         while len(candidates) < target:
             if self._queue.empty():
-                remaining = deadline - loop.time()
+                remaining = self._wait_until(started, last_arrival) - loop.time()
                 if remaining <= 0:
                     break
                 try:
                     candidates.append(await asyncio.wait_for(self._queue.get(), remaining))
                 except TimeoutError:
                     break
+                last_arrival = loop.time()
             else:
                 candidates.append(self._queue.get_nowait())
         log.debug("batch: %d of target %d after %.1f ms (%d queued)", len(candidates), target,
