@@ -54,7 +54,7 @@ def format_layers(result) -> str:
             str(layer.index), shape(layer.hidden_shape), shape(layer.qkv_shape), shape(layer.attn_shape),
             shape(layer.mlp_shape),
             f"h{head_index} -> {visible(head.top_token)!r} ({head.top_position}, {head.max_weight:.2f})",
-            f"{visible(lens.token)!r} {lens.prob:.2f}", f"{layer.duration_ms:.2f}",
+            f"{visible(lens.token)!r} {lens.prob:.4f}", f"{layer.duration_ms:.2f}",
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip() for row in rows]
