@@ -117,3 +117,23 @@ def test_layer_reports_refused_when_the_server_says_never(tmp_path):
         assert refused.value.code == "FAILED_PRECONDITION" and "--trace-layers never" in refused.value.message
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("api,clients", [("grpc", 4), ("rest", 1)])
+def test_bench_reports_load_and_the_in_process_limit(server, api, clients):
+    import json
+
+    out = run_cli("bench", "--api", api, "--target", server.grpc_target, "--http-target", server.http_url,
+                  "-c", str(clients), "-d", "1.5", "--warmup", "0.3", "--limit-duration", "0.4", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    load = report["load"]
+    assert load["api"] == api and load["requests"] > 0 and load["errors"] == 0
+    assert load["p50_ms"] <= load["p90_ms"] <= load["p99_ms"]
+    assert 1 <= load["mean_batch_size"] <= clients
+    assert load["server_forward_p50_ms"] <= load["server_total_p50_ms"]
+    sizes = [r["batch_size"] for r in report["in_process"]]
+    assert sizes == sorted({1, clients})
+    best = max((r["prompts_per_s"] for r in report["in_process"][1:] or report["in_process"]))
+    assert report["ratio"] == pytest.approx(load["req_per_s"] / best)
+    assert report["model"]["model"] == "random:tiny"
