@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from typing import Callable
 import signal
 import socket
 
@@ -31,6 +33,21 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     sock.bind((host, port))
     sock.set_inheritable(True)
     return sock
+
+
+def device_memory_probe(device) -> Callable[[], float]:
+    """Bytes in use on the model's device: CUDA allocations, or the process's resident memory."""
+    if device.type == "cuda":
+        import torch
+
+        return lambda: float(torch.cuda.memory_allocated(device))
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident_bytes() -> float:
+        with open("/proc/self/statm") as statm:
+            return float(int(statm.read().split()[1]) * page)
+
+    return resident_bytes
 
 
 def load_engine(config: ServeConfig) -> Engine:
@@ -81,6 +98,9 @@ async def serve(config: ServeConfig) -> None:
     )
     batcher.start()
     service.attach(loaded, batcher)
+    telemetry.metrics.attach(model=loaded.name, dtype=str(loaded.dtype).removeprefix("torch."),
+                             device=str(loaded.device), weights=loaded.weights,
+                             queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device))
     service.ready = True
     await grpc_transport.set_serving(True)
     info = service.model_info()

@@ -29,6 +29,8 @@ DEFAULT_TOP_K = 5
 class RequestOptions:
     """How a request arrived and what it asked to see; transports fill this in."""
 
+    api: str = "internal"  # "grpc" or "rest": the metrics label
+    method: str = "NextToken"  # "NextToken" or "NextTokenBatch"
     span_name: str = "next_token"  # "gpt2serve.v1.Gpt2Serve/NextToken", "POST /v1/next-token"
     parent: Context | None = None  # W3C trace context from gRPC metadata or HTTP headers
     attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes
@@ -84,7 +86,7 @@ class InferenceService:
                                options: RequestOptions = RequestOptions()) -> list[NextTokenResult]:
         received = time.perf_counter()
         with self.telemetry.request_span(options.span_name, options.parent, options.attributes,
-                                         options.trace_layers) as span:
+                                         options.trace_layers, options.api, options.method) as span:
             _, batcher, _ = self._require_model()
             if not prompts:
                 raise InvalidArgument("prompts: at least one prompt is required")
@@ -102,6 +104,10 @@ class InferenceService:
             for out in outputs[:1]:  # The prompts of one call enter the queue together.
                 self.telemetry.queue_span(span, out.enqueued_ns, out.batch_started_ns)
             trace_id = format_trace_id(trace.span_context.trace_id) if trace.sampled else ""
+            metrics = self.telemetry.metrics
+            metrics.tokens(options.api, sum(map(len, token_ids)), len(token_ids))
+            for out in outputs:
+                metrics.queued(out.queue_s, trace_id)
             total_ms = (time.perf_counter() - received) * 1000
             return [self.build_result(ids, out, total_ms, trace_id, options.include_layers)
                     for ids, out in zip(token_ids, outputs)]

@@ -17,17 +17,21 @@ timestamps, so the model loop itself holds no telemetry calls.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, format_trace_id,
+)
 
 from gpt2serve_client.types import LayerReport
 
 from ..engine.engine import BatchOutput
+from .metrics import Metrics
 from .tracing import TRACE_LAYERS_ATTRIBUTE
 
 
@@ -73,27 +77,42 @@ def layer_attributes(report: LayerReport, row: int) -> dict:
 
 
 class Telemetry:
-    def __init__(self, model_name: str = "", vocab_size: int = 0, tracer: trace.Tracer | None = None):
+    def __init__(self, model_name: str = "", vocab_size: int = 0, tracer: trace.Tracer | None = None,
+                 metrics: Metrics | None = None):
         self.model_name = model_name
         self.vocab_size = vocab_size
         self.tracer = tracer or trace.get_tracer("gpt2serve")
+        self.metrics = metrics or Metrics()
 
     @contextmanager
-    def request_span(self, name: str, parent: Context | None, attributes: Mapping,
-                     trace_layers: bool) -> Iterator[Span]:
-        """The server span of one request; records errors raised inside it."""
+    def request_span(self, name: str, parent: Context | None, attributes: Mapping, trace_layers: bool,
+                     api: str = "internal", method: str = "") -> Iterator[Span]:
+        """The server span of one request, and its request metrics; records errors raised inside."""
         attributes = {**attributes, "gen_ai.operation.name": "text_completion",
                       "gen_ai.request.model": self.model_name, TRACE_LAYERS_ATTRIBUTE: trace_layers}
-        with self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
-                                               attributes=attributes, record_exception=False,
-                                               set_status_on_exception=False) as span:
-            try:
-                yield span
-            except Exception as exc:
-                span.set_attribute("error.type", getattr(exc, "code", type(exc).__name__))
-                if getattr(exc, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
-                    span.set_status(Status(StatusCode.ERROR, str(exc)))
-                raise
+        started, status, trace_id = time.perf_counter(), "OK", ""
+        self.metrics.in_flight.inc()
+        try:
+            with self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
+                                                   attributes=attributes, record_exception=False,
+                                                   set_status_on_exception=False) as span:
+                context = span.get_span_context()
+                if span.is_recording() and context.trace_flags.sampled:  # exemplar for the histograms
+                    trace_id = format_trace_id(context.trace_id)
+                try:
+                    yield span
+                except Exception as exc:
+                    status = getattr(exc, "code", "INTERNAL")
+                    span.set_attribute("error.type", status)
+                    if getattr(exc, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
+                        span.set_status(Status(StatusCode.ERROR, str(exc)))
+                    raise
+                except BaseException:  # The caller went away (task cancelled).
+                    status = "CANCELLED"
+                    raise
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.request_finished(api, method, status, time.perf_counter() - started, trace_id)
 
     def queue_span(self, request_span: Span, start_ns: int, end_ns: int) -> None:
         if request_span.is_recording():
@@ -102,6 +121,7 @@ class Telemetry:
 
     def record_batch(self, traces: Sequence[RequestTrace | None], output: BatchOutput, started_ns: int) -> None:
         """Called once per batch with each row's trace (row order)."""
+        self.metrics.batch(len(traces), output.forward_s)
         sampled = [(row, t) for row, t in enumerate(traces) if t is not None and t.sampled]
         if not sampled:
             return

@@ -47,7 +47,7 @@ def request_options(method: str, request, context: grpc.aio.ServicerContext) -> 
     """Span name and attributes, the caller's W3C trace context (metadata), and what it asked to see."""
     metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
     return RequestOptions(
-        span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
+        api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
         trace_layers=request.trace_layers, include_layers=request.include_layers,
     )

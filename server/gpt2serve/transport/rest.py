@@ -104,7 +104,7 @@ class ClientDisconnected(Exception):
 def request_options(request: Request, route: str, body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
     """Span name and attributes, the caller's W3C trace context (headers), and what it asked to see."""
     return RequestOptions(
-        span_name=f"POST {route}", parent=propagate.extract(request.headers),
+        api="rest", method="NextTokenBatch" if route.endswith("/batch") else "NextToken", span_name=f"POST {route}", parent=propagate.extract(request.headers),
         attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme},
         trace_layers=body.trace_layers, include_layers=body.include_layers,
     )
@@ -151,6 +151,12 @@ def create_app(service: InferenceService) -> FastAPI:
     @app.get("/v1/model", response_model=ModelInfo)
     async def model_info() -> ModelInfo:
         return service.model_info()
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics; OpenMetrics (with trace-id exemplars) when the Accept header asks."""
+        body, content_type = service.telemetry.metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/healthz")
     async def healthz() -> dict:

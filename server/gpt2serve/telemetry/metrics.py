@@ -1,0 +1,75 @@
+"""Prometheus metrics: every metric gpt2serve exports, owned by one class, in its own registry.
+
+Names carry the `gpt2serve_` prefix and seconds; duration buckets follow the OpenTelemetry GenAI
+conventions. Histograms take the request's trace id as an exemplar when the request was
+sampled, so a dashboard can jump from a slow bucket to its trace (OpenMetrics format only: ask
+for it with `Accept: application/openmetrics-text`, as Prometheus does).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import choose_encoder
+
+# GenAI semantic conventions: gen_ai.server.request.duration / time_to_first_token buckets.
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("gpt2serve_requests", "Requests answered, by API, method and status code",
+                                ["api", "method", "status"], registry=r)
+        self.request_duration = Histogram("gpt2serve_request_duration_seconds", "Time from arrival to answer",
+                                          ["api", "method"], buckets=DURATION_BUCKETS, registry=r)
+        self.time_to_first_token = Histogram("gpt2serve_time_to_first_token_seconds",
+                                             "Time from arrival to the first generated token",
+                                             ["api", "method"], buckets=DURATION_BUCKETS, registry=r)
+        self.queue_duration = Histogram("gpt2serve_queue_duration_seconds", "Time waiting for a batch",
+                                        buckets=QUEUE_BUCKETS, registry=r)
+        self.forward_duration = Histogram("gpt2serve_forward_duration_seconds", "Forward pass of one batch",
+                                          buckets=DURATION_BUCKETS, registry=r)
+        self.batch_size = Histogram("gpt2serve_batch_size", "Prompts per forward pass",
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("gpt2serve_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
+        self.generated_tokens = Counter("gpt2serve_generated_tokens", "Tokens generated", ["api"], registry=r)
+        self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r)
+        self.queue_depth = Gauge("gpt2serve_queue_depth", "Prompts waiting for a batch", registry=r)
+        self.device_memory = Gauge("gpt2serve_device_memory_bytes",
+                                   "Memory in use on the model's device (CPU: process RSS)", ["device"], registry=r)
+        self.model = Info("gpt2serve_model", "The served model", registry=r)
+
+    def attach(self, *, model: str, dtype: str, device: str, weights: str, queue_depth: Callable[[], float],
+               device_memory: Callable[[], float]) -> None:
+        """Called once the model is loaded."""
+        self.model.info({"model": model, "dtype": dtype, "device": device, "weights": weights})
+        self.queue_depth.set_function(queue_depth)
+        self.device_memory.labels(device=device).set_function(device_memory)
+
+    def request_finished(self, api: str, method: str, status: str, duration_s: float, trace_id: str = "") -> None:
+        self.requests.labels(api=api, method=method, status=status).inc()
+        if status == "OK":
+            exemplar = {"trace_id": trace_id} if trace_id else None
+            self.request_duration.labels(api=api, method=method).observe(duration_s, exemplar)
+            self.time_to_first_token.labels(api=api, method=method).observe(duration_s, exemplar)
+
+    def tokens(self, api: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.prompt_tokens.labels(api=api).inc(prompt_tokens)
+        self.generated_tokens.labels(api=api).inc(generated_tokens)
+
+    def queued(self, queue_s: float, trace_id: str = "") -> None:
+        self.queue_duration.observe(queue_s, {"trace_id": trace_id} if trace_id else None)
+
+    def batch(self, size: int, forward_s: float) -> None:
+        self.batch_size.observe(size)
+        self.forward_duration.observe(forward_s)
+
+    def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
+        """The scrape body and its content type (OpenMetrics, with exemplars, when asked for)."""
+        encoder, content_type = choose_encoder(accept_header or "")
+        return encoder(self.registry), content_type
