@@ -48,6 +48,8 @@ def test_counters_move_by_what_was_sent(metered_server):
         for call in (lambda: grpc_client.next_token(""), lambda: rest.next_token("")):
             with pytest.raises(Gpt2ServeError):
                 call()
+    malformed = httpx.post(f"{srv.http_url}/v1/next-token", json={"prompt": 5}, timeout=10)  # wrong type: 422
+    assert malformed.status_code == 422
     after = scrape(srv)
 
     def delta(name, **labels):
@@ -57,7 +59,7 @@ def test_counters_move_by_what_was_sent(metered_server):
     assert delta("gpt2serve_requests_total", api="grpc", method="NextToken", status="INVALID_ARGUMENT") == 1
     assert delta("gpt2serve_requests_total", api="rest", method="NextToken", status="OK") == 2
     assert delta("gpt2serve_requests_total", api="rest", method="NextTokenBatch", status="OK") == 1
-    assert delta("gpt2serve_requests_total", api="rest", method="NextToken", status="INVALID_ARGUMENT") == 1
+    assert delta("gpt2serve_requests_total", api="rest", method="NextToken", status="INVALID_ARGUMENT") == 2
     assert delta("gpt2serve_prompt_tokens_total", api="grpc") == 6
     assert delta("gpt2serve_prompt_tokens_total", api="rest") == 10
     assert delta("gpt2serve_generated_tokens_total", api="grpc") == 3

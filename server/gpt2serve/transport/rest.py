@@ -221,11 +221,15 @@ class InferenceRoutes:
 
     async def handle(self, request: Request, body_type: type[Body], handler) -> Response:
         raw = await request.body()
-        if "json" not in request.headers.get("content-type", ""):
-            return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, []))
-        try:
-            body = body_type.model_validate_json(raw)
-        except ValidationError as exc:
-            errors = [{**err, "loc": err.get("loc", ())} for err in exc.errors(include_url=False)]
-            return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, errors))
-        return await handler(request, body)
+        errors: list[dict] = []
+        if "json" in request.headers.get("content-type", ""):
+            try:
+                body = body_type.model_validate_json(raw)
+            except ValidationError as exc:
+                errors = exc.errors(include_url=False)
+            else:
+                return await handler(request, body)
+        # Malformed bodies never reach the service; count them here like its own refusals.
+        method = "NextTokenBatch" if body_type is NextTokenBatchBody else "NextToken"
+        self.service.telemetry.metrics.request_finished("rest", method, "INVALID_ARGUMENT", 0.0)
+        return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, errors))
