@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 serve: $(STAMP)
 	$(BIN)/gpt2serve serve $(ARGS)
 
-## Run the whole test suite.
+## Run the whole test suite (installs the Debian packages the tests use when missing).
 test: $(STAMP)
+	scripts/debian_test_deps.sh
 	$(BIN)/python -m pytest $(ARGS)
 
 ## Regenerate the checked-in protobuf/gRPC code after editing proto/.

@@ -1,0 +1,131 @@
+"""A real Prometheus (Debian's package, started here on loopback) scrapes a real gpt2serve under
+load: the counters it stores equal the requests sent, and it keeps the traced request's exemplar."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import launch_server
+from otlp_receiver import OtlpReceiver
+
+from gpt2serve_client import AsyncClient, Client, Gpt2ServeError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """gpt2serve (tracing to a local OTLP receiver) + Prometheus scraping it every 0.5 s."""
+    if not shutil.which("prometheus"):
+        pytest.fail("prometheus is not installed: `make test` installs it (scripts/debian_test_deps.sh)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    receiver = OtlpReceiver().start()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    srv = launch_server(tmp, "--model", "random:tiny", "--trace-sample-ratio", "0", env=env)
+    # The shipped config, pointed at this server instead of the compose service name.
+    config = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
+    config = config.replace("gpt2serve:8000", srv.http_url.removeprefix("http://")).replace("5s", "500ms")
+    (tmp / "prometheus.yml").write_text(config)
+    port = free_port()
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"],
+        stdout=open(tmp / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        raise TimeoutError((tmp / "prometheus.log").read_text())
+    yield srv, url
+    prom.terminate()
+    prom.wait(timeout=30)
+    srv.stop()
+    receiver.stop()
+
+
+def query(url: str, promql: str) -> list[dict]:
+    body = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def scalar(url: str, promql: str) -> float:
+    result = query(url, promql)
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise TimeoutError(what)
+
+
+def test_prometheus_stores_what_was_sent(stack):
+    srv, url = stack
+    sent_ok = 60
+
+    async def load():
+        async with AsyncClient(srv.grpc_target) as client:
+            await asyncio.gather(*(client.next_token([i % 50000 + 1, 7, 9]) for i in range(sent_ok)))
+
+    asyncio.run(load())
+    with Client(srv.grpc_target) as client:
+        with pytest.raises(Gpt2ServeError):
+            client.next_token("")
+        traced = client.next_token([464, 3139, 286], trace_layers=True)
+    for _ in range(3):
+        httpx.post(f"{srv.http_url}/v1/next-token", json={"prompt_token_ids": [1, 2]}, timeout=10)
+
+    ok_grpc = 'sum(gpt2serve_requests_total{api="grpc",status="OK"})'
+    wait_for(lambda: scalar(url, ok_grpc) >= sent_ok + 1, what="Prometheus never saw the gRPC requests")
+    time.sleep(1.0)  # one more scrape: nothing else may arrive
+    assert scalar(url, ok_grpc) == sent_ok + 1
+    assert scalar(url, 'sum(gpt2serve_requests_total{api="grpc",status="INVALID_ARGUMENT"})') == 1
+    assert scalar(url, 'sum(gpt2serve_requests_total{api="rest",status="OK"})') == 3
+    assert scalar(url, "sum(gpt2serve_prompt_tokens_total)") == sent_ok * 3 + 3 + 3 * 2
+    assert scalar(url, "sum(gpt2serve_batch_size_sum)") == sent_ok + 1 + 3
+    assert scalar(url, "sum(gpt2serve_batch_size_count)") < sent_ok  # concurrent requests were batched
+    assert query(url, 'gpt2serve_model_info{model="random:tiny",dtype="float32"}')
+    # Cumulative buckets: the series were born with the load, so a rate() over them would be empty.
+    p90 = scalar(url, "histogram_quantile(0.9, sum by (le) (gpt2serve_request_duration_seconds_bucket))")
+    assert 0 < p90 < 10
+
+    def exemplar_trace_ids():
+        now = time.time()
+        body = httpx.get(f"{url}/api/v1/query_exemplars", timeout=10, params={
+            "query": "gpt2serve_request_duration_seconds_bucket", "start": now - 300, "end": now + 60}).json()
+        return {e["labels"].get("trace_id") for series in body.get("data") or [] for e in series["exemplars"]}
+
+    ids = wait_for(lambda: traced.trace_id in exemplar_trace_ids() and exemplar_trace_ids(),
+                   what="the traced request's exemplar never reached Prometheus")
+    assert traced.trace_id in ids
+
+
+def test_shipped_prometheus_config_passes_promtool():
+    out = subprocess.run(["promtool", "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout + out.stderr
