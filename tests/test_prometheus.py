@@ -129,3 +129,41 @@ def test_shipped_prometheus_config_passes_promtool():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout + out.stderr
+
+
+def dashboard_expressions() -> list[str]:
+    import json
+
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/gpt2serve.json").read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def test_every_dashboard_query_returns_data(stack):
+    """Load for a few seconds (with one error in it), then run each panel's PromQL as Grafana would,
+    with $__rate_interval = 30s."""
+    srv, url = stack
+    stop_at = time.monotonic() + 4.0
+
+    async def load():
+        async with AsyncClient(srv.grpc_target) as client:
+            async def worker(i):
+                while time.monotonic() < stop_at:
+                    await client.next_token([i + 1, 2, 3])
+            await asyncio.gather(*(worker(i) for i in range(8)))
+
+    with Client(srv.grpc_target) as client:
+        client.next_token([1])  # every series exists before the load, so rates see it grow
+        time.sleep(1.0)
+        asyncio.run(load())
+        with pytest.raises(Gpt2ServeError):
+            client.next_token("")
+    time.sleep(1.5)  # a few more scrapes
+    expressions = dashboard_expressions()
+    assert len(expressions) >= 10
+    empty = []
+    for expr in expressions:
+        result = query(url, expr.replace("$__rate_interval", "30s"))
+        values = [float(series["value"][1]) for series in result]
+        if not any(v == v for v in values):  # no series, or only NaN
+            empty.append(expr)
+    assert not empty, f"dashboard queries without data: {empty}"
