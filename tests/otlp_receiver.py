@@ -57,6 +57,10 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                         ))
         return trace_service_pb2.ExportTraceServiceResponse()
 
+    def exporter_env(self) -> dict[str, str]:
+        """Environment for a server that should export its spans here."""
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+
     def start(self) -> OtlpReceiver:
         self.server.start()
         return self

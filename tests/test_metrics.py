@@ -15,7 +15,7 @@ from gpt2serve_client import Client, Gpt2ServeError, RestClient
 @pytest.fixture(scope="module")
 def metered_server(tmp_path_factory):
     receiver = OtlpReceiver().start()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    env = receiver.exporter_env()
     srv = launch_server(tmp_path_factory.mktemp("metrics"), "--model", "random:tiny", "--trace-sample-ratio", "0",
                         env=env)
     yield srv

@@ -33,7 +33,7 @@ def stack(tmp_path_factory):
         pytest.fail("prometheus is not installed: `make test` installs it (scripts/debian_test_deps.sh)")
     tmp = tmp_path_factory.mktemp("prometheus")
     receiver = OtlpReceiver().start()
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
+    env = receiver.exporter_env()
     srv = launch_server(tmp, "--model", "random:tiny", "--trace-sample-ratio", "0", env=env)
     # The shipped config, pointed at this server instead of the compose service name.
     config = (ROOT / "deploy/prometheus/prometheus.yml").read_text()

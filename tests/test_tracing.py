@@ -31,7 +31,7 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def traced_server(tmp_path_factory, receiver):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    env = {**receiver.exporter_env(),
            "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "gpt2serve-under-test",
            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
     srv = launch_server(tmp_path_factory.mktemp("traced"), "--model", "random:tiny", "--trace-sample-ratio", "0",

@@ -51,7 +51,7 @@ def device_memory_probe(device) -> Callable[[], float]:
 
 
 def load_engine(config: ServeConfig) -> Engine:
-    """Runs in the engine thread: load, then one warm-up forward so the first request is not slow."""
+    """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
                         random_fallback=config.random_fallback)
     engine = Engine(loaded)
@@ -98,12 +98,11 @@ async def serve(config: ServeConfig) -> None:
     )
     batcher.start()
     service.attach(loaded, batcher)
-    telemetry.metrics.attach(model=loaded.name, dtype=str(loaded.dtype).removeprefix("torch."),
-                             device=str(loaded.device), weights=loaded.weights,
+    info = service.model_info()
+    telemetry.metrics.attach(model=info.model, dtype=info.dtype, device=info.device, weights=info.weights,
                              queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device))
     service.ready = True
     await grpc_transport.set_serving(True)
-    info = service.model_info()
     print(f"gpt2serve ready: model={info.model} weights={info.weights} device={info.device} dtype={info.dtype}",
           flush=True)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, format_trace_id
+from opentelemetry.trace import Span
 
 from gpt2serve_client.types import ModelInfo, NextTokenResult, Timings, TokenLogprob
 
@@ -20,7 +20,7 @@ from .engine.loading import LoadedModel
 from .engine.model_info import architecture, parameter_breakdown
 from .errors import FailedPrecondition, InvalidArgument, Unavailable
 from .scheduling.batcher import Batcher, ScheduledOutput
-from .telemetry.spans import RequestTrace, Telemetry
+from .telemetry.spans import RequestTrace, Telemetry, exported_trace_id
 
 DEFAULT_TOP_K = 5
 
@@ -96,27 +96,27 @@ class InferenceService:
             k = self.resolve_top_k(top_k)
             token_ids = [self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                          for i, p in enumerate(prompts)]
-            trace = self.request_trace(span, options)
-            span.set_attribute("gen_ai.usage.input_tokens", sum(map(len, token_ids)))
+            trace_id = exported_trace_id(span)
+            trace = self.request_trace(span, options, sampled=bool(trace_id))
+            prompt_tokens = sum(map(len, token_ids))
+            span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", len(token_ids))
             span.set_attribute("gen_ai.request.top_k", k)
             outputs = await batcher.submit(token_ids, k, trace)
             for out in outputs[:1]:  # The prompts of one call enter the queue together.
                 self.telemetry.queue_span(span, out.enqueued_ns, out.batch_started_ns)
-            trace_id = format_trace_id(trace.span_context.trace_id) if trace.sampled else ""
             metrics = self.telemetry.metrics
-            metrics.tokens(options.api, sum(map(len, token_ids)), len(token_ids))
+            metrics.tokens(options.api, prompt_tokens, len(token_ids))
             for out in outputs:
                 metrics.queued(out.queue_s, trace_id)
             total_ms = (time.perf_counter() - received) * 1000
             return [self.build_result(ids, out, total_ms, trace_id, options.include_layers)
                     for ids, out in zip(token_ids, outputs)]
 
-    def request_trace(self, span: Span, options: RequestOptions) -> RequestTrace:
+    def request_trace(self, span: Span, options: RequestOptions, sampled: bool) -> RequestTrace:
         mode = self.config.trace_layers
         if mode == "never" and (options.trace_layers or options.include_layers):
             raise FailedPrecondition("per-layer reports are off on this server (--trace-layers never)")
-        sampled = span.is_recording() and span.get_span_context().trace_flags.sampled
         layer_spans = sampled and (options.trace_layers or mode == "always")
         return RequestTrace(span.get_span_context(), sampled=sampled,
                             layers_wanted=layer_spans or options.include_layers, layer_spans=layer_spans,

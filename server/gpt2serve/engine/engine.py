@@ -104,11 +104,8 @@ class Engine:
     def layer_reports(self, output: BatchOutput) -> BatchOutput:
         """The traced rows' per-layer reports, logit lens decoded here: called after the answers
         went out, since decoding every block costs about one more unembedding of n_layer rows."""
-        probe = output.probe
-        probe.reduce()
-        probe.take_lens_logits(self.unembed(probe.lens_inputs()))
-        per_row, timeline = probe.reports()
-        return replace(output, layers=dict(zip(probe.rows, per_row)), timeline=timeline, probe=None)
+        per_row, timeline = output.probe.reports(self.unembed)
+        return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None)
 
     def unembed(self, rows: torch.Tensor) -> torch.Tensor:
         """lm_head over (N, d_model) rows -> (N, vocab).

@@ -1,11 +1,12 @@
-"""Layer-by-layer reports for the traced rows of a batch, computed on the device during the forward.
+"""Layer-by-layer reports for the traced rows of a batch, from what the forward computed.
 
-Forward hooks on each block capture what the block already computes (its fused QKV projection,
-attention and MLP outputs, the residual stream) and reduce it, for the traced rows only, to a
-few numbers per head and per layer. The attention probabilities of a traced row are rebuilt
+Forward hooks on each block keep slices of what the block already computes (its fused QKV
+projection, attention and MLP outputs, the residual stream) for the traced rows only, so the
+answer is barely delayed. Afterwards `reports()` reduces them on the device, all blocks at once,
+to a few numbers per head and per layer. The attention probabilities of a traced row are rebuilt
 from the model's own Q and K (softmax(QK^T / sqrt(d_head)) with the causal mask over the row's
 real tokens), so every row, traced or not, keeps the fast SDPA kernel in the model itself.
-Everything stays on the device until one host copy at the end (`LayerProbe.reports`).
+Everything stays on the device until one host copy per statistic.
 
 Layer timings: host clocks on CPU (where a kernel finishes before the hook runs); CUDA events on
 a GPU, read once after the forward instead of a host sync per layer.
@@ -78,7 +79,6 @@ class LayerProbe:
         self._hidden_last: list[torch.Tensor] = []  # per block: (R, d) residual after the block
         self._attn_last: list[torch.Tensor] = []  # per block: (R, d)
         self._mlp_last: list[torch.Tensor] = []  # per block: (R, d)
-        self._stats: list[dict[str, torch.Tensor]] = []  # per block, after reduce(): device tensors
         self._end_ns = 0
 
     @contextmanager
@@ -115,13 +115,10 @@ class LayerProbe:
 
     # After the answers went out: reduce on the device, all blocks at once ---------------------------
 
-    def reduce(self) -> None:
-        n_layer = len(self._qkv)
-        hidden = torch.stack(self._hidden_last).float()  # (n_layer, R, d)
-        norms = torch.stack([hidden.norm(dim=-1), torch.stack(self._attn_last).float().norm(dim=-1),
-                             torch.stack(self._mlp_last).float().norm(dim=-1)], dim=-1)  # (n_layer, R, 3)
-        heads = torch.stack([self._head_stats(r, length) for r, length in enumerate(self.lengths)], dim=1)
-        self._stats = [{"heads": heads[i], "norms": norms[i]} for i in range(n_layer)]  # (R, 6, H), (R, 3)
+    def _norms(self) -> torch.Tensor:
+        """Residual, attention-output and MLP-output norms at the last position: (n_layer, R, 3)."""
+        return torch.stack([torch.stack(captured).float().norm(dim=-1)
+                            for captured in (self._hidden_last, self._attn_last, self._mlp_last)], dim=-1)
 
     def _head_stats(self, r: int, length: int) -> torch.Tensor:
         """Per block and head, from the model's own Q and K for row r: (n_layer, 6, H)."""
@@ -145,12 +142,20 @@ class LayerProbe:
         return torch.stack([entropy, max_weight, top_position.float(), top_token_id.float(), last[..., 0],
                             previous], dim=1)  # (n_layer, 6, H)
 
-    # After the forward -------------------------------------------------------------------------
-
-    def reports(self) -> tuple[list[list[LayerReport]], ForwardTimeline]:
+    def reports(self, unembed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[LayerReport]],
+                                                                             ForwardTimeline]:
         """Per traced row (in `rows` order), one LayerReport per block; and the stage timeline.
-        Call after the forward's output reached the host and `finish()` marked its end."""
-        host = [{name: tensor.tolist() for name, tensor in stats.items()} for stats in self._stats]
+        Call after `finish()`. `unembed` is the engine's lm_head: every block's logit lens is
+        decoded in one product (one per block would stream the unembedding matrix n_layer times)."""
+        n_rows = len(self.rows)
+        lens_inputs = self.transformer.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
+        lens_probs, lens_ids = unembed(lens_inputs).float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)
+        heads = torch.stack([self._head_stats(r, length) for r, length in enumerate(self.lengths)], dim=1)
+        # One host copy each: (n_layer, R, 6, H), (n_layer, R, 3), (n_layer, R, k) twice.
+        heads, norms = heads.tolist(), self._norms().tolist()
+        lens_probs = lens_probs.view(-1, n_rows, LOGIT_LENS_K).tolist()
+        lens_ids = lens_ids.view(-1, n_rows, LOGIT_LENS_K).tolist()
+
         marks = self.clock.times_ns(self._end_ns)  # start, embed end, each block's end, unembed end
         timeline = ForwardTimeline(
             embed=(marks[0], marks[1]), blocks=list(zip(marks[1:-2], marks[2:-1])), unembed=(marks[-2], marks[-1]),
@@ -162,40 +167,27 @@ class LayerProbe:
         per_row = []
         for r, length in enumerate(self.lengths):
             layers = []
-            for index, (stats, (start, end)) in enumerate(zip(host, timeline.blocks)):
-                entropy, max_weight, top_position, top_token_id, first, previous = stats["heads"][r]
-                residual, attn_norm, mlp_norm = stats["norms"][r]
-                heads = [
-                    HeadSummary(entropy=e, max_weight=m, top_position=int(p), top_token_id=int(t),
-                                top_token=self.token_text(int(t)), first_token_weight=f, previous_token_score=v)
-                    for e, m, p, t, f, v in zip(entropy, max_weight, top_position, top_token_id, first, previous)
-                ]
+            for index, (start, end) in enumerate(timeline.blocks):
+                entropy, max_weight, top_position, top_token_id, first, previous = heads[index][r]
+                residual, attn_norm, mlp_norm = norms[index][r]
                 layers.append(LayerReport(
                     index=index,
                     batch_hidden_shape=[batch, padded, d_model], batch_qkv_shape=[batch, n_head, padded, d_head],
                     batch_attn_shape=[batch, n_head, padded, padded], batch_mlp_shape=[batch, padded, d_mlp],
                     hidden_shape=[length, d_model], qkv_shape=[n_head, length, d_head],
                     attn_shape=[n_head, length, length], mlp_shape=[length, d_mlp],
-                    heads=heads, residual_norm=residual, attn_output_norm=attn_norm, mlp_output_norm=mlp_norm,
+                    heads=[
+                        HeadSummary(entropy=e, max_weight=m, top_position=int(p), top_token_id=int(t),
+                                    top_token=self.token_text(int(t)), first_token_weight=f, previous_token_score=v)
+                        for e, m, p, t, f, v in zip(entropy, max_weight, top_position, top_token_id, first, previous)
+                    ],
+                    residual_norm=residual, attn_output_norm=attn_norm, mlp_output_norm=mlp_norm,
                     logit_lens=[TokenProb(int(i), self.token_text(int(i)), p)
-                                for i, p in zip(stats["lens_ids"][r], stats["lens_probs"][r])],
+                                for i, p in zip(lens_ids[index][r], lens_probs[index][r])],
                     duration_ms=(end - start) / 1e6,
                 ))
             per_row.append(layers)
         return per_row, timeline
-
-    def lens_inputs(self) -> torch.Tensor:
-        """Every block's last-position residual through ln_f, (n_layer * R, d), for the engine to
-        decode in one product (one per block would stream the unembedding matrix n_layer times)."""
-        return self.transformer.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
-
-    def take_lens_logits(self, logits: torch.Tensor) -> None:
-        """The decoded `lens_inputs()`: (n_layer * R, vocab)."""
-        n_rows = len(self.rows)
-        probs, ids = logits.float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)  # (n_layer * R, k)
-        probs, ids = probs.view(-1, n_rows, LOGIT_LENS_K), ids.view(-1, n_rows, LOGIT_LENS_K)  # (n_layer, R, k)
-        for stats, layer_probs, layer_ids in zip(self._stats, probs, ids):
-            stats["lens_probs"], stats["lens_ids"] = layer_probs, layer_ids
 
     def finish(self) -> None:
         """Mark the end of the forward's last stage (after its outputs reached the host)."""

@@ -23,8 +23,8 @@ from typing import Any, Protocol, Sequence
 from gpt2serve_client.types import LayerReport
 
 from ..engine.engine import BatchOutput, Engine, TokenScore
-from .grouping import plan_batch
 from ..errors import ResourceExhausted, ServeError, Unavailable
+from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
 STREAMING_WAIT_FACTOR = 3  # see Batcher._wait_until
@@ -142,6 +142,13 @@ class Batcher:
                 started_ns, output.layers.get(row),
             ))
 
+    def _fail(self, batch: list[_Pending], stage: str, exc: Exception) -> None:
+        """An exception in the engine fails the batch's unanswered requests, nothing else."""
+        log.exception("%s failed for a batch of %d", stage, len(batch), exc_info=exc)
+        for item in batch:
+            if not item.future.done():
+                item.future.set_exception(EngineFailure(f"{stage} failed: {exc}"))
+
     def _observe(self, traces: list, output: BatchOutput, started_ns: int) -> None:
         try:
             self.observer.record_batch(traces, output, started_ns)
@@ -176,10 +183,7 @@ class Batcher:
                     traced_rows,
                 )
             except Exception as exc:  # Fail this batch only; keep serving.
-                log.exception("forward pass failed for a batch of %d", len(batch))
-                for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(EngineFailure(f"forward pass failed: {exc}"))
+                self._fail(batch, "forward pass", exc)
                 continue
             self.batches_run += 1
             self._expected_batch = self._waiting + len(batch)
@@ -190,10 +194,7 @@ class Batcher:
                 try:
                     output = await loop.run_in_executor(self._executor, self.engine.layer_reports, output)
                 except Exception as exc:
-                    log.exception("layer reports failed for a batch of %d", len(batch))
-                    for item in batch:
-                        if not item.future.done():
-                            item.future.set_exception(EngineFailure(f"per-layer reports failed: {exc}"))
+                    self._fail(batch, "per-layer reports", exc)
                     continue
             self._answer(batch, output, started, started_ns, needs_layers=True)
             if self.observer is not None:  # After the answers: spans are not on anyone's critical path.

@@ -46,6 +46,12 @@ class RequestTrace:
     layers_in_response: bool = False  # its answer waits for the reports (include_layers)
 
 
+def exported_trace_id(span: Span) -> str:
+    """The span's hex trace id if it is recorded and sampled (so it will exist in a backend), else ""."""
+    context = span.get_span_context()
+    return format_trace_id(context.trace_id) if span.is_recording() and context.trace_flags.sampled else ""
+
+
 def layer_attributes(report: LayerReport, row: int) -> dict:
     """About 25 plain attributes: the SDK keeps 128 a span and silently drops tensors."""
     heads = report.heads
@@ -96,9 +102,7 @@ class Telemetry:
             with self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
                                                    attributes=attributes, record_exception=False,
                                                    set_status_on_exception=False) as span:
-                context = span.get_span_context()
-                if span.is_recording() and context.trace_flags.sampled:  # exemplar for the histograms
-                    trace_id = format_trace_id(context.trace_id)
+                trace_id = exported_trace_id(span)  # exemplar for the histograms
                 try:
                     yield span
                 except Exception as exc:

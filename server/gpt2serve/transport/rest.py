@@ -101,10 +101,11 @@ class ClientDisconnected(Exception):
     """Nobody is left to answer."""
 
 
-def request_options(request: Request, route: str, body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
+def request_options(request: Request, route: str, method: str,
+                    body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
     """Span name and attributes, the caller's W3C trace context (headers), and what it asked to see."""
     return RequestOptions(
-        api="rest", method="NextTokenBatch" if route.endswith("/batch") else "NextToken", span_name=f"POST {route}", parent=propagate.extract(request.headers),
+        api="rest", method=method, span_name=f"POST {route}", parent=propagate.extract(request.headers),
         attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme},
         trace_layers=body.trace_layers, include_layers=body.include_layers,
     )
@@ -184,24 +185,25 @@ class InferenceRoutes:
 
     def __init__(self, service: InferenceService):
         self.service = service
-        self.bodies = {"/v1/next-token": (NextTokenBody, self.next_token),
-                       "/v1/next-token/batch": (NextTokenBatchBody, self.next_token_batch)}
+        # path -> (body type, handler, method name for metrics: the gRPC method it mirrors)
+        self.routes = {"/v1/next-token": (NextTokenBody, self.next_token, "NextToken"),
+                       "/v1/next-token/batch": (NextTokenBatchBody, self.next_token_batch, "NextTokenBatch")}
 
     async def next_token(self, request: Request, body: NextTokenBody) -> Response:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
-        options = request_options(request, "/v1/next-token", body)
+        options = request_options(request, "/v1/next-token", "NextToken", body)
         result = await unless_disconnected(request, self.service.next_token(prompt, body.top_k, options))
         return json_response(asdict(result))
 
     async def next_token_batch(self, request: Request, body: NextTokenBatchBody) -> Response:
         prompts = [batch_prompt(p) for p in body.prompts]
-        options = request_options(request, "/v1/next-token/batch", body)
+        options = request_options(request, "/v1/next-token/batch", "NextTokenBatch", body)
         results = await unless_disconnected(request, self.service.next_token_batch(prompts, body.top_k, options))
         return json_response({"results": [asdict(r) for r in results]})
 
     def asgi(self, fallback: FastAPI):
         async def app(scope, receive, send) -> None:
-            route = self.bodies.get(scope.get("path")) if scope["type"] == "http" else None
+            route = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
             if route is None or scope.get("method") != "POST":
                 return await fallback(scope, receive, send)
             request = Request(scope, receive)
@@ -216,10 +218,9 @@ class InferenceRoutes:
                 response = error_response(500, "INTERNAL", "internal error; see server log")
             await response(scope, receive, send)
 
-        app.fallback = fallback  # The FastAPI app, for tests and OpenAPI.
         return app
 
-    async def handle(self, request: Request, body_type: type[Body], handler) -> Response:
+    async def handle(self, request: Request, body_type: type[Body], handler, method: str) -> Response:
         raw = await request.body()
         errors: list[dict] = []
         if "json" in request.headers.get("content-type", ""):
@@ -230,6 +231,5 @@ class InferenceRoutes:
             else:
                 return await handler(request, body)
         # Malformed bodies never reach the service; count them here like its own refusals.
-        method = "NextTokenBatch" if body_type is NextTokenBatchBody else "NextToken"
         self.service.telemetry.metrics.request_finished("rest", method, "INVALID_ARGUMENT", 0.0)
         return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, errors))
