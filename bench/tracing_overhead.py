@@ -20,12 +20,9 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent import futures
 
@@ -34,6 +31,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from gpt2serve.bench import load_grpc, make_prompts
 from gpt2serve_client import AsyncClient
+from local_server import launch
 
 
 class CountingSink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -47,23 +45,6 @@ class CountingSink(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         self.spans += sum(len(s.spans) for rs in request.resource_spans for s in rs.scope_spans)
         return trace_service_pb2.ExportTraceServiceResponse()
-
-
-def launch(model: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpt2serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
-         "--grpc-port", "0", "--http-port", "0", "--trace-sample-ratio", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        text = open(log.name).read()
-        if "gpt2serve ready" in text:
-            return proc, re.search(r"grpc=(\S+)", text).group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(text)
-        time.sleep(0.2)
-    raise TimeoutError(open(log.name).read())
 
 
 KINDS = {"untraced": {}, "trace_layers": {"trace_layers": True},
@@ -100,7 +81,9 @@ def main() -> int:
     plain_env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     traced_env = {**plain_env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink.port}",
                   "OTEL_EXPORTER_OTLP_INSECURE": "true"}
-    servers = {"tracing configured": launch(args.model, traced_env), "tracing off": launch(args.model, plain_env)}
+    sample_none = ("--trace-sample-ratio", "0")
+    servers = {"tracing configured": launch(args.model, traced_env, *sample_none),
+               "tracing off": launch(args.model, plain_env, *sample_none)}
     try:
         prompts = make_prompts(256, 5, 50257)
         totals = {name: 0 for name in servers}
@@ -127,7 +110,7 @@ def main() -> int:
         }
         print(json.dumps(report, indent=2))
     finally:
-        for proc, _ in servers.values():
+        for proc, *_ in servers.values():
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
         sink.server.stop(0)

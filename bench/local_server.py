@@ -1,0 +1,27 @@
+"""Start a `gpt2serve serve` on loopback for a bench script, on ephemeral ports."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def launch(model: str, env: dict[str, str] | None = None, *extra: str) -> tuple[subprocess.Popen, str, str]:
+    """(process, gRPC host:port, REST base URL) once the server says it is ready."""
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpt2serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
+         "--grpc-port", "0", "--http-port", "0", *extra],
+        stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        text = open(log.name).read()
+        if "gpt2serve ready" in text:
+            return proc, re.search(r"grpc=(\S+)", text).group(1), re.search(r"http=(\S+)", text).group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(text)
+        time.sleep(0.2)
+    raise TimeoutError(open(log.name).read())
