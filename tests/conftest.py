@@ -48,10 +48,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, wait_ready: bool = True) -> ServerProcess:
-    """Start `gpt2serve serve` on loopback with ephemeral ports; returns once it listens (or is ready)."""
+def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, wait_ready: bool = True,
+                  entry: tuple[str, ...] = ("-m", "gpt2serve.cli")) -> ServerProcess:
+    """Start `gpt2serve serve` on loopback with ephemeral ports; returns once it listens (or is ready).
+    `entry`: what python runs instead of the CLI module (a script that wraps it, e.g. fault injection)."""
     log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
-    command = [sys.executable, "-m", "gpt2serve.cli", "serve", "--host", "127.0.0.1",
+    command = [sys.executable, *entry, "serve", "--host", "127.0.0.1",
                "--grpc-port", "0", "--http-port", "0", *args]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,

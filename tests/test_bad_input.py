@@ -126,3 +126,93 @@ def test_server_still_answers_after_bad_input(server):
     with Client(server.grpc_target) as client:
         assert client.next_token("still alive?", top_k=2).prompt_token_ids
     assert httpx.get(f"{server.http_url}/readyz").status_code == 200
+
+
+def raw_next_token(server, payload: bytes, timeout: float = 10, method: str = "NextToken") -> bytes:
+    """Send bytes as they are: what a broken or hostile client can put on the wire."""
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        call = channel.unary_unary(f"/gpt2serve.v1.Gpt2Serve/{method}")  # no serializers: raw bytes
+        return call(payload, timeout=timeout)
+
+
+def rejected_count(server, method: str, code: str, api: str = "grpc") -> float:
+    text = httpx.get(f"{server.http_url}/metrics").text
+    line = f'gpt2serve_requests_total{{api="{api}",method="{method}",status="{code}"}} '
+    return next((float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)), 0.0)
+
+
+@pytest.mark.parametrize("payload, words", [
+    (b"\x0a\x02\xff\xfe", "NextTokenRequest"),  # field 1 (prompt): invalid UTF-8
+    (b"\x0a\x05ab", "NextTokenRequest"),  # truncated: says 5 bytes, carries 2
+    (b"\xff\xff\xff", "NextTokenRequest"),  # not protobuf at all
+])
+def test_grpc_undecodable_request_is_invalid_argument_and_counted(server, payload, words):
+    before = rejected_count(server, "NextToken", "INVALID_ARGUMENT")
+    with pytest.raises(grpc.RpcError) as info:
+        raw_next_token(server, payload)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert words in info.value.details()
+    assert rejected_count(server, "NextToken", "INVALID_ARGUMENT") == before + 1
+
+
+def test_rest_lone_surrogate_is_422_not_500(server):
+    # JSON can escape a lone surrogate; UTF-8 (and so the tokenizer) cannot carry one.
+    response = httpx.post(f"{server.http_url}/v1/next-token", content=b'{"prompt": "a\\ud800b"}',
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 422, response.text
+    assert "hex escape" in response.json()["error"]["message"]
+
+
+def test_rest_invalid_utf8_body_is_422(server):
+    response = httpx.post(f"{server.http_url}/v1/next-token", content=b'{"prompt": "\xff\xfe"}',
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.status_code == 422, response.text
+
+
+def test_text_far_over_the_token_limit_is_refused_without_tokenizing(server):
+    # 256 tokens x 128 bytes (GPT-2's longest token) = 32768 bytes can never fit random:tiny.
+    with Client(server.grpc_target) as client, pytest.raises(Gpt2ServeError) as error:
+        client.next_token("x" * 40000)
+    assert error.value.code == "INVALID_ARGUMENT" and "whatever they encode to" in error.value.message
+
+
+def test_long_text_under_the_byte_bound_is_tokenized_and_checked(server):
+    # 3000 characters: tokenized in a worker thread (over the inline limit), then over 256 tokens.
+    with Client(server.grpc_target) as client, pytest.raises(Gpt2ServeError) as error:
+        client.next_token("hello " * 500)
+    assert error.value.code == "INVALID_ARGUMENT" and "tokens exceed the limit of 256" in error.value.message
+
+
+@pytest.fixture(scope="module")
+def small_message_server(tmp_path_factory):
+    from conftest import launch_server
+
+    srv = launch_server(tmp_path_factory.mktemp("msg"), "--model", "random:tiny", "--max-message-bytes", "4096")
+    yield srv
+    srv.stop()
+
+
+def test_grpc_message_over_the_limit_is_resource_exhausted(small_message_server):
+    with Client(small_message_server.grpc_target, retries=0) as client:
+        with pytest.raises(Gpt2ServeError) as error:
+            client.next_token("a" * 5000)
+        assert error.value.code == "RESOURCE_EXHAUSTED"
+        assert client.next_token("a" * 100, top_k=1).token_id >= 0  # under the limit: fine
+
+
+def test_rest_body_over_the_limit_is_413_by_length_and_by_chunks(small_message_server):
+    url = f"{small_message_server.http_url}/v1/next-token"
+    declared = httpx.post(url, json={"prompt": "a" * 5000}, timeout=10)
+    assert declared.status_code == 413, declared.text
+    assert declared.json()["error"]["code"] == "RESOURCE_EXHAUSTED" and "4096 bytes" in declared.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is counted as the body arrives
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'"}'
+
+    streamed = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=10)
+    assert streamed.status_code == 413, streamed.text
+    assert rejected_count(small_message_server, "NextToken", "RESOURCE_EXHAUSTED", api="rest") == 2
+    assert httpx.post(url, json={"prompt": "a" * 100}, timeout=10).status_code == 200

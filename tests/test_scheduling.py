@@ -26,7 +26,8 @@ def test_busy_server_stays_responsive_refuses_overflow_and_drops_expired(small_q
     srv = small_queue_server
 
     async def main():
-        async with AsyncClient(srv.grpc_target) as client, httpx.AsyncClient(base_url=srv.http_url) as http:
+        # retries=0: this measures how fast the server refuses, not how long a client keeps trying.
+        async with AsyncClient(srv.grpc_target, retries=0) as client, httpx.AsyncClient(base_url=srv.http_url) as http:
             big = asyncio.create_task(client.next_token_batch([LONG_PROMPT] * 4, top_k=1, timeout=300))
             await asyncio.sleep(0.5)  # The big batch is now in the model worker.
             assert not big.done()

@@ -2,16 +2,36 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 from ._proto import gpt2serve_pb2 as pb
 
 Prompt = str | Sequence[int]
+# Statuses worth another try: the server is starting, draining or overloaded.
+RETRYABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+DEFAULT_RETRIES = 3
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def read_pem(pem: bytes | str | Path | None) -> bytes | None:
+    """PEM bytes as given, or read from a file path."""
+    if pem is None or isinstance(pem, bytes):
+        return pem
+    return Path(pem).read_bytes()
 
 try:
     from opentelemetry import propagate as _propagate
 except ImportError:  # The API is a dependency, but a stripped install still works untraced.
     _propagate = None
+
+
+def request_headers(api_key: str | None) -> dict[str, str]:
+    """Headers (gRPC metadata) for one call: the API key, if any, and the trace context."""
+    headers = trace_headers()
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
 
 
 def trace_headers() -> dict[str, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import grpc
@@ -13,31 +15,60 @@ from ._proto import gpt2serve_pb2_grpc as pb_grpc
 from .errors import Gpt2ServeError
 from .types import HealthStatus, ModelInfo, NextTokenResult
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
+MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # include_layers on a big batch of a big model is large
+
+
+def channel_options(retries: int) -> list[tuple[str, object]]:
+    """gRPC's own retry policy: UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential
+    backoff (and the server's grpc-retry-pushback-ms), within the call's deadline."""
+    options: list[tuple[str, object]] = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
+    if retries > 0:
+        policy = {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.1s", "maxBackoff": "2s",
+                  "backoffMultiplier": 2, "retryableStatusCodes": list(_requests.RETRYABLE)}
+        config = {"methodConfig": [{"name": [{"service": "gpt2serve.v1.Gpt2Serve"}], "retryPolicy": policy}]}
+        options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
+    else:
+        options.append(("grpc.enable_retries", 0))
+    return options
+
+
+def tls_credentials(tls: bool, root_certificates: bytes | str | Path | None) -> grpc.ChannelCredentials | None:
+    """None for plaintext; with TLS, the system roots unless `root_certificates` (PEM bytes or path)."""
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_requests.read_pem(root_certificates))
 
 
 def _error(exc: grpc.RpcError) -> Gpt2ServeError:
     return Gpt2ServeError(exc.code().name, exc.details() or "")
 
 
-def _metadata() -> tuple[tuple[str, str], ...] | None:
-    return tuple(_requests.trace_headers().items()) or None
-
-
 class Client:
-    """Blocking gRPC client. Every call has a deadline (`timeout` seconds unless overridden)."""
+    """Blocking gRPC client. Every call has a deadline (`timeout` seconds unless overridden) and
+    is retried on UNAVAILABLE / RESOURCE_EXHAUSTED up to `retries` times within it.
+
+    `api_key` is sent as `authorization: Bearer <key>`; `tls=True` (or `root_certificates`, PEM
+    bytes or a file path, for a private CA) connects over TLS."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT_S,
-                 channel: grpc.Channel | None = None):
+                 api_key: str | None = None, tls: bool = False, root_certificates: bytes | str | Path | None = None,
+                 retries: int = _requests.DEFAULT_RETRIES, channel: grpc.Channel | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = channel or grpc.insecure_channel(target)
+        self._api_key = api_key
+        credentials, options = tls_credentials(tls, root_certificates), channel_options(retries)
+        self._channel = channel or (grpc.secure_channel(target, credentials, options) if credentials
+                                    else grpc.insecure_channel(target, options))
         self._stub = pb_grpc.Gpt2ServeStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return tuple(_requests.request_headers(self._api_key).items()) or None
+
     def _call(self, method, request, timeout: float | None):
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=_metadata())
+            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -71,19 +102,26 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio gRPC client; the same methods as `Client`, awaited."""
+    """asyncio gRPC client; the same methods and options as `Client`, awaited."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT_S,
-                 channel: grpc.aio.Channel | None = None):
+                 api_key: str | None = None, tls: bool = False, root_certificates: bytes | str | Path | None = None,
+                 retries: int = _requests.DEFAULT_RETRIES, channel: grpc.aio.Channel | None = None):
         self.target = target
         self.timeout = timeout
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._api_key = api_key
+        credentials, options = tls_credentials(tls, root_certificates), channel_options(retries)
+        self._channel = channel or (grpc.aio.secure_channel(target, credentials, options) if credentials
+                                    else grpc.aio.insecure_channel(target, options))
         self._stub = pb_grpc.Gpt2ServeStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
+    _metadata = Client._metadata
+
     async def _call(self, method, request, timeout: float | None):
         try:
-            return await method(request, timeout=self.timeout if timeout is None else timeout, metadata=_metadata())
+            return await method(request, timeout=self.timeout if timeout is None else timeout,
+                                metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _error(exc) from None
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+import ssl
+import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import httpx
@@ -10,7 +14,8 @@ from . import _requests
 from .errors import Gpt2ServeError
 from .types import HealthStatus, ModelInfo, NextTokenResult
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
+MAX_BACKOFF_S = 2.0
 HTTP_TO_CODE = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 422: "INVALID_ARGUMENT",
                 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
@@ -24,24 +29,71 @@ def error_from_response(response: httpx.Response) -> Gpt2ServeError:
     return Gpt2ServeError(code, message, http_status=response.status_code)
 
 
+def retry_delay(attempt: int, retry_after: str | None) -> float:
+    """The server's Retry-After (seconds) when it gave one, else exponential backoff with jitter."""
+    try:
+        if retry_after:
+            return min(float(retry_after), MAX_BACKOFF_S)
+    except ValueError:
+        pass
+    return min(0.1 * 2 ** attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
+
+
+def ssl_context(root_certificates: bytes | str | Path | None) -> ssl.SSLContext | bool:
+    """Verify against the system roots, or against a private CA (PEM bytes or a file path)."""
+    if root_certificates is None:
+        return True
+    return ssl.create_default_context(cadata=_requests.read_pem(root_certificates).decode())
+
+
 class RestClient:
+    """REST client; the same methods as the gRPC `Client`. Calls have a deadline (`timeout`, the
+    whole call with its retries) and are retried on 503 / 429 / connection failures up to
+    `retries` times, after the server's Retry-After. Use an https:// URL for TLS, with
+    `root_certificates` for a private CA; `api_key` is sent as `authorization: Bearer <key>`."""
+
     def __init__(self, base_url: str = "http://localhost:8000", *, timeout: float = DEFAULT_TIMEOUT_S,
-                 http_client: httpx.Client | None = None):
+                 api_key: str | None = None, root_certificates: bytes | str | Path | None = None,
+                 retries: int = _requests.DEFAULT_RETRIES, http_client: httpx.Client | None = None):
         self.base_url = base_url.rstrip("/")
-        self._http = http_client or httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.timeout = timeout
+        self.retries = retries
+        self._api_key = api_key
+        self._http = http_client or httpx.Client(base_url=self.base_url, timeout=timeout,
+                                                 verify=ssl_context(root_certificates))
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                  timeout: float | None = None) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for attempt in range(self.retries + 1):
+            try:
+                return self._attempt(method, path, body, deadline)
+            except _Retryable as retry:
+                delay = retry_delay(attempt, retry.retry_after)
+                if attempt == self.retries or time.monotonic() + delay >= deadline:
+                    raise retry.error from None
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _attempt(self, method: str, path: str, body: dict[str, Any] | None, deadline: float) -> dict[str, Any]:
+        headers = _requests.request_headers(self._api_key)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Gpt2ServeError("DEADLINE_EXCEEDED", "the call's deadline passed")
         try:
-            response = self._http.request(method, path, json=body, headers=_requests.trace_headers(), **kwargs)
+            response = self._http.request(method, path, json=body, headers=headers, timeout=remaining)
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # Not sent, or the server closed.
+            raise _Retryable(Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__)) from None
         except httpx.TransportError as exc:
             raise Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__) from None
         if response.is_success:
             return response.json()
-        raise error_from_response(response)
+        error = error_from_response(response)
+        if error.code in _requests.RETRYABLE:
+            raise _Retryable(error, response.headers.get("retry-after"))
+        raise error
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, timeout: float | None = None) -> NextTokenResult:
@@ -58,13 +110,13 @@ class RestClient:
         return ModelInfo.from_dict(self._request("GET", "/v1/model", timeout=timeout))
 
     def health(self, timeout: float | None = None) -> HealthStatus:
-        """Readiness: SERVING when the model is loaded and accepting work."""
+        """Readiness: SERVING when the model is loaded and accepting work (asked once, no retries)."""
         try:
-            self._request("GET", "/readyz", timeout=timeout)
-        except Gpt2ServeError as exc:
-            if exc.http_status == 503:
-                return HealthStatus(serving=False, status="NOT_SERVING")
-            raise
+            self._attempt("GET", "/readyz", None, time.monotonic() + (self.timeout if timeout is None else timeout))
+        except _Retryable as retry:
+            if retry.error.http_status != 503:
+                raise retry.error from None
+            return HealthStatus(serving=False, status="NOT_SERVING")
         return HealthStatus(serving=True, status="SERVING")
 
     def close(self) -> None:
@@ -75,3 +127,11 @@ class RestClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Retryable(Exception):
+    """A failed attempt worth repeating (the server was unavailable or overloaded)."""
+
+    def __init__(self, error: Gpt2ServeError, retry_after: str | None = None):
+        self.error = error
+        self.retry_after = retry_after

@@ -22,7 +22,6 @@ from .transport.grpc_server import GrpcTransport
 from .transport.rest import create_app
 
 log = logging.getLogger("gpt2serve")
-SHUTDOWN_GRACE_S = 10.0
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:
@@ -53,7 +52,7 @@ def device_memory_probe(device) -> Callable[[], float]:
 def load_engine(config: ServeConfig) -> Engine:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
-                        random_fallback=config.random_fallback)
+                        random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
     engine = Engine(loaded)
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
@@ -66,11 +65,13 @@ async def serve(config: ServeConfig) -> None:
     tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
     telemetry = Telemetry()
     service = InferenceService(config, telemetry)
-    grpc_transport = GrpcTransport(service, config.host, config.grpc_port)
+    grpc_transport = GrpcTransport(service, config)
     http_socket = bind_http_socket(config.host, config.http_port)
-    http_server = uvicorn.Server(
-        uvicorn.Config(create_app(service), log_level=config.log_level, access_log=False, lifespan="off")
-    )
+    http_server = uvicorn.Server(uvicorn.Config(
+        create_app(service, config), log_level=config.log_level, access_log=False, lifespan="off",
+        ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
+        timeout_graceful_shutdown=max(config.shutdown_grace_s, 0.1),
+    ))
     await grpc_transport.start()
     await grpc_transport.set_serving(False)
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="http")
@@ -78,8 +79,10 @@ async def serve(config: ServeConfig) -> None:
         await asyncio.sleep(0.01)
     if http_task.done():
         await http_task  # Raises why uvicorn could not start.
+    scheme = "https" if config.tls_cert else "http"
     print(f"gpt2serve listening: grpc={config.host}:{grpc_transport.port} "
-          f"http=http://{config.host}:{http_socket.getsockname()[1]}", flush=True)
+          f"http={scheme}://{config.host}:{http_socket.getsockname()[1]}"
+          f"{' (TLS)' if config.tls_cert else ''}{' (API key required)' if config.api_key else ''}", flush=True)
 
     engine_thread = new_engine_thread()
     try:
@@ -111,16 +114,41 @@ async def serve(config: ServeConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await asyncio.wait([asyncio.create_task(stop.wait()), http_task], return_when=asyncio.FIRST_COMPLETED)
+    await shut_down(config, service, grpc_transport, http_server, http_task, batcher, tracer_provider, stop)
 
-    log.info("shutting down")
-    service.ready = False
+
+async def shut_down(config: ServeConfig, service: InferenceService, grpc_transport: GrpcTransport,
+                    http_server: uvicorn.Server, http_task: asyncio.Task, batcher: Batcher, tracer_provider,
+                    stop: asyncio.Event) -> None:
+    """Drain, then close, all within --shutdown-grace-s.
+
+    Not ready at once (probes and load balancers stop sending), new requests UNAVAILABLE / 503
+    while the listeners stay open for the connections still in use; every accepted request is
+    answered; then the transports close and the process exits. A second signal skips the wait.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.shutdown_grace_s
+    log.info("shutting down: %d request(s) in flight, up to %.1f s to finish them",
+             service.in_flight, config.shutdown_grace_s)
+    service.ready = service.accepting = False
     await grpc_transport.set_serving(False)
+    stop.clear()
+    second_signal = asyncio.create_task(stop.wait())
+    drained = asyncio.create_task(service.drained(config.shutdown_grace_s))
+    await asyncio.wait([drained, second_signal], return_when=asyncio.FIRST_COMPLETED)
+    second_signal.cancel()
+    if not (drained.done() and drained.result()):
+        log.warning("shutdown: %d request(s) still in flight are cancelled", service.in_flight)
+    drained.cancel()
+    remaining = lambda: max(deadline - loop.time(), 0.0)  # noqa: E731
     http_server.should_exit = True
-    await grpc_transport.stop(SHUTDOWN_GRACE_S)
-    await asyncio.gather(http_task, return_exceptions=True)
+    await grpc_transport.stop(min(remaining(), 1.0))
+    await asyncio.wait([http_task], timeout=remaining() + 0.5)
     await batcher.stop()
     if tracer_provider is not None:
-        tracer_provider.shutdown()  # Flushes the spans still queued for export.
+        tracer_provider.force_flush(int(max(remaining(), 0.5) * 1000))  # Spans still queued for export.
+        tracer_provider.shutdown()
+    log.info("shutdown complete")
 
 
 def run(config: ServeConfig) -> None:

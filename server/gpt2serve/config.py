@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import logging
 from typing import Mapping
 
@@ -44,6 +44,18 @@ class ServeConfig:
     trace_sample_ratio: float = 1.0
     # "otlp", "console" or None: decided by the standard OTEL_* variables (see telemetry.tracing).
     otel_traces_exporter: str | None = None
+    # Largest request message (gRPC) or body (REST) accepted, in bytes.
+    max_message_bytes: int = 4 * 1024 * 1024
+    # Bearer key required on every inference call when set (health probes stay open).
+    api_key: str | None = field(default=None, repr=False)
+    metrics_require_key: bool = False
+    # PEM files; both set means gRPC and HTTP serve TLS only.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # After SIGTERM: refuse new work, finish what was accepted, exit within this many seconds.
+    shutdown_grace_s: float = 30.0
+    # Load .bin (pickle) checkpoints; off: safetensors only (a pickle can run code when loaded).
+    allow_pickle: bool = False
 
 
 def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
@@ -85,7 +97,7 @@ class EnvDefaults:
         self.parser = parser
         self.environ = environ
 
-    def add(self, flag: str, *, type=str, default=None, help: str = "", **kwargs) -> None:
+    def add(self, flag: str, *, type=str, default=None, help: str = "", secret: bool = False, **kwargs) -> None:
         name = env_name(flag)
         if name in self.environ:
             raw = self.environ[name]
@@ -97,7 +109,8 @@ class EnvDefaults:
             kwargs.setdefault("nargs", "?")
             kwargs.setdefault("const", True)
         self.parser.add_argument(
-            flag, type=type, default=default, help=f"{help} [env {name}; default: %(default)s]", **kwargs
+            flag, type=type, default=default,
+            help=f"{help} [env {name}" + ("]" if secret else "; default: %(default)s]"), **kwargs
         )
 
 
@@ -129,6 +142,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="per-layer spans and reports: never, on-request (trace_layers / include_layers), always")
     env.add("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,
             help="share of requests traced when OTEL_EXPORTER_OTLP_ENDPOINT is set; layer-traced ones always are")
+    env.add("--max-message-bytes", type=int, default=d.max_message_bytes,
+            help="largest gRPC request message / REST body accepted (bytes)")
+    env.add("--api-key", default=d.api_key, secret=True,
+            help="require 'authorization: Bearer <key>' on gRPC and REST (probes stay open); "
+                 "prefer the env variable: flags show in the process list")
+    env.add("--metrics-require-key", type=parse_bool, default=d.metrics_require_key,
+            help="with --api-key, /metrics needs the key too")
+    env.add("--tls-cert", default=d.tls_cert, help="PEM certificate chain: serve gRPC and HTTPS over TLS")
+    env.add("--tls-key", default=d.tls_key, help="PEM private key for --tls-cert")
+    env.add("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
+            help="on SIGTERM, time to finish accepted requests before exiting")
+    env.add("--allow-pickle", type=parse_bool, default=d.allow_pickle,
+            help="also load pickle (.bin) checkpoints; default: safetensors only")
     parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
 
 
@@ -152,6 +178,19 @@ def validate(config: ServeConfig) -> None:
         problems.append("--trace-sample-ratio must be within 0..1")
     if config.max_prompt_tokens < 0:
         problems.append("--max-prompt-tokens must be >= 0")
+    if config.max_message_bytes < 1024:
+        problems.append("--max-message-bytes must be >= 1024")
+    if config.api_key is not None and not config.api_key.strip():
+        problems.append("--api-key must not be empty")
+    if config.metrics_require_key and not config.api_key:
+        problems.append("--metrics-require-key needs --api-key")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        problems.append("--tls-cert and --tls-key go together")
+    for path in (config.tls_cert, config.tls_key):
+        if path and not os.path.isfile(path):
+            problems.append(f"{path}: no such file")
+    if config.shutdown_grace_s < 0:
+        problems.append("--shutdown-grace-s must be >= 0")
     for port in (config.grpc_port, config.http_port):
         if not 0 <= port <= 65535:
             problems.append(f"port {port} is outside 0..65535")

@@ -30,6 +30,16 @@ class ResourceExhausted(ServeError):
     http_status = 429
 
 
+class PayloadTooLarge(ServeError):
+    code = "RESOURCE_EXHAUSTED"  # what grpc itself answers for an oversized message
+    http_status = 413
+
+
+class Unauthenticated(ServeError):
+    code = "UNAUTHENTICATED"
+    http_status = 401
+
+
 class Unavailable(ServeError):
     code = "UNAVAILABLE"
     http_status = 503

@@ -6,6 +6,7 @@ rule about what a valid request is lives here, once.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -23,6 +24,8 @@ from .scheduling.batcher import Batcher, ScheduledOutput
 from .telemetry.spans import RequestTrace, Telemetry, exported_trace_id
 
 DEFAULT_TOP_K = 5
+# Longer texts are tokenized in a worker thread, so a 100 KB prompt does not stall the event loop.
+TOKENIZE_INLINE_MAX_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class RequestOptions:
     attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes
     trace_layers: bool = False
     include_layers: bool = False
+    deadline: float | None = None  # time.monotonic() by which the caller gives up (gRPC deadline)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class InferenceService:
         self.telemetry = telemetry or Telemetry()
         self.max_batch_size = config.max_batch_size
         self.ready = False
+        self.accepting = True  # False once shutdown begins: new requests get UNAVAILABLE.
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._attached: tuple[LoadedModel, Batcher, ModelInfo] | None = None
 
     def attach(self, loaded: LoadedModel, batcher: Batcher) -> None:
@@ -61,6 +69,8 @@ class InferenceService:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.model.config.vocab_size
         self.max_prompt_tokens = min(self.config.max_prompt_tokens or n_ctx, n_ctx)
+        # A text of more bytes than this has more tokens than allowed: refuse it without tokenizing.
+        self.max_prompt_bytes = self.max_prompt_tokens * loaded.tokenizer.max_token_bytes
         info = ModelInfo(
             model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
             dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
@@ -70,7 +80,21 @@ class InferenceService:
         self._attached = (loaded, batcher, info)
         self.telemetry.model_name, self.telemetry.vocab_size = loaded.name, self.vocab_size
 
+    def count_refusal(self, api: str, method: str, code: str) -> None:
+        """A request refused before it reached the service (auth, size, malformed): count it too."""
+        self.telemetry.metrics.request_finished(api, method, code, 0.0)
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if some still are after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     def _require_model(self) -> tuple[LoadedModel, Batcher, ModelInfo]:
+        if not self.accepting:
+            raise Unavailable("the server is shutting down; retry on another replica")
         if self._attached is None:
             raise Unavailable("the model is still loading; retry shortly")
         return self._attached
@@ -84,9 +108,20 @@ class InferenceService:
 
     async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None,
                                options: RequestOptions = RequestOptions()) -> list[NextTokenResult]:
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._next_token_batch(prompts, top_k, options)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def _next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None,
+                                options: RequestOptions) -> list[NextTokenResult]:
         received = time.perf_counter()
         with self.telemetry.request_span(options.span_name, options.parent, options.attributes,
-                                         options.trace_layers, options.api, options.method) as span:
+                                         options.trace_layers, options.api, options.method, options.deadline) as span:
             _, batcher, _ = self._require_model()
             if not prompts:
                 raise InvalidArgument("prompts: at least one prompt is required")
@@ -94,7 +129,7 @@ class InferenceService:
                 raise InvalidArgument(
                     f"prompts: {len(prompts)} prompts exceed the limit of {self.max_batch_size} per call")
             k = self.resolve_top_k(top_k)
-            token_ids = [self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
+            token_ids = [await self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                          for i, p in enumerate(prompts)]
             trace_id = exported_trace_id(span)
             trace = self.request_trace(span, options, sampled=bool(trace_id))
@@ -129,27 +164,43 @@ class InferenceService:
             raise InvalidArgument(f"top_k: {top_k} is outside 1..{self.vocab_size}")
         return top_k
 
-    def resolve_prompt(self, prompt: PromptInput, where: str) -> list[int]:
+    async def resolve_prompt(self, prompt: PromptInput, where: str) -> list[int]:
         if prompt.text and prompt.token_ids:
             raise InvalidArgument(f"{where}: give prompt text or prompt_token_ids, not both")
         if prompt.token_ids:
             token_ids = list(prompt.token_ids)
+            self.check_length(len(token_ids), where)
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidArgument(
                     f"{where}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}"
                 )
         elif prompt.text:
-            token_ids = self.tokenizer.encode(prompt.text)
+            token_ids = await self.tokenize(prompt.text, where)
         else:
             raise InvalidArgument(f"{where}: the prompt is empty; give prompt text or prompt_token_ids")
         if not token_ids:
             raise InvalidArgument(f"{where}: the prompt encodes to no tokens")
-        if len(token_ids) > self.max_prompt_tokens:
-            raise InvalidArgument(
-                f"{where}: {len(token_ids)} tokens exceed the limit of {self.max_prompt_tokens} (--max-prompt-tokens)"
-            )
+        self.check_length(len(token_ids), where)
         return token_ids
+
+    async def tokenize(self, text: str, where: str) -> list[int]:
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:  # JSON can carry lone surrogates ("\ud800"); UTF-8 cannot.
+            raise InvalidArgument(f"{where}: the text is not valid Unicode ({exc.reason} at character {exc.start})")
+        if size > self.max_prompt_bytes:
+            raise InvalidArgument(f"{where}: {size} bytes of text exceed the limit of {self.max_prompt_tokens} tokens"
+                                  f" (--max-prompt-tokens) whatever they encode to")
+        if len(text) <= TOKENIZE_INLINE_MAX_CHARS:
+            return self.tokenizer.encode(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
+
+    def check_length(self, n_tokens: int, where: str) -> None:
+        if n_tokens > self.max_prompt_tokens:
+            raise InvalidArgument(
+                f"{where}: {n_tokens} tokens exceed the limit of {self.max_prompt_tokens} (--max-prompt-tokens)"
+            )
 
     def build_result(self, prompt_token_ids: list[int], out: ScheduledOutput, total_ms: float, trace_id: str,
                      include_layers: bool) -> NextTokenResult:

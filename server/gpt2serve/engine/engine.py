@@ -8,6 +8,7 @@ head, so a prompt in a batch gets the same answer it gets alone.
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,23 @@ from .loading import LoadedModel
 DEFAULT_FIXED_COST_TOKENS = 32.0
 MAX_FIXED_COST_TOKENS = 4096.0
 SLOW_GEMM_ROWS = (4, 16)  # see Engine.unembed
+
+
+class OutOfMemory(Exception):
+    """The device ran out of memory for this batch; the cached blocks were released, so a
+    smaller batch may fit (the scheduler splits and retries)."""
+
+
+def oom_as_out_of_memory(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            raise OutOfMemory(str(exc).splitlines()[0]) from None
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,7 @@ class Engine:
         else:  # Timing noise, or the device is far from saturated: padding is nearly free.
             self.fixed_cost_tokens = MAX_FIXED_COST_TOKENS
 
+    @oom_as_out_of_memory
     @torch.inference_mode()
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
                    traced_rows: Sequence[int] = ()) -> BatchOutput:
@@ -100,6 +119,7 @@ class Engine:
         return BatchOutput(top, time.perf_counter() - started, input_ids.shape[1], started_ns, time.time_ns(),
                            probe=probe)
 
+    @oom_as_out_of_memory
     @torch.inference_mode()
     def layer_reports(self, output: BatchOutput) -> BatchOutput:
         """The traced rows' per-layer reports, logit lens decoded here: called after the answers

@@ -113,11 +113,20 @@ def check_gpt2_family(model: GPT2LMHeadModel, source: str) -> None:
         raise ModelLoadError(f"{source}: model_type {model.config.model_type!r} is not GPT-2 family")
 
 
-def load_pretrained(spec: str, dtype: torch.dtype) -> tuple[GPT2LMHeadModel, Tokenizer, str]:
+PICKLE_HINT = ("only pickle weights (pytorch_model.bin) were found, and unpickling can run code; "
+               "convert the checkpoint to safetensors, or pass --allow-pickle if you trust it")
+
+
+def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -> tuple[GPT2LMHeadModel, Tokenizer, str]:
+    """Never runs code from the checkpoint: no trust_remote_code, and safetensors only unless
+    `allow_pickle` (then safetensors is still preferred, and torch.load is weights-only)."""
+    safe = dict(dtype=dtype, trust_remote_code=False, use_safetensors=None if allow_pickle else True)
     path = Path(spec).expanduser()
     if path.is_dir():
+        if not allow_pickle and not any(path.glob("*.safetensors")) and any(path.glob("*.bin")):
+            raise ModelLoadError(f"{path}: {PICKLE_HINT}")
         try:
-            model = GPT2LMHeadModel.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+            model = GPT2LMHeadModel.from_pretrained(path, **safe)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: {exc}") from exc
         check_gpt2_family(model, str(path))
@@ -125,20 +134,21 @@ def load_pretrained(spec: str, dtype: torch.dtype) -> tuple[GPT2LMHeadModel, Tok
     if spec.startswith((".", "/", "~")):  # Meant as a path, not a hub id.
         raise ModelLoadError(f"{spec}: no such checkpoint directory")
     try:  # Local hub cache first: no network needed.
-        model = GPT2LMHeadModel.from_pretrained(spec, dtype=dtype, local_files_only=True)
+        model = GPT2LMHeadModel.from_pretrained(spec, local_files_only=True, **safe)
     except OSError:
         if not hub_reachable():
             raise ModelLoadError(f"{spec}: not in the local cache and the Hugging Face hub is unreachable")
         try:
-            model = GPT2LMHeadModel.from_pretrained(spec, dtype=dtype, trust_remote_code=False)
+            model = GPT2LMHeadModel.from_pretrained(spec, **safe)
         except OSError as exc:
-            raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}") from exc
+            hint = f" ({PICKLE_HINT})" if not allow_pickle and "safetensors" in str(exc) else ""
+            raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}{hint}") from exc
     check_gpt2_family(model, spec)
     return model, bundled_gpt2_tokenizer(), f"huggingface:{spec}"
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: int = 0,
-               random_fallback: bool = False) -> LoadedModel:
+               random_fallback: bool = False, allow_pickle: bool = False) -> LoadedModel:
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if spec.startswith(RANDOM_PREFIX):
@@ -147,7 +157,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: in
         weights, source = "random", f"random:{arch} (seed {seed})"
     else:
         try:
-            model, tokenizer, source = load_pretrained(spec, torch_dtype)
+            model, tokenizer, source = load_pretrained(spec, torch_dtype, allow_pickle)
             weights = "pretrained"
         except ModelLoadError as exc:
             if not (random_fallback and spec in ARCHITECTURES):

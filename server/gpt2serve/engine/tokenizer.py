@@ -21,6 +21,8 @@ class Tokenizer:
         self.source = source
         self.vocab_size = len(hf_tokenizer)
         self.eos_token_id = hf_tokenizer.eos_token_id
+        # Byte-level BPE: each vocabulary string has one character per byte (GPT-2: 128).
+        self.max_token_bytes = max(map(len, hf_tokenizer.get_vocab()))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

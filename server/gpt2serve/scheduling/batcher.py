@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence
 
 from gpt2serve_client.types import LayerReport
 
-from ..engine.engine import BatchOutput, Engine, TokenScore
+from ..engine.engine import BatchOutput, Engine, OutOfMemory, TokenScore
 from ..errors import ResourceExhausted, ServeError, Unavailable
 from .grouping import plan_batch
 
@@ -142,12 +142,12 @@ class Batcher:
                 started_ns, output.layers.get(row),
             ))
 
-    def _fail(self, batch: list[_Pending], stage: str, exc: Exception) -> None:
+    def _fail(self, batch: list[_Pending], stage: str, exc: Exception, error: ServeError | None = None) -> None:
         """An exception in the engine fails the batch's unanswered requests, nothing else."""
-        log.exception("%s failed for a batch of %d", stage, len(batch), exc_info=exc)
+        log.error("%s failed for a batch of %d", stage, len(batch), exc_info=exc)
         for item in batch:
             if not item.future.done():
-                item.future.set_exception(EngineFailure(f"{stage} failed: {exc}"))
+                item.future.set_exception(error or EngineFailure(f"{stage} failed: {type(exc).__name__}: {exc}"))
 
     def _observe(self, traces: list, output: BatchOutput, started_ns: int) -> None:
         try:
@@ -170,38 +170,53 @@ class Batcher:
             self._waiting -= 1
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            batch = await self._collect_batch(loop)
-            if not batch:
-                continue
-            started, started_ns = time.perf_counter(), time.time_ns()
-            traced_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "layers_wanted", False)]
+            batch = await self._collect_batch(asyncio.get_running_loop())
+            if batch:
+                await self._run_batch(batch)
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        """Forward one batch and answer it. Out of device memory: run each half on its own."""
+        loop = asyncio.get_running_loop()
+        started, started_ns = time.perf_counter(), time.time_ns()
+        traced_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "layers_wanted", False)]
+        try:
+            output = await loop.run_in_executor(
+                self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],
+                traced_rows,
+            )
+        except OutOfMemory as exc:
+            if len(batch) == 1:
+                self._fail(batch, "forward pass", exc, ResourceExhausted(
+                    f"the device is out of memory even for this prompt alone ({len(batch[0].token_ids)} tokens)"))
+                return
+            log.warning("out of memory for a batch of %d; retrying it as two halves", len(batch))
+            half = len(batch) // 2
+            for part in (batch[:half], batch[half:]):
+                live = [p for p in part if not p.future.done()]  # Callers may have left meanwhile.
+                if live:
+                    await self._run_batch(live)
+            return
+        except Exception as exc:  # Fail this batch only; keep serving.
+            self._fail(batch, "forward pass", exc)
+            return
+        self.batches_run += 1
+        self._expected_batch = self._waiting + len(batch)
+        if output.probe is not None:
+            # Per-layer reports cost extra (the logit lens): answer everyone who does not need
+            # them in the response first, then build them in the engine thread.
+            self._answer(batch, output, started, started_ns, needs_layers=False)
             try:
-                output = await loop.run_in_executor(
-                    self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],
-                    traced_rows,
-                )
-            except Exception as exc:  # Fail this batch only; keep serving.
-                self._fail(batch, "forward pass", exc)
-                continue
-            self.batches_run += 1
-            self._expected_batch = self._waiting + len(batch)
-            if output.probe is not None:
-                # Per-layer reports cost extra (the logit lens): answer everyone who does not need
-                # them in the response first, then build them in the engine thread.
-                self._answer(batch, output, started, started_ns, needs_layers=False)
-                try:
-                    output = await loop.run_in_executor(self._executor, self.engine.layer_reports, output)
-                except Exception as exc:
-                    self._fail(batch, "per-layer reports", exc)
-                    continue
-            self._answer(batch, output, started, started_ns, needs_layers=True)
-            if self.observer is not None:  # After the answers: spans are not on anyone's critical path.
-                loop.call_soon(self._observe, [p.trace for p in batch], output, started_ns)
-            # Let the answered handlers run (encode, send) before the next batch's wait starts:
-            # its clock is for callers coming back, not for our own responses going out.
-            await asyncio.sleep(0)
+                output = await loop.run_in_executor(self._executor, self.engine.layer_reports, output)
+            except Exception as exc:
+                self._fail(batch, "per-layer reports", exc)
+                return
+        self._answer(batch, output, started, started_ns, needs_layers=True)
+        if self.observer is not None:  # After the answers: spans are not on anyone's critical path.
+            loop.call_soon(self._observe, [p.trace for p in batch], output, started_ns)
+        # Let the answered handlers run (encode, send) before the next batch's wait starts:
+        # its clock is for callers coming back, not for our own responses going out.
+        await asyncio.sleep(0)
 
     async def _collect_batch(self, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
         """Wait for candidates (see module doc), then run the length group of the oldest one."""

@@ -92,7 +92,7 @@ class Telemetry:
 
     @contextmanager
     def request_span(self, name: str, parent: Context | None, attributes: Mapping, trace_layers: bool,
-                     api: str = "internal", method: str = "") -> Iterator[Span]:
+                     api: str = "internal", method: str = "", deadline: float | None = None) -> Iterator[Span]:
         """The server span of one request, and its request metrics; records errors raised inside."""
         attributes = {**attributes, "gen_ai.operation.name": "text_completion",
                       "gen_ai.request.model": self.model_name, TRACE_LAYERS_ATTRIBUTE: trace_layers}
@@ -111,8 +111,9 @@ class Telemetry:
                     if getattr(exc, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
                         span.set_status(Status(StatusCode.ERROR, str(exc)))
                     raise
-                except BaseException:  # The caller went away (task cancelled).
-                    status = "CANCELLED"
+                except BaseException:  # The caller went away (task cancelled) or its deadline passed.
+                    status = "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline \
+                        else "CANCELLED"
                     raise
         finally:
             self.metrics.in_flight.dec()

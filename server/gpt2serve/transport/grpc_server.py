@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import propagate
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -14,11 +17,34 @@ from grpc_reflection.v1alpha import reflection
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
-from ..errors import ServeError
+from ..config import ServeConfig
+from ..errors import InvalidArgument, ServeError
 from ..service import InferenceService, PromptInput, RequestOptions
+from .guard import BearerKey, GrpcAuthInterceptor
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
+RETRY_PUSHBACK_MS = "250"  # grpc-retry-pushback-ms on RESOURCE_EXHAUSTED: gRPC retry policies honour it.
+
+
+class UndecodableRequest:
+    """Stands in for a request protobuf could not parse (e.g. invalid UTF-8 in a string field).
+
+    grpc's own deserializer error is an INTERNAL status the service never sees; this way the
+    caller gets INVALID_ARGUMENT and the metrics count it."""
+
+    def __init__(self, message_type: str, error: Exception):
+        self.message = f"the request is not a valid {message_type} message: {error}"
+
+
+def lenient(message_class):
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return UndecodableRequest(message_class.DESCRIPTOR.full_name, exc)
+
+    return deserialize
 
 
 def status_errors(method):
@@ -27,8 +53,13 @@ def status_errors(method):
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
+            if isinstance(request, UndecodableRequest):
+                self.service.count_refusal("grpc", method.__name__, InvalidArgument.code)
+                raise InvalidArgument(request.message)
             return await method(self, request, context)
         except ServeError as exc:
+            if exc.code == "RESOURCE_EXHAUSTED":
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", RETRY_PUSHBACK_MS),))
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         except grpc.aio.AbortError:
             raise
@@ -46,10 +77,12 @@ def prompt_input(msg: pb.NextTokenRequest | pb.Prompt) -> PromptInput:
 def request_options(method: str, request, context: grpc.aio.ServicerContext) -> RequestOptions:
     """Span name and attributes, the caller's W3C trace context (metadata), and what it asked to see."""
     metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+    remaining = context.time_remaining()
     return RequestOptions(
         api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
         trace_layers=request.trace_layers, include_layers=request.include_layers,
+        deadline=None if remaining is None else time.monotonic() + remaining,
     )
 
 
@@ -76,19 +109,48 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
         return self.service.model_info().to_proto()
 
 
+def add_servicer(servicer: Gpt2ServeServicer, server: grpc.aio.Server) -> None:
+    """As the generated add_Gpt2ServeServicer_to_server, with lenient request parsing."""
+    methods = {
+        "NextToken": (servicer.NextToken, pb.NextTokenRequest, pb.NextTokenResponse),
+        "NextTokenBatch": (servicer.NextTokenBatch, pb.NextTokenBatchRequest, pb.NextTokenBatchResponse),
+        "GetModelInfo": (servicer.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
+    }
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            behaviour, request_deserializer=lenient(request), response_serializer=response.SerializeToString)
+        for name, (behaviour, request, response) in methods.items()
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # Faster dispatch, as generated code does.
+
+
 class GrpcTransport:
-    def __init__(self, service: InferenceService, host: str, port: int):
-        self.server = grpc.aio.server()
-        pb_grpc.add_Gpt2ServeServicer_to_server(Gpt2ServeServicer(service), self.server)
+    def __init__(self, service: InferenceService, config: ServeConfig):
+        interceptors = []
+        if config.api_key:
+            interceptors.append(GrpcAuthInterceptor(
+                BearerKey(config.api_key), lambda method, code: service.count_refusal("grpc", method, code)))
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", -1),  # Answers are bounded by the request limits.
+        ])
+        add_servicer(Gpt2ServeServicer(service), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{config.host}:{config.grpc_port}"
+        if config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"gRPC could not bind {host}:{port}")
+            raise OSError(f"gRPC could not bind {address}")
 
     async def start(self) -> None:
         await self.server.start()

@@ -22,8 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from .. import __version__
-from ..errors import ServeError
+from ..config import ServeConfig
+from ..errors import PayloadTooLarge, ServeError
 from ..service import InferenceService, PromptInput, RequestOptions
+from .guard import BearerKey, HttpGuard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,8 +63,12 @@ def json_response(payload: dict) -> Response:
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
+RETRY_AFTER_S = "1"  # on 429 and 503: the queue drains, or another replica takes over, within about that
+
+
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+    headers = {"retry-after": RETRY_AFTER_S} if status in (429, 503) else None
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}}, headers=headers)
 
 
 def describe_validation_error(request: Request, errors: list[dict]) -> str:
@@ -115,7 +121,19 @@ def batch_prompt(item: str | list[int]) -> PromptInput:
     return PromptInput(text=item) if isinstance(item, str) else PromptInput(token_ids=item)
 
 
-def create_app(service: InferenceService) -> FastAPI:
+def create_app(service: InferenceService, config: ServeConfig | None = None):
+    """The ASGI app: the guard (API key, body size) in front of the inference routes and FastAPI."""
+    config = config or ServeConfig()
+    routes = InferenceRoutes(service)
+    return HttpGuard(
+        routes.asgi(create_fastapi(service, routes)),
+        key=BearerKey(config.api_key) if config.api_key else None, max_body_bytes=config.max_message_bytes,
+        metrics_open=not config.metrics_require_key, method_of=routes.method_of,
+        refused=lambda method, code: service.count_refusal("rest", method, code),
+    )
+
+
+def create_fastapi(service: InferenceService, routes: InferenceRoutes) -> FastAPI:
     # FastAPI's own telemetry is off: the service makes the request span (with the trace_layers
     # sampling rule) and a second server span per request would only add cost and clutter.
     app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server",
@@ -137,8 +155,6 @@ def create_app(service: InferenceService) -> FastAPI:
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
         return error_response(499, "CANCELLED", "client closed the connection")  # Never read by anyone.
-
-    routes = InferenceRoutes(service)
 
     # These two are served by InferenceRoutes.asgi in front of FastAPI; declared here for OpenAPI.
     @app.post("/v1/next-token", response_model=NextTokenResult)
@@ -171,7 +187,7 @@ def create_app(service: InferenceService) -> FastAPI:
             return JSONResponse({"status": "ready"})
         return error_response(503, "UNAVAILABLE", "not ready")
 
-    return routes.asgi(app)
+    return app
 
 
 class InferenceRoutes:
@@ -188,6 +204,11 @@ class InferenceRoutes:
         # path -> (body type, handler, method name for metrics: the gRPC method it mirrors)
         self.routes = {"/v1/next-token": (NextTokenBody, self.next_token, "NextToken"),
                        "/v1/next-token/batch": (NextTokenBatchBody, self.next_token_batch, "NextTokenBatch")}
+
+    def method_of(self, path: str) -> str:
+        """The metrics method label of a path (a fixed set, whatever path a client sends)."""
+        route = self.routes.get(path)
+        return route[2] if route else "GetModelInfo" if path == "/v1/model" else "other"
 
     async def next_token(self, request: Request, body: NextTokenBody) -> Response:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
@@ -221,7 +242,11 @@ class InferenceRoutes:
         return app
 
     async def handle(self, request: Request, body_type: type[Body], handler, method: str) -> Response:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except PayloadTooLarge as exc:  # A chunked body that grew past the limit (see guard).
+            self.service.count_refusal("rest", method, exc.code)
+            raise
         errors: list[dict] = []
         if "json" in request.headers.get("content-type", ""):
             try:
@@ -231,5 +256,5 @@ class InferenceRoutes:
             else:
                 return await handler(request, body)
         # Malformed bodies never reach the service; count them here like its own refusals.
-        self.service.telemetry.metrics.request_finished("rest", method, "INVALID_ARGUMENT", 0.0)
+        self.service.count_refusal("rest", method, "INVALID_ARGUMENT")
         return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, errors))

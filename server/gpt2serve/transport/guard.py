@@ -1,0 +1,121 @@
+"""What both transports check before a request reaches the service: the API key and the size.
+
+- `BearerKey`: `authorization: Bearer <key>`, compared in constant time.
+- gRPC: `GrpcAuthInterceptor`; message size is grpc's own `max_receive_message_length`.
+- REST: `HttpGuard`, an ASGI wrapper: 401 without the key, 413 for a body over the limit
+  (by Content-Length, or counted while a chunked body streams in).
+
+Health probes stay open (`/healthz`, `/readyz`, grpc.health.v1, reflection), and so do the
+OpenAPI docs, which describe the API and hold no data; `/metrics` is open unless asked.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Callable
+
+import grpc
+
+from ..errors import PayloadTooLarge, ServeError, Unauthenticated
+
+OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                                "grpc.reflection.v1.ServerReflection"})
+AUTH_HINT = "send 'authorization: Bearer <key>'"
+
+# Called as refused(method, code) for the request metrics.
+Refused = Callable[[str, str], None]
+
+
+class BearerKey:
+    def __init__(self, key: str):
+        self._key = key.encode()
+
+    def accepts(self, authorization: str | bytes | None) -> bool:
+        """True for `Bearer <key>` (scheme case-insensitive); the key is compared in constant time."""
+        if authorization is None:
+            return False
+        if isinstance(authorization, str):
+            authorization = authorization.encode("utf-8", "surrogateescape")
+        scheme, _, token = authorization.strip().partition(b" ")
+        # compare_digest takes as long for a wrong key of the right length as for the right key.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls to protected services without the key, before the request is even parsed."""
+
+    def __init__(self, key: BearerKey, refused: Refused):
+        self.key = key
+        self.refused = refused
+        self._refusal = grpc.unary_unary_rpc_method_handler(self._deny)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        if service in OPEN_GRPC_SERVICES:
+            return await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata or ()
+        authorization = next((value for key, value in metadata if key == "authorization"), None)
+        if self.key.accepts(authorization):
+            return await continuation(handler_call_details)
+        self.refused(method, Unauthenticated.code)
+        return self._refusal  # Every protected method is unary-unary.
+
+    @staticmethod
+    async def _deny(request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong API key: {AUTH_HINT}")
+
+
+class HttpGuard:
+    """ASGI wrapper: API key (when configured) and the body size limit, for every HTTP path."""
+
+    def __init__(self, app, *, key: BearerKey | None, max_body_bytes: int, metrics_open: bool,
+                 method_of: Callable[[str], str], refused: Refused):
+        self.app = app
+        self.key = key
+        self.max_body_bytes = max_body_bytes
+        self.open_paths = OPEN_HTTP_PATHS | ({"/metrics"} if metrics_open else set())
+        self.method_of = method_of
+        self.refused = refused
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or ())
+        if self.key is not None and path not in self.open_paths and not self.key.accepts(headers.get(b"authorization")):
+            self.refused(self.method_of(path), Unauthenticated.code)
+            return await _error(send, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"),
+                                {b"www-authenticate": b"Bearer"})
+        try:
+            declared = int(headers.get(b"content-length", b"0"))
+        except ValueError:
+            declared = 0
+        if declared > self.max_body_bytes:
+            self.refused(self.method_of(path), PayloadTooLarge.code)
+            return await _error(send, self.too_large(), {b"connection": b"close"})
+        limit, received = self.max_body_bytes, 0
+
+        async def counted_receive():
+            """A chunked body has no Content-Length: count it as it arrives (handlers map the error)."""
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise self.too_large()
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+    def too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the body exceeds {self.max_body_bytes} bytes (--max-message-bytes)")
+
+
+async def _error(send, error: ServeError, extra_headers: dict[bytes, bytes]) -> None:
+    body = json.dumps({"error": {"code": error.code, "message": error.message}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers.items()]
+    await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
