@@ -1,0 +1,122 @@
+"""Overload and shutdown: a burst far over the queue is refused at once and everything accepted
+is answered correctly; SIGTERM drains the requests in flight, refuses new ones, and exits in time."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+from conftest import launch_server
+from reference import assert_matches_reference
+
+from gpt2serve_client import AsyncClient, Gpt2ServeError
+
+PROMPT_TOKENS = 96
+
+
+def prompt(i: int) -> list[int]:
+    return [(i * 7919 + j * 31) % 50000 for j in range(PROMPT_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference():
+    from gpt2serve.engine.loading import load_model
+
+    return load_model("random:gpt2", "cpu", "float32", seed=0).model
+
+
+def in_flight(http_url: str) -> float:
+    text = httpx.get(f"{http_url}/metrics").text
+    return next(float(row.split()[-1]) for row in text.splitlines() if row.startswith("gpt2serve_in_flight_requests "))
+
+
+async def timed(coro):
+    started = time.perf_counter()
+    try:
+        return await coro, time.perf_counter() - started
+    except Gpt2ServeError as exc:
+        return exc, time.perf_counter() - started
+
+
+def test_300_concurrent_requests_against_a_queue_of_16(tmp_path, gpt2_reference):
+    srv = launch_server(tmp_path, "--model", "random:gpt2", "--max-queue", "16", "--max-batch-size", "8")
+    try:
+        async def main():
+            async with AsyncClient(srv.grpc_target, retries=0, timeout=120) as client, \
+                    httpx.AsyncClient(base_url=srv.http_url, timeout=120,
+                                      limits=httpx.Limits(max_connections=200)) as http:
+                grpc_calls = [timed(client.next_token(prompt(i), top_k=3)) for i in range(150)]
+                rest_calls = [timed(http.post("/v1/next-token", json={"prompt_token_ids": prompt(i), "top_k": 3}))
+                              for i in range(150, 300)]
+                return await asyncio.gather(*grpc_calls, *rest_calls)
+
+        outcomes = asyncio.run(main())
+    finally:
+        assert srv.stop() == 0
+    accepted, refused = [], []
+    for i, (outcome, seconds) in enumerate(outcomes):
+        if isinstance(outcome, httpx.Response):
+            if outcome.status_code == 429:
+                assert outcome.headers["retry-after"] == "1"
+                refused.append((outcome.json()["error"], seconds))
+            else:
+                assert outcome.status_code == 200, outcome.text
+                from gpt2serve_client import NextTokenResult
+
+                accepted.append((i, NextTokenResult.from_dict(outcome.json()), seconds))
+        elif isinstance(outcome, Gpt2ServeError):
+            refused.append(({"code": outcome.code, "message": outcome.message}, seconds))
+        else:
+            accepted.append((i, outcome, seconds))
+    assert len(accepted) + len(refused) == 300
+    assert all(e["code"] == "RESOURCE_EXHAUSTED" and "queue full" in e["message"] for e, _ in refused)
+    assert 16 <= len(accepted) < 100 and len(refused) > 200
+    for i, result, _ in accepted:  # every accepted request answered, and answered right
+        assert_matches_reference(gpt2_reference, result, prompt(i), 3)
+    # Refusals did not wait for the model: faster than any accepted answer, which needs a forward.
+    refused_s = sorted(s for _, s in refused)
+    accepted_s = sorted(s for _, _, s in accepted)
+    assert refused_s[len(refused_s) // 2] < accepted_s[0], (refused_s[len(refused_s) // 2], accepted_s[0])
+
+
+def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_reference):
+    grace_s = 30
+    srv = launch_server(tmp_path, "--model", "random:gpt2", "--max-batch-size", "16",
+                        "--shutdown-grace-s", str(grace_s))
+
+    async def main():
+        async with AsyncClient(srv.grpc_target, retries=0, timeout=120) as client, \
+                httpx.AsyncClient(base_url=srv.http_url, timeout=30) as http:
+            assert (await http.get("/readyz")).status_code == 200
+            calls = [asyncio.create_task(client.next_token(prompt(i), top_k=3)) for i in range(60)]
+            while in_flight(srv.http_url) < 60:  # all 60 accepted by the server
+                await asyncio.sleep(0.01)
+            srv.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            while (await http.get("/readyz")).status_code == 200:
+                await asyncio.sleep(0.01)
+            # Draining: not ready, new work refused on both transports, accepted work continues.
+            ready = await http.get("/readyz")
+            late_rest = await http.post("/v1/next-token", json={"prompt": "too late"})
+            with pytest.raises(Gpt2ServeError) as late_grpc:
+                await client.next_token("too late")
+            health = await client.health()
+            pending_when_refused = sum(not c.done() for c in calls)
+            results = await asyncio.gather(*calls)
+            return signalled, ready, late_rest, late_grpc.value, health, pending_when_refused, results
+
+    signalled, ready, late_rest, late_grpc, health, pending, results = asyncio.run(main())
+    exit_code = srv.proc.wait(timeout=grace_s + 10)
+    exited_after = time.monotonic() - signalled
+    assert pending > 0, "the drain was over before new work was tried; make the work longer"
+    assert ready.status_code == 503 and not health.serving
+    assert late_rest.status_code == 503 and late_rest.json()["error"]["code"] == "UNAVAILABLE"
+    assert late_rest.headers["retry-after"] == "1"
+    assert late_grpc.code == "UNAVAILABLE" and "shutting down" in late_grpc.message
+    for i, result in enumerate(results):
+        assert_matches_reference(gpt2_reference, result, prompt(i), 3)
+    assert exit_code == 0 and exited_after < grace_s, exited_after
+    assert "shutdown complete" in srv.log()
