@@ -16,6 +16,7 @@ from .types import HealthStatus, ModelInfo, NextTokenResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_BACKOFF_S = 2.0
+RETRYABLE_HTTP_STATUS = (429, 503)  # RESOURCE_EXHAUSTED, UNAVAILABLE
 HTTP_TO_CODE = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 422: "INVALID_ARGUMENT",
                 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
@@ -91,7 +92,7 @@ class RestClient:
         if response.is_success:
             return response.json()
         error = error_from_response(response)
-        if error.code in _requests.RETRYABLE:
+        if response.status_code in RETRYABLE_HTTP_STATUS:  # whatever the body says (a proxy may have answered)
             raise _Retryable(error, response.headers.get("retry-after"))
         raise error
 
