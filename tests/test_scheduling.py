@@ -66,6 +66,9 @@ def test_busy_server_stays_responsive_refuses_overflow_and_drops_expired(small_q
     assert [r.batch_size for r in big_results] == [4] * 4
     # The expired request was still queued when the big batch ended; it was dropped, not run.
     assert [r.batch_size for r in waiting_results] == [3, 3, 3]
+    # Counted as what it was: the deadline passed (not a client cancel, not an error).
+    metrics = httpx.get(f"{srv.http_url}/metrics").text
+    assert 'gpt2serve_requests_total{api="grpc",method="NextToken",status="DEADLINE_EXCEEDED"} 1.0' in metrics
 
 
 def test_a_call_larger_than_the_queue_is_refused(small_queue_server):
