@@ -28,6 +28,7 @@ from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
 STREAMING_WAIT_FACTOR = 3  # see Batcher._wait_until
+STREAMING_WAIT_SHARE_OF_FORWARD = 0.5  # see Batcher._wait_until
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self.batches_run = 0
         self._expected_batch = 1  # Target size of the next batch (see module doc).
+        self._last_forward_s = 0.0
 
     @property
     def queue_depth(self) -> int:
@@ -158,10 +160,14 @@ class Batcher:
     def _wait_until(self, started: float, last_arrival: float) -> float:
         """`max_batch_delay` after the batch's first request; past that, keep waiting while the
         expected callers are still arriving (one within the last half delay), up to
-        STREAMING_WAIT_FACTOR delays. REST callers come back more slowly than gRPC ones (more CPU
-        per request on both ends): 63 of 64 made the delay and the last one ran a batch alone."""
-        still_arriving = min(started + STREAMING_WAIT_FACTOR * self.max_batch_delay_s,
-                             last_arrival + self.max_batch_delay_s / 2)
+        STREAMING_WAIT_FACTOR delays or half the last forward pass, whichever is longer.
+
+        REST callers come back more slowly than gRPC ones: with a fixed 3 delays, 63 of 64
+        often made it and the last one ran a batch alone, a rhythm that then repeats. Waiting
+        a share of the forward time that a full batch saves keeps slow CPUs at full batches,
+        while on a GPU (forwards of milliseconds) the cap stays at a few delays."""
+        cap = max(STREAMING_WAIT_FACTOR * self.max_batch_delay_s, STREAMING_WAIT_SHARE_OF_FORWARD * self._last_forward_s)
+        still_arriving = min(started + cap, last_arrival + self.max_batch_delay_s / 2)
         return max(started + self.max_batch_delay_s, still_arriving)
 
     def _stop_waiting(self, item: _Pending) -> None:
@@ -202,6 +208,7 @@ class Batcher:
             return
         self.batches_run += 1
         self._expected_batch = self._waiting + len(batch)
+        self._last_forward_s = output.forward_s
         if output.probe is not None:
             # Per-layer reports cost extra (the logit lens): answer everyone who does not need
             # them in the response first, then build them in the engine thread.
