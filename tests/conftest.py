@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT_S = 120
 
@@ -64,6 +66,21 @@ def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, 
     if wait_ready:
         server.wait_for_line(r"gpt2serve ready:")
     return server
+
+
+def metric_value(http_url: str, name: str, labels: dict[str, str] | None = None, **get_kwargs) -> float:
+    """One sample from the server's /metrics, 0.0 when absent (a counter not yet touched)."""
+    text = httpx.get(f"{http_url}/metrics", timeout=10, **get_kwargs).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == (labels or {}):
+                return sample.value
+    return 0.0
+
+
+def requests_total(http_url: str, api: str, method: str, status: str, **get_kwargs) -> float:
+    return metric_value(http_url, "gpt2serve_requests_total", {"api": api, "method": method, "status": status},
+                        **get_kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -10,19 +10,13 @@ import grpc
 import httpx
 import pytest
 import trustme
-from conftest import launch_server
+from conftest import launch_server, requests_total
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpt2serve.transport.guard import BearerKey
 from gpt2serve_client import Client, Gpt2ServeError, RestClient
 
 KEY = "s3cret-key-for-tests"
-
-
-def metric(http_url: str, api: str, method: str, status: str, headers=None, verify=True) -> float:
-    text = httpx.get(f"{http_url}/metrics", headers=headers, verify=verify).text
-    line = f'gpt2serve_requests_total{{api="{api}",method="{method}",status="{status}"}} '
-    return next((float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)), 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +34,7 @@ def test_bearer_key_matching():
 
 
 def test_grpc_requires_the_key_and_probes_stay_open(keyed_server):
-    before = metric(keyed_server.http_url, "grpc", "NextToken", "UNAUTHENTICATED")
+    before = requests_total(keyed_server.http_url, "grpc", "NextToken", "UNAUTHENTICATED")
     for api_key in (None, "wrong"):
         with Client(keyed_server.grpc_target, api_key=api_key) as client, pytest.raises(Gpt2ServeError) as error:
             client.next_token("hi")
@@ -51,12 +45,12 @@ def test_grpc_requires_the_key_and_probes_stay_open(keyed_server):
     with grpc.insecure_channel(keyed_server.grpc_target) as channel:  # no key: health still answers
         response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert response.status == health_pb2.HealthCheckResponse.SERVING
-    assert metric(keyed_server.http_url, "grpc", "NextToken", "UNAUTHENTICATED") == before + 2
+    assert requests_total(keyed_server.http_url, "grpc", "NextToken", "UNAUTHENTICATED") == before + 2
 
 
 def test_rest_requires_the_key_and_probes_stay_open(keyed_server):
     url = keyed_server.http_url
-    before = metric(url, "rest", "NextToken", "UNAUTHENTICATED")
+    before = requests_total(url, "rest", "NextToken", "UNAUTHENTICATED")
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
         response = httpx.post(f"{url}/v1/next-token", json={"prompt": "hi"}, headers=headers)
         assert response.status_code == 401, response.text
@@ -67,7 +61,7 @@ def test_rest_requires_the_key_and_probes_stay_open(keyed_server):
     assert ok.status_code == 200, ok.text
     for open_path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):
         assert httpx.get(f"{url}{open_path}").status_code == 200, open_path
-    assert metric(url, "rest", "NextToken", "UNAUTHENTICATED") == before + 3
+    assert requests_total(url, "rest", "NextToken", "UNAUTHENTICATED") == before + 3
     with RestClient(url, api_key=KEY) as client:
         assert client.next_token("hi", top_k=2).token_id >= 0 and client.health().serving
     with RestClient(url) as client, pytest.raises(Gpt2ServeError) as error:

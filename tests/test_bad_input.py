@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
+from conftest import launch_server, requests_total
 
 from gpt2serve_client import Client, Gpt2ServeError, RestClient
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
@@ -136,9 +137,7 @@ def raw_next_token(server, payload: bytes, timeout: float = 10, method: str = "N
 
 
 def rejected_count(server, method: str, code: str, api: str = "grpc") -> float:
-    text = httpx.get(f"{server.http_url}/metrics").text
-    line = f'gpt2serve_requests_total{{api="{api}",method="{method}",status="{code}"}} '
-    return next((float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)), 0.0)
+    return requests_total(server.http_url, api, method, code)
 
 
 @pytest.mark.parametrize("payload, words", [
@@ -185,8 +184,6 @@ def test_long_text_under_the_byte_bound_is_tokenized_and_checked(server):
 
 @pytest.fixture(scope="module")
 def small_message_server(tmp_path_factory):
-    from conftest import launch_server
-
     srv = launch_server(tmp_path_factory.mktemp("msg"), "--model", "random:tiny", "--max-message-bytes", "4096")
     yield srv
     srv.stop()

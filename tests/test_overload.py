@@ -9,10 +9,10 @@ import time
 
 import httpx
 import pytest
-from conftest import launch_server
+from conftest import launch_server, metric_value
 from reference import assert_matches_reference
 
-from gpt2serve_client import AsyncClient, Gpt2ServeError
+from gpt2serve_client import AsyncClient, Gpt2ServeError, NextTokenResult
 
 PROMPT_TOKENS = 96
 
@@ -26,11 +26,6 @@ def gpt2_reference():
     from gpt2serve.engine.loading import load_model
 
     return load_model("random:gpt2", "cpu", "float32", seed=0).model
-
-
-def in_flight(http_url: str) -> float:
-    text = httpx.get(f"{http_url}/metrics").text
-    return next(float(row.split()[-1]) for row in text.splitlines() if row.startswith("gpt2serve_in_flight_requests "))
 
 
 async def timed(coro):
@@ -64,8 +59,6 @@ def test_300_concurrent_requests_against_a_queue_of_16(tmp_path, gpt2_reference)
                 refused.append((outcome.json()["error"], seconds))
             else:
                 assert outcome.status_code == 200, outcome.text
-                from gpt2serve_client import NextTokenResult
-
                 accepted.append((i, NextTokenResult.from_dict(outcome.json()), seconds))
         elif isinstance(outcome, Gpt2ServeError):
             refused.append(({"code": outcome.code, "message": outcome.message}, seconds))
@@ -92,7 +85,7 @@ def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_referen
                 httpx.AsyncClient(base_url=srv.http_url, timeout=30) as http:
             assert (await http.get("/readyz")).status_code == 200
             calls = [asyncio.create_task(client.next_token(prompt(i), top_k=3)) for i in range(60)]
-            while in_flight(srv.http_url) < 60:  # all 60 accepted by the server
+            while metric_value(srv.http_url, "gpt2serve_in_flight_requests") < 60:  # all 60 accepted by the server
                 await asyncio.sleep(0.01)
             srv.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
