@@ -50,13 +50,25 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def pinned_device(args) -> list[str]:
+    """Servers under test run fp32 on the CPU unless a test says otherwise: their answers are
+    compared with the fp32 CPU reference at 1e-4, and on a GPU machine `auto` would mean cuda
+    and bf16. The GPU tests (test_gpu.py) ask for cuda explicitly."""
+    pinned = []
+    if "--device" not in args:
+        pinned += ["--device", "cpu"]
+    if "--dtype" not in args:
+        pinned += ["--dtype", "float32"]
+    return pinned
+
+
 def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, wait_ready: bool = True,
                   entry: tuple[str, ...] = ("-m", "gpt2serve.cli")) -> ServerProcess:
     """Start `gpt2serve serve` on loopback with ephemeral ports; returns once it listens (or is ready).
     `entry`: what python runs instead of the CLI module (a script that wraps it, e.g. fault injection)."""
     log_path = tmp_dir / f"server-{time.monotonic_ns()}.log"
     command = [sys.executable, *entry, "serve", "--host", "127.0.0.1",
-               "--grpc-port", "0", "--http-port", "0", *args]
+               "--grpc-port", "0", "--http-port", "0", *pinned_device(args), *args]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -1,15 +1,42 @@
-"""The ground truth answers are checked against: a plain transformers forward of one prompt."""
+"""The ground truth answers are checked against: a plain transformers forward of one prompt.
+
+The server runs its own GPT-2 (gpt2serve.engine.gpt2); the judge is transformers'
+GPT2LMHeadModel holding the same weights, fp32 on the CPU.
+"""
 
 from __future__ import annotations
 
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from gpt2serve.engine.convert import to_transformers
+from gpt2serve.engine.gpt2 import GPT2
 
 TOLERANCE = 1e-4
+_converted: dict[int, tuple[GPT2, GPT2LMHeadModel]] = {}
+
+
+def as_transformers(model) -> GPT2LMHeadModel:
+    """transformers' model for `model`: itself, or ours converted (once per model object)."""
+    if not isinstance(model, GPT2):
+        return model
+    if id(model) not in _converted:
+        _converted[id(model)] = (model, to_transformers(model))  # holds `model`, so its id stays unique
+    return _converted[id(model)][1]
+
+
+def transformers_random_model(seed: int = 5, **config) -> GPT2LMHeadModel:
+    """A checkpoint as transformers itself initialises and saves it (tiny by default)."""
+    config = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 256, **config}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(GPT2Config(**config)).eval()
 
 
 @torch.inference_mode()
 def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """Log-probabilities of the next token for one prompt, alone, no padding. (vocab,)"""
+    model = as_transformers(model)
     logits = model(input_ids=torch.tensor([token_ids])).logits  # (1, T, vocab)
     return torch.log_softmax(logits[0, -1].float(), dim=-1)
 
@@ -35,6 +62,7 @@ def assert_matches_reference(model, result, token_ids: list[int], top_k: int) ->
 def reference_layers(model, token_ids: list[int], lens_k: int = 5) -> list[dict]:
     """Per block, computed independently of the server: HF eager attention with
     output_attentions=True on the prompt alone. Keys mirror LayerReport / the block span."""
+    model = as_transformers(model)
     implementation = model.config._attn_implementation
     model.config._attn_implementation = "eager"
     try:
@@ -63,8 +91,8 @@ def reference_layers(model, token_ids: list[int], lens_k: int = 5) -> list[dict]
     return layers
 
 
-def assert_layer_matches(got: dict, want: dict) -> None:
-    """`got` has the keys of `want` (per-head lists, norms, logit lens), within TOLERANCE."""
+def assert_layer_matches(got: dict, want: dict, tolerance: float = TOLERANCE) -> None:
+    """`got` has the keys of `want` (per-head lists, norms, logit lens), within `tolerance`."""
     for key, expected in want.items():
         value = got[key]
         if key in ("top_position", "top_token_id", "logit_lens_ids"):
@@ -72,6 +100,6 @@ def assert_layer_matches(got: dict, want: dict) -> None:
         elif isinstance(expected, list):
             assert len(value) == len(expected), key
             for a, b in zip(value, expected):
-                assert abs(a - b) <= TOLERANCE, (key, value, expected)
+                assert abs(a - b) <= tolerance, (key, value, expected)
         else:
-            assert abs(value - expected) <= TOLERANCE * max(1.0, abs(expected)), (key, value, expected)
+            assert abs(value - expected) <= tolerance * max(1.0, abs(expected)), (key, value, expected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 import subprocess
 import sys
@@ -69,10 +70,14 @@ def test_rest_requires_the_key_and_probes_stay_open(keyed_server):
     assert error.value.code == "UNAUTHENTICATED" and error.value.http_status == 401
 
 
+# Kept where the package is found through PYTHONPATH rather than installed (the GPU machine).
+PYTHONPATH = {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+
+
 def test_the_key_is_never_printed(keyed_server):
     assert KEY not in keyed_server.log()
     helped = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "serve", "--help"], capture_output=True,
-                            text=True, env={"GPT2SERVE_API_KEY": KEY, "PATH": "/usr/bin:/bin"}, check=True)
+                            text=True, env={"GPT2SERVE_API_KEY": KEY, "PATH": "/usr/bin:/bin", **PYTHONPATH}, check=True)
     assert "--api-key" in helped.stdout and KEY not in helped.stdout
 
 

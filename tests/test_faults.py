@@ -75,10 +75,12 @@ def pickle_checkpoint(tmp_path_factory, tiny_model):
     """A checkpoint with only pytorch_model.bin (pickle), saved here (transformers 5 itself
     writes safetensors only)."""
     import torch
+    from reference import as_transformers
 
     path = tmp_path_factory.mktemp("pickle") / "ckpt"
-    tiny_model.model.config.save_pretrained(path)
-    torch.save(tiny_model.model.state_dict(), path / "pytorch_model.bin")
+    hf_model = as_transformers(tiny_model.model)
+    hf_model.config.save_pretrained(path)
+    torch.save(hf_model.state_dict(), path / "pytorch_model.bin")
     assert (path / "pytorch_model.bin").exists() and not list(path.glob("*.safetensors"))
     return path
 

@@ -43,11 +43,11 @@ def test_reports_match_eager_attention_alone(engine, tiny_model, traced):
         length, padded = len(prompt), max(map(len, PROMPTS))
         for layer, report in enumerate(reports):
             assert report.index == layer
-            assert report.batch_hidden_shape == [len(PROMPTS), padded, cfg.n_embd]
-            assert report.batch_qkv_shape == [len(PROMPTS), cfg.n_head, padded, cfg.n_embd // cfg.n_head]
+            assert report.batch_hidden_shape == [len(PROMPTS), padded, cfg.d_model]
+            assert report.batch_qkv_shape == [len(PROMPTS), cfg.n_head, padded, cfg.d_head]
             assert report.batch_attn_shape == [len(PROMPTS), cfg.n_head, padded, padded]
-            assert report.batch_mlp_shape == [len(PROMPTS), padded, 4 * cfg.n_embd]
-            assert report.hidden_shape == [length, cfg.n_embd]
+            assert report.batch_mlp_shape == [len(PROMPTS), padded, cfg.d_mlp]
+            assert report.hidden_shape == [length, cfg.d_model]
             assert report.attn_shape == [cfg.n_head, length, length]
             assert len(report.heads) == cfg.n_head
             assert_layer_matches(report_as_dict(report), want[layer])

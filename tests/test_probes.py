@@ -9,9 +9,8 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from conftest import launch_server
-from reference import assert_matches_reference
+from reference import assert_matches_reference, transformers_random_model
 
-from gpt2serve.engine.loading import build_random_model
 from gpt2serve_client import Client, Gpt2ServeError, RestClient
 
 
@@ -76,7 +75,7 @@ def test_not_ready_while_the_model_loads(tmp_path):
 
 
 def test_serves_a_checkpoint_directory(tmp_path, tokenizer):
-    saved = build_random_model("tiny", seed=5)
+    saved = transformers_random_model(seed=5)
     saved.save_pretrained(tmp_path / "ckpt")
     srv = launch_server(tmp_path, "--model", str(tmp_path / "ckpt"))
     try:

@@ -85,11 +85,11 @@ def assert_layer_trace(spans, request_name: str, caller_span_id: str, model, pro
         attrs = named[f"block {index}"][0].attributes
         assert len(attrs) < 64
         assert attrs["gpt2.layer.index"] == index
-        assert attrs["gpt2.shape.hidden"] == [batch_size, padded, cfg.n_embd]
-        assert attrs["gpt2.shape.qkv"] == [batch_size, cfg.n_head, padded, cfg.n_embd // cfg.n_head]
+        assert attrs["gpt2.shape.hidden"] == [batch_size, padded, cfg.d_model]
+        assert attrs["gpt2.shape.qkv"] == [batch_size, cfg.n_head, padded, cfg.d_head]
         assert attrs["gpt2.shape.attn_scores"] == [batch_size, cfg.n_head, padded, padded]
-        assert attrs["gpt2.shape.mlp_hidden"] == [batch_size, padded, 4 * cfg.n_embd]
-        assert attrs["gpt2.request.shape.hidden"] == [len(prompt), cfg.n_embd]
+        assert attrs["gpt2.shape.mlp_hidden"] == [batch_size, padded, cfg.d_mlp]
+        assert attrs["gpt2.request.shape.hidden"] == [len(prompt), cfg.d_model]
         assert attrs["gpt2.request.shape.attn_scores"] == [cfg.n_head, len(prompt), len(prompt)]
         got = {key.removeprefix("gpt2.head."): value for key, value in attrs.items() if key.startswith("gpt2.head.")}
         got["residual_norm"] = attrs["gpt2.residual_norm"]

@@ -12,7 +12,7 @@ import socket
 import uvicorn
 
 from .config import ServeConfig
-from .engine.engine import Engine
+from .engine.engine import Engine, EngineOptions
 from .engine.loading import load_model
 from .scheduling.batcher import Batcher, new_engine_thread
 from .service import InferenceService
@@ -53,7 +53,9 @@ def load_engine(config: ServeConfig) -> Engine:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
                         random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
-    engine = Engine(loaded)
+    options = EngineOptions(max_batch_size=config.max_batch_size_on(loaded.device.type),
+                            cuda_graphs=config.cuda_graphs, cuda_graph_memory_mb=config.cuda_graph_memory_mb)
+    engine = Engine(loaded, options)
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
@@ -95,7 +97,7 @@ async def serve(config: ServeConfig) -> None:
         raise
     loaded = engine.loaded
     batcher = Batcher(
-        engine, max_batch_size=config.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
+        engine, max_batch_size=engine.options.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
         max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
         observer=telemetry,
     )

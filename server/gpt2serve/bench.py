@@ -285,3 +285,18 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON report")
+
+
+def add_engine_bench_arguments(parser) -> None:
+    """Flags of `bench --in-process` (engine_bench; the server-load flags are ignored there)."""
+    from .config import parse_bool
+
+    parser.add_argument("--in-process", action="store_true",
+                        help="time the engine against transformers' forward in this process (no server)")
+    parser.add_argument("--model", default="random:gpt2", help="--in-process: model to load")
+    parser.add_argument("--device", default="auto", help="--in-process: device")
+    parser.add_argument("--dtype", default="auto", help="--in-process: dtype")
+    parser.add_argument("--batch-sizes", default="1,8,64,256", help="--in-process: comma-separated batch sizes")
+    parser.add_argument("--rounds", type=int, default=5, help="--in-process: alternating rounds per size")
+    parser.add_argument("--per-round", type=int, default=10, help="--in-process: batches per side and round")
+    parser.add_argument("--cuda-graphs", type=parse_bool, default=True, help="--in-process: on cuda")

@@ -100,6 +100,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.in_process:
+        from .engine_bench import run_engine_bench
+
+        return run_engine_bench(args)
     from .bench import run_bench
 
     return run_bench(args)
@@ -123,9 +127,10 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     nxt.set_defaults(func=cmd_next)
 
     bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")
-    from .bench import add_bench_arguments
+    from .bench import add_bench_arguments, add_engine_bench_arguments
 
     add_bench_arguments(bench)
+    add_engine_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
     return parser
 

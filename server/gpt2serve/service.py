@@ -56,7 +56,7 @@ class InferenceService:
     def __init__(self, config: ServeConfig, telemetry: Telemetry | None = None):
         self.config = config
         self.telemetry = telemetry or Telemetry()
-        self.max_batch_size = config.max_batch_size
+        self.max_batch_size = 0  # set by attach(): --max-batch-size, resolved for the device
         self.ready = False
         self.accepting = True  # False once shutdown begins: new requests get UNAVAILABLE.
         self.in_flight = 0
@@ -65,7 +65,8 @@ class InferenceService:
         self._attached: tuple[LoadedModel, Batcher, ModelInfo] | None = None
 
     def attach(self, loaded: LoadedModel, batcher: Batcher) -> None:
-        n_ctx = loaded.model.config.n_positions
+        n_ctx = loaded.model.config.n_ctx
+        self.max_batch_size = batcher.max_batch_size
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.model.config.vocab_size
         self.max_prompt_tokens = min(self.config.max_prompt_tokens or n_ctx, n_ctx)
@@ -74,7 +75,7 @@ class InferenceService:
         info = ModelInfo(
             model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
             dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
-            architecture=architecture(loaded.model), parameters=parameter_breakdown(loaded.model),
+            architecture=architecture(loaded.model.config), parameters=parameter_breakdown(loaded.model),
             max_prompt_tokens=self.max_prompt_tokens, max_batch_size=self.max_batch_size,
         )
         self._attached = (loaded, batcher, info)

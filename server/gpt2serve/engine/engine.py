@@ -2,15 +2,20 @@
 
 Prompts of different lengths share one forward: they are left-padded so every prompt's last
 token sits in the last column, with an attention mask that hides the padding and position ids
-that start at 0 at each prompt's first real token. Only the last position goes through the LM
-head, so a prompt in a batch gets the same answer it gets alone.
+that start at 0 at each prompt's first real token (engine.padding). Only the last position goes
+through the LM head, so a prompt in a batch gets the same answer it gets alone.
+
+Three ways through the model, the same numbers from each:
+- CUDA graphs (on cuda, `--cuda-graphs on`): the batch padded up to a captured bucket shape;
+- eager: other shapes, the CPU, and traced batches (introspection taps run Python per block);
+- either way the answer reaches the host in one copy.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -19,13 +24,30 @@ import torch
 from gpt2serve_client.types import LayerReport
 
 from ..introspection.probe import ForwardTimeline, LayerProbe
+from .cuda_graphs import BucketedForward
 from .loading import LoadedModel
+from .padding import IDS, POSITIONS, VALID, Buckets, left_pad
+
+log = logging.getLogger(__name__)
 
 
 # A forward's cost that does not grow with the batch, in padded tokens' worth (see warm_up).
 DEFAULT_FIXED_COST_TOKENS = 32.0
 MAX_FIXED_COST_TOKENS = 4096.0
 SLOW_GEMM_ROWS = (4, 16)  # see Engine.unembed
+# CUDA graphs cover prompts up to this many tokens; longer ones are compute-bound, so the
+# launches a graph saves matter little there, and padding to the next bucket would cost more.
+GRAPH_MAX_LEN = 256
+WARM_GRAPH_MAX_LEN = 32  # bucket lengths captured at warm-up (all batch buckets); longer lazily
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's slice of the server config."""
+
+    max_batch_size: int = 64
+    cuda_graphs: bool = True  # on cuda only
+    cuda_graph_memory_mb: float = 4096.0
 
 
 class OutOfMemory(Exception):
@@ -58,6 +80,7 @@ class BatchOutput:
     padded_len: int
     started_ns: int  # wall clock (time.time_ns) of the forward
     ended_ns: int
+    cuda_graph: bool = False  # replayed from a captured graph (padded_len is then the bucket's)
     layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> one report per block
     timeline: ForwardTimeline | None = None  # stage times, when any row was traced
     probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
@@ -66,17 +89,42 @@ class BatchOutput:
 class Engine:
     """Owns the model. Not thread-safe: one worker thread calls it (see scheduling)."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, options: EngineOptions = EngineOptions()):
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
+        self.options = options
         self.pad_token_id = loaded.tokenizer.eos_token_id or 0
         self.fixed_cost_tokens = DEFAULT_FIXED_COST_TOKENS  # Refined by warm_up().
+        config = self.model.config
+        assert config.vocab_size < 2**24, "token ids travel to the host as float32 (see _to_host)"
+        self.graphs: BucketedForward | None = None
+        if self.device.type == "cuda" and options.cuda_graphs:
+            self.graphs = self.bucketed(capture=True)
 
+    def bucketed(self, capture: bool) -> BucketedForward:
+        """The bucketed forward (without capture: the same padding and buffers, run eagerly)."""
+        config = self.model.config
+        buckets = Buckets.for_model(self.options.max_batch_size, min(config.n_ctx, GRAPH_MAX_LEN))
+        return BucketedForward(self.last_logprobs, buckets, device=self.device, vocab_size=config.vocab_size,
+                               pad_id=self.pad_token_id, capture=capture,
+                               memory_budget_bytes=int(self.options.cuda_graph_memory_mb * 2**20))
+
+    @torch.inference_mode()
     def warm_up(self) -> None:
-        """Pay for first-forward allocations and kernel choice before the server says ready, and
-        measure `fixed_cost_tokens`: a forward costs about fixed + c * padded tokens, and the
-        scheduler's length grouping needs fixed / c (large on a GPU, tens of tokens on a CPU)."""
+        """Before the server says ready: capture the common graphs, run the eager and traced
+        paths once (first-call allocations, kernel choice), and measure `fixed_cost_tokens`:
+        a forward costs about fixed + c * padded tokens, and the scheduler's length grouping
+        needs fixed / c (large on a GPU, tens of tokens on a CPU)."""
+        if self.graphs is not None:
+            started = time.perf_counter()
+            buckets = self.graphs.buckets
+            self.graphs.warm_up([(b, t) for b in buckets.batch for t in buckets.length if t <= WARM_GRAPH_MAX_LEN])
+            log.info("captured %d CUDA graphs in %.1f s (%.0f MiB)", self.graphs.graphs,
+                     time.perf_counter() - started, self.graphs.memory_used_bytes / 2**20)
+        prompt = [self.pad_token_id] * 8
+        self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the traced (eager) path
+        self._eager([prompt], [1], (), time.perf_counter(), time.time_ns())
         small, large = (1, 8), (8, 16)  # (prompts, tokens each)
 
         def best_of_3(shape: tuple[int, int]) -> float:
@@ -97,27 +145,46 @@ class Engine:
                    traced_rows: Sequence[int] = ()) -> BatchOutput:
         """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection)."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        input_ids, attention_mask, position_ids = self.left_pad(prompts)
+        replayed = self.graphs.run(prompts) if self.graphs is not None and not traced_rows else None
+        if replayed is None:
+            return self._eager(prompts, top_ks, traced_rows, started, started_ns)
+        logprobs, (_, length) = replayed
+        return BatchOutput(self._top(logprobs, top_ks), time.perf_counter() - started, length, started_ns,
+                           time.time_ns(), cuda_graph=True)
+
+    def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
+               started: float, started_ns: int) -> BatchOutput:
+        batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
+        if self.device.type == "cuda":
+            batch = batch.pin_memory()
+        batch = batch.to(self.device, non_blocking=True)  # one copy to the device
         probe = None
         if traced_rows:
-            probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], input_ids,
+            probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
                                self.loaded.tokenizer.token_text)
-        with probe.attached() if probe else nullcontext():
-            hidden = self.model.transformer(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).last_hidden_state  # (B, T, d_model)
-        logits = self.unembed(hidden[:, -1, :])  # (B, vocab): only the last position is decoded
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, vocab), fp32 whatever the model dtype
-        top_values, top_ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()  # one device->host copy
-        top = [
-            [TokenScore(i, v) for i, v in zip(ids[:k], values[:k])]
-            for ids, values, k in zip(top_ids, top_values, top_ks)
-        ]
+        top = self._top(self.last_logprobs(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe), top_ks)
         if probe:
             probe.finish()
-        return BatchOutput(top, time.perf_counter() - started, input_ids.shape[1], started_ns, time.time_ns(),
+        return BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
                            probe=probe)
+
+    def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
+                      probe: LayerProbe | None = None) -> torch.Tensor:
+        """(B, T) inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
+        if probe is not None:
+            probe.start()
+        hidden = self.model.hidden_states(input_ids, position_ids, valid, probe)  # (B, T, C)
+        logits = self.unembed(self.model.ln_f(hidden[:, -1, :]))  # (B, V): only the last position is decoded
+        return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
+
+    @staticmethod
+    def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> list[list[TokenScore]]:
+        """Each row's top-k, with one device-to-host copy: values and ids travel as one tensor
+        (ids are exact in float32 below 2**24)."""
+        values, ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max) each
+        values, ids = torch.stack((values, ids.float())).cpu().tolist()  # (2, B, k_max): one copy
+        return [[TokenScore(int(i), v) for i, v in zip(row_ids[:k], row_values[:k])]
+                for row_ids, row_values, k in zip(ids, values, top_ks)]
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -138,14 +205,3 @@ class Engine:
             padded[:n] = rows
             return self.model.lm_head(padded)[:n]
         return self.model.lm_head(rows)
-
-    def left_pad(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, length = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)  # (B, T)
-        attention_mask = torch.zeros((batch, length), dtype=torch.long)  # (B, T), 1 = real token
-        for row, prompt in enumerate(prompts):
-            input_ids[row, length - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, length - len(prompt):] = 1
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, T), 0 at first real token
-        to = dict(device=self.device, non_blocking=True)
-        return input_ids.to(**to), attention_mask.to(**to), position_ids.to(**to)

@@ -4,6 +4,8 @@
 - `random:<arch>`: that architecture with seeded random weights (tests, benchmarks, demos);
 - a local directory holding a GPT-2 family checkpoint (`save_pretrained` output);
 - a Hugging Face id (`gpt2`, `distilgpt2`, ...), taken from the local cache or the hub.
+
+transformers reads checkpoints; what is served is always our own GPT2 (engine.gpt2).
 """
 
 from __future__ import annotations
@@ -16,22 +18,24 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from ..errors import ModelLoadError
+from .convert import from_transformers
+from .gpt2 import GPT2, GPT2Config
 from .tokenizer import Tokenizer, bundled_gpt2_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 RANDOM_PREFIX = "random:"
 # Shapes of the GPT-2 family; all share GPT-2's 50257-token vocabulary.
-ARCHITECTURES: dict[str, dict[str, int]] = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
-    "distilgpt2": dict(n_layer=6, n_head=12, n_embd=768),
-    "tiny": dict(n_layer=2, n_head=4, n_embd=64, n_positions=256),
+ARCHITECTURES: dict[str, GPT2Config] = {
+    "gpt2": GPT2Config(n_layer=12, n_head=12, d_model=768, d_mlp=3072),
+    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, d_model=1024, d_mlp=4096),
+    "gpt2-large": GPT2Config(n_layer=36, n_head=20, d_model=1280, d_mlp=5120),
+    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, d_model=1600, d_mlp=6400),
+    "distilgpt2": GPT2Config(n_layer=6, n_head=12, d_model=768, d_mlp=3072),
+    "tiny": GPT2Config(n_layer=2, n_head=4, d_model=64, d_mlp=256, n_ctx=256),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_PROBE_TIMEOUT_S = 3.0
@@ -39,7 +43,7 @@ HUB_PROBE_TIMEOUT_S = 3.0
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: GPT2LMHeadModel
+    model: GPT2
     tokenizer: Tokenizer
     name: str  # --model as given
     weights: str  # "pretrained" | "random"
@@ -70,28 +74,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def random_config(arch: str) -> GPT2Config:
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"random:{arch}: unknown architecture; known: {', '.join(ARCHITECTURES)}")
-    return GPT2Config(**ARCHITECTURES[arch])
+    return ARCHITECTURES[arch]
 
 
-def seeded_model(config: GPT2Config, seed: int) -> GPT2LMHeadModel:
-    """Seeded random weights in fp32, without disturbing the global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT2LMHeadModel(config).eval()
-
-
-def build_random_model(arch: str, seed: int) -> GPT2LMHeadModel:
-    """The same (arch, seed) always gives the same model."""
-    return seeded_model(random_config(arch), seed)
+def build_random_model(arch: str, seed: int) -> GPT2:
+    """The same (arch, seed) always gives the same model (fp32, CPU)."""
+    return GPT2.random(random_config(arch), seed)
 
 
 def build_model_like(info) -> LoadedModel:
     """Random weights with the architecture, dtype and device a server reports (for benchmarks)."""
     a = info.architecture
-    config = GPT2Config(n_layer=a.n_layer, n_head=a.n_head, n_embd=a.d_model, n_inner=a.d_mlp,
-                        n_positions=a.n_ctx, vocab_size=a.vocab_size)
+    config = GPT2Config(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, d_mlp=a.d_mlp,
+                        n_ctx=a.n_ctx, vocab_size=a.vocab_size)
     device, dtype = torch.device(info.device), DTYPES[info.dtype]
-    model = seeded_model(config, seed=0).to(device=device, dtype=dtype).requires_grad_(False)
+    model = GPT2.random(config, seed=0).to(device=device, dtype=dtype)
     return LoadedModel(model, bundled_gpt2_tokenizer(), f"like:{info.model}", "random", "bench", device, dtype)
 
 
@@ -117,7 +114,7 @@ PICKLE_HINT = ("only pickle weights (pytorch_model.bin) were found, and unpickli
                "convert the checkpoint to safetensors, or pass --allow-pickle if you trust it")
 
 
-def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -> tuple[GPT2LMHeadModel, Tokenizer, str]:
+def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -> tuple[GPT2, Tokenizer, str]:
     """Never runs code from the checkpoint: no trust_remote_code, and safetensors only unless
     `allow_pickle` (then safetensors is still preferred, and torch.load is weights-only)."""
     safe = dict(dtype=dtype, trust_remote_code=False, use_safetensors=None if allow_pickle else True)
@@ -130,7 +127,7 @@ def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: {exc}") from exc
         check_gpt2_family(model, str(path))
-        return model, load_tokenizer(path), str(path.resolve())
+        return from_transformers(model), load_tokenizer(path), str(path.resolve())
     if spec.startswith((".", "/", "~")):  # Meant as a path, not a hub id.
         raise ModelLoadError(f"{spec}: no such checkpoint directory")
     try:  # Local hub cache first: no network needed.
@@ -144,7 +141,7 @@ def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -
             hint = f" ({PICKLE_HINT})" if not allow_pickle and "safetensors" in str(exc) else ""
             raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}{hint}") from exc
     check_gpt2_family(model, spec)
-    return model, bundled_gpt2_tokenizer(), f"huggingface:{spec}"
+    return from_transformers(model), bundled_gpt2_tokenizer(), f"huggingface:{spec}"
 
 
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: int = 0,
@@ -173,5 +170,5 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: in
         raise ModelLoadError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
         )
-    model = model.to(device=torch_device, dtype=torch_dtype).eval().requires_grad_(False)
+    model = model.to(device=torch_device, dtype=torch_dtype)
     return LoadedModel(model, tokenizer, spec, weights, source, torch_device, torch_dtype)

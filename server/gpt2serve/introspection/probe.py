@@ -1,14 +1,14 @@
 """Layer-by-layer reports for the traced rows of a batch, from what the forward computed.
 
-Forward hooks on each block keep slices of what the block already computes (its fused QKV
-projection, attention and MLP outputs, the residual stream) for the traced rows only, so the
-answer is barely delayed. Afterwards `reports()` reduces them on the device, all blocks at once,
+The model calls the probe at its taps (engine.gpt2.ForwardTaps), and the probe keeps slices of
+what each block already computes (its fused QKV projection, attention and MLP outputs, the
+residual stream) for the traced rows only, so the answer is barely delayed. Afterwards `reports()` reduces them on the device, all blocks at once,
 to a few numbers per head and per layer. The attention probabilities of a traced row are rebuilt
 from the model's own Q and K (softmax(QK^T / sqrt(d_head)) with the causal mask over the row's
 real tokens), so every row, traced or not, keeps the fast SDPA kernel in the model itself.
 Everything stays on the device until one host copy per statistic.
 
-Layer timings: host clocks on CPU (where a kernel finishes before the hook runs); CUDA events on
+Layer timings: host clocks on CPU (where a kernel finishes before the tap runs); CUDA events on
 a GPU, read once after the forward instead of a host sync per layer.
 """
 
@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
-from torch import nn
 
 from gpt2serve_client.types import HeadSummary, LayerReport, TokenProb
+
+if TYPE_CHECKING:
+    from ..engine.gpt2 import GPT2
 
 LOGIT_LENS_K = 5
 
@@ -62,54 +63,39 @@ class _Clock:
 
 
 class LayerProbe:
-    """Hooks one forward; `reports()` afterwards gives per-row layer summaries and the timeline."""
+    """The taps of one forward (engine.gpt2.ForwardTaps); `reports()` afterwards gives per-row
+    layer summaries and the timeline."""
 
-    def __init__(self, model: nn.Module, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
+    def __init__(self, model: GPT2, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
                  token_text: Callable[[int], str]):
         self.model = model
         self.token_text = token_text
-        self.transformer = model.transformer
         self.rows = list(rows)
         self.lengths = list(lengths)  # real (unpadded) length of each traced row
         self.input_ids = input_ids  # (B, T)
-        self.n_head = self.transformer.config.n_head
+        self.n_head = model.config.n_head
         self.clock = _Clock(input_ids.device)
-        # Captured by the hooks (slices only, so the answer is not delayed); reduced after it.
+        # Kept at the taps (slices only, so the answer is not delayed); reduced after it.
         self._qkv: list[list[torch.Tensor]] = []  # per block, per traced row: (L, 3d)
         self._hidden_last: list[torch.Tensor] = []  # per block: (R, d) residual after the block
         self._attn_last: list[torch.Tensor] = []  # per block: (R, d)
         self._mlp_last: list[torch.Tensor] = []  # per block: (R, d)
         self._end_ns = 0
 
-    @contextmanager
-    def attached(self) -> Iterator[LayerProbe]:
-        handles = [self.transformer.h[0].register_forward_pre_hook(lambda *_: self.clock.mark())]
-        for block in self.transformer.h:
-            handles.append(block.attn.c_attn.register_forward_hook(self._on_qkv))
-            handles.append(block.attn.register_forward_hook(self._on_attn_output))
-            handles.append(block.mlp.register_forward_hook(self._on_mlp_output))
-            handles.append(block.register_forward_hook(self._on_block_output))
+    # Taps: slices of what the block computed, for the traced rows ----------------------------------
+
+    def start(self) -> None:
         self.clock.mark()  # forward start
-        try:
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
 
-    # Hooks: slices of what the block computed, for the traced rows ------------------------------
+    def embedded(self) -> None:
+        self.clock.mark()  # embedding end
 
-    def _on_qkv(self, _module, _inputs, qkv: torch.Tensor) -> None:
+    def qkv(self, layer: int, qkv: torch.Tensor) -> None:
         self._qkv.append([qkv[row, -length:] for row, length in zip(self.rows, self.lengths)])  # (L, 3d) each
 
-    def _on_attn_output(self, _module, _inputs, output) -> None:
-        output = output[0] if isinstance(output, tuple) else output  # (B, T, d)
-        self._attn_last.append(output[self.rows, -1])  # (R, d)
-
-    def _on_mlp_output(self, _module, _inputs, output: torch.Tensor) -> None:
-        self._mlp_last.append(output[self.rows, -1])  # (R, d)
-
-    def _on_block_output(self, _module, _inputs, output) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output  # (B, T, d)
+    def block(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor, hidden: torch.Tensor) -> None:
+        self._attn_last.append(attn_out[self.rows, -1])  # (R, d)
+        self._mlp_last.append(mlp_out[self.rows, -1])  # (R, d)
         self._hidden_last.append(hidden[self.rows, -1])  # (R, d)
         self.clock.mark()  # block end
 
@@ -148,7 +134,7 @@ class LayerProbe:
         Call after `finish()`. `unembed` is the engine's lm_head: every block's logit lens is
         decoded in one product (one per block would stream the unembedding matrix n_layer times)."""
         n_rows = len(self.rows)
-        lens_inputs = self.transformer.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
+        lens_inputs = self.model.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
         lens_probs, lens_ids = unembed(lens_inputs).float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)
         heads = torch.stack([self._head_stats(r, length) for r, length in enumerate(self.lengths)], dim=1)
         # One host copy each: (n_layer, R, 6, H), (n_layer, R, 3), (n_layer, R, k) twice.
@@ -160,10 +146,9 @@ class LayerProbe:
         timeline = ForwardTimeline(
             embed=(marks[0], marks[1]), blocks=list(zip(marks[1:-2], marks[2:-1])), unembed=(marks[-2], marks[-1]),
         )
-        config = self.transformer.config
+        config = self.model.config
         batch, padded = self.input_ids.shape
-        d_model, n_head = config.n_embd, config.n_head
-        d_head, d_mlp = d_model // n_head, config.n_inner or 4 * d_model
+        d_model, n_head, d_head, d_mlp = config.d_model, config.n_head, config.d_head, config.d_mlp
         per_row = []
         for r, length in enumerate(self.lengths):
             layers = []

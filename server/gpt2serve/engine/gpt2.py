@@ -1,0 +1,165 @@
+"""GPT-2 in plain torch, for inference: the forward the engine runs, read top to bottom.
+
+Dimensions: B batch, T padded length, C d_model, nh heads of hs = C / nh, V vocabulary.
+
+Prompts are left-padded (see engine.padding): `valid` marks real tokens, and `position_ids`
+count from 0 at each prompt's first real token. A query attends to the real keys at or before
+it; a padding query attends to itself alone, so no row of the mask is empty (an empty row is a
+NaN in some attention kernels) and nothing real ever looks at padding.
+
+Introspection reads the forward through explicit taps (`ForwardTaps`): None on the fast path,
+and the only place where anything outside the model sees its intermediate tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INIT_STD = 0.02  # GPT-2's initializer range
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    d_mlp: int = 3072
+    n_ctx: int = 1024
+    vocab_size: int = 50257
+    layer_norm_eps: float = 1e-5
+    gelu_approximate: str = "tanh"  # GPT-2's "gelu_new"; "none" for the exact GELU
+    tie_lm_head: bool = True  # lm_head shares the token embedding (every GPT-2 checkpoint)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_head
+
+
+class ForwardTaps(Protocol):
+    """What introspection sees of a forward (see introspection.probe)."""
+
+    def embedded(self) -> None: ...
+
+    def qkv(self, layer: int, qkv: torch.Tensor) -> None: ...  # (B, T, 3C), the fused projection
+
+    def block(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor, hidden: torch.Tensor) -> None: ...
+    # each (B, T, C): attention output, MLP output, residual stream after the block
+
+
+def attention_mask(valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool, True = real token -> (B, 1, T, T) bool, True = may attend."""
+    T = valid.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()  # (T, T)
+    diagonal = torch.eye(T, dtype=torch.bool, device=valid.device)  # (T, T): padding sees itself
+    return (causal & (valid[:, None, :] | diagonal))[:, None]  # (B, 1, T, T)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.qkv(x)  # (B, T, 3C)
+        if taps is not None:
+            taps.qkv(layer, qkv)
+        q, k, v = qkv.split(C, dim=2)  # each (B, T, C)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        return self.proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.d_mlp)
+        self.proj = nn.Linear(config.d_mlp, config.d_model)
+        self.approximate = config.gelu_approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))  # (B, T, C) via (B, T, d_mlp)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int) -> torch.Tensor:
+        attn_out = self.attn(self.ln_1(x), mask, taps, layer)  # (B, T, C)
+        x = x + attn_out
+        mlp_out = self.mlp(self.ln_2(x))  # (B, T, C)
+        x = x + mlp_out
+        if taps is not None:
+            taps.block(layer, attn_out, mlp_out, x)
+        return x
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.n_ctx, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_lm_head:
+            self.lm_head.weight = self.wte.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
+                      taps: ForwardTaps | None = None) -> torch.Tensor:
+        """(B, T) token ids, positions and real-token mask -> (B, T, C) residual stream after the
+        last block (before ln_f)."""
+        mask = attention_mask(valid)  # (B, 1, T, T), shared by every block
+        x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
+        if taps is not None:
+            taps.embedded()
+        for layer, block in enumerate(self.blocks):
+            x = block(x, mask, taps, layer)  # (B, T, C)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Logits for the next token after each row's last position: (B, V). Only that position
+        goes through ln_f and lm_head; a server never needs the others."""
+        x = self.hidden_states(input_ids, position_ids, valid)  # (B, T, C)
+        return self.lm_head(self.ln_f(x[:, -1, :]))  # (B, V)
+
+    @classmethod
+    def random(cls, config: GPT2Config, seed: int) -> GPT2:
+        """Seeded random weights in fp32 on the CPU (GPT-2's scheme: N(0, 0.02), residual
+        projections scaled by 1/sqrt(2 * n_layer)), without disturbing the global RNG."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.zero_()
+                elif ".ln_" in name or name.startswith("ln_f"):
+                    param.fill_(1.0)
+                else:
+                    std = INIT_STD / math.sqrt(2 * config.n_layer) if name.endswith("proj.weight") else INIT_STD
+                    param.normal_(0.0, std, generator=generator)
+        return model.eval().requires_grad_(False)

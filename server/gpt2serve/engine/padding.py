@@ -1,0 +1,81 @@
+"""Left padding with tensor ops, and the shape buckets CUDA graphs are captured for.
+
+A batch becomes one (3, B, T) int64 tensor, [token ids, position ids, real-token mask], so it
+reaches the device in one copy. Every prompt's last token sits in column T-1; positions count
+from 0 at its first real token. Rows past the prompts (bucket padding) are all padding.
+The work is a handful of tensor ops whatever the batch size. The per-row Python loop this
+replaced made host work grow with the batch (issue 11, H100: 27 ms a forward at 1024 rows
+against 8 ms for the bare model).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+IDS, POSITIONS, VALID = range(3)
+
+
+def left_pad_into(out: torch.Tensor, prompts: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+    """Fill `out` (3, B, T) with the left-padded batch; B >= len(prompts), T >= the longest."""
+    lengths = torch.tensor([len(p) for p in prompts])  # (P,)
+    flat = torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.long)  # (N,) all tokens
+    T = out.shape[2]
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), lengths)  # (N,) each token's prompt
+    starts = lengths.cumsum(0) - lengths  # (P,) each prompt's offset in `flat`
+    offsets = torch.arange(flat.numel()) - starts[rows]  # (N,) position within its prompt
+    cols = (T - lengths)[rows] + offsets  # (N,) its column once left-padded
+    out[IDS].fill_(pad_id)
+    out[POSITIONS].zero_()
+    out[VALID].zero_()
+    out[IDS, rows, cols] = flat
+    out[POSITIONS, rows, cols] = offsets
+    out[VALID, rows, cols] = 1
+    return out
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, batch: int = 0, length: int = 0) -> torch.Tensor:
+    """A new (3, B, T) batch on the CPU; B and T default to the prompts' own."""
+    shape = (3, max(batch, len(prompts)), max(length, max(len(p) for p in prompts)))
+    return left_pad_into(torch.empty(shape, dtype=torch.long), prompts, pad_id)
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then steps of half a power of two (12, 16, 24, 32, 48, ...), so at most a third
+    of a bucket's rows are padding; up to max_batch_size (always a bucket)."""
+    sizes, size = [1, 2, 4, 8], 8
+    while size < max_batch_size:
+        sizes += [size * 3 // 2, size * 2]
+        size *= 2
+    return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
+
+
+def length_buckets(n_ctx: int, smallest: int = 8) -> list[int]:
+    """Powers of two from `smallest`, and n_ctx itself."""
+    sizes, size = [], smallest
+    while size < n_ctx:
+        sizes.append(size)
+        size *= 2
+    return sizes + [n_ctx]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    batch: tuple[int, ...]
+    length: tuple[int, ...]
+
+    @classmethod
+    def for_model(cls, max_batch_size: int, n_ctx: int) -> Buckets:
+        return cls(tuple(batch_buckets(max_batch_size)), tuple(length_buckets(n_ctx)))
+
+    def shape_for(self, batch: int, length: int) -> tuple[int, int] | None:
+        """The smallest bucket that holds a (batch, length) input, or None past the largest."""
+        b = bisect.bisect_left(self.batch, batch)
+        t = bisect.bisect_left(self.length, length)
+        if b == len(self.batch) or t == len(self.length):
+            return None
+        return self.batch[b], self.length[t]
