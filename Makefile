@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: serve test proto lock clean
+.PHONY: serve test test-gpu proto lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	scripts/debian_test_deps.sh
 	$(BIN)/python -m pytest $(ARGS)
+
+## On a GPU machine: the GPU tests, the whole suite and the engine bench table (gpt2, gpt2-xl).
+test-gpu: $(STAMP)
+	scripts/debian_test_deps.sh
+	scripts/gpu_check.sh
 
 ## Regenerate the checked-in protobuf/gRPC code after editing proto/.
 proto: $(STAMP)

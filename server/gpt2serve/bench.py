@@ -184,10 +184,13 @@ class InProcessModel:
     """The same architecture and dtype on this machine, no server: the most it can do."""
 
     def __init__(self, info: ModelInfo):
-        from .engine.engine import Engine
+        from .engine.engine import Engine, EngineOptions
         from .engine.loading import build_model_like
 
-        self.engine = Engine(build_model_like(info))
+        # The server's batch buckets (CUDA graphs on cuda), and the reference size beside them.
+        options = EngineOptions(max_batch_size=max(info.max_batch_size, MAX_REFERENCE_BATCH))
+        self.engine = Engine(build_model_like(info), options)
+        self.engine.warm_up()
 
     def forward_s(self, batch: list[list[int]]) -> float:
         return self.engine.next_token(batch, [5] * len(batch)).forward_s

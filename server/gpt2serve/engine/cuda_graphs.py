@@ -59,6 +59,7 @@ class BucketedForward:
     def graphs(self) -> int:
         return sum(bucket.graph is not None for bucket in self.ready.values())
 
+    @torch.inference_mode()
     def run(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """(P, V) fp32 log-probs of the next token for each prompt, a view of the shared output
         (valid until the next run), and the bucket shape it ran at; None when this shape has no
@@ -76,6 +77,7 @@ class BucketedForward:
             self._step(bucket)
         return self.output[:len(prompts)], shape
 
+    @torch.inference_mode()
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> None:
         """Capture these bucket shapes now, largest first, so the shared pool is sized once."""
         for shape in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
@@ -101,9 +103,10 @@ class BucketedForward:
                 return None
             try:
                 bucket.graph = self._capture(bucket)
-            except torch.cuda.OutOfMemoryError:
+            except RuntimeError as exc:  # out of memory, or an op that cannot be captured
                 torch.cuda.empty_cache()
-                log.warning("out of memory capturing a CUDA graph for shape %s; it runs eagerly", shape)
+                log.warning("capturing a CUDA graph for shape %s failed (%s); it runs eagerly", shape,
+                            str(exc).splitlines()[0])
                 self.refused.add(shape)
                 return None
         self.ready[shape] = bucket

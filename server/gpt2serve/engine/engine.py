@@ -97,7 +97,7 @@ class Engine:
         self.pad_token_id = loaded.tokenizer.eos_token_id or 0
         self.fixed_cost_tokens = DEFAULT_FIXED_COST_TOKENS  # Refined by warm_up().
         config = self.model.config
-        assert config.vocab_size < 2**24, "token ids travel to the host as float32 (see _to_host)"
+        assert config.vocab_size < 2**24, "token ids travel to the host as float32 (see _top)"
         self.graphs: BucketedForward | None = None
         if self.device.type == "cuda" and options.cuda_graphs:
             self.graphs = self.bucketed(capture=True)
