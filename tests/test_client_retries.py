@@ -26,8 +26,8 @@ ANSWER = pb.NextTokenResponse(token_id=11, token=",", logprob=-0.5,
 class ScriptedGrpc:
     """NextToken fails with each status in `script`, in turn, then answers."""
 
-    def __init__(self, script: list[grpc.StatusCode], delay_s: float = 0.0):
-        self.script, self.calls, self.delay_s = list(script), 0, delay_s
+    def __init__(self, script: list[grpc.StatusCode], delay_s: float = 0.0, pushback_ms: str = "50"):
+        self.script, self.calls, self.delay_s, self.pushback_ms = list(script), 0, delay_s, pushback_ms
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         handler = grpc.unary_unary_rpc_method_handler(
             self.next_token, request_deserializer=pb.NextTokenRequest.FromString,
@@ -41,20 +41,25 @@ class ScriptedGrpc:
         self.calls += 1
         time.sleep(self.delay_s)
         if self.script:
-            context.set_trailing_metadata((("grpc-retry-pushback-ms", "50"),))
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", self.pushback_ms),))
             context.abort(self.script.pop(0), "scripted failure")
         return ANSWER
 
 
-@pytest.mark.parametrize("script, retries, calls, outcome", [
-    ([grpc.StatusCode.RESOURCE_EXHAUSTED] * 2, 3, 3, "OK"),
-    ([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED], 3, 3, "OK"),
-    ([grpc.StatusCode.RESOURCE_EXHAUSTED] * 2, 0, 1, "RESOURCE_EXHAUSTED"),
-    ([grpc.StatusCode.UNAVAILABLE] * 5, 2, 3, "UNAVAILABLE"),
-    ([grpc.StatusCode.INVALID_ARGUMENT], 3, 1, "INVALID_ARGUMENT"),  # a client error is not retried
+@pytest.mark.parametrize("script, retries, calls, outcome, pushback", [
+    ([grpc.StatusCode.RESOURCE_EXHAUSTED] * 2, 3, 3, "OK", "50"),
+    ([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED], 3, 3, "OK", "50"),
+    ([grpc.StatusCode.RESOURCE_EXHAUSTED] * 2, 0, 1, "RESOURCE_EXHAUSTED", "50"),
+    ([grpc.StatusCode.UNAVAILABLE] * 5, 2, 3, "UNAVAILABLE", "50"),
+    ([grpc.StatusCode.INVALID_ARGUMENT], 3, 1, "INVALID_ARGUMENT", "50"),  # a client error is not retried
+    # A draining gpt2serve says "do not retry me" (pushback -1): the caller gets UNAVAILABLE at once.
+    ([grpc.StatusCode.UNAVAILABLE] * 5, 3, 1, "UNAVAILABLE", "-1"),
+    # A call the server side cancelled (a retry that met a closing server) is UNAVAILABLE to the
+    # caller, who did not cancel anything and should fail over.
+    ([grpc.StatusCode.CANCELLED], 3, 1, "UNAVAILABLE", "50"),
 ])
-def test_grpc_client_retries(script, retries, calls, outcome):
-    scripted = ScriptedGrpc(script)
+def test_grpc_client_retries(script, retries, calls, outcome, pushback):
+    scripted = ScriptedGrpc(script, pushback_ms=pushback)
     try:
         with Client(scripted.target, retries=retries, timeout=10) as client:
             try:

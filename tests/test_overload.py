@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import launch_server, metric_value
+from conftest import launch_server, metric_value, requests_total
 from reference import assert_matches_reference
 
 from gpt2serve_client import AsyncClient, Gpt2ServeError, NextTokenResult
@@ -96,6 +96,14 @@ def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_referen
             late_rest = await http.post("/v1/next-token", json={"prompt": "too late"})
             with pytest.raises(Gpt2ServeError) as late_grpc:
                 await client.next_token("too late")
+            # With the default retries, a draining server is not retried (it says so with a
+            # negative grpc-retry-pushback-ms): one refusal counted, UNAVAILABLE for the caller.
+            refused_before = requests_total(srv.http_url, "grpc", "NextToken", "UNAVAILABLE")
+            async with AsyncClient(srv.grpc_target, timeout=30) as retrying:
+                with pytest.raises(Gpt2ServeError) as late_retried:
+                    await retrying.next_token("too late, with retries")
+            refused = requests_total(srv.http_url, "grpc", "NextToken", "UNAVAILABLE") - refused_before
+            assert (late_retried.value.code, refused) == ("UNAVAILABLE", 1), (late_retried.value, refused)
             health = await client.health()
             pending_when_refused = sum(not c.done() for c in calls)
             results = await asyncio.gather(*calls)

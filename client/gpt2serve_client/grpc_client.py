@@ -41,6 +41,11 @@ def tls_credentials(tls: bool, root_certificates: bytes | str | Path | None) -> 
 
 
 def _error(exc: grpc.RpcError) -> Gpt2ServeError:
+    if exc.code() == grpc.StatusCode.CANCELLED:
+        # Our callers cancel by cancelling their task (CancelledError), never through a status:
+        # a CANCELLED status comes from the other side, e.g. a retry that met a closing server.
+        # Callers should fail over, as for any unavailable server.
+        return Gpt2ServeError("UNAVAILABLE", f"the server cancelled the call: {exc.details() or 'no details'}")
     return Gpt2ServeError(exc.code().name, exc.details() or "")
 
 

@@ -45,6 +45,11 @@ class Unavailable(ServeError):
     http_status = 503
 
 
+class ShuttingDown(Unavailable):
+    """Refused because this server is draining: retry elsewhere, not here (gRPC tells retry
+    policies so with a negative grpc-retry-pushback-ms)."""
+
+
 class DeadlineExceeded(ServeError):
     code = "DEADLINE_EXCEEDED"
     http_status = 504

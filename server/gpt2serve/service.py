@@ -19,7 +19,7 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult, Timings, TokenLog
 from .config import ServeConfig
 from .engine.loading import LoadedModel
 from .engine.model_info import architecture, parameter_breakdown
-from .errors import FailedPrecondition, InvalidArgument, Unavailable
+from .errors import FailedPrecondition, InvalidArgument, ShuttingDown, Unavailable
 from .scheduling.batcher import Batcher, ScheduledOutput
 from .telemetry.spans import RequestTrace, Telemetry, exported_trace_id
 
@@ -95,7 +95,7 @@ class InferenceService:
 
     def _require_model(self) -> tuple[LoadedModel, Batcher, ModelInfo]:
         if not self.accepting:
-            raise Unavailable("the server is shutting down; retry on another replica")
+            raise ShuttingDown("the server is shutting down; retry on another replica")
         if self._attached is None:
             raise Unavailable("the model is still loading; retry shortly")
         return self._attached

@@ -8,7 +8,8 @@ How long to wait for a batch to fill: the callers answered by the last batch are
 send again (closed-loop clients), so the next batch aims at what was queued when that batch
 finished plus that many returns, waiting at most `max_batch_delay` for them. A lone client
 thus never waits (its target is 1), while 64 clients settle into full batches of 64 instead of
-two half-size groups that take turns.
+two half-size groups that take turns. Callers that did not come back within the return window
+(see `_return_window`) are not waited for: after a burst and a pause, a lone request runs at once.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any, Protocol, Sequence
 
 from gpt2serve_client.types import LayerReport
 
-from ..engine.engine import BatchOutput, Engine, OutOfMemory, TokenScore
-from ..errors import ResourceExhausted, ServeError, Unavailable
+from ..engine.engine import BatchOutput, OutOfMemory, TokenScore
+from ..errors import ResourceExhausted, ServeError, ShuttingDown, Unavailable
 from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,17 @@ class ScheduledOutput:
     enqueued_ns: int  # wall clock, for the queue span
     batch_started_ns: int
     layers: list[LayerReport] | None  # when the request's trace asked for them
+
+
+class BatchEngine(Protocol):
+    """What the batcher needs of an engine (engine.Engine; tests/fake_engine.FakeEngine)."""
+
+    fixed_cost_tokens: float  # a forward's fixed cost in padded tokens (see scheduling.grouping)
+
+    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
+                   traced_rows: Sequence[int] = ()) -> BatchOutput: ...
+
+    def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
 
 
 class BatchObserver(Protocol):
@@ -74,7 +86,7 @@ class EngineFailure(ServeError):
 
 
 class Batcher:
-    def __init__(self, engine: Engine, *, max_batch_size: int, max_batch_delay_s: float, max_queue: int,
+    def __init__(self, engine: BatchEngine, *, max_batch_size: int, max_batch_delay_s: float, max_queue: int,
                  max_batch_tokens: int, engine_thread: ThreadPoolExecutor | None = None,
                  observer: BatchObserver | None = None):
         self.engine = engine
@@ -92,6 +104,7 @@ class Batcher:
         self.batches_run = 0
         self._expected_batch = 1  # Target size of the next batch (see module doc).
         self._last_forward_s = 0.0
+        self._last_answered = 0.0  # loop time the last batch was answered
 
     @property
     def queue_depth(self) -> int:
@@ -109,7 +122,7 @@ class Batcher:
             leftover.append(self._queue.get_nowait())
         for pending in leftover:
             if not pending.future.done():
-                pending.future.set_exception(Unavailable("server is shutting down"))
+                pending.future.set_exception(ShuttingDown("server is shutting down"))
         self._executor.shutdown(wait=True)
 
     async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: Any = None) -> list[ScheduledOutput]:
@@ -166,9 +179,12 @@ class Batcher:
         often made it and the last one ran a batch alone, a rhythm that then repeats. Waiting
         a share of the forward time that a full batch saves keeps slow CPUs at full batches,
         while on a GPU (forwards of milliseconds) the cap stays at a few delays."""
-        cap = max(STREAMING_WAIT_FACTOR * self.max_batch_delay_s, STREAMING_WAIT_SHARE_OF_FORWARD * self._last_forward_s)
-        still_arriving = min(started + cap, last_arrival + self.max_batch_delay_s / 2)
+        still_arriving = min(started + self._return_window(), last_arrival + self.max_batch_delay_s / 2)
         return max(started + self.max_batch_delay_s, still_arriving)
+
+    def _return_window(self) -> float:
+        """How long after their answers closed-loop callers may still be coming back."""
+        return max(STREAMING_WAIT_FACTOR * self.max_batch_delay_s, STREAMING_WAIT_SHARE_OF_FORWARD * self._last_forward_s)
 
     def _stop_waiting(self, item: _Pending) -> None:
         if item.waiting:
@@ -219,6 +235,7 @@ class Batcher:
                 self._fail(batch, "per-layer reports", exc)
                 return
         self._answer(batch, output, started, started_ns, needs_layers=True)
+        self._last_answered = loop.time()
         if self.observer is not None:  # After the answers: spans are not on anyone's critical path.
             loop.call_soon(self._observe, [p.trace for p in batch], output, started_ns)
         # Let the answered handlers run (encode, send) before the next batch's wait starts:
@@ -229,6 +246,8 @@ class Batcher:
         """Wait for candidates (see module doc), then run the length group of the oldest one."""
         candidates = self._backlog or [await self._queue.get()]
         started = last_arrival = loop.time()
+        if started - self._last_answered > self._return_window():
+            self._expected_batch = 1  # The last batch's callers did not come back: nothing to wait for.
         target = min(self.max_batch_size, max(self._expected_batch, self._waiting))
         while len(candidates) < target:
             if self._queue.empty():

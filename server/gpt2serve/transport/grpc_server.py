@@ -18,13 +18,22 @@ from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
-from ..errors import InvalidArgument, ServeError
+from ..errors import InvalidArgument, ServeError, ShuttingDown
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, GrpcAuthInterceptor
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
-RETRY_PUSHBACK_MS = "250"  # grpc-retry-pushback-ms on RESOURCE_EXHAUSTED: gRPC retry policies honour it.
+# grpc-retry-pushback-ms, which gRPC retry policies honour: busy, retry in 250 ms; draining,
+# do not retry here (a negative value), or the retry meets the closing server and ends CANCELLED.
+RETRY_PUSHBACK_MS = "250"
+NO_RETRY_PUSHBACK_MS = "-1"
+
+
+def retry_pushback_ms(exc: ServeError) -> str | None:
+    if isinstance(exc, ShuttingDown):
+        return NO_RETRY_PUSHBACK_MS
+    return RETRY_PUSHBACK_MS if exc.code == "RESOURCE_EXHAUSTED" else None
 
 
 class UndecodableRequest:
@@ -58,8 +67,9 @@ def status_errors(method):
                 raise InvalidArgument(request.message)
             return await method(self, request, context)
         except ServeError as exc:
-            if exc.code == "RESOURCE_EXHAUSTED":
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", RETRY_PUSHBACK_MS),))
+            pushback = retry_pushback_ms(exc)
+            if pushback is not None:
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
             await context.abort(grpc.StatusCode[exc.code], exc.message)
         except grpc.aio.AbortError:
             raise
