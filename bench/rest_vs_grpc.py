@@ -39,7 +39,7 @@ def main() -> int:
         rates: dict[str, list[float]] = {"grpc": [], "rest": []}
         for round_index in range(args.rounds):
             for api in (("grpc", "rest") if round_index % 2 == 0 else ("rest", "grpc")):
-                load = asyncio.run(loads[api]())
+                load = asyncio.run(loads[api]()).summary(api, args.clients, args.round_s)
                 rates[api].append(load.req_per_s)
                 print(f"round {round_index}: {api}: {load.req_per_s:.1f} req/s, mean batch {load.mean_batch_size:.1f},"
                       f" server forward p50 {load.server_forward_p50_ms:.0f} ms, errors {load.errors}", flush=True)

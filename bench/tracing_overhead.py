@@ -90,7 +90,8 @@ def main() -> int:
         for round_index in range(args.rounds):
             order = list(servers) if round_index % 2 == 0 else list(servers)[::-1]
             for name in order:
-                load = asyncio.run(load_grpc(servers[name][1], prompts, args.clients, args.round_s, 1.0))
+                load = asyncio.run(load_grpc(servers[name][1], prompts, args.clients, args.round_s, 1.0)).summary(
+                    "grpc", args.clients, args.round_s)
                 totals[name] += load.requests
                 print(f"round {round_index}: {name}: {load.req_per_s:.1f} req/s, mean batch {load.mean_batch_size:.1f}",
                       flush=True)

@@ -58,14 +58,44 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
+@dataclass
+class LoadSamples:
+    """What closed-loop clients saw (one process's worth; `merge` joins several)."""
+
+    latencies: list[float] = field(default_factory=list)
+    batch_sizes: list[int] = field(default_factory=list)
+    timings: list = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def merge(self, other: LoadSamples) -> LoadSamples:
+        errors = dict(self.errors)
+        for code, count in other.errors.items():
+            errors[code] = errors.get(code, 0) + count
+        return LoadSamples(self.latencies + other.latencies, self.batch_sizes + other.batch_sizes,
+                           self.timings + other.timings, errors)
+
+    def summary(self, api: str, concurrency: int, duration_s: float, interleaved: bool = False) -> LoadResult:
+        latencies = sorted(self.latencies)
+        n = len(latencies)
+        # Each request reports the size of the batch it ran in; a batch of b is seen b times.
+        batches = sum(1 / b for b in self.batch_sizes) if self.batch_sizes else 0
+        return LoadResult(
+            api=api, concurrency=concurrency, duration_s=duration_s, requests=n, errors=sum(self.errors.values()),
+            req_per_s=n / sum(latencies) if interleaved and latencies else n / duration_s,  # interleaved: request time only
+            p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
+            p99_ms=percentile(latencies, 0.99) * 1000, mean_batch_size=n / batches if batches else 0.0,
+            server_queue_p50_ms=median_of(t.queue_ms for t in self.timings),
+            server_forward_p50_ms=median_of(t.forward_ms for t in self.timings),
+            server_total_p50_ms=median_of(t.total_ms for t in self.timings),
+            error_codes=self.errors,
+        )
+
+
 async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s: float, warmup_s: float,
-                   api: str, between=None) -> LoadResult:
+                   between=None) -> LoadSamples:
     """`concurrency` workers, each sending its next request as soon as the last one answers.
     `between(prompt)`, if given, runs after each measured request (the interleaved in-process forward)."""
-    latencies: list[float] = []
-    batch_sizes: list[int] = []
-    timings: list = []
-    errors: dict[str, int] = {}
+    samples = LoadSamples()
     loop = asyncio.get_running_loop()
     start = loop.time()
     measure_from, stop_at = start + warmup_s, start + warmup_s + duration_s
@@ -78,32 +108,42 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
                 result = await call(prompts[i % len(prompts)])
             except Gpt2ServeError as exc:
                 if now >= measure_from:
-                    errors[exc.code] = errors.get(exc.code, 0) + 1
+                    samples.errors[exc.code] = samples.errors.get(exc.code, 0) + 1
                 continue
             finally:
                 i += concurrency
             if now >= measure_from and loop.time() <= stop_at:
-                latencies.append(time.perf_counter() - sent)
-                batch_sizes.append(result.batch_size)
-                timings.append(result.timings)
+                samples.latencies.append(time.perf_counter() - sent)
+                samples.batch_sizes.append(result.batch_size)
+                samples.timings.append(result.timings)
                 if between is not None:
                     between(prompts[(i - concurrency) % len(prompts)])
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    latencies.sort()
-    n = len(latencies)
-    # Each request reports the size of the batch it ran in; a batch of b is seen b times.
-    batches = sum(1 / b for b in batch_sizes) if batch_sizes else 0
-    return LoadResult(
-        api=api, concurrency=concurrency, duration_s=duration_s, requests=n, errors=sum(errors.values()),
-        req_per_s=n / sum(latencies) if between and latencies else n / duration_s,  # interleaved: request time only
-        p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
-        p99_ms=percentile(latencies, 0.99) * 1000, mean_batch_size=n / batches if batches else 0.0,
-        server_queue_p50_ms=median_of(t.queue_ms for t in timings),
-        server_forward_p50_ms=median_of(t.forward_ms for t in timings),
-        server_total_p50_ms=median_of(t.total_ms for t in timings),
-        error_codes=errors,
-    )
+    return samples
+
+
+def load_in_process(api: str, target: str, prompts, concurrency: int, duration_s: float,
+                    warmup_s: float) -> LoadSamples:
+    """One client process's share of the load (a top-level function, for --processes)."""
+    load = load_grpc if api == "grpc" else load_rest
+    return asyncio.run(load(target, prompts, concurrency, duration_s, warmup_s))
+
+
+def load_from_processes(api: str, target: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
+                        processes: int) -> LoadSamples:
+    """The clients spread over `processes` client processes, so one client's event loop is not
+    what is measured (a front end per core on a GPU machine outruns a single client process)."""
+    import multiprocessing
+
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.starmap(load_in_process, [(api, target, prompts[i::processes] or prompts, share, duration_s,
+                                                warmup_s) for i, share in enumerate(shares) if share])
+    merged = LoadSamples()
+    for part in parts:
+        merged = merged.merge(part)
+    return merged
 
 
 def median_of(values) -> float:
@@ -112,10 +152,10 @@ def median_of(values) -> float:
 
 
 async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
-                    between=None) -> LoadResult:
+                    between=None) -> LoadSamples:
     async with AsyncClient(target) as client:
         return await run_load(lambda p: client.next_token(p, top_k=5), prompts, concurrency, duration_s, warmup_s,
-                              "grpc", between)
+                              between)
 
 
 class KeepAliveHttp:
@@ -153,7 +193,7 @@ class KeepAliveHttp:
 
 
 async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
-                    between=None) -> LoadResult:
+                    between=None) -> LoadSamples:
     from urllib.parse import urlparse
 
     from gpt2serve_client.types import NextTokenResult
@@ -174,7 +214,7 @@ async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float,
         return NextTokenResult.from_dict(data)
 
     try:
-        return await run_load(call, prompts, concurrency, duration_s, warmup_s, "rest", between)
+        return await run_load(call, prompts, concurrency, duration_s, warmup_s, between)
     finally:
         for conn in pool:
             conn.close()
@@ -254,10 +294,14 @@ def run_bench(args) -> int:
     # from the same seconds of this noisy machine (the single-forward p50 uses these samples).
     interleaved: list[float] = []
     between = (lambda p: interleaved.append(model.forward_s([p]))) if args.concurrency == 1 else None
-    if args.api == "grpc":
-        load = asyncio.run(load_grpc(args.target, prompts, args.concurrency, args.duration, args.warmup, between))
+    target = args.target if args.api == "grpc" else args.http_target
+    if args.processes > 1:
+        samples = load_from_processes(args.api, target, prompts, args.concurrency, args.duration, args.warmup,
+                                      args.processes)
     else:
-        load = asyncio.run(load_rest(args.http_target, prompts, args.concurrency, args.duration, args.warmup, between))
+        load = load_grpc if args.api == "grpc" else load_rest
+        samples = asyncio.run(load(target, prompts, args.concurrency, args.duration, args.warmup, between))
+    load = samples.summary(args.api, args.concurrency, args.duration, interleaved=between is not None)
     for size in sizes:
         times[size] += model.measure(prompts, size, args.limit_duration / 2)
     if interleaved:
@@ -282,6 +326,8 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--http-target", default="http://localhost:8000", help="REST base URL (--api rest)")
     parser.add_argument("--api", choices=("grpc", "rest"), default="grpc")
     parser.add_argument("--concurrency", "-c", type=int, default=64, help="closed-loop clients")
+    parser.add_argument("--processes", "-p", type=int, default=1,
+                        help="client processes the clients are spread over (one client process can be the limit)")
     parser.add_argument("--duration", "-d", type=float, default=10.0, help="measured seconds of load")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
     parser.add_argument("--limit-duration", type=float, default=8.0, help="seconds per in-process batch size (half before the load, half after)")

@@ -88,6 +88,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gpt2serve serve: {exc}", file=sys.stderr)
         return 2
+    from .processes import resolve_workers, run_workers
+
+    workers = resolve_workers(config)
+    if workers > 1:
+        return run_workers(config, workers)
     from .app import run  # Imports torch: only when serving.
     from .errors import ModelLoadError
 

@@ -63,6 +63,8 @@ class ServeConfig:
     cuda_graphs: bool = True
     # Device memory the captured graphs may take; shapes past it run eagerly.
     cuda_graph_memory_mb: float = 4096.0
+    # Front-end processes around one engine process; None: auto (1 on a CPU; see processes.py).
+    workers: int | None = None
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
@@ -174,6 +176,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="on cuda, replay captured CUDA graphs for bucketed batch shapes (on/off)")
     env.add("--cuda-graph-memory-mb", type=float, default=d.cuda_graph_memory_mb,
             help="device memory the captured CUDA graphs may take; other shapes run eagerly")
+    env.add("--workers", type=auto_or_int, default="auto",
+            help="front-end processes (gRPC + REST on shared ports) around one engine process; "
+                 "auto: 1 on a CPU (one process), about min(cores - 2, 8) on a GPU")
     parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
 
 
@@ -208,6 +213,8 @@ def validate(config: ServeConfig) -> None:
     for path in (config.tls_cert, config.tls_key):
         if path and not os.path.isfile(path):
             problems.append(f"{path}: no such file")
+    if config.workers is not None and config.workers < 1:
+        problems.append("--workers must be >= 1 (or auto)")
     if config.cuda_graph_memory_mb < 0:
         problems.append("--cuda-graph-memory-mb must be >= 0")
     if config.shutdown_grace_s < 0:

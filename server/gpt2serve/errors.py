@@ -55,5 +55,14 @@ class DeadlineExceeded(ServeError):
     http_status = 504
 
 
+def error_from_code(code: str, message: str) -> ServeError:
+    """The error a (code, message) pair stands for, as it crossed a process boundary."""
+    for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unauthenticated, Unavailable,
+                DeadlineExceeded):
+        if cls.code == code:
+            return cls(message)
+    return ServeError(message)
+
+
 class ModelLoadError(Exception):
     """The requested weights could not be loaded (bad path, unreachable hub, not GPT-2)."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Protocol, Sequence
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
@@ -19,8 +19,9 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult, Timings, TokenLog
 from .config import ServeConfig
 from .engine.loading import LoadedModel
 from .engine.model_info import architecture, parameter_breakdown
+from .engine.tokenizer import Tokenizer
 from .errors import FailedPrecondition, InvalidArgument, ShuttingDown, Unavailable
-from .scheduling.batcher import Batcher, ScheduledOutput
+from .scheduling.batcher import ScheduledOutput
 from .telemetry.spans import RequestTrace, Telemetry, exported_trace_id
 
 DEFAULT_TOP_K = 5
@@ -40,6 +41,24 @@ class RequestOptions:
     trace_layers: bool = False
     include_layers: bool = False
     deadline: float | None = None  # time.monotonic() by which the caller gives up (gRPC deadline)
+
+
+class Scheduler(Protocol):
+    """Where prompts go to be answered: scheduling.Batcher, or ipc.EngineClient."""
+
+    max_batch_size: int
+
+    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: Any = None) -> list[ScheduledOutput]: ...
+
+
+def describe_model(loaded: LoadedModel) -> ModelInfo:
+    """The model part of ModelInfo; the service fills in its limits when attached."""
+    return ModelInfo(
+        model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
+        dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
+        architecture=architecture(loaded.model.config), parameters=parameter_breakdown(loaded.model),
+        max_prompt_tokens=0, max_batch_size=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -62,24 +81,20 @@ class InferenceService:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._attached: tuple[LoadedModel, Batcher, ModelInfo] | None = None
+        self._attached: tuple[Scheduler, ModelInfo] | None = None
 
-    def attach(self, loaded: LoadedModel, batcher: Batcher) -> None:
-        n_ctx = loaded.model.config.n_ctx
-        self.max_batch_size = batcher.max_batch_size
-        self.tokenizer = loaded.tokenizer
-        self.vocab_size = loaded.model.config.vocab_size
+    def attach(self, tokenizer: Tokenizer, info: ModelInfo, scheduler: Scheduler) -> None:
+        """Ready to serve: `info` describes the model (see describe_model), `scheduler` is the
+        batcher, or the engine process behind the IPC door (ipc.EngineClient)."""
+        n_ctx, self.vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
+        self.max_batch_size = scheduler.max_batch_size
+        self.tokenizer = tokenizer
         self.max_prompt_tokens = min(self.config.max_prompt_tokens or n_ctx, n_ctx)
         # A text of more bytes than this has more tokens than allowed: refuse it without tokenizing.
-        self.max_prompt_bytes = self.max_prompt_tokens * loaded.tokenizer.max_token_bytes
-        info = ModelInfo(
-            model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
-            dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
-            architecture=architecture(loaded.model.config), parameters=parameter_breakdown(loaded.model),
-            max_prompt_tokens=self.max_prompt_tokens, max_batch_size=self.max_batch_size,
-        )
-        self._attached = (loaded, batcher, info)
-        self.telemetry.model_name, self.telemetry.vocab_size = loaded.name, self.vocab_size
+        self.max_prompt_bytes = self.max_prompt_tokens * tokenizer.max_token_bytes
+        info = replace(info, max_prompt_tokens=self.max_prompt_tokens, max_batch_size=self.max_batch_size)
+        self._attached = (scheduler, info)
+        self.telemetry.model_name, self.telemetry.vocab_size = info.model, self.vocab_size
 
     def count_refusal(self, api: str, method: str, code: str) -> None:
         """A request refused before it reached the service (auth, size, malformed): count it too."""
@@ -93,7 +108,7 @@ class InferenceService:
             return False
         return True
 
-    def _require_model(self) -> tuple[LoadedModel, Batcher, ModelInfo]:
+    def _require_model(self) -> tuple[Scheduler, ModelInfo]:
         if not self.accepting:
             raise ShuttingDown("the server is shutting down; retry on another replica")
         if self._attached is None:
@@ -101,7 +116,7 @@ class InferenceService:
         return self._attached
 
     def model_info(self) -> ModelInfo:
-        return self._require_model()[2]
+        return self._require_model()[1]
 
     async def next_token(self, prompt: PromptInput, top_k: int | None = None,
                          options: RequestOptions = RequestOptions()) -> NextTokenResult:
@@ -123,7 +138,7 @@ class InferenceService:
         received = time.perf_counter()
         with self.telemetry.request_span(options.span_name, options.parent, options.attributes,
                                          options.trace_layers, options.api, options.method, options.deadline) as span:
-            _, batcher, _ = self._require_model()
+            scheduler, _ = self._require_model()
             if not prompts:
                 raise InvalidArgument("prompts: at least one prompt is required")
             if len(prompts) > self.max_batch_size:
@@ -138,7 +153,7 @@ class InferenceService:
             span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
             span.set_attribute("gen_ai.usage.output_tokens", len(token_ids))
             span.set_attribute("gen_ai.request.top_k", k)
-            outputs = await batcher.submit(token_ids, k, trace)
+            outputs = await scheduler.submit(token_ids, k, trace)
             for out in outputs[:1]:  # The prompts of one call enter the queue together.
                 self.telemetry.queue_span(span, out.enqueued_ns, out.batch_started_ns)
             metrics = self.telemetry.metrics

@@ -113,9 +113,9 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Before the server says ready: capture the common graphs, run the eager and traced
-        paths once (first-call allocations, kernel choice), and measure `fixed_cost_tokens`:
-        a forward costs about fixed + c * padded tokens, and the scheduler's length grouping
-        needs fixed / c (large on a GPU, tens of tokens on a CPU)."""
+        paths once (first-call allocations, kernel choice), and measure `fixed_cost_tokens`,
+        fixed / c below: the scheduler's length grouping needs it (large on a GPU, tens of
+        tokens on a CPU)."""
         if self.graphs is not None:
             started = time.perf_counter()
             buckets = self.graphs.buckets
@@ -125,15 +125,19 @@ class Engine:
         prompt = [self.pad_token_id] * 8
         self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the traced (eager) path
         self._eager([prompt], [1], (), time.perf_counter(), time.time_ns())
-        small, large = (1, 8), (8, 16)  # (prompts, tokens each)
+        # A forward costs about fixed + r * rows + c * padded tokens (rows: the last-position
+        # lm_head, a large share for small models). Splitting a batch by length repeats `fixed`
+        # and saves padding, while r * rows is paid either way: so three shapes, r kept apart.
+        one_short, rows_short, rows_long = (1, 8), (8, 8), (8, 32)  # (prompts, tokens each)
 
         def best_of_3(shape: tuple[int, int]) -> float:
             batch = [[self.pad_token_id] * shape[1]] * shape[0]
             return min(self.next_token(batch, [1] * shape[0]).forward_s for _ in range(3))
 
-        t_small, t_large = best_of_3(small), best_of_3(large)
-        per_token = (t_large - t_small) / (large[0] * large[1] - small[0] * small[1])
-        fixed = t_small - small[0] * small[1] * per_token
+        t1, t2, t3 = best_of_3(one_short), best_of_3(rows_short), best_of_3(rows_long)
+        per_token = (t3 - t2) / (8 * (32 - 8))
+        per_row = (t2 - t1 - 8 * (8 - 1) * per_token) / (8 - 1)
+        fixed = t1 - per_row - 8 * per_token
         if per_token > 0 and fixed > 0:
             self.fixed_cost_tokens = min(max(fixed / per_token, 1.0), MAX_FIXED_COST_TOKENS)
         else:  # Timing noise, or the device is far from saturated: padding is nearly free.

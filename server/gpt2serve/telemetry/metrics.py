@@ -4,14 +4,24 @@ Names carry the `gpt2serve_` prefix and seconds; duration buckets follow the Ope
 conventions. Histograms take the request's trace id as an exemplar when the request was
 sampled, so a dashboard can jump from a slow bucket to its trace (OpenMetrics format only: ask
 for it with `Accept: application/openmetrics-text`, as Prometheus does).
+
+With `--workers N` (N > 1) every process writes its samples to files in PROMETHEUS_MULTIPROC_DIR
+(prometheus_client's multiprocess mode, switched on by that variable before the import), and
+any front end's /metrics sums them: the counters are the whole server's. That mode has no
+exemplars, no Info metric (the model is a gauge of 1 with the same name and labels) and no
+callback gauges (the engine process sets queue depth and device memory as they change).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # GenAI semantic conventions: gen_ai.server.request.duration / time_to_first_token buckets.
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
@@ -22,6 +32,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
         r = self.registry
         self.requests = Counter("gpt2serve_requests", "Requests answered, by API, method and status code",
                                 ["api", "method", "status"], registry=r)
@@ -38,18 +49,35 @@ class Metrics:
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("gpt2serve_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
         self.generated_tokens = Counter("gpt2serve_generated_tokens", "Tokens generated", ["api"], registry=r)
-        self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r)
-        self.queue_depth = Gauge("gpt2serve_queue_depth", "Prompts waiting for a batch", registry=r)
+        live_sum = dict(multiprocess_mode="livesum")  # across the processes alive (multiprocess mode)
+        self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r, **live_sum)
+        self.queue_depth = Gauge("gpt2serve_queue_depth", "Prompts waiting for a batch", registry=r, **live_sum)
         self.device_memory = Gauge("gpt2serve_device_memory_bytes",
-                                   "Memory in use on the model's device (CPU: process RSS)", ["device"], registry=r)
-        self.model = Info("gpt2serve_model", "The served model", registry=r)
+                                   "Memory in use on the model's device (CPU: process RSS)", ["device"], registry=r,
+                                   **live_sum)
+        if self.multiprocess_dir:
+            self.model_gauge = Gauge("gpt2serve_model_info", "The served model",
+                                     ["model", "dtype", "device", "weights"], registry=r, multiprocess_mode="max")
+        else:
+            self.model = Info("gpt2serve_model", "The served model", registry=r)
 
     def attach(self, *, model: str, dtype: str, device: str, weights: str, queue_depth: Callable[[], float],
                device_memory: Callable[[], float]) -> None:
-        """Called once the model is loaded."""
-        self.model.info({"model": model, "dtype": dtype, "device": device, "weights": weights})
-        self.queue_depth.set_function(queue_depth)
-        self.device_memory.labels(device=device).set_function(device_memory)
+        """Called once the model is loaded, in the process that owns it. In multiprocess mode the
+        callbacks are read by `refresh()`, which the engine process calls as it works."""
+        labels = {"model": model, "dtype": dtype, "device": device, "weights": weights}
+        if self.multiprocess_dir:
+            self.model_gauge.labels(**labels).set(1)
+            self._gauges = [(self.queue_depth, queue_depth), (self.device_memory.labels(device=device), device_memory)]
+            self.refresh()
+        else:
+            self.model.info(labels)
+            self.queue_depth.set_function(queue_depth)
+            self.device_memory.labels(device=device).set_function(device_memory)
+
+    def refresh(self) -> None:
+        for gauge, read in getattr(self, "_gauges", ()):
+            gauge.set(read())
 
     def request_finished(self, api: str, method: str, status: str, duration_s: float, trace_id: str = "") -> None:
         self.requests.labels(api=api, method=method, status=status).inc()
@@ -72,4 +100,8 @@ class Metrics:
     def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
         """The scrape body and its content type (OpenMetrics, with exemplars, when asked for)."""
         encoder, content_type = choose_encoder(accept_header or "")
+        if self.multiprocess_dir:  # every process's samples, summed
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, self.multiprocess_dir)
+            return encoder(registry), content_type
         return encoder(self.registry), content_type

@@ -1,0 +1,226 @@
+"""The one door between front-end processes and the engine process (`--workers N`, N > 1).
+
+    front end: InferenceService -> EngineClient (zmq DEALER) ─┐
+    front end: InferenceService -> EngineClient (zmq DEALER) ─┼─ ipc:// ─> EngineServer (zmq ROUTER)
+                                                              ┘             -> Batcher -> Engine
+
+`EngineClient.submit` is the batcher's `submit` seen from another process, so the service and
+the transports do not know which side of the door they are on. Only token ids, top-k numbers,
+timings, layer reports, errors as (code, message) and trace context as a W3C `traceparent`
+cross. Every frame is one msgpack list of messages: what a process has to send is gathered
+and sent once per event-loop tick, so 64 answers of one batch cost one frame per front end.
+
+Messages, each a list whose first item is its kind:
+    front end -> engine:  [HELLO]  [SUBMIT, id, prompts, top_k, trace | None]  [CANCEL, id]
+    engine -> front end:  [READY, model_info, tokenizer_source, max_batch_size]
+                          [RESULT, id, [output, ...]]  [ERROR, id, code, message]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import asdict
+from typing import Any, Sequence
+
+import msgpack
+import zmq
+import zmq.asyncio
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, get_current_span, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gpt2serve_client.types import LayerReport, ModelInfo
+
+from .engine.engine import TokenScore
+from .errors import ServeError, Unavailable, error_from_code
+from .scheduling.batcher import Batcher, ScheduledOutput
+from .telemetry.spans import RequestTrace
+
+log = logging.getLogger(__name__)
+HELLO, SUBMIT, CANCEL, READY, RESULT, ERROR = range(6)
+_W3C = TraceContextTextMapPropagator()
+
+
+def engine_address(directory: str) -> str:
+    return f"ipc://{directory}/engine.sock"
+
+
+# What crosses: traces, outputs ------------------------------------------------------------------
+
+def trace_to_wire(trace: RequestTrace | None) -> list | None:
+    if trace is None:
+        return None
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, set_span_in_context(NonRecordingSpan(trace.span_context)))
+    return [carrier.get("traceparent", ""), trace.sampled, trace.layers_wanted, trace.layer_spans,
+            trace.layers_in_response]
+
+
+def trace_from_wire(wire: list | None) -> RequestTrace | None:
+    if wire is None:
+        return None
+    traceparent, sampled, layers_wanted, layer_spans, layers_in_response = wire
+    context = get_current_span(_W3C.extract({"traceparent": traceparent})).get_span_context()
+    if not context.is_valid:
+        context = SpanContext(0, 0, is_remote=True, trace_flags=TraceFlags(0))
+    return RequestTrace(context, sampled, layers_wanted, layer_spans, layers_in_response)
+
+
+def output_to_wire(out: ScheduledOutput) -> list:
+    return [[s.token_id for s in out.top], [s.logprob for s in out.top], out.queue_s, out.forward_s, out.batch_size,
+            out.enqueued_ns, out.batch_started_ns, None if out.layers is None else [asdict(r) for r in out.layers]]
+
+
+def output_from_wire(wire: list) -> ScheduledOutput:
+    ids, logprobs, queue_s, forward_s, batch_size, enqueued_ns, batch_started_ns, layers = wire
+    return ScheduledOutput([TokenScore(i, v) for i, v in zip(ids, logprobs)], queue_s, forward_s, batch_size,
+                           enqueued_ns, batch_started_ns,
+                           None if layers is None else [LayerReport.from_dict(r) for r in layers])
+
+
+class _Outbox:
+    """Messages gathered during one loop tick, then sent as one frame per peer."""
+
+    def __init__(self, send):
+        self._send = send  # send(peer, payload bytes)
+        self._messages: dict[Any, list] = {}
+
+    def put(self, peer: Any, message: list) -> None:
+        if not self._messages:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._messages.setdefault(peer, []).append(message)
+
+    def _flush(self) -> None:
+        messages, self._messages = self._messages, {}
+        for peer, batch in messages.items():
+            self._send(peer, msgpack.packb(batch))
+
+
+# Front-end side ---------------------------------------------------------------------------------
+
+class EngineClient:
+    """Stands in for the batcher in a front-end process (see module doc)."""
+
+    def __init__(self, address: str):
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._outbox = _Outbox(lambda _peer, payload: self._socket.send(payload))
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._ready = asyncio.Event()
+        self._receiver: asyncio.Task | None = None
+        self.dead_reason = ""
+        self.model_info: ModelInfo | None = None
+        self.tokenizer_source = ""
+        self.max_batch_size = 0
+
+    async def connect(self) -> None:
+        """Say hello and wait for READY (the engine answers once its model is loaded and warm)."""
+        self._receiver = asyncio.create_task(self._receive(), name="engine-client")
+        self._outbox.put(None, [HELLO])
+        await self._ready.wait()
+
+    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: RequestTrace | None = None
+                     ) -> list[ScheduledOutput]:
+        if self.dead_reason:
+            raise Unavailable(self.dead_reason)
+        request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        self._outbox.put(None, [SUBMIT, request_id, [list(p) for p in prompts], top_k, trace_to_wire(trace)])
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not self.dead_reason:
+                self._outbox.put(None, [CANCEL, request_id])  # its prompts leave the engine's queue
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+
+    def engine_gone(self, reason: str) -> None:
+        """The engine process died: every waiting request and every new one is UNAVAILABLE at once."""
+        self.dead_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(Unavailable(reason))
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._socket.close(0)
+        self._context.term()
+
+    async def _receive(self) -> None:
+        while True:
+            for message in msgpack.unpackb(await self._socket.recv()):
+                kind = message[0]
+                if kind == RESULT:
+                    future = self._pending.get(message[1])
+                    if future is not None and not future.done():
+                        future.set_result([output_from_wire(out) for out in message[2]])
+                elif kind == ERROR:
+                    future = self._pending.get(message[1])
+                    if future is not None and not future.done():
+                        future.set_exception(error_from_code(message[2], message[3]))
+                elif kind == READY:
+                    self.model_info = ModelInfo.from_dict(message[1])
+                    self.tokenizer_source, self.max_batch_size = message[2], message[3]
+                    self._ready.set()
+
+
+# Engine side ------------------------------------------------------------------------------------
+
+class EngineServer:
+    """Serves front ends from the engine process: each SUBMIT becomes a batcher.submit."""
+
+    def __init__(self, address: str, batcher: Batcher, model_info: ModelInfo, tokenizer_source: str):
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._outbox = _Outbox(lambda peer, payload: self._socket.send_multipart([peer, payload]))
+        self._batcher = batcher
+        self._ready = [READY, asdict(model_info), tokenizer_source, batcher.max_batch_size]
+        self._running: dict[tuple[bytes, int], asyncio.Task] = {}
+
+    async def serve(self) -> None:
+        while True:
+            peer, payload = await self._socket.recv_multipart()
+            for message in msgpack.unpackb(payload):
+                kind = message[0]
+                if kind == SUBMIT:
+                    _, request_id, prompts, top_k, trace = message
+                    key = (peer, request_id)
+                    self._running[key] = asyncio.create_task(self._submit(key, prompts, top_k, trace_from_wire(trace)))
+                elif kind == CANCEL:
+                    task = self._running.get((peer, message[1]))
+                    if task is not None:
+                        task.cancel()
+                elif kind == HELLO:
+                    self._outbox.put(peer, self._ready)
+
+    async def _submit(self, key: tuple[bytes, int], prompts: list[list[int]], top_k: int,
+                      trace: RequestTrace | None) -> None:
+        peer, request_id = key
+        try:
+            outputs = await self._batcher.submit(prompts, top_k, trace)
+            self._outbox.put(peer, [RESULT, request_id, [output_to_wire(out) for out in outputs]])
+        except ServeError as exc:
+            self._outbox.put(peer, [ERROR, request_id, exc.code, exc.message])
+        except asyncio.CancelledError:
+            pass  # the front end's caller went away
+        except Exception as exc:  # never lose a request silently
+            log.exception("engine request failed")
+            self._outbox.put(peer, [ERROR, request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"])
+        finally:
+            self._running.pop(key, None)
+
+    def close(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+        self._socket.close(0)
+        self._context.term()

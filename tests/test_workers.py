@@ -1,0 +1,166 @@
+"""`--workers 2`: two front-end processes on the shared ports around one engine process, real
+clients on both transports, the whole server's metrics and traces, drain and crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+from conftest import launch_server, metric_value, requests_total
+from otlp_receiver import OtlpReceiver
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import format_span_id, format_trace_id
+from reference import assert_matches_reference
+from test_tracing import LAYER_SPANS, PROMPT, assert_layer_trace
+
+from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
+
+
+def pids(server, role: str) -> list[int]:
+    """Process ids from the children's log lines ("front-end[123] ..." / "engine[123] ...")."""
+    return sorted({int(p) for p in re.findall(rf"\b{role}\[(\d+)\]", server.log())})
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    rx = OtlpReceiver().start()
+    yield rx
+    rx.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, receiver):
+    env = {**receiver.exporter_env(), "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "gpt2serve-under-test",
+           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    srv = launch_server(tmp_path_factory.mktemp("workers"), "--model", "random:tiny", "--workers", "2",
+                        "--trace-sample-ratio", "0", env=env)
+    srv.wait_for_line(r"front-end\[\d+\].*front end listening(.|\n)*front-end\[\d+\].*front end listening")
+    yield srv
+    srv.stop()
+
+
+def test_two_front_ends_and_one_engine_answer_both_transports_correctly(workers, tiny_model):
+    assert len(pids(workers, "front-end")) == 2 and len(pids(workers, "engine")) == 1
+    before = {api: requests_total(workers.http_url, api, "NextToken", "OK") for api in ("grpc", "rest")}
+    batches_before = metric_value(workers.http_url, "gpt2serve_batch_size_count")
+    prompts = [[464, 3139, 286 + i] for i in range(24)]
+
+    async def main():
+        # A connection per call, so the kernel spreads them over both front ends.
+        async def grpc_call(prompt):
+            async with AsyncClient(workers.grpc_target) as client:
+                return await client.next_token(prompt, top_k=3)
+
+        def rest_call(prompt):
+            with RestClient(workers.http_url) as client:
+                return client.next_token(prompt, top_k=3)
+
+        grpc_results = await asyncio.gather(*(grpc_call(p) for p in prompts))
+        rest_results = await asyncio.gather(*(asyncio.to_thread(rest_call, p) for p in prompts))
+        return grpc_results, rest_results
+
+    grpc_results, rest_results = asyncio.run(main())
+    for prompt, result in [*zip(prompts, grpc_results), *zip(prompts, rest_results)]:
+        assert_matches_reference(tiny_model.model, result, prompt, 3)
+    # Any front end's /metrics is the whole server's: requests counted by both front ends,
+    # batches by the engine.
+    for api in ("grpc", "rest"):
+        assert requests_total(workers.http_url, api, "NextToken", "OK") - before[api] == len(prompts)
+    assert metric_value(workers.http_url, "gpt2serve_batch_size_count") > batches_before
+    info = {"model": "random:tiny", "dtype": "float32", "device": "cpu", "weights": "random"}
+    assert metric_value(workers.http_url, "gpt2serve_model_info", info) == 1
+    with Client(workers.grpc_target) as client:
+        assert client.model_info().max_batch_size == 64 and client.health().serving
+
+
+def test_one_trace_spans_front_end_and_engine(workers, receiver, tiny_model):
+    caller_tracer = TracerProvider().get_tracer("test-caller")
+    with caller_tracer.start_as_current_span("caller") as caller, Client(workers.grpc_target) as client:
+        result = client.next_token(PROMPT, trace_layers=True)
+    caller_trace = format_trace_id(caller.get_span_context().trace_id)
+    assert result.trace_id == caller_trace
+    spans = receiver.wait_for(caller_trace, {"gpt2serve.v1.Gpt2Serve/NextToken", "queue", "batch", "forward"}
+                              | LAYER_SPANS)
+    # The request and queue spans come from a front end, batch, forward and blocks from the engine.
+    assert_layer_trace(spans, "gpt2serve.v1.Gpt2Serve/NextToken", format_span_id(caller.get_span_context().span_id),
+                       tiny_model.model, PROMPT, batch_size=1, padded=len(PROMPT))
+
+
+def test_killing_a_front_end_leaves_the_other_serving(tmp_path, tiny_model):
+    srv = launch_server(tmp_path, "--model", "random:tiny", "--workers", "2")
+    try:
+        srv.wait_for_line(r"front-end\[\d+\].*front end listening(.|\n)*front-end\[\d+\].*front end listening")
+        victim, survivor = pids(srv, "front-end")
+        os.kill(victim, signal.SIGKILL)
+        srv.wait_for_line(r"front-end-\d exited")
+        for i in range(12):  # new connections: the kernel only hands them to the survivor now
+            with Client(srv.grpc_target, timeout=10) as client:
+                assert_matches_reference(tiny_model.model, client.next_token([464, i + 1], top_k=2), [464, i + 1], 2)
+            assert httpx.get(f"{srv.http_url}/readyz", timeout=10).status_code == 200
+        assert alive(survivor) and srv.proc.poll() is None
+    finally:
+        assert srv.stop() == 0
+
+
+def test_killing_the_engine_gives_unavailable_and_a_nonzero_exit(tmp_path):
+    srv = launch_server(tmp_path, "--model", "random:gpt2", "--workers", "2")
+    children = pids(srv, "front-end") + pids(srv, "engine")
+    (engine,) = pids(srv, "engine")
+
+    async def main():
+        async with AsyncClient(srv.grpc_target, retries=0, timeout=60) as client:
+            in_flight = [asyncio.create_task(client.next_token([(i * 7919) % 50000 for i in range(900)]))
+                         for _ in range(4)]
+            await asyncio.sleep(0.5)  # in the engine's forward by now
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
+            return outcomes, time.monotonic() - killed
+
+    outcomes, took = asyncio.run(main())
+    assert all(isinstance(o, Gpt2ServeError) and o.code == "UNAVAILABLE" for o in outcomes), outcomes
+    assert took < 5, took
+    assert srv.proc.wait(timeout=15) != 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children), "a child outlived the server"
+
+
+def test_sigterm_drains_60_in_flight_across_front_ends(tmp_path):
+    from gpt2serve.engine.loading import load_model
+
+    reference = load_model("random:gpt2", "cpu", "float32", seed=0).model
+    srv = launch_server(tmp_path, "--model", "random:gpt2", "--workers", "2", "--max-batch-size", "16")
+    prompts = [[464, 3139, 286, i + 1] for i in range(60)]
+
+    async def main():
+        clients = [AsyncClient(srv.grpc_target, retries=0, timeout=120) for _ in range(6)]
+        try:
+            calls = [asyncio.create_task(clients[i % 6].next_token(p, top_k=3)) for i, p in enumerate(prompts)]
+            while metric_value(srv.http_url, "gpt2serve_in_flight_requests") < 60:
+                await asyncio.sleep(0.01)
+            srv.proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*calls)
+        finally:
+            for client in clients:
+                await client.close()
+
+    results = asyncio.run(main())
+    assert srv.proc.wait(timeout=60) == 0
+    for prompt, result in zip(prompts, results):
+        assert_matches_reference(reference, result, prompt, 3)
+    assert "shutdown complete" in srv.log()
