@@ -103,6 +103,16 @@ def server(tmp_path_factory) -> ServerProcess:
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def receiver():
+    """An OTLP/gRPC receiver in this process (tests/otlp_receiver.py)."""
+    from otlp_receiver import OtlpReceiver
+
+    rx = OtlpReceiver().start()
+    yield rx
+    rx.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """The same weights the server serves (random:tiny, seed 0), in this process."""

@@ -61,6 +61,11 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         """Environment for a server that should export its spans here."""
         return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"}
 
+    def server_env(self) -> dict[str, str]:
+        """What the tracing tests' servers run with: export here, quickly, under a known name."""
+        return {**self.exporter_env(), "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "gpt2serve-under-test",
+                "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+
     def start(self) -> OtlpReceiver:
         self.server.start()
         return self

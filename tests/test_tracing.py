@@ -11,7 +11,6 @@ import asyncio
 import httpx
 import pytest
 from conftest import launch_server
-from otlp_receiver import OtlpReceiver
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 from reference import assert_layer_matches, reference_layers
@@ -23,17 +22,8 @@ LONG = [(i * 7919) % 50000 for i in range(250)]
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    rx = OtlpReceiver().start()
-    yield rx
-    rx.stop()
-
-
-@pytest.fixture(scope="module")
 def traced_server(tmp_path_factory, receiver):
-    env = {**receiver.exporter_env(),
-           "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "gpt2serve-under-test",
-           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    env = receiver.server_env()
     srv = launch_server(tmp_path_factory.mktemp("traced"), "--model", "random:tiny", "--trace-sample-ratio", "0",
                         "--max-batch-delay-ms", "100", env=env)
     yield srv

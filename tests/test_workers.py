@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 from conftest import launch_server, metric_value, requests_total
-from otlp_receiver import OtlpReceiver
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import format_span_id, format_trace_id
 from reference import assert_matches_reference
@@ -35,16 +34,8 @@ def alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def receiver():
-    rx = OtlpReceiver().start()
-    yield rx
-    rx.stop()
-
-
-@pytest.fixture(scope="module")
 def workers(tmp_path_factory, receiver):
-    env = {**receiver.exporter_env(), "OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_SERVICE_NAME": "gpt2serve-under-test",
-           "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test"}
+    env = receiver.server_env()
     srv = launch_server(tmp_path_factory.mktemp("workers"), "--model", "random:tiny", "--workers", "2",
                         "--trace-sample-ratio", "0", env=env)
     srv.wait_for_line(r"front-end\[\d+\].*front end listening(.|\n)*front-end\[\d+\].*front end listening")
