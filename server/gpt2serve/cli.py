@@ -114,6 +114,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_params(args: argparse.Namespace) -> int:
+    from .params import run_params
+
+    return run_params(args)
+
+
 def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpt2serve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -137,6 +143,12 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     add_engine_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    params = sub.add_parser("params", help="where the parameters of a GPT-2-shaped model live, counted from its shape")
+    from .params import add_params_arguments
+
+    add_params_arguments(params)
+    params.set_defaults(func=cmd_params)
     return parser
 
 

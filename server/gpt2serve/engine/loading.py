@@ -21,6 +21,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from ..errors import ModelLoadError
+from ..params import PRESETS, SERVABLE
 from .convert import from_transformers
 from .gpt2 import GPT2, GPT2Config
 from .tokenizer import Tokenizer, bundled_gpt2_tokenizer, load_tokenizer
@@ -28,15 +29,8 @@ from .tokenizer import Tokenizer, bundled_gpt2_tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 RANDOM_PREFIX = "random:"
-# Shapes of the GPT-2 family; all share GPT-2's 50257-token vocabulary.
-ARCHITECTURES: dict[str, GPT2Config] = {
-    "gpt2": GPT2Config(n_layer=12, n_head=12, d_model=768, d_mlp=3072),
-    "gpt2-medium": GPT2Config(n_layer=24, n_head=16, d_model=1024, d_mlp=4096),
-    "gpt2-large": GPT2Config(n_layer=36, n_head=20, d_model=1280, d_mlp=5120),
-    "gpt2-xl": GPT2Config(n_layer=48, n_head=25, d_model=1600, d_mlp=6400),
-    "distilgpt2": GPT2Config(n_layer=6, n_head=12, d_model=768, d_mlp=3072),
-    "tiny": GPT2Config(n_layer=2, n_head=4, d_model=64, d_mlp=256, n_ctx=256),
-}
+# Shapes of the GPT-2 family (params.PRESETS); all share GPT-2's 50257-token vocabulary.
+ARCHITECTURES: dict[str, GPT2Config] = {name: GPT2Config(**PRESETS[name]) for name in SERVABLE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_PROBE_TIMEOUT_S = 3.0
 
