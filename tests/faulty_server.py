@@ -17,13 +17,13 @@ OOM_TOKEN = 40001
 real_next_token = engine_module.Engine.next_token
 
 
-def next_token(self, prompts, top_ks, traced_rows=()):
+def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=()):
     if any(FAIL_TOKEN in p for p in prompts):
         raise RuntimeError("injected fault in the forward pass")
     if len(prompts) > 1 and any(OOM_TOKEN in p for p in prompts):
         print(f"injected OOM for a batch of {len(prompts)}", flush=True)
         raise engine_module.OutOfMemory("CUDA out of memory (injected)")
-    return real_next_token(self, prompts, top_ks, traced_rows)
+    return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows)
 
 
 engine_module.Engine.next_token = next_token

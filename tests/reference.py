@@ -103,3 +103,26 @@ def assert_layer_matches(got: dict, want: dict, tolerance: float = TOLERANCE) ->
                 assert abs(a - b) <= tolerance, (key, value, expected)
         else:
             assert abs(value - expected) <= tolerance * max(1.0, abs(expected)), (key, value, expected)
+
+
+@torch.inference_mode()
+def reference_maps(model, token_ids: list[int]) -> list[dict]:
+    """Per block, independently of the server: HF eager attention probabilities [H, L, L] and the
+    logit lens at every position (top-1 id and probability after the block)."""
+    model = as_transformers(model)
+    implementation = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        out = model(torch.tensor([token_ids]), output_attentions=True, output_hidden_states=True)
+    finally:
+        model.config._attn_implementation = implementation
+    n_layer = len(out.attentions)
+    maps = []
+    for index, attn in enumerate(out.attentions):
+        if index < n_layer - 1:  # HF applies ln_f to the last hidden state it returns
+            logits = model.lm_head(model.transformer.ln_f(out.hidden_states[index + 1][0]))
+        else:
+            logits = out.logits[0]
+        probs, ids = logits.float().softmax(-1).max(-1)  # (L,)
+        maps.append({"attention": attn[0].float(), "lens_ids": ids.tolist(), "lens_probs": probs.tolist()})
+    return maps

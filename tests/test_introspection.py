@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
+import torch
 from reference import assert_layer_matches, reference_layers
 
 from gpt2serve.engine.engine import Engine
@@ -70,3 +70,23 @@ def test_untraced_batches_carry_no_reports_and_answers_do_not_change(engine):
     assert all(start <= end for start, end in stages)
     assert all(a[1] == b[0] for a, b in zip(stages, stages[1:])), "stages tile the forward"
     assert traced.started_ns <= timeline.embed[0] and timeline.unembed[1] <= traced.ended_ns
+
+
+def test_attention_maps_and_the_all_position_lens_match_eager_attention_alone(engine, tiny_model):
+    """Row 2 asks for maps, row 0 only for its summaries, row 1 for nothing."""
+    from reference import reference_maps
+
+    out = engine.layer_reports(engine.next_token(PROMPTS, [5] * 4, traced_rows=[0, 2], mapped_rows=[2]))
+    assert all(not r.attention and not r.logit_lens_positions for r in out.layers[0])
+    prompt = PROMPTS[2]
+    length, cfg = len(prompt), tiny_model.model.config
+    for report, want in zip(out.layers[2], reference_maps(tiny_model.model, prompt)):
+        assert len(report.attention) == cfg.n_head * length * length
+        for head in range(cfg.n_head):
+            got = torch.tensor(report.attention_map(head))  # (L, L)
+            assert torch.allclose(got, want["attention"][head], atol=1e-5), head
+            assert torch.allclose(got.sum(-1), torch.ones(length), atol=1e-5)  # each query's weights sum to 1
+        assert [t.token_id for t in report.logit_lens_positions] == want["lens_ids"]
+        assert [t.prob for t in report.logit_lens_positions] == pytest.approx(want["lens_probs"], abs=1e-5)
+    # After the last block, the last position's lens is the answer itself.
+    assert out.layers[2][-1].logit_lens_positions[-1].token_id == out.top[2][0].token_id

@@ -128,3 +128,33 @@ def test_model_info(kind, ask, tiny_model):
 def test_health(kind, ask):
     health = ask(kind, "health")
     assert health.serving and health.status == "SERVING"
+
+
+@pytest.mark.parametrize("kind", ["grpc", "async", "rest"])
+def test_attention_maps_over_the_wire(kind, ask, tiny_model, tokenizer):
+    from reference import reference_maps
+
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    result = ask(kind, "next_token", prompt, top_k=3, attention_maps=True)
+    cfg = tiny_model.model.config
+    assert len(result.layers) == cfg.n_layer  # attention_maps implies include_layers
+    for report, want in zip(result.layers, reference_maps(tiny_model.model, ids)):
+        assert report.attn_shape == [cfg.n_head, len(ids), len(ids)]
+        for head in range(cfg.n_head):
+            for got_row, want_row in zip(report.attention_map(head), want["attention"][head].tolist()):
+                assert got_row == pytest.approx(want_row, abs=1e-5)
+        assert [t.token_id for t in report.logit_lens_positions] == want["lens_ids"]
+        assert [t.token for t in report.logit_lens_positions] == [tokenizer.token_text(i) for i in want["lens_ids"]]
+
+
+@pytest.mark.parametrize("kind", ["grpc", "rest"])
+def test_attention_maps_are_bounded_to_128_tokens(kind, ask):
+    from gpt2serve_client import Gpt2ServeError
+
+    assert len(ask(kind, "next_token", list(range(1, 129)), top_k=1, attention_maps=True).layers) == 2
+    with pytest.raises(Gpt2ServeError) as error:
+        ask(kind, "next_token", list(range(1, 130)), top_k=1, attention_maps=True)
+    assert error.value.code == "INVALID_ARGUMENT" and "at most 128 tokens" in error.value.message
+    if kind == "rest":
+        assert error.value.http_status == 400

@@ -51,9 +51,11 @@ def prompt_fields(prompt: Prompt) -> dict[str, Any]:
     return {"prompt_token_ids": [int(t) for t in prompt]}
 
 
-def next_token_proto(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool) -> pb.NextTokenRequest:
+def next_token_proto(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
+                     attention_maps: bool = False) -> pb.NextTokenRequest:
     return pb.NextTokenRequest(
-        **prompt_fields(prompt), top_k=top_k, trace_layers=trace_layers, include_layers=include_layers
+        **prompt_fields(prompt), top_k=top_k, trace_layers=trace_layers, include_layers=include_layers,
+        attention_maps=attention_maps,
     )
 
 
@@ -66,8 +68,10 @@ def next_token_batch_proto(
     )
 
 
-def next_token_json(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool) -> dict[str, Any]:
-    return {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers}
+def next_token_json(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
+                    attention_maps: bool = False) -> dict[str, Any]:
+    return {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers,
+            "attention_maps": attention_maps}
 
 
 def next_token_batch_json(

@@ -78,8 +78,8 @@ class Client:
             raise _error(exc) from None
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
-                   include_layers: bool = False, timeout: float | None = None) -> NextTokenResult:
-        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers)
+                   include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
+        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps)
         return NextTokenResult.from_proto(self._call(self._stub.NextToken, request, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,
@@ -131,8 +131,8 @@ class AsyncClient:
             raise _error(exc) from None
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
-                         include_layers: bool = False, timeout: float | None = None) -> NextTokenResult:
-        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers)
+                         include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
+        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps)
         return NextTokenResult.from_proto(await self._call(self._stub.NextToken, request, timeout))
 
     async def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5,

@@ -96,25 +96,40 @@ class LayerReport:
     mlp_output_norm: float
     logit_lens: list[TokenProb]
     duration_ms: float
+    # With attention_maps: every head's attention over the prompt, [H, T, T] flattened row-major
+    # (see `attention_map`), and the top token after this block at every position [T].
+    attention: list[float] = field(default_factory=list)
+    logit_lens_positions: list[TokenProb] = field(default_factory=list)
+
+    def attention_map(self, head: int) -> list[list[float]]:
+        """One head's [T, T] attention pattern (query rows, key columns)."""
+        n_head, length = self.attn_shape[0], self.attn_shape[-1]
+        start = head * length * length
+        if not self.attention or not 0 <= head < n_head:
+            return []
+        return [self.attention[start + row * length:start + (row + 1) * length] for row in range(length)]
 
     def to_proto(self) -> pb.LayerReport:
         data = asdict(self)
         return pb.LayerReport(**{**data, "heads": [pb.HeadSummary(**h) for h in data["heads"]],
-                                 "logit_lens": [pb.TokenProb(**t) for t in data["logit_lens"]]})
+                                 "logit_lens": [pb.TokenProb(**t) for t in data["logit_lens"]],
+                                 "logit_lens_positions": [pb.TokenProb(**t) for t in data["logit_lens_positions"]]})
 
     @classmethod
     def from_proto(cls, msg: pb.LayerReport) -> LayerReport:
         data = _fields_of(cls, lambda name: getattr(msg, name))
         data.update({name: list(data[name]) for name in SHAPE_FIELDS})
         data["heads"] = [HeadSummary(**_fields_of(HeadSummary, lambda n, h=h: getattr(h, n))) for h in msg.heads]
-        data["logit_lens"] = [TokenProb(**_fields_of(TokenProb, lambda n, t=t: getattr(t, n)))
-                              for t in msg.logit_lens]
+        data["attention"] = list(msg.attention)
+        for name in ("logit_lens", "logit_lens_positions"):
+            data[name] = [TokenProb(**_fields_of(TokenProb, lambda n, t=t: getattr(t, n))) for t in getattr(msg, name)]
         return cls(**data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerReport:
         return cls(**{**data, "heads": [HeadSummary(**h) for h in data["heads"]],
-                      "logit_lens": [TokenProb(**t) for t in data["logit_lens"]]})
+                      "logit_lens": [TokenProb(**t) for t in data["logit_lens"]],
+                      "logit_lens_positions": [TokenProb(**t) for t in data.get("logit_lens_positions", [])]})
 
 
 @dataclass(frozen=True)

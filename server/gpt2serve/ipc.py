@@ -54,17 +54,17 @@ def trace_to_wire(trace: RequestTrace | None) -> list | None:
     carrier: dict[str, str] = {}
     _W3C.inject(carrier, set_span_in_context(NonRecordingSpan(trace.span_context)))
     return [carrier.get("traceparent", ""), trace.sampled, trace.layers_wanted, trace.layer_spans,
-            trace.layers_in_response]
+            trace.layers_in_response, trace.attention_maps]
 
 
 def trace_from_wire(wire: list | None) -> RequestTrace | None:
     if wire is None:
         return None
-    traceparent, sampled, layers_wanted, layer_spans, layers_in_response = wire
+    traceparent, sampled, layers_wanted, layer_spans, layers_in_response, attention_maps = wire
     context = get_current_span(_W3C.extract({"traceparent": traceparent})).get_span_context()
     if not context.is_valid:
         context = SpanContext(0, 0, is_remote=True, trace_flags=TraceFlags(0))
-    return RequestTrace(context, sampled, layers_wanted, layer_spans, layers_in_response)
+    return RequestTrace(context, sampled, layers_wanted, layer_spans, layers_in_response, attention_maps)
 
 
 def output_to_wire(out: ScheduledOutput) -> list:

@@ -27,6 +27,9 @@ from .telemetry.spans import RequestTrace, Telemetry, exported_trace_id
 DEFAULT_TOP_K = 5
 # Longer texts are tokenized in a worker thread, so a 100 KB prompt does not stall the event loop.
 TOKENIZE_INLINE_MAX_CHARS = 2048
+# attention_maps: n_layer x n_head x T x T floats (GPT-2 small at 128 tokens: 2.4 M, about 10 MB
+# of protobuf) and one unembedding per block; beyond this the answer would be unreasonably big.
+MAX_ATTENTION_MAP_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class RequestOptions:
     attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes
     trace_layers: bool = False
     include_layers: bool = False
+    attention_maps: bool = False  # full attention maps and all-position logit lens (implies include_layers)
     deadline: float | None = None  # time.monotonic() by which the caller gives up (gRPC deadline)
 
 
@@ -147,6 +151,9 @@ class InferenceService:
             k = self.resolve_top_k(top_k)
             token_ids = [await self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                          for i, p in enumerate(prompts)]
+            if options.attention_maps and max(map(len, token_ids)) > MAX_ATTENTION_MAP_TOKENS:
+                raise InvalidArgument(f"attention_maps: the prompt has {max(map(len, token_ids))} tokens; attention "
+                                      f"maps are returned for prompts of at most {MAX_ATTENTION_MAP_TOKENS} tokens")
             trace_id = exported_trace_id(span)
             trace = self.request_trace(span, options, sampled=bool(trace_id))
             prompt_tokens = sum(map(len, token_ids))
@@ -161,17 +168,18 @@ class InferenceService:
             for out in outputs:
                 metrics.queued(out.queue_s, trace_id)
             total_ms = (time.perf_counter() - received) * 1000
-            return [self.build_result(ids, out, total_ms, trace_id, options.include_layers)
+            return [self.build_result(ids, out, total_ms, trace_id, options.include_layers or options.attention_maps)
                     for ids, out in zip(token_ids, outputs)]
 
     def request_trace(self, span: Span, options: RequestOptions, sampled: bool) -> RequestTrace:
         mode = self.config.trace_layers
-        if mode == "never" and (options.trace_layers or options.include_layers):
+        in_response = options.include_layers or options.attention_maps
+        if mode == "never" and (options.trace_layers or in_response):
             raise FailedPrecondition("per-layer reports are off on this server (--trace-layers never)")
         layer_spans = sampled and (options.trace_layers or mode == "always")
         return RequestTrace(span.get_span_context(), sampled=sampled,
-                            layers_wanted=layer_spans or options.include_layers, layer_spans=layer_spans,
-                            layers_in_response=options.include_layers)
+                            layers_wanted=layer_spans or in_response, layer_spans=layer_spans,
+                            layers_in_response=in_response, attention_maps=options.attention_maps)
 
     def resolve_top_k(self, top_k: int | None) -> int:
         if top_k is None:

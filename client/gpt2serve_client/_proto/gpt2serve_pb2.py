@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cgpt2serve/v1/gpt2serve.proto\x12\x0cgpt2serve.v1\"\x88\x01\n\x10NextTokenRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0ctrace_layers\x18\x04 \x01(\x08\x12\x16\n\x0einclude_layers\x18\x05 \x01(\x08\x42\x08\n\x06_top_k\"2\n\x06Prompt\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"\x8a\x01\n\x15NextTokenBatchRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.gpt2serve.v1.Prompt\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0ctrace_layers\x18\x03 \x01(\x08\x12\x16\n\x0einclude_layers\x18\x04 \x01(\x08\x42\x08\n\x06_top_k\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"A\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x81\x02\n\x11NextTokenResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.gpt2serve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.gpt2serve.v1.Timings\x12\x10\n\x08trace_id\x18\x07 \x01(\t\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12)\n\x06layers\x18\t \x03(\x0b\x32\x19.gpt2serve.v1.LayerReport\"\x8a\x03\n\x0bLayerReport\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x1a\n\x12\x62\x61tch_hidden_shape\x18\x02 \x03(\x05\x12\x17\n\x0f\x62\x61tch_qkv_shape\x18\x03 \x03(\x05\x12\x18\n\x10\x62\x61tch_attn_shape\x18\x04 \x03(\x05\x12\x17\n\x0f\x62\x61tch_mlp_shape\x18\x05 \x03(\x05\x12\x14\n\x0chidden_shape\x18\x06 \x03(\x05\x12\x11\n\tqkv_shape\x18\x07 \x03(\x05\x12\x12\n\nattn_shape\x18\x08 \x03(\x05\x12\x11\n\tmlp_shape\x18\t \x03(\x05\x12(\n\x05heads\x18\n \x03(\x0b\x32\x19.gpt2serve.v1.HeadSummary\x12\x15\n\rresidual_norm\x18\x0b \x01(\x02\x12\x18\n\x10\x61ttn_output_norm\x18\x0c \x01(\x02\x12\x17\n\x0fmlp_output_norm\x18\r \x01(\x02\x12+\n\nlogit_lens\x18\x0e \x03(\x0b\x32\x17.gpt2serve.v1.TokenProb\x12\x13\n\x0b\x64uration_ms\x18\x0f \x01(\x01\"\xab\x01\n\x0bHeadSummary\x12\x0f\n\x07\x65ntropy\x18\x01 \x01(\x02\x12\x12\n\nmax_weight\x18\x02 \x01(\x02\x12\x14\n\x0ctop_position\x18\x03 \x01(\x05\x12\x14\n\x0ctop_token_id\x18\x04 \x01(\x05\x12\x11\n\ttop_token\x18\x05 \x01(\t\x12\x1a\n\x12\x66irst_token_weight\x18\x06 \x01(\x02\x12\x1c\n\x14previous_token_score\x18\x07 \x01(\x02\":\n\tTokenProb\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0c\n\x04prob\x18\x03 \x01(\x02\"J\n\x16NextTokenBatchResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.gpt2serve.v1.NextTokenResponse\"\x15\n\x13GetModelInfoRequest\"\x82\x01\n\x0c\x41rchitecture\x12\x0f\n\x07n_layer\x18\x01 \x01(\x05\x12\x0e\n\x06n_head\x18\x02 \x01(\x05\x12\x0f\n\x07\x64_model\x18\x03 \x01(\x05\x12\x0e\n\x06\x64_head\x18\x04 \x01(\x05\x12\r\n\x05\x64_mlp\x18\x05 \x01(\x05\x12\r\n\x05n_ctx\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\"\xbb\x01\n\x12ParameterBreakdown\x12\x17\n\x0ftoken_embedding\x18\x01 \x01(\x03\x12\x1a\n\x12position_embedding\x18\x02 \x01(\x03\x12\x15\n\rattention_qkv\x18\x03 \x01(\x03\x12\x18\n\x10\x61ttention_output\x18\x04 \x01(\x03\x12\x0b\n\x03mlp\x18\x05 \x01(\x03\x12\x12\n\nlayer_norm\x18\x06 \x01(\x03\x12\x0f\n\x07lm_head\x18\x07 \x01(\x03\x12\r\n\x05total\x18\x08 \x01(\x03\"\xfd\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07weights\x18\x02 \x01(\t\x12\x16\n\x0eweights_source\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x30\n\x0c\x61rchitecture\x18\x06 \x01(\x0b\x32\x1a.gpt2serve.v1.Architecture\x12\x34\n\nparameters\x18\x07 \x01(\x0b\x32 .gpt2serve.v1.ParameterBreakdown\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x32\x82\x02\n\tGpt2Serve\x12L\n\tNextToken\x12\x1e.gpt2serve.v1.NextTokenRequest\x1a\x1f.gpt2serve.v1.NextTokenResponse\x12[\n\x0eNextTokenBatch\x12#.gpt2serve.v1.NextTokenBatchRequest\x1a$.gpt2serve.v1.NextTokenBatchResponse\x12J\n\x0cGetModelInfo\x12!.gpt2serve.v1.GetModelInfoRequest\x1a\x17.gpt2serve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cgpt2serve/v1/gpt2serve.proto\x12\x0cgpt2serve.v1\"\xa0\x01\n\x10NextTokenRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0ctrace_layers\x18\x04 \x01(\x08\x12\x16\n\x0einclude_layers\x18\x05 \x01(\x08\x12\x16\n\x0e\x61ttention_maps\x18\x06 \x01(\x08\x42\x08\n\x06_top_k\"2\n\x06Prompt\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"\x8a\x01\n\x15NextTokenBatchRequest\x12%\n\x07prompts\x18\x01 \x03(\x0b\x32\x14.gpt2serve.v1.Prompt\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0ctrace_layers\x18\x03 \x01(\x08\x12\x16\n\x0einclude_layers\x18\x04 \x01(\x08\x42\x08\n\x06_top_k\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"A\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nforward_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x81\x02\n\x11NextTokenResponse\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.gpt2serve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.gpt2serve.v1.Timings\x12\x10\n\x08trace_id\x18\x07 \x01(\t\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12)\n\x06layers\x18\t \x03(\x0b\x32\x19.gpt2serve.v1.LayerReport\"\xd4\x03\n\x0bLayerReport\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x1a\n\x12\x62\x61tch_hidden_shape\x18\x02 \x03(\x05\x12\x17\n\x0f\x62\x61tch_qkv_shape\x18\x03 \x03(\x05\x12\x18\n\x10\x62\x61tch_attn_shape\x18\x04 \x03(\x05\x12\x17\n\x0f\x62\x61tch_mlp_shape\x18\x05 \x03(\x05\x12\x14\n\x0chidden_shape\x18\x06 \x03(\x05\x12\x11\n\tqkv_shape\x18\x07 \x03(\x05\x12\x12\n\nattn_shape\x18\x08 \x03(\x05\x12\x11\n\tmlp_shape\x18\t \x03(\x05\x12(\n\x05heads\x18\n \x03(\x0b\x32\x19.gpt2serve.v1.HeadSummary\x12\x15\n\rresidual_norm\x18\x0b \x01(\x02\x12\x18\n\x10\x61ttn_output_norm\x18\x0c \x01(\x02\x12\x17\n\x0fmlp_output_norm\x18\r \x01(\x02\x12+\n\nlogit_lens\x18\x0e \x03(\x0b\x32\x17.gpt2serve.v1.TokenProb\x12\x13\n\x0b\x64uration_ms\x18\x0f \x01(\x01\x12\x11\n\tattention\x18\x10 \x03(\x02\x12\x35\n\x14logit_lens_positions\x18\x11 \x03(\x0b\x32\x17.gpt2serve.v1.TokenProb\"\xab\x01\n\x0bHeadSummary\x12\x0f\n\x07\x65ntropy\x18\x01 \x01(\x02\x12\x12\n\nmax_weight\x18\x02 \x01(\x02\x12\x14\n\x0ctop_position\x18\x03 \x01(\x05\x12\x14\n\x0ctop_token_id\x18\x04 \x01(\x05\x12\x11\n\ttop_token\x18\x05 \x01(\t\x12\x1a\n\x12\x66irst_token_weight\x18\x06 \x01(\x02\x12\x1c\n\x14previous_token_score\x18\x07 \x01(\x02\":\n\tTokenProb\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0c\n\x04prob\x18\x03 \x01(\x02\"J\n\x16NextTokenBatchResponse\x12\x30\n\x07results\x18\x01 \x03(\x0b\x32\x1f.gpt2serve.v1.NextTokenResponse\"\x15\n\x13GetModelInfoRequest\"\x82\x01\n\x0c\x41rchitecture\x12\x0f\n\x07n_layer\x18\x01 \x01(\x05\x12\x0e\n\x06n_head\x18\x02 \x01(\x05\x12\x0f\n\x07\x64_model\x18\x03 \x01(\x05\x12\x0e\n\x06\x64_head\x18\x04 \x01(\x05\x12\r\n\x05\x64_mlp\x18\x05 \x01(\x05\x12\r\n\x05n_ctx\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\"\xbb\x01\n\x12ParameterBreakdown\x12\x17\n\x0ftoken_embedding\x18\x01 \x01(\x03\x12\x1a\n\x12position_embedding\x18\x02 \x01(\x03\x12\x15\n\rattention_qkv\x18\x03 \x01(\x03\x12\x18\n\x10\x61ttention_output\x18\x04 \x01(\x03\x12\x0b\n\x03mlp\x18\x05 \x01(\x03\x12\x12\n\nlayer_norm\x18\x06 \x01(\x03\x12\x0f\n\x07lm_head\x18\x07 \x01(\x03\x12\r\n\x05total\x18\x08 \x01(\x03\"\xfd\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07weights\x18\x02 \x01(\t\x12\x16\n\x0eweights_source\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x30\n\x0c\x61rchitecture\x18\x06 \x01(\x0b\x32\x1a.gpt2serve.v1.Architecture\x12\x34\n\nparameters\x18\x07 \x01(\x0b\x32 .gpt2serve.v1.ParameterBreakdown\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\x05\x12\x16\n\x0emax_batch_size\x18\t \x01(\x05\x32\x82\x02\n\tGpt2Serve\x12L\n\tNextToken\x12\x1e.gpt2serve.v1.NextTokenRequest\x1a\x1f.gpt2serve.v1.NextTokenResponse\x12[\n\x0eNextTokenBatch\x12#.gpt2serve.v1.NextTokenBatchRequest\x1a$.gpt2serve.v1.NextTokenBatchResponse\x12J\n\x0cGetModelInfo\x12!.gpt2serve.v1.GetModelInfoRequest\x1a\x17.gpt2serve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gpt2serve.v1.gpt2serve_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NEXTTOKENREQUEST']._serialized_start=47
-  _globals['_NEXTTOKENREQUEST']._serialized_end=183
-  _globals['_PROMPT']._serialized_start=185
-  _globals['_PROMPT']._serialized_end=235
-  _globals['_NEXTTOKENBATCHREQUEST']._serialized_start=238
-  _globals['_NEXTTOKENBATCHREQUEST']._serialized_end=376
-  _globals['_TOKENLOGPROB']._serialized_start=378
-  _globals['_TOKENLOGPROB']._serialized_end=442
-  _globals['_TIMINGS']._serialized_start=444
-  _globals['_TIMINGS']._serialized_end=509
-  _globals['_NEXTTOKENRESPONSE']._serialized_start=512
-  _globals['_NEXTTOKENRESPONSE']._serialized_end=769
-  _globals['_LAYERREPORT']._serialized_start=772
-  _globals['_LAYERREPORT']._serialized_end=1166
-  _globals['_HEADSUMMARY']._serialized_start=1169
-  _globals['_HEADSUMMARY']._serialized_end=1340
-  _globals['_TOKENPROB']._serialized_start=1342
-  _globals['_TOKENPROB']._serialized_end=1400
-  _globals['_NEXTTOKENBATCHRESPONSE']._serialized_start=1402
-  _globals['_NEXTTOKENBATCHRESPONSE']._serialized_end=1476
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1478
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1499
-  _globals['_ARCHITECTURE']._serialized_start=1502
-  _globals['_ARCHITECTURE']._serialized_end=1632
-  _globals['_PARAMETERBREAKDOWN']._serialized_start=1635
-  _globals['_PARAMETERBREAKDOWN']._serialized_end=1822
-  _globals['_MODELINFO']._serialized_start=1825
-  _globals['_MODELINFO']._serialized_end=2078
-  _globals['_GPT2SERVE']._serialized_start=2081
-  _globals['_GPT2SERVE']._serialized_end=2339
+  _globals['_NEXTTOKENREQUEST']._serialized_end=207
+  _globals['_PROMPT']._serialized_start=209
+  _globals['_PROMPT']._serialized_end=259
+  _globals['_NEXTTOKENBATCHREQUEST']._serialized_start=262
+  _globals['_NEXTTOKENBATCHREQUEST']._serialized_end=400
+  _globals['_TOKENLOGPROB']._serialized_start=402
+  _globals['_TOKENLOGPROB']._serialized_end=466
+  _globals['_TIMINGS']._serialized_start=468
+  _globals['_TIMINGS']._serialized_end=533
+  _globals['_NEXTTOKENRESPONSE']._serialized_start=536
+  _globals['_NEXTTOKENRESPONSE']._serialized_end=793
+  _globals['_LAYERREPORT']._serialized_start=796
+  _globals['_LAYERREPORT']._serialized_end=1264
+  _globals['_HEADSUMMARY']._serialized_start=1267
+  _globals['_HEADSUMMARY']._serialized_end=1438
+  _globals['_TOKENPROB']._serialized_start=1440
+  _globals['_TOKENPROB']._serialized_end=1498
+  _globals['_NEXTTOKENBATCHRESPONSE']._serialized_start=1500
+  _globals['_NEXTTOKENBATCHRESPONSE']._serialized_end=1574
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1576
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1597
+  _globals['_ARCHITECTURE']._serialized_start=1600
+  _globals['_ARCHITECTURE']._serialized_end=1730
+  _globals['_PARAMETERBREAKDOWN']._serialized_start=1733
+  _globals['_PARAMETERBREAKDOWN']._serialized_end=1920
+  _globals['_MODELINFO']._serialized_start=1923
+  _globals['_MODELINFO']._serialized_end=2176
+  _globals['_GPT2SERVE']._serialized_start=2179
+  _globals['_GPT2SERVE']._serialized_end=2437
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextTokenRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers")
+    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TRACE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MAPS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k: int
     trace_layers: bool
     include_layers: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ...) -> None: ...
+    attention_maps: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids")
@@ -84,7 +86,7 @@ class NextTokenResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ...) -> None: ...
 
 class LayerReport(_message.Message):
-    __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms")
+    __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms", "attention", "logit_lens_positions")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_HIDDEN_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BATCH_QKV_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,8 @@ class LayerReport(_message.Message):
     MLP_OUTPUT_NORM_FIELD_NUMBER: _ClassVar[int]
     LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_LENS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     index: int
     batch_hidden_shape: _containers.RepeatedScalarFieldContainer[int]
     batch_qkv_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -115,7 +119,9 @@ class LayerReport(_message.Message):
     mlp_output_norm: float
     logit_lens: _containers.RepeatedCompositeFieldContainer[TokenProb]
     duration_ms: float
-    def __init__(self, index: _Optional[int] = ..., batch_hidden_shape: _Optional[_Iterable[int]] = ..., batch_qkv_shape: _Optional[_Iterable[int]] = ..., batch_attn_shape: _Optional[_Iterable[int]] = ..., batch_mlp_shape: _Optional[_Iterable[int]] = ..., hidden_shape: _Optional[_Iterable[int]] = ..., qkv_shape: _Optional[_Iterable[int]] = ..., attn_shape: _Optional[_Iterable[int]] = ..., mlp_shape: _Optional[_Iterable[int]] = ..., heads: _Optional[_Iterable[_Union[HeadSummary, _Mapping]]] = ..., residual_norm: _Optional[float] = ..., attn_output_norm: _Optional[float] = ..., mlp_output_norm: _Optional[float] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+    attention: _containers.RepeatedScalarFieldContainer[float]
+    logit_lens_positions: _containers.RepeatedCompositeFieldContainer[TokenProb]
+    def __init__(self, index: _Optional[int] = ..., batch_hidden_shape: _Optional[_Iterable[int]] = ..., batch_qkv_shape: _Optional[_Iterable[int]] = ..., batch_attn_shape: _Optional[_Iterable[int]] = ..., batch_mlp_shape: _Optional[_Iterable[int]] = ..., hidden_shape: _Optional[_Iterable[int]] = ..., qkv_shape: _Optional[_Iterable[int]] = ..., attn_shape: _Optional[_Iterable[int]] = ..., mlp_shape: _Optional[_Iterable[int]] = ..., heads: _Optional[_Iterable[_Union[HeadSummary, _Mapping]]] = ..., residual_norm: _Optional[float] = ..., attn_output_norm: _Optional[float] = ..., mlp_output_norm: _Optional[float] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., duration_ms: _Optional[float] = ..., attention: _Optional[_Iterable[float]] = ..., logit_lens_positions: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ...) -> None: ...
 
 class HeadSummary(_message.Message):
     __slots__ = ("entropy", "max_weight", "top_position", "top_token_id", "top_token", "first_token_weight", "previous_token_score")

@@ -146,18 +146,19 @@ class Engine:
     @oom_as_out_of_memory
     @torch.inference_mode()
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = ()) -> BatchOutput:
-        """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection)."""
+                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = ()) -> BatchOutput:
+        """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection);
+        `mapped_rows`, among them, those that also want full attention maps and logit lens."""
         started, started_ns = time.perf_counter(), time.time_ns()
         replayed = self.graphs.run(prompts) if self.graphs is not None and not traced_rows else None
         if replayed is None:
-            return self._eager(prompts, top_ks, traced_rows, started, started_ns)
+            return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows)
         logprobs, (_, length) = replayed
         return BatchOutput(self._top(logprobs, top_ks), time.perf_counter() - started, length, started_ns,
                            time.time_ns(), cuda_graph=True)
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
-               started: float, started_ns: int) -> BatchOutput:
+               started: float, started_ns: int, mapped_rows: Sequence[int] = ()) -> BatchOutput:
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
         if self.device.type == "cuda":
             batch = batch.pin_memory()
@@ -165,7 +166,7 @@ class Engine:
         probe = None
         if traced_rows:
             probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
-                               self.loaded.tokenizer.token_text)
+                               self.loaded.tokenizer.token_text, mapped_rows)
         top = self._top(self.last_logprobs(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe), top_ks)
         if probe:
             probe.finish()

@@ -67,11 +67,12 @@ class LayerProbe:
     layer summaries and the timeline."""
 
     def __init__(self, model: GPT2, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], mapped_rows: Sequence[int] = ()):
         self.model = model
         self.token_text = token_text
         self.rows = list(rows)
         self.lengths = list(lengths)  # real (unpadded) length of each traced row
+        self.mapped_rows = set(mapped_rows)  # traced rows that also want full attention maps and lens
         self.input_ids = input_ids  # (B, T)
         self.n_head = model.config.n_head
         self.clock = _Clock(input_ids.device)
@@ -80,6 +81,7 @@ class LayerProbe:
         self._hidden_last: list[torch.Tensor] = []  # per block: (R, d) residual after the block
         self._attn_last: list[torch.Tensor] = []  # per block: (R, d)
         self._mlp_last: list[torch.Tensor] = []  # per block: (R, d)
+        self._hidden_all: dict[int, list[torch.Tensor]] = {row: [] for row in self.mapped_rows}  # (L, d) per block
         self._end_ns = 0
 
     # Taps: slices of what the block computed, for the traced rows ----------------------------------
@@ -97,6 +99,9 @@ class LayerProbe:
         self._attn_last.append(attn_out[self.rows, -1])  # (R, d)
         self._mlp_last.append(mlp_out[self.rows, -1])  # (R, d)
         self._hidden_last.append(hidden[self.rows, -1])  # (R, d)
+        for row, length in zip(self.rows, self.lengths):
+            if row in self._hidden_all:
+                self._hidden_all[row].append(hidden[row, -length:])  # (L, d): every real position
         self.clock.mark()  # block end
 
     # After the answers went out: reduce on the device, all blocks at once ---------------------------
@@ -106,8 +111,9 @@ class LayerProbe:
         return torch.stack([torch.stack(captured).float().norm(dim=-1)
                             for captured in (self._hidden_last, self._attn_last, self._mlp_last)], dim=-1)
 
-    def _head_stats(self, r: int, length: int) -> torch.Tensor:
-        """Per block and head, from the model's own Q and K for row r: (n_layer, 6, H)."""
+    def _attention(self, r: int, length: int) -> torch.Tensor:
+        """Every block's attention probabilities for row r, from the model's own Q and K:
+        (n_layer, H, L, L), query rows, key columns."""
         qkv = torch.stack([layer[r] for layer in self._qkv]).float()  # (n_layer, L, 3d)
         n_layer, d_model = qkv.shape[0], qkv.shape[-1] // 3
         d_head = d_model // self.n_head
@@ -116,7 +122,10 @@ class LayerProbe:
         k = k.view(n_layer, length, self.n_head, d_head).transpose(1, 2)  # (n_layer, H, L, dh)
         scores = q @ k.transpose(-1, -2) / math.sqrt(d_head)  # (n_layer, H, L, L)
         causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (n_layer, H, L, L)
+        return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # (n_layer, H, L, L)
+
+    def _head_stats(self, r: int, length: int, probs: torch.Tensor) -> torch.Tensor:
+        """Per block and head, from row r's attention probabilities (n_layer, H, L, L): (n_layer, 6, H)."""
         last = probs[..., -1, :]  # (n_layer, H, L): where the last position looks
         entropy = -(last * last.clamp_min(1e-30).log()).sum(dim=-1)  # (n_layer, H)
         max_weight, top_position = last.max(dim=-1)  # (n_layer, H)
@@ -128,6 +137,18 @@ class LayerProbe:
         return torch.stack([entropy, max_weight, top_position.float(), top_token_id.float(), last[..., 0],
                             previous], dim=1)  # (n_layer, 6, H)
 
+    def _maps(self, r: int, attention: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]) -> list[dict]:
+        """Per block, for row r: its attention maps [H*L*L] and the logit lens at every position."""
+        per_block = []
+        for layer, hidden in enumerate(self._hidden_all[self.rows[r]]):  # (L, d) each: one unembedding a block
+            probs, ids = unembed(self.model.ln_f(hidden)).float().softmax(dim=-1).max(dim=-1)  # (L,) each
+            per_block.append({
+                "attention": attention[layer].flatten().tolist(),
+                "logit_lens_positions": [TokenProb(int(i), self.token_text(int(i)), p)
+                                         for i, p in zip(ids.tolist(), probs.tolist())],
+            })
+        return per_block
+
     def reports(self, unembed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[LayerReport]],
                                                                              ForwardTimeline]:
         """Per traced row (in `rows` order), one LayerReport per block; and the stage timeline.
@@ -136,7 +157,9 @@ class LayerProbe:
         n_rows = len(self.rows)
         lens_inputs = self.model.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
         lens_probs, lens_ids = unembed(lens_inputs).float().softmax(dim=-1).topk(LOGIT_LENS_K, dim=-1)
-        heads = torch.stack([self._head_stats(r, length) for r, length in enumerate(self.lengths)], dim=1)
+        attention = [self._attention(r, length) for r, length in enumerate(self.lengths)]  # (n_layer, H, L, L) each
+        heads = torch.stack([self._head_stats(r, length, attention[r]) for r, length in enumerate(self.lengths)], dim=1)
+        maps = {r: self._maps(r, attention[r], unembed) for r, row in enumerate(self.rows) if row in self.mapped_rows}
         # One host copy each: (n_layer, R, 6, H), (n_layer, R, 3), (n_layer, R, k) twice.
         heads, norms = heads.tolist(), self._norms().tolist()
         lens_probs = lens_probs.view(-1, n_rows, LOGIT_LENS_K).tolist()
@@ -170,6 +193,7 @@ class LayerProbe:
                     logit_lens=[TokenProb(int(i), self.token_text(int(i)), p)
                                 for i, p in zip(lens_ids[index][r], lens_probs[index][r])],
                     duration_ms=(end - start) / 1e6,
+                    **(maps[r][index] if r in maps else {}),
                 ))
             per_row.append(layers)
         return per_row, timeline

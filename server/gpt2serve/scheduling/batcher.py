@@ -49,7 +49,7 @@ class BatchEngine(Protocol):
     fixed_cost_tokens: float  # a forward's fixed cost in padded tokens (see scheduling.grouping)
 
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = ()) -> BatchOutput: ...
+                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = ()) -> BatchOutput: ...
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
 
@@ -202,10 +202,11 @@ class Batcher:
         loop = asyncio.get_running_loop()
         started, started_ns = time.perf_counter(), time.time_ns()
         traced_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "layers_wanted", False)]
+        mapped_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "attention_maps", False)]
         try:
             output = await loop.run_in_executor(
                 self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],
-                traced_rows,
+                traced_rows, mapped_rows,
             )
         except OutOfMemory as exc:
             if len(batch) == 1:

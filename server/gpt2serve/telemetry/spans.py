@@ -44,6 +44,7 @@ class RequestTrace:
     layers_wanted: bool  # compute per-layer reports for it (include_layers or exported layer spans)
     layer_spans: bool  # export per-layer spans for it
     layers_in_response: bool = False  # its answer waits for the reports (include_layers)
+    attention_maps: bool = False  # its reports carry full attention maps and the all-position lens
 
 
 def exported_trace_id(span: Span) -> str:

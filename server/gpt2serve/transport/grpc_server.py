@@ -92,6 +92,7 @@ def request_options(method: str, request, context: grpc.aio.ServicerContext) -> 
         api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
         trace_layers=request.trace_layers, include_layers=request.include_layers,
+        attention_maps=getattr(request, "attention_maps", False),  # NextToken only
         deadline=None if remaining is None else time.monotonic() + remaining,
     )
 

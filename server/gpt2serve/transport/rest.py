@@ -42,6 +42,8 @@ class NextTokenBody(Body):
     top_k: StrictInt | None = Field(None, description="How many alternatives to return (1..vocab); default 5")
     trace_layers: StrictBool = False
     include_layers: StrictBool = False
+    attention_maps: StrictBool = Field(False, description="Also every head's attention pattern and the logit "
+                                                          "lens at every position, per layer (at most 128 tokens)")
 
 
 class NextTokenBatchBody(Body):
@@ -114,6 +116,7 @@ def request_options(request: Request, route: str, method: str,
         api="rest", method=method, span_name=f"POST {route}", parent=propagate.extract(request.headers),
         attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme},
         trace_layers=body.trace_layers, include_layers=body.include_layers,
+        attention_maps=getattr(body, "attention_maps", False),  # /v1/next-token only
     )
 
 
