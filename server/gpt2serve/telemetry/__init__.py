@@ -1,1 +1,1 @@
-"""Telemetry: turns what the engine and scheduler report into spans (and, later, metrics)."""
+"""Telemetry: turns what the engine and scheduler report into spans (spans.py) and Prometheus metrics (metrics.py)."""
