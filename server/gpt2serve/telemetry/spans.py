@@ -34,6 +34,10 @@ from ..engine.engine import BatchOutput
 from .metrics import Metrics
 from .tracing import TRACE_LAYERS_ATTRIBUTE
 
+# A caller's cancel this close to its deadline is the deadline: the server's copy of it starts
+# when the request arrives, so the client's own expiry (and its cancel) can come a little earlier.
+DEADLINE_SLACK_S = 0.05
+
 
 @dataclass(frozen=True)
 class RequestTrace:
@@ -113,8 +117,8 @@ class Telemetry:
                         span.set_status(Status(StatusCode.ERROR, str(exc)))
                     raise
                 except BaseException:  # The caller went away (task cancelled) or its deadline passed.
-                    status = "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline \
-                        else "CANCELLED"
+                    status = "DEADLINE_EXCEEDED" if deadline is not None and \
+                        time.monotonic() >= deadline - DEADLINE_SLACK_S else "CANCELLED"
                     raise
         finally:
             self.metrics.in_flight.dec()
