@@ -14,11 +14,16 @@ from reference import assert_matches_reference
 
 from gpt2serve_client import AsyncClient, Gpt2ServeError, NextTokenResult
 
-PROMPT_TOKENS = 96
+# Long enough that a forward of a batch clearly outlasts taking in 300 requests on 2 busy cores
+# (with 96 tokens our faster engine answered a first batch before the median refusal came back).
+PROMPT_TOKENS = 256
 
 
-def prompt(i: int) -> list[int]:
-    return [(i * 7919 + j * 31) % 50000 for j in range(PROMPT_TOKENS)]
+DRAIN_PROMPT_TOKENS = 96  # the drain only needs work still queued when new work is refused
+
+
+def prompt(i: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+    return [(i * 7919 + j * 31) % 50000 for j in range(tokens)]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +89,7 @@ def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_referen
         async with AsyncClient(srv.grpc_target, retries=0, timeout=120) as client, \
                 httpx.AsyncClient(base_url=srv.http_url, timeout=30) as http:
             assert (await http.get("/readyz")).status_code == 200
-            calls = [asyncio.create_task(client.next_token(prompt(i), top_k=3)) for i in range(60)]
+            calls = [asyncio.create_task(client.next_token(prompt(i, DRAIN_PROMPT_TOKENS), top_k=3)) for i in range(60)]
             while metric_value(srv.http_url, "gpt2serve_in_flight_requests") < 60:  # all 60 accepted by the server
                 await asyncio.sleep(0.01)
             srv.proc.send_signal(signal.SIGTERM)
@@ -118,6 +123,6 @@ def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_referen
     assert late_rest.headers["retry-after"] == "1"
     assert late_grpc.code == "UNAVAILABLE" and "shutting down" in late_grpc.message
     for i, result in enumerate(results):
-        assert_matches_reference(gpt2_reference, result, prompt(i), 3)
+        assert_matches_reference(gpt2_reference, result, prompt(i, DRAIN_PROMPT_TOKENS), 3)
     assert exit_code == 0 and exited_after < grace_s, exited_after
     assert "shutdown complete" in srv.log()
