@@ -145,13 +145,14 @@ class NextTokenResult:
     trace_id: str = ""
     batch_size: int = 1
     layers: list[LayerReport] = field(default_factory=list)
+    prompt_tokens: list[str] = field(default_factory=list)  # with the layers: each prompt token as text
 
     def to_proto(self) -> pb.NextTokenResponse:
         return pb.NextTokenResponse(
             token_id=self.token_id, token=self.token, logprob=self.logprob,
             top=[t.to_proto() for t in self.top], prompt_token_ids=self.prompt_token_ids,
             timings=self.timings.to_proto(), trace_id=self.trace_id, batch_size=self.batch_size,
-            layers=[layer.to_proto() for layer in self.layers],
+            layers=[layer.to_proto() for layer in self.layers], prompt_tokens=self.prompt_tokens,
         )
 
     @classmethod
@@ -161,7 +162,7 @@ class NextTokenResult:
             top=[TokenLogprob.from_proto(t) for t in msg.top],
             prompt_token_ids=list(msg.prompt_token_ids), timings=Timings.from_proto(msg.timings),
             trace_id=msg.trace_id, batch_size=msg.batch_size,
-            layers=[LayerReport.from_proto(layer) for layer in msg.layers],
+            layers=[LayerReport.from_proto(layer) for layer in msg.layers], prompt_tokens=list(msg.prompt_tokens),
         )
 
     @classmethod
@@ -173,6 +174,7 @@ class NextTokenResult:
             timings=Timings.from_dict(data.get("timings") or {}),
             trace_id=data.get("trace_id", ""), batch_size=data.get("batch_size", 1),
             layers=[LayerReport.from_dict(layer) for layer in data.get("layers") or []],
+            prompt_tokens=list(data.get("prompt_tokens") or []),
         )
 
 

@@ -65,6 +65,8 @@ class ServeConfig:
     cuda_graph_memory_mb: float = 4096.0
     # Front-end processes around one engine process; None: auto (1 on a CPU; see processes.py).
     workers: int | None = None
+    # A tracing UI's page for one trace, "{trace_id}" replaced (the /ui page links to it).
+    trace_ui_url: str | None = None
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
@@ -176,6 +178,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="on cuda, replay captured CUDA graphs for bucketed batch shapes (on/off)")
     env.add("--cuda-graph-memory-mb", type=float, default=d.cuda_graph_memory_mb,
             help="device memory the captured CUDA graphs may take; other shapes run eagerly")
+    env.add("--trace-ui-url", default=d.trace_ui_url,
+            help="link each /ui answer to its trace, e.g. http://localhost:16686/trace/{trace_id} (Jaeger)")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process), about min(cores - 2, 8) on a GPU")
@@ -213,6 +217,8 @@ def validate(config: ServeConfig) -> None:
     for path in (config.tls_cert, config.tls_key):
         if path and not os.path.isfile(path):
             problems.append(f"{path}: no such file")
+    if config.trace_ui_url and "{trace_id}" not in config.trace_ui_url:
+        problems.append("--trace-ui-url must contain {trace_id}")
     if config.workers is not None and config.workers < 1:
         problems.append("--workers must be >= 1 (or auto)")
     if config.cuda_graph_memory_mb < 0:

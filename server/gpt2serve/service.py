@@ -235,4 +235,5 @@ class InferenceService:
             timings=Timings(queue_ms=out.queue_s * 1000, forward_ms=out.forward_s * 1000, total_ms=total_ms),
             trace_id=trace_id, batch_size=out.batch_size,
             layers=(out.layers or []) if include_layers else [],
+            prompt_tokens=[self.tokenizer.token_text(t) for t in prompt_token_ids] if include_layers else [],
         )

@@ -64,7 +64,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class NextTokenResponse(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers")
+    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class NextTokenResponse(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
@@ -83,7 +84,8 @@ class NextTokenResponse(_message.Message):
     trace_id: str
     batch_size: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerReport]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ...) -> None: ...
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LayerReport(_message.Message):
     __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms", "attention", "logit_lens_positions")

@@ -19,7 +19,8 @@ import grpc
 
 from ..errors import PayloadTooLarge, ServeError, Unauthenticated
 
-OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
+OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
+                             "/ui", "/ui/app.js", "/ui/style.css", "/ui/config.json"})  # the page, no data
 OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                 "grpc.reflection.v1.ServerReflection"})
 AUTH_HINT = "send 'authorization: Bearer <key>'"

@@ -26,6 +26,7 @@ from ..config import ServeConfig
 from ..errors import PayloadTooLarge, ServeError
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
+from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -129,14 +130,14 @@ def create_app(service: InferenceService, config: ServeConfig | None = None):
     config = config or ServeConfig()
     routes = InferenceRoutes(service)
     return HttpGuard(
-        routes.asgi(create_fastapi(service, routes)),
+        routes.asgi(create_fastapi(service, routes, config)),
         key=BearerKey(config.api_key) if config.api_key else None, max_body_bytes=config.max_message_bytes,
         metrics_open=not config.metrics_require_key, method_of=routes.method_of,
         refused=lambda method, code: service.count_refusal("rest", method, code),
     )
 
 
-def create_fastapi(service: InferenceService, routes: InferenceRoutes) -> FastAPI:
+def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: ServeConfig) -> FastAPI:
     # FastAPI's own telemetry is off: the service makes the request span (with the trace_layers
     # sampling rule) and a second server span per request would only add cost and clutter.
     app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server",
@@ -190,6 +191,7 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes) -> FastAP
             return JSONResponse({"status": "ready"})
         return error_response(503, "UNAVAILABLE", "not ready")
 
+    add_ui_routes(app, config)
     return app
 
 
