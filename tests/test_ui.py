@@ -112,10 +112,25 @@ def test_a_checkpoint_renders_with_its_own_shapes(tmp_path, tokenizer):
         srv.stop()
 
 
-@pytest.mark.parametrize("path", ["/ui", "/ui/app.js", "/ui/style.css", "/ui/config.json"])
+@pytest.mark.parametrize("path", ["/ui", "/ui/app.js", "/ui/style.css", "/ui/config.json",
+                                  "/docs/static/swagger-ui-bundle.js", "/docs/static/swagger-ui.css"])
 def test_the_page_is_served_from_the_package(server, path):
     import httpx
 
     response = httpx.get(f"{server.http_url}{path}")
     assert response.status_code == 200 and response.content
-    assert "cdn" not in response.text.lower() and "https://" not in response.text
+    if path.startswith("/ui"):  # ours: nothing loaded from outside (Swagger's bundle mentions URLs in its code)
+        assert "cdn" not in response.text.lower() and "https://" not in response.text
+
+
+@pytest.mark.parametrize("path, rendered", [
+    ("/docs", r'class="opblock-summary-path" data-path="/v1/next-token"'),  # Swagger UI drew the operation
+    ("/redoc", r'/v1/next-token/batch'),
+])
+def test_the_api_docs_render_offline(server, tmp_path, path, rendered):
+    import httpx
+
+    page = httpx.get(f"{server.http_url}{path}").text
+    assert "cdn" not in page.lower() and "https://" not in page  # nothing from outside
+    html = dom(tmp_path, f"{server.http_url}{path}")
+    assert re.search(rendered, html), html[-3000:]

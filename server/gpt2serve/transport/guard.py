@@ -20,7 +20,9 @@ import grpc
 from ..errors import PayloadTooLarge, ServeError, Unauthenticated
 
 OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
-                             "/ui", "/ui/app.js", "/ui/style.css", "/ui/config.json"})  # the page, no data
+                             "/ui", "/ui/app.js", "/ui/style.css", "/ui/config.json",  # pages and their assets
+                             "/docs/static/swagger-ui-bundle.js", "/docs/static/swagger-ui.css",
+                             "/docs/static/redoc.standalone.js", "/docs/static/favicon.png"})
 OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                 "grpc.reflection.v1.ServerReflection"})
 AUTH_HINT = "send 'authorization: Bearer <key>'"

@@ -141,7 +141,8 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
     # FastAPI's own telemetry is off: the service makes the request span (with the trace_layers
     # sampling rule) and a second server span per request would only add cost and clutter.
     app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server",
-                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
+                  docs_url=None, redoc_url=None)  # served offline by add_ui_routes
 
     @app.exception_handler(ServeError)
     async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
