@@ -58,17 +58,23 @@ def assert_matches_reference(model, result, token_ids: list[int], top_k: int) ->
     assert abs(result.logprob - ref_top[0]) <= TOLERANCE
 
 
-@torch.inference_mode()
-def reference_layers(model, token_ids: list[int], lens_k: int = 5) -> list[dict]:
-    """Per block, computed independently of the server: HF eager attention with
-    output_attentions=True on the prompt alone. Keys mirror LayerReport / the block span."""
+def eager_forward(model, token_ids: list[int]):
+    """transformers' model and its forward of one prompt with eager attention, returning the
+    attention probabilities and every hidden state."""
     model = as_transformers(model)
     implementation = model.config._attn_implementation
     model.config._attn_implementation = "eager"
     try:
-        out = model(torch.tensor([token_ids]), output_attentions=True, output_hidden_states=True)
+        return model, model(torch.tensor([token_ids]), output_attentions=True, output_hidden_states=True)
     finally:
         model.config._attn_implementation = implementation
+
+
+@torch.inference_mode()
+def reference_layers(model, token_ids: list[int], lens_k: int = 5) -> list[dict]:
+    """Per block, computed independently of the server: HF eager attention with
+    output_attentions=True on the prompt alone. Keys mirror LayerReport / the block span."""
+    model, out = eager_forward(model, token_ids)
     layers = []
     for index, attn in enumerate(out.attentions):
         attn = attn[0].float()  # (H, L, L), this prompt alone
@@ -109,13 +115,7 @@ def assert_layer_matches(got: dict, want: dict, tolerance: float = TOLERANCE) ->
 def reference_maps(model, token_ids: list[int]) -> list[dict]:
     """Per block, independently of the server: HF eager attention probabilities [H, L, L] and the
     logit lens at every position (top-1 id and probability after the block)."""
-    model = as_transformers(model)
-    implementation = model.config._attn_implementation
-    model.config._attn_implementation = "eager"
-    try:
-        out = model(torch.tensor([token_ids]), output_attentions=True, output_hidden_states=True)
-    finally:
-        model.config._attn_implementation = implementation
+    model, out = eager_forward(model, token_ids)
     n_layer = len(out.attentions)
     maps = []
     for index, attn in enumerate(out.attentions):
