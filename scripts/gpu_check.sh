@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One command on a GPU machine: the GPU tests, the whole suite, and the in-process engine bench
-# table (engine vs transformers' forward, bf16) on gpt2 and gpt2-xl. Logs and the table land in
-# $GPU_CHECK_OUT (default gpu-check/).
+# One command on a GPU machine: the GPU tests, the in-process engine bench table (engine vs
+# transformers' forward, bf16) on gpt2 and gpt2-xl, the served bench with --workers auto (gRPC and
+# REST at 512 clients, 1 client), and the whole suite. Logs and tables land in $GPU_CHECK_OUT
+# (default gpu-check/).
 #
 #   make test-gpu                                  # with the project's venv
 #   source .whl/setup.sh && scripts/gpu_check.sh   # on the offline GPU machines (../shared/gpu/)
@@ -28,6 +29,23 @@ for model in random:gpt2 random:gpt2-xl; do
       --batch-sizes 1,64,256,1024 2>&1 | grep -v WARN | tee -a "$out/bench.md" || status=1
   echo | tee -a "$out/bench.md"
 done
+
+echo "== served (issue 12): random:gpt2 bf16, --workers auto, clients over 8 processes"
+log=$(mktemp)
+$python -m gpt2serve.cli serve --model random:gpt2 --device cuda --dtype bfloat16 --workers auto \
+    --host 127.0.0.1 --grpc-port 50081 --http-port 8081 >"$log" 2>&1 &
+server=$!
+for _ in $(seq 1 300); do grep -q "gpt2serve ready" "$log" && break; kill -0 $server 2>/dev/null || break; sleep 1; done
+if grep -q "gpt2serve ready" "$log"; then
+  for load in "-c 512 -p 8" "--api rest --http-target http://127.0.0.1:8081 -c 512 -p 8" "-c 1"; do
+    echo "-- bench $load" | tee -a "$out/serve-bench.txt"
+    $python -m gpt2serve.cli bench --target 127.0.0.1:50081 $load -d 10 2>&1 | grep -v WARN | tee -a "$out/serve-bench.txt" || status=1
+  done
+else
+  cat "$log"; status=1
+fi
+kill $server 2>/dev/null; wait $server 2>/dev/null
+cp "$log" "$out/serve.log"
 
 if [ "${SUITE:-1}" = 1 ]; then
   echo "== whole suite"
