@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import requests_total
 
 from gpt2serve.cli import build_parser, visible
 from gpt2serve.config import ServeConfig, config_from_args
@@ -137,3 +138,31 @@ def test_bench_reports_load_and_the_in_process_limit(server, api, clients):
     best = max((r["prompts_per_s"] for r in report["in_process"][1:] or report["in_process"]))
     assert report["ratio"] == pytest.approx(load["req_per_s"] / best)
     assert report["model"]["model"] == "random:tiny"
+
+
+def test_bench_spreads_its_clients_over_processes(server):
+    import json
+
+    before = requests_total(server.http_url, "grpc", "NextToken", "OK")
+    out = run_cli("bench", "--target", server.grpc_target, "-c", "6", "-p", "2", "-d", "1.5", "--warmup", "0.3",
+                  "--limit-duration", "0.4", "--json")
+    assert out.returncode == 0, out.stderr
+    load = json.loads(out.stdout)["load"]
+    assert load["concurrency"] == 6 and load["requests"] > 0 and load["errors"] == 0
+    # Both client processes sent (warm-up included): the server counted at least what was measured.
+    assert requests_total(server.http_url, "grpc", "NextToken", "OK") - before >= load["requests"]
+
+
+def test_bench_in_process_times_the_engine_against_transformers():
+    import json
+
+    out = run_cli("bench", "--in-process", "--model", "random:tiny", "--device", "cpu", "--dtype", "float32",
+                  "--batch-sizes", "1,4", "--rounds", "1", "--per-round", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert [r["batch_size"] for r in report["sizes"]] == [1, 4]
+    for r in report["sizes"]:
+        assert r["engine_ms"] > 0 and r["transformers_ms"] > 0 and not r["cuda_graph"]
+        assert r["ratio"] == pytest.approx(r["transformers_ms"] / r["engine_ms"])
+    assert set(report["first_request"]) == {"untraced", "traced"}
+    assert "random:tiny, float32 on cpu" in report["header"]
