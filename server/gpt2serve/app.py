@@ -15,6 +15,8 @@ import uvicorn
 from .config import ServeConfig
 from .engine.engine import Engine, EngineOptions
 from .engine.loading import load_model
+from gpt2serve_client.types import ModelInfo
+
 from .scheduling.batcher import Batcher, new_engine_thread
 from .service import InferenceService, describe_model
 from .telemetry.spans import Telemetry
@@ -121,8 +123,9 @@ def engine_options(config: ServeConfig, loaded) -> EngineOptions:
                          cuda_graphs=config.cuda_graphs, cuda_graph_memory_mb=config.cuda_graph_memory_mb)
 
 
-async def start_engine(config: ServeConfig, telemetry: Telemetry) -> Batcher:
-    """Load and warm the model in its own thread, and put the batcher in front of it."""
+async def start_engine(config: ServeConfig, telemetry: Telemetry) -> tuple[Batcher, ModelInfo]:
+    """Load and warm the model in its own thread, and put the batcher in front of it; with the
+    model's description (see service.describe_model)."""
     engine_thread = new_engine_thread()
     try:
         engine = await asyncio.get_running_loop().run_in_executor(engine_thread, load_engine, config)
@@ -140,7 +143,7 @@ async def start_engine(config: ServeConfig, telemetry: Telemetry) -> Batcher:
     telemetry.model_name, telemetry.vocab_size = loaded.name, loaded.model.config.vocab_size
     telemetry.metrics.attach(model=info.model, dtype=info.dtype, device=info.device, weights=info.weights,
                              queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device))
-    return batcher
+    return batcher, info
 
 
 async def serve(config: ServeConfig) -> None:
@@ -151,11 +154,11 @@ async def serve(config: ServeConfig) -> None:
     transports = await Transports.start(config, service)
     print(transports.listening_line(config), flush=True)
     try:
-        batcher = await start_engine(config, telemetry)
+        batcher, info = await start_engine(config, telemetry)
     except BaseException:
         await transports.stop(0)
         raise
-    service.attach(batcher.engine.loaded.tokenizer, describe_model(batcher.engine.loaded), batcher)
+    service.attach(batcher.engine.loaded.tokenizer, info, batcher)
     service.ready = True
     await transports.grpc.set_serving(True)
     print(ready_line(service.model_info()), flush=True)

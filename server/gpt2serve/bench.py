@@ -126,8 +126,7 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
 def load_in_process(api: str, target: str, prompts, concurrency: int, duration_s: float,
                     warmup_s: float) -> LoadSamples:
     """One client process's share of the load (a top-level function, for --processes)."""
-    load = load_grpc if api == "grpc" else load_rest
-    return asyncio.run(load(target, prompts, concurrency, duration_s, warmup_s))
+    return asyncio.run(LOADS[api](target, prompts, concurrency, duration_s, warmup_s))
 
 
 def load_from_processes(api: str, target: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
@@ -220,6 +219,9 @@ async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float,
             conn.close()
 
 
+LOADS = {"grpc": load_grpc, "rest": load_rest}  # api -> load generator
+
+
 class InProcessModel:
     """The same architecture and dtype on this machine, no server: the most it can do."""
 
@@ -299,8 +301,7 @@ def run_bench(args) -> int:
         samples = load_from_processes(args.api, target, prompts, args.concurrency, args.duration, args.warmup,
                                       args.processes)
     else:
-        load = load_grpc if args.api == "grpc" else load_rest
-        samples = asyncio.run(load(target, prompts, args.concurrency, args.duration, args.warmup, between))
+        samples = asyncio.run(LOADS[args.api](target, prompts, args.concurrency, args.duration, args.warmup, between))
     load = samples.summary(args.api, args.concurrency, args.duration, interleaved=between is not None)
     for size in sizes:
         times[size] += model.measure(prompts, size, args.limit_duration / 2)

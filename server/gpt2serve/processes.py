@@ -72,7 +72,6 @@ def engine_main(config: ServeConfig, address: str, status, parent_pid: int) -> N
 async def _engine(config: ServeConfig, address: str, status, parent_pid: int) -> None:
     from .app import flush_traces, start_engine
     from .ipc import EngineServer
-    from .service import describe_model
     from .telemetry.spans import Telemetry
     from .telemetry.tracing import setup_tracing
 
@@ -80,11 +79,10 @@ async def _engine(config: ServeConfig, address: str, status, parent_pid: int) ->
     telemetry = Telemetry()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # also while loading
-    batcher = await start_engine(config, telemetry)
-    loaded = batcher.engine.loaded
-    server = EngineServer(address, batcher, describe_model(loaded), loaded.tokenizer.source)
+    batcher, info = await start_engine(config, telemetry)
+    server = EngineServer(address, batcher, info, batcher.engine.loaded.tokenizer.source)
     serving = asyncio.create_task(server.serve(), name="ipc")
-    status.send(("ready", describe_model(loaded).model))
+    status.send(("ready", info.model))
     log.info("engine ready at %s", address)
     watch = asyncio.create_task(_watch_parent(parent_pid, stop))
     while not stop.is_set() and not serving.done():  # gauges the front ends' /metrics read

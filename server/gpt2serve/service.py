@@ -46,6 +46,10 @@ class RequestOptions:
     attention_maps: bool = False  # full attention maps and all-position logit lens (implies include_layers)
     deadline: float | None = None  # time.monotonic() by which the caller gives up (gRPC deadline)
 
+    @property
+    def layers_in_response(self) -> bool:
+        return self.include_layers or self.attention_maps
+
 
 class Scheduler(Protocol):
     """Where prompts go to be answered: scheduling.Batcher, or ipc.EngineClient."""
@@ -151,9 +155,10 @@ class InferenceService:
             k = self.resolve_top_k(top_k)
             token_ids = [await self.resolve_prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                          for i, p in enumerate(prompts)]
-            if options.attention_maps and max(map(len, token_ids)) > MAX_ATTENTION_MAP_TOKENS:
-                raise InvalidArgument(f"attention_maps: the prompt has {max(map(len, token_ids))} tokens; attention "
-                                      f"maps are returned for prompts of at most {MAX_ATTENTION_MAP_TOKENS} tokens")
+            longest = max(map(len, token_ids))
+            if options.attention_maps and longest > MAX_ATTENTION_MAP_TOKENS:
+                raise InvalidArgument(f"attention_maps: the prompt has {longest} tokens; attention maps are "
+                                      f"returned for prompts of at most {MAX_ATTENTION_MAP_TOKENS} tokens")
             trace_id = exported_trace_id(span)
             trace = self.request_trace(span, options, sampled=bool(trace_id))
             prompt_tokens = sum(map(len, token_ids))
@@ -168,12 +173,12 @@ class InferenceService:
             for out in outputs:
                 metrics.queued(out.queue_s, trace_id)
             total_ms = (time.perf_counter() - received) * 1000
-            return [self.build_result(ids, out, total_ms, trace_id, options.include_layers or options.attention_maps)
+            return [self.build_result(ids, out, total_ms, trace_id, options.layers_in_response)
                     for ids, out in zip(token_ids, outputs)]
 
     def request_trace(self, span: Span, options: RequestOptions, sampled: bool) -> RequestTrace:
         mode = self.config.trace_layers
-        in_response = options.include_layers or options.attention_maps
+        in_response = options.layers_in_response
         if mode == "never" and (options.trace_layers or in_response):
             raise FailedPrecondition("per-layer reports are off on this server (--trace-layers never)")
         layer_spans = sampled and (options.trace_layers or mode == "always")

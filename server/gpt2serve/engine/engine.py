@@ -123,8 +123,7 @@ class Engine:
             log.info("captured %d CUDA graphs in %.1f s (%.0f MiB)", self.graphs.graphs,
                      time.perf_counter() - started, self.graphs.memory_used_bytes / 2**20)
         prompt = [self.pad_token_id] * 8
-        self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the traced (eager) path
-        self._eager([prompt], [1], (), time.perf_counter(), time.time_ns())
+        self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the eager path, with taps
         # A forward costs about fixed + r * rows + c * padded tokens (rows: the last-position
         # lm_head, a large share for small models). Splitting a batch by length repeats `fixed`
         # and saves padding, while r * rows is paid either way: so three shapes, r kept apart.

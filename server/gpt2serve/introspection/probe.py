@@ -2,8 +2,9 @@
 
 The model calls the probe at its taps (engine.gpt2.ForwardTaps), and the probe keeps slices of
 what each block already computes (its fused QKV projection, attention and MLP outputs, the
-residual stream) for the traced rows only, so the answer is barely delayed. Afterwards `reports()` reduces them on the device, all blocks at once,
-to a few numbers per head and per layer. The attention probabilities of a traced row are rebuilt
+residual stream) for the traced rows only, so the answer is barely delayed. Afterwards
+`reports()` reduces them on the device, all blocks at once, to a few numbers per head and per
+layer. The attention probabilities of a traced row are rebuilt
 from the model's own Q and K (softmax(QK^T / sqrt(d_head)) with the causal mask over the row's
 real tokens), so every row, traced or not, keeps the fast SDPA kernel in the model itself.
 Everything stays on the device until one host copy per statistic.
@@ -138,16 +139,17 @@ class LayerProbe:
                             previous], dim=1)  # (n_layer, 6, H)
 
     def _maps(self, r: int, attention: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]) -> list[dict]:
-        """Per block, for row r: its attention maps [H*L*L] and the logit lens at every position."""
-        per_block = []
-        for layer, hidden in enumerate(self._hidden_all[self.rows[r]]):  # (L, d) each: one unembedding a block
-            probs, ids = unembed(self.model.ln_f(hidden)).float().softmax(dim=-1).max(dim=-1)  # (L,) each
-            per_block.append({
-                "attention": attention[layer].flatten().tolist(),
-                "logit_lens_positions": [TokenProb(int(i), self.token_text(int(i)), p)
-                                         for i, p in zip(ids.tolist(), probs.tolist())],
-            })
-        return per_block
+        """Per block, for row r: its attention maps [H*L*L] and the logit lens at every position.
+        One unembedding a block (all blocks at once would hold n_layer * L * V logits), then one
+        host copy per statistic."""
+        best = [unembed(self.model.ln_f(hidden)).float().softmax(dim=-1).max(dim=-1)  # (L,) probs and ids
+                for hidden in self._hidden_all[self.rows[r]]]  # (L, d) per block
+        probs = torch.stack([p for p, _ in best]).tolist()  # (n_layer, L)
+        ids = torch.stack([i for _, i in best]).tolist()  # (n_layer, L)
+        maps = attention.flatten(1).tolist()  # (n_layer, H*L*L)
+        return [{"attention": maps[layer],
+                 "logit_lens_positions": [TokenProb(i, self.token_text(i), p) for i, p in zip(ids[layer], probs[layer])]}
+                for layer in range(len(best))]
 
     def reports(self, unembed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[LayerReport]],
                                                                              ForwardTimeline]:

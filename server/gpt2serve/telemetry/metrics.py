@@ -33,6 +33,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
+        self._gauges: list[tuple[Gauge, Callable[[], float]]] = []  # set by refresh() (multiprocess mode)
         r = self.registry
         self.requests = Counter("gpt2serve_requests", "Requests answered, by API, method and status code",
                                 ["api", "method", "status"], registry=r)
@@ -76,7 +77,7 @@ class Metrics:
             self.device_memory.labels(device=device).set_function(device_memory)
 
     def refresh(self) -> None:
-        for gauge, read in getattr(self, "_gauges", ()):
+        for gauge, read in self._gauges:
             gauge.set(read())
 
     def request_finished(self, api: str, method: str, status: str, duration_s: float, trace_id: str = "") -> None:

@@ -18,11 +18,9 @@ from typing import Callable
 import grpc
 
 from ..errors import PayloadTooLarge, ServeError, Unauthenticated
+from .ui import PAGE_PATHS
 
-OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc",
-                             "/ui", "/ui/app.js", "/ui/style.css", "/ui/config.json",  # pages and their assets
-                             "/docs/static/swagger-ui-bundle.js", "/docs/static/swagger-ui.css",
-                             "/docs/static/redoc.standalone.js", "/docs/static/favicon.png"})
+OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"}) | PAGE_PATHS
 OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
                                 "grpc.reflection.v1.ServerReflection"})
 AUTH_HINT = "send 'authorization: Bearer <key>'"

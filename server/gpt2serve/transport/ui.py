@@ -23,6 +23,9 @@ DOCS_ASSETS = {"/docs/static/swagger-ui-bundle.js": "text/javascript; charset=ut
                "/docs/static/swagger-ui.css": "text/css; charset=utf-8",
                "/docs/static/redoc.standalone.js": "text/javascript; charset=utf-8",
                "/docs/static/favicon.png": "image/png"}
+CONFIG_PATH = "/ui/config.json"
+# Open without the API key (transport.guard): pages and assets that hold no model data.
+PAGE_PATHS = frozenset({*FILES, *DOCS_ASSETS, CONFIG_PATH, "/docs", "/redoc"})
 
 
 def add_ui_routes(app: FastAPI, config: ServeConfig) -> None:
@@ -54,6 +57,6 @@ def add_ui_routes(app: FastAPI, config: ServeConfig) -> None:
                               redoc_js_url="/docs/static/redoc.standalone.js",
                               redoc_favicon_url="/docs/static/favicon.png", with_google_fonts=False)
 
-    @app.get("/ui/config.json", include_in_schema=False)
+    @app.get(CONFIG_PATH, include_in_schema=False)
     def ui_config() -> JSONResponse:
         return JSONResponse(settings)
