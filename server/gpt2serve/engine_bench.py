@@ -75,7 +75,7 @@ class TransformersSide:
     def top(self, inputs: dict[str, torch.Tensor]) -> list:
         logits = self.model(**inputs, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
         values, ids = torch.log_softmax(logits.float(), dim=-1).topk(TOP_K, dim=-1)
-        return [values.cpu().tolist(), ids.cpu().tolist()]
+        return torch.stack((values, ids.float())).cpu().tolist()  # one copy to the host, as the engine does
 
 
 def first_request(engine: Engine, prompt: list[int], traced: bool, steady_runs: int = 20) -> FirstRequest:
