@@ -8,15 +8,21 @@ from .grpc_client import AsyncClient, Client
 from .rest_client import RestClient
 from .types import (
     Architecture,
+    GenerateChunk,
+    GenerateResult,
+    GenerateTimings,
+    GeneratedToken,
     HealthStatus,
     ModelInfo,
     NextTokenResult,
     ParameterBreakdown,
     Timings,
     TokenLogprob,
+    Usage,
 )
 
 __all__ = [
-    "Architecture", "AsyncClient", "Client", "Gpt2ServeError", "HealthStatus", "ModelInfo",
-    "NextTokenResult", "ParameterBreakdown", "RestClient", "Timings", "TokenLogprob",
+    "Architecture", "AsyncClient", "Client", "GenerateChunk", "GenerateResult", "GenerateTimings",
+    "GeneratedToken", "Gpt2ServeError", "HealthStatus", "ModelInfo",
+    "NextTokenResult", "ParameterBreakdown", "RestClient", "Timings", "TokenLogprob", "Usage",
 ]

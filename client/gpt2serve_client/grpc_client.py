@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -13,7 +13,7 @@ from . import _requests
 from ._proto import gpt2serve_pb2 as pb
 from ._proto import gpt2serve_pb2_grpc as pb_grpc
 from .errors import Gpt2ServeError
-from .types import HealthStatus, ModelInfo, NextTokenResult
+from .types import GenerateChunk, GenerateResult, HealthStatus, ModelInfo, NextTokenResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # include_layers on a big batch of a big model is large
@@ -88,6 +88,32 @@ class Client:
         response = self._call(self._stub.NextTokenBatch, request, timeout)
         return [NextTokenResult.from_proto(r) for r in response.results]
 
+    def generate_stream(self, prompt: _requests.Prompt, max_tokens: int | None = 16, temperature: float | None = None,
+                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                        logprobs: int = 0, ignore_eos: bool = False, trace_layers: bool = False,
+                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+        """The generation as it goes: a GenerateChunk per token, then a closing one with the
+        finish reason and usage. temperature 0 is greedy; the same seed, the same text.
+        Breaking out of the loop (or closing it) cancels the generation on the server."""
+        request = _requests.generate_proto(
+            prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
+            trace_layers=trace_layers)
+        call = self._stub.Generate(request, timeout=self.timeout if timeout is None else timeout,
+                                   metadata=self._metadata())
+        try:
+            for message in call:
+                yield GenerateChunk.from_proto(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
+        """The whole generation once it is done; the options of `generate_stream`."""
+        return GenerateResult.from_chunks(self.generate_stream(prompt, **options))
+
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_proto(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
@@ -141,6 +167,30 @@ class AsyncClient:
         request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers)
         response = await self._call(self._stub.NextTokenBatch, request, timeout)
         return [NextTokenResult.from_proto(r) for r in response.results]
+
+    async def generate_stream(self, prompt: _requests.Prompt, max_tokens: int | None = 16,
+                              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                              seed: int | None = None, stop: str | Sequence[str] | None = None,
+                              stop_token_ids: Sequence[int] | None = None, logprobs: int = 0, ignore_eos: bool = False,
+                              trace_layers: bool = False, timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
+        """As `Client.generate_stream`, asynchronously."""
+        request = _requests.generate_proto(
+            prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
+            trace_layers=trace_layers)
+        call = self._stub.Generate(request, timeout=self.timeout if timeout is None else timeout,
+                                   metadata=self._metadata())
+        try:
+            async for message in call:
+                yield GenerateChunk.from_proto(message)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
+        """The whole generation once it is done; the options of `generate_stream`."""
+        return GenerateResult.from_chunks([chunk async for chunk in self.generate_stream(prompt, **options)])
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_proto(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))

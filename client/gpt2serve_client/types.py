@@ -247,3 +247,118 @@ class ModelInfo:
 class HealthStatus:
     serving: bool
     status: str  # "SERVING", "NOT_SERVING", ...
+
+
+# Generation ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    """One generated token; `logprob` and `top` are under the model's own distribution."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)
+
+    def to_proto(self) -> pb.GeneratedToken:
+        return pb.GeneratedToken(token_id=self.token_id, token=self.token, logprob=self.logprob,
+                                 top=[t.to_proto() for t in self.top])
+
+    @classmethod
+    def from_proto(cls, msg: pb.GeneratedToken) -> GeneratedToken:
+        return cls(msg.token_id, msg.token, msg.logprob, [TokenLogprob.from_proto(t) for t in msg.top])
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GeneratedToken:
+        return cls(data["token_id"], data["token"], data["logprob"],
+                   [TokenLogprob.from_dict(t) for t in data.get("top") or []])
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateTimings:
+    queue_ms: float = 0.0  # waiting for a KV-cache slot
+    time_to_first_token_ms: float = 0.0
+    time_per_output_token_ms: float = 0.0  # mean between tokens after the first
+    total_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One streamed message: a token and the output text it adds (text that may begin a stop
+    string or an incomplete character is held back, so the texts add up to the output), or the
+    closing message (`token` None) with `finish_reason`, `usage` and `timings`."""
+
+    text: str = ""
+    token: GeneratedToken | None = None
+    finish_reason: str = ""  # "length" | "stop" | "eos", closing message only
+    usage: Usage | None = None
+    timings: GenerateTimings | None = None
+    trace_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def to_proto(self) -> pb.GenerateResponse:
+        return pb.GenerateResponse(
+            text=self.text, token=self.token.to_proto() if self.token else None, finish_reason=self.finish_reason,
+            usage=pb.Usage(**asdict(self.usage)) if self.usage else None,
+            timings=pb.GenerateTimings(**asdict(self.timings)) if self.timings else None,
+            trace_id=self.trace_id, prompt_token_ids=self.prompt_token_ids,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.GenerateResponse) -> GenerateChunk:
+        return cls(
+            text=msg.text, token=GeneratedToken.from_proto(msg.token) if msg.HasField("token") else None,
+            finish_reason=msg.finish_reason,
+            usage=Usage(**_fields_of(Usage, lambda n: getattr(msg.usage, n))) if msg.HasField("usage") else None,
+            timings=GenerateTimings(**_fields_of(GenerateTimings, lambda n: getattr(msg.timings, n)))
+            if msg.HasField("timings") else None,
+            trace_id=msg.trace_id, prompt_token_ids=list(msg.prompt_token_ids),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerateChunk:
+        return cls(
+            text=data.get("text", ""), token=GeneratedToken.from_dict(data["token"]) if data.get("token") else None,
+            finish_reason=data.get("finish_reason", ""),
+            usage=Usage(**data["usage"]) if data.get("usage") else None,
+            timings=GenerateTimings(**data["timings"]) if data.get("timings") else None,
+            trace_id=data.get("trace_id", ""), prompt_token_ids=list(data.get("prompt_token_ids") or []),
+        )
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A whole generation: the text, its tokens, why it ended, and what it cost."""
+
+    text: str
+    tokens: list[GeneratedToken]
+    finish_reason: str
+    usage: Usage
+    timings: GenerateTimings = field(default_factory=GenerateTimings)
+    trace_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_chunks(cls, chunks) -> GenerateResult:
+        """Gather a stream of GenerateChunk (the last one closes it)."""
+        text, tokens, last = [], [], GenerateChunk()
+        for chunk in chunks:
+            text.append(chunk.text)
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            last = chunk
+        return cls("".join(text), tokens, last.finish_reason, last.usage or Usage(), last.timings or GenerateTimings(),
+                   last.trace_id, last.prompt_token_ids)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerateResult:
+        return cls(data["text"], [GeneratedToken.from_dict(t) for t in data["tokens"]], data["finish_reason"],
+                   Usage(**data["usage"]), GenerateTimings(**data.get("timings") or {}), data.get("trace_id", ""),
+                   list(data.get("prompt_token_ids") or []))

@@ -13,11 +13,14 @@ from typing import Awaitable, Callable
 import uvicorn
 
 from .config import ServeConfig
-from .engine.engine import Engine, EngineOptions
-from .engine.loading import load_model
 from gpt2serve_client.types import ModelInfo
 
+from .engine.engine import Engine, EngineOptions
+from .engine.generation import Generator
+from .engine.kv_cache import KVCache
+from .engine.loading import load_model
 from .scheduling.batcher import Batcher, new_engine_thread
+from .scheduling.generation import GenerationScheduler
 from .service import InferenceService, describe_model
 from .telemetry.spans import Telemetry
 from .telemetry.tracing import setup_tracing
@@ -107,7 +110,7 @@ def device_memory_probe(device) -> Callable[[], float]:
     return resident_bytes
 
 
-def load_engine(config: ServeConfig) -> Engine:
+def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
                         random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
@@ -115,7 +118,27 @@ def load_engine(config: ServeConfig) -> Engine:
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
-    return engine
+    generator = Generator(engine, kv_cache_slots(config, engine))
+    if engine.device.type == "cuda":  # claim the cache now; on a CPU at the first generation
+        generator.warm_up()
+    log.info("KV cache: %d sequences of %d tokens (%.0f MiB)", generator.slots, loaded.model.config.n_ctx,
+             generator.slots * KVCache.bytes_per_slot(loaded.model.config, loaded.dtype) / 2**20)
+    return engine, generator
+
+
+def kv_cache_slots(config: ServeConfig, engine: Engine) -> int:
+    """--max-running-sequences, as far as --kv-cache-mb holds them (at least one)."""
+    model_config, device = engine.model.config, engine.device
+    if config.kv_cache_mb is not None:
+        budget = config.kv_cache_mb * 2**20
+    elif device.type == "cuda":
+        import torch
+
+        budget = 0.4 * torch.cuda.mem_get_info(device)[0]
+    else:
+        budget = 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fits = int(budget // KVCache.bytes_per_slot(model_config, engine.loaded.dtype))
+    return max(1, min(config.max_running_sequences or engine.options.max_batch_size, fits))
 
 
 def engine_options(config: ServeConfig, loaded) -> EngineOptions:
@@ -123,12 +146,24 @@ def engine_options(config: ServeConfig, loaded) -> EngineOptions:
                          cuda_graphs=config.cuda_graphs, cuda_graph_memory_mb=config.cuda_graph_memory_mb)
 
 
-async def start_engine(config: ServeConfig, telemetry: Telemetry) -> tuple[Batcher, ModelInfo]:
-    """Load and warm the model in its own thread, and put the batcher in front of it; with the
-    model's description (see service.describe_model)."""
+@dataclass
+class Schedulers:
+    """The two ways into the engine thread: next-token batches and generations."""
+
+    batcher: Batcher
+    generation: GenerationScheduler
+
+    async def stop(self) -> None:
+        await self.generation.stop()
+        await self.batcher.stop()
+
+
+async def start_engine(config: ServeConfig, telemetry: Telemetry) -> tuple[Schedulers, ModelInfo]:
+    """Load and warm the model in its own thread, and put the batcher and the generation loop
+    in front of it; with the model's description (see service.describe_model)."""
     engine_thread = new_engine_thread()
     try:
-        engine = await asyncio.get_running_loop().run_in_executor(engine_thread, load_engine, config)
+        engine, generator = await asyncio.get_running_loop().run_in_executor(engine_thread, load_engine, config)
     except BaseException:
         engine_thread.shutdown(wait=False)
         raise
@@ -137,13 +172,19 @@ async def start_engine(config: ServeConfig, telemetry: Telemetry) -> tuple[Batch
         max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
         observer=telemetry,
     )
+    generation = GenerationScheduler(
+        generator, engine_thread, eos_token_id=engine.loaded.tokenizer.eos_token_id, max_queue=config.max_queue,
+        max_prefill_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s, observer=telemetry)
     batcher.start()
+    generation.start()
     loaded = engine.loaded
     info = describe_model(loaded)
     telemetry.model_name, telemetry.vocab_size = loaded.name, loaded.model.config.vocab_size
     telemetry.metrics.attach(model=info.model, dtype=info.dtype, device=info.device, weights=info.weights,
-                             queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device))
-    return batcher, info
+                             queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device),
+                             running=lambda: generation.running, waiting=lambda: generation.waiting,
+                             kv_cache_usage=lambda: generation.cache_usage)
+    return Schedulers(batcher, generation), info
 
 
 async def serve(config: ServeConfig) -> None:
@@ -154,18 +195,18 @@ async def serve(config: ServeConfig) -> None:
     transports = await Transports.start(config, service)
     print(transports.listening_line(config), flush=True)
     try:
-        batcher, info = await start_engine(config, telemetry)
+        schedulers, info = await start_engine(config, telemetry)
     except BaseException:
         await transports.stop(0)
         raise
-    service.attach(batcher.engine.loaded.tokenizer, info, batcher)
+    service.attach(schedulers.batcher.engine.loaded.tokenizer, info, schedulers.batcher, schedulers.generation)
     service.ready = True
     await transports.grpc.set_serving(True)
     print(ready_line(service.model_info()), flush=True)
 
     stop = asyncio.Event()
     await until_signalled(stop, transports.http_task)
-    remaining_s = await shut_down(config, service, transports, stop, batcher.stop)
+    remaining_s = await shut_down(config, service, transports, stop, schedulers.stop)
     if tracer_provider is not None:
         flush_traces(tracer_provider, remaining_s)
     log.info("shutdown complete")

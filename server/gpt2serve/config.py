@@ -65,6 +65,13 @@ class ServeConfig:
     cuda_graph_memory_mb: float = 4096.0
     # Front-end processes around one engine process; None: auto (1 on a CPU; see processes.py).
     workers: int | None = None
+    # Generations in the running batch at most (one KV-cache slot each); None: --max-batch-size.
+    max_running_sequences: int | None = None
+    # Memory for the KV cache; None: auto (40% of the free device memory on cuda, 25% of RAM on CPU).
+    kv_cache_mb: float | None = None
+    # A generation that has found no KV-cache slot by then gets RESOURCE_EXHAUSTED (unless its
+    # own deadline, e.g. gRPC's, comes first).
+    max_queue_wait_s: float = 30.0
     # A tracing UI's page for one trace, "{trace_id}" replaced (the /ui page links to it).
     trace_ui_url: str | None = None
 
@@ -93,6 +100,10 @@ def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
 
 def auto_or_int(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else int(text)
+
+
+def auto_float(text: str) -> float | None:
+    return None if text.strip().lower() == "auto" else float(text)
 
 
 def env_name(flag: str) -> str:
@@ -180,6 +191,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="device memory the captured CUDA graphs may take; other shapes run eagerly")
     env.add("--trace-ui-url", default=d.trace_ui_url,
             help="link each /ui answer to its trace, e.g. http://localhost:16686/trace/{trace_id} (Jaeger)")
+    env.add("--max-running-sequences", type=auto_or_int, default="auto",
+            help="generations decoded together at most, one KV-cache slot each (auto: --max-batch-size)")
+    env.add("--kv-cache-mb", type=auto_float, default="auto",
+            help="memory for the KV cache, which bounds the running generations "
+                 "(auto: 40%% of free device memory on cuda, 25%% of RAM on CPU)")
+    env.add("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
+            help="a generation waiting this long for a KV-cache slot gets RESOURCE_EXHAUSTED / 429")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process), about min(cores - 2, 8) on a GPU")
@@ -196,6 +214,12 @@ def validate(config: ServeConfig) -> None:
     problems = []
     if config.max_batch_size is not None and config.max_batch_size < 1:
         problems.append("--max-batch-size must be >= 1")
+    if config.max_running_sequences is not None and config.max_running_sequences < 1:
+        problems.append("--max-running-sequences must be >= 1 (or auto)")
+    if config.kv_cache_mb is not None and config.kv_cache_mb <= 0:
+        problems.append("--kv-cache-mb must be > 0 (or auto)")
+    if config.max_queue_wait_s < 0:
+        problems.append("--max-queue-wait-s must be >= 0")
     if config.max_batch_delay_ms < 0:
         problems.append("--max-batch-delay-ms must be >= 0")
     if config.max_queue < 1:

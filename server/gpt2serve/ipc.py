@@ -12,8 +12,12 @@ and sent once per event-loop tick, so 64 answers of one batch cost one frame per
 
 Messages, each a list whose first item is its kind:
     front end -> engine:  [HELLO]  [SUBMIT, id, prompts, top_k, trace | None]  [CANCEL, id]
+                          [GENERATE, id, request, trace | None]
     engine -> front end:  [READY, model_info, tokenizer_source, max_batch_size]
                           [RESULT, id, [output, ...]]  [ERROR, id, code, message]
+                          [STEP, id, step] ... [END, id]   (a generation's tokens, then its end)
+A front end whose caller leaves sends CANCEL: the request leaves the queue, or the generation
+its KV-cache slot.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import msgpack
 import zmq
@@ -33,12 +37,16 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gpt2serve_client.types import LayerReport, ModelInfo
 
 from .engine.engine import TokenScore
+from .engine.generation import SampledToken
+from .engine.sampling import SamplingParams
 from .errors import ServeError, Unavailable, error_from_code
 from .scheduling.batcher import Batcher, ScheduledOutput
+from .scheduling.generation import GeneratedStep, GenerationRequest, GenerationScheduler
 from .telemetry.spans import RequestTrace
 
 log = logging.getLogger(__name__)
-HELLO, SUBMIT, CANCEL, READY, RESULT, ERROR = range(6)
+HELLO, SUBMIT, CANCEL, READY, RESULT, ERROR, GENERATE, STEP, END = range(9)
+_END_OF_STREAM = object()
 _W3C = TraceContextTextMapPropagator()
 
 
@@ -79,6 +87,30 @@ def output_from_wire(wire: list) -> ScheduledOutput:
                            None if layers is None else [LayerReport.from_dict(r) for r in layers])
 
 
+def request_to_wire(r: GenerationRequest) -> list:
+    p = r.params
+    return [r.prompt, [p.temperature, p.top_k, p.top_p, p.logprobs], r.max_tokens, sorted(r.stop_token_ids),
+            r.ignore_eos, r.seed, r.deadline]  # deadline: CLOCK_MONOTONIC, the same in every process
+
+
+def request_from_wire(wire: list) -> GenerationRequest:
+    prompt, params, max_tokens, stop_token_ids, ignore_eos, seed, deadline = wire
+    return GenerationRequest(prompt, SamplingParams(*params), max_tokens, frozenset(stop_token_ids), ignore_eos, seed,
+                             deadline)
+
+
+def step_to_wire(step: GeneratedStep) -> list:
+    t = step.token
+    return [t.token_id, t.logprob, [s.token_id for s in t.top], [s.logprob for s in t.top], step.finish_reason,
+            step.queue_s, step.forward_s, step.batch_size]
+
+
+def step_from_wire(wire: list) -> GeneratedStep:
+    token_id, logprob, top_ids, top_logprobs, finish_reason, queue_s, forward_s, batch_size = wire
+    token = SampledToken(token_id, logprob, [TokenScore(i, v) for i, v in zip(top_ids, top_logprobs)])
+    return GeneratedStep(token, finish_reason, queue_s, forward_s, batch_size)
+
+
 class _Outbox:
     """Messages gathered during one loop tick, then sent as one frame per peer."""
 
@@ -109,6 +141,7 @@ class EngineClient:
         self._socket.connect(address)
         self._outbox = _Outbox(lambda _peer, payload: self._socket.send(payload))
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # generations: their steps as they arrive
         self._ids = itertools.count()
         self._ready = asyncio.Event()
         self._receiver: asyncio.Task | None = None
@@ -140,12 +173,38 @@ class EngineClient:
         finally:
             self._pending.pop(request_id, None)
 
+    async def generate(self, request: GenerationRequest, trace: RequestTrace | None = None
+                       ) -> AsyncIterator[GeneratedStep]:
+        """The generation scheduler's `generate`, seen from another process."""
+        if self.dead_reason:
+            raise Unavailable(self.dead_reason)
+        request_id = next(self._ids)
+        steps = self._streams[request_id] = asyncio.Queue()
+        self._outbox.put(None, [GENERATE, request_id, request_to_wire(request), trace_to_wire(trace)])
+        ended = False
+        try:
+            while True:
+                item = await steps.get()
+                if item is _END_OF_STREAM:
+                    ended = True
+                    return
+                if isinstance(item, ServeError):
+                    ended = True
+                    raise item
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not ended and not self.dead_reason:
+                self._outbox.put(None, [CANCEL, request_id])  # its KV-cache slot comes free
+
     def engine_gone(self, reason: str) -> None:
         """The engine process died: every waiting request and every new one is UNAVAILABLE at once."""
         self.dead_reason = reason
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(Unavailable(reason))
+        for steps in self._streams.values():
+            steps.put_nowait(Unavailable(reason))
 
     async def close(self) -> None:
         if self._receiver is not None:
@@ -162,10 +221,20 @@ class EngineClient:
                     future = self._pending.get(message[1])
                     if future is not None and not future.done():
                         future.set_result([output_from_wire(out) for out in message[2]])
+                elif kind == STEP:
+                    steps = self._streams.get(message[1])
+                    if steps is not None:
+                        steps.put_nowait(step_from_wire(message[2]))
+                elif kind == END:
+                    steps = self._streams.get(message[1])
+                    if steps is not None:
+                        steps.put_nowait(_END_OF_STREAM)
                 elif kind == ERROR:
-                    future = self._pending.get(message[1])
+                    future, steps = self._pending.get(message[1]), self._streams.get(message[1])
                     if future is not None and not future.done():
                         future.set_exception(error_from_code(message[2], message[3]))
+                    elif steps is not None:
+                        steps.put_nowait(error_from_code(message[2], message[3]))
                 elif kind == READY:
                     self.model_info = ModelInfo.from_dict(message[1])
                     self.tokenizer_source, self.max_batch_size = message[2], message[3]
@@ -175,15 +244,18 @@ class EngineClient:
 # Engine side ------------------------------------------------------------------------------------
 
 class EngineServer:
-    """Serves front ends from the engine process: each SUBMIT becomes a batcher.submit."""
+    """Serves front ends from the engine process: each SUBMIT becomes a batcher.submit, each
+    GENERATE a generation.generate."""
 
-    def __init__(self, address: str, batcher: Batcher, model_info: ModelInfo, tokenizer_source: str):
+    def __init__(self, address: str, batcher: Batcher, generation: GenerationScheduler, model_info: ModelInfo,
+                 tokenizer_source: str):
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
         self._outbox = _Outbox(lambda peer, payload: self._socket.send_multipart([peer, payload]))
         self._batcher = batcher
+        self._generation = generation
         self._ready = [READY, asdict(model_info), tokenizer_source, batcher.max_batch_size]
         self._running: dict[tuple[bytes, int], asyncio.Task] = {}
 
@@ -196,6 +268,11 @@ class EngineServer:
                     _, request_id, prompts, top_k, trace = message
                     key = (peer, request_id)
                     self._running[key] = asyncio.create_task(self._submit(key, prompts, top_k, trace_from_wire(trace)))
+                elif kind == GENERATE:
+                    _, request_id, request, trace = message
+                    key = (peer, request_id)
+                    self._running[key] = asyncio.create_task(
+                        self._generate(key, request_from_wire(request), trace_from_wire(trace)))
                 elif kind == CANCEL:
                     task = self._running.get((peer, message[1]))
                     if task is not None:
@@ -217,6 +294,24 @@ class EngineServer:
             log.exception("engine request failed")
             self._outbox.put(peer, [ERROR, request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"])
         finally:
+            self._running.pop(key, None)
+
+    async def _generate(self, key: tuple[bytes, int], request: GenerationRequest, trace: RequestTrace | None) -> None:
+        peer, request_id = key
+        steps = self._generation.generate(request, trace)
+        try:
+            async for step in steps:
+                self._outbox.put(peer, [STEP, request_id, step_to_wire(step)])
+            self._outbox.put(peer, [END, request_id])
+        except ServeError as exc:
+            self._outbox.put(peer, [ERROR, request_id, exc.code, exc.message])
+        except asyncio.CancelledError:
+            pass  # the front end's caller went away
+        except Exception as exc:  # never lose a request silently
+            log.exception("engine generation failed")
+            self._outbox.put(peer, [ERROR, request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"])
+        finally:
+            await steps.aclose()  # frees its KV-cache slot
             self._running.pop(key, None)
 
     def close(self) -> None:

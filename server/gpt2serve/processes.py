@@ -79,8 +79,9 @@ async def _engine(config: ServeConfig, address: str, status, parent_pid: int) ->
     telemetry = Telemetry()
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # also while loading
-    batcher, info = await start_engine(config, telemetry)
-    server = EngineServer(address, batcher, info, batcher.engine.loaded.tokenizer.source)
+    schedulers, info = await start_engine(config, telemetry)
+    server = EngineServer(address, schedulers.batcher, schedulers.generation, info,
+                          schedulers.batcher.engine.loaded.tokenizer.source)
     serving = asyncio.create_task(server.serve(), name="ipc")
     status.send(("ready", info.model))
     log.info("engine ready at %s", address)
@@ -92,7 +93,7 @@ async def _engine(config: ServeConfig, address: str, status, parent_pid: int) ->
     if serving.done() and not serving.cancelled() and serving.exception() is not None:
         log.error("the IPC server failed", exc_info=serving.exception())
     serving.cancel()
-    await batcher.stop()
+    await schedulers.stop()
     server.close()
     if tracer_provider is not None:
         flush_traces(tracer_provider, 1.0)
@@ -130,7 +131,7 @@ async def _front_end(config: ServeConfig, address: str, status, parent_pid: int)
     if connected.done():
         source = engine.tokenizer_source
         tokenizer = load_tokenizer(Path(source) if os.path.isdir(source) else None)
-        service.attach(tokenizer, engine.model_info, engine)
+        service.attach(tokenizer, engine.model_info, engine, engine)
         service.ready = True
         await transports.grpc.set_serving(True)
         status.send(("ready", None))

@@ -9,20 +9,23 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol, Sequence
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-from gpt2serve_client.types import ModelInfo, NextTokenResult, Timings, TokenLogprob
+from gpt2serve_client.types import GenerateChunk, ModelInfo, NextTokenResult, Timings, TokenLogprob
 
 from .config import ServeConfig
 from .engine.loading import LoadedModel
 from .engine.model_info import architecture, parameter_breakdown
 from .engine.tokenizer import Tokenizer
 from .errors import FailedPrecondition, InvalidArgument, ShuttingDown, Unavailable
+from .generating import GenerateSettings, StreamClock, closing_chunk, generated_token
 from .scheduling.batcher import ScheduledOutput
+from .scheduling.generation import GeneratedStep, GenerationRequest
 from .telemetry.spans import RequestTrace, Telemetry, exported_trace_id
+from .text_stream import TextStream
 
 DEFAULT_TOP_K = 5
 # Longer texts are tokenized in a worker thread, so a 100 KB prompt does not stall the event loop.
@@ -59,6 +62,12 @@ class Scheduler(Protocol):
     async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: Any = None) -> list[ScheduledOutput]: ...
 
 
+class GenerationScheduler(Protocol):
+    """Where generations go: scheduling.generation.GenerationScheduler, or ipc.EngineClient."""
+
+    def generate(self, request: GenerationRequest, trace: Any = None) -> AsyncIterator[GeneratedStep]: ...
+
+
 def describe_model(loaded: LoadedModel) -> ModelInfo:
     """The model part of ModelInfo; the service fills in its limits when attached."""
     return ModelInfo(
@@ -90,10 +99,15 @@ class InferenceService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._attached: tuple[Scheduler, ModelInfo] | None = None
+        self._generation: GenerationScheduler | None = None
 
-    def attach(self, tokenizer: Tokenizer, info: ModelInfo, scheduler: Scheduler) -> None:
+    def attach(self, tokenizer: Tokenizer, info: ModelInfo, scheduler: Scheduler,
+               generation: GenerationScheduler) -> None:
         """Ready to serve: `info` describes the model (see describe_model), `scheduler` is the
-        batcher, or the engine process behind the IPC door (ipc.EngineClient)."""
+        batcher and `generation` the generation loop, or both are the engine process behind the
+        IPC door (ipc.EngineClient)."""
+        self._generation = generation
+        self.n_ctx = info.architecture.n_ctx
         n_ctx, self.vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
         self.max_batch_size = scheduler.max_batch_size
         self.tokenizer = tokenizer
@@ -132,14 +146,103 @@ class InferenceService:
 
     async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None,
                                options: RequestOptions = RequestOptions()) -> list[NextTokenResult]:
-        self.in_flight += 1
-        self._idle.clear()
+        self._started()
         try:
             return await self._next_token_batch(prompts, top_k, options)
         finally:
-            self.in_flight -= 1
-            if not self.in_flight:
-                self._idle.set()
+            self._finished()
+
+    def _started(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _finished(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._idle.set()
+
+    async def generate(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
+                       options: RequestOptions = RequestOptions(method="Generate", span_name="generate")
+                       ) -> AsyncIterator[GenerateChunk]:
+        """The generation's chunks as they come, the closing one last. Errors in the request
+        raise at the first iteration, before anything is sent. Leaving the iteration early
+        cancels the generation and frees its KV-cache slot."""
+        chunks: asyncio.Queue = asyncio.Queue()
+        producer = asyncio.create_task(self._generate(prompt, settings, options, chunks.put_nowait))
+        try:
+            while True:
+                item = await chunks.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            if not producer.done():
+                producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def _generate(self, prompt: PromptInput, settings: GenerateSettings, options: RequestOptions,
+                        put: Callable[[Any], None]) -> None:
+        """The generation in its own task, so that its request span is current from start to end."""
+        self._started()
+        try:
+            clock = StreamClock()
+            with self.telemetry.request_span(options.span_name, options.parent, options.attributes,
+                                             options.trace_layers, options.api, options.method,
+                                             options.deadline) as span:
+                scheduler, _ = self._require_model()
+                token_ids = await self.resolve_prompt(prompt, "prompt")
+                request = settings.request(token_ids, self.n_ctx, self.vocab_size, options.deadline)
+                trace_id = exported_trace_id(span)
+                trace = self.request_trace(span, options, sampled=bool(trace_id))
+                for name, value in (("max_tokens", request.max_tokens), ("temperature", request.params.temperature),
+                                    ("top_p", request.params.top_p), ("top_k", request.params.top_k)):
+                    span.set_attribute(f"gen_ai.request.{name}", value)
+                if request.seed is not None:
+                    span.set_attribute("gen_ai.request.seed", request.seed)
+                if trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
+                    await scheduler.submit([token_ids], 1, trace)
+                finish = await self._stream(request, trace, clock, settings.stop, put, trace_id, options)
+                span.set_attribute("gen_ai.usage.input_tokens", len(token_ids))
+                span.set_attribute("gen_ai.usage.output_tokens", clock.tokens)
+                span.set_attribute("gen_ai.response.finish_reasons", [finish.finish_reason])
+                metrics = self.telemetry.metrics
+                metrics.tokens(options.api, len(token_ids), clock.tokens)
+                if clock.time_per_output_token_s is not None:
+                    metrics.time_per_output(options.api, clock.time_per_output_token_s, trace_id)
+                put(finish)
+            put(None)
+        except Exception as exc:  # the consumer raises it (errors before the first chunk: a clean status)
+            put(exc)
+        finally:
+            self._finished()
+
+    async def _stream(self, request: GenerationRequest, trace: RequestTrace, clock: StreamClock, stop: Sequence[str],
+                      put: Callable[[Any], None], trace_id: str, options: RequestOptions) -> GenerateChunk:
+        """Scheduler steps -> chunks (see text_stream); returns the closing chunk."""
+        text = TextStream(self.tokenizer, stop)
+        steps = self._generation.generate(request, trace)
+        finish = "length"
+        try:
+            async for step in steps:
+                if clock.step(step.queue_s):
+                    self.telemetry.metrics.first_token(options.api, options.method, clock.time_to_first_token_s,
+                                                       trace_id)
+                if step.finish_reason in ("eos", "stop"):  # the end token is not part of the output
+                    finish = step.finish_reason
+                    break
+                clock.tokens += 1
+                put(GenerateChunk(text.add(step.token.token_id), generated_token(self.tokenizer, step.token)))
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if step.finish_reason:
+                    finish = step.finish_reason
+                    break
+        finally:
+            await steps.aclose()
+        return closing_chunk(text.finish(), finish, request.prompt, clock, trace_id)
 
     async def _next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None,
                                 options: RequestOptions) -> list[NextTokenResult]:

@@ -52,6 +52,11 @@ class Gpt2ServeStub:
                 request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/gpt2serve.v1.Gpt2Serve/Generate',
+                request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class Gpt2ServeServicer:
@@ -75,7 +80,14 @@ class Gpt2ServeServicer:
 
     def GetModelInfo(self, request, context):
         """Architecture, dtype, device, weights source and parameter breakdown.
-        Reserved: rpc Generate(GenerateRequest) returns (stream GenerateResponse);
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Generate(self, request, context):
+        """Generate text from a prompt: one message per generated token as it comes, then a closing
+        message with the finish reason, usage and timings.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +110,11 @@ def add_Gpt2ServeServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.ModelInfo.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateRequest.FromString,
+                    response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +200,33 @@ class Gpt2Serve:
             '/gpt2serve.v1.Gpt2Serve/GetModelInfo',
             gpt2serve_dot_v1_dot_gpt2serve__pb2.GetModelInfoRequest.SerializeToString,
             gpt2serve_dot_v1_dot_gpt2serve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gpt2serve.v1.Gpt2Serve/Generate',
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateRequest.SerializeToString,
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,9 @@ NaN in some attention kernels) and nothing real ever looks at padding.
 
 Introspection reads the forward through explicit taps (`ForwardTaps`): None on the fast path,
 and the only place where anything outside the model sees its intermediate tensors.
+
+Generation keeps keys and values between steps (`KeyValueStore`, see engine.kv_cache): a block
+hands the store its new keys and values and attends over what the store gives back.
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ class ForwardTaps(Protocol):
     # each (B, T, C): attention output, MLP output, residual stream after the block
 
 
+class KeyValueStore(Protocol):
+    """Where a forward keeps its keys and values for later steps (see engine.kv_cache)."""
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    # k, v (B, nh, T, hs) of this forward's tokens -> the keys and values to attend over (B, nh, S, hs)
+
+
 def attention_mask(valid: torch.Tensor) -> torch.Tensor:
     """(B, T) bool, True = real token -> (B, 1, T, T) bool, True = may attend."""
     T = valid.shape[1]
@@ -67,7 +77,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int,
+                kv: KeyValueStore | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x)  # (B, T, 3C)
         if taps is not None:
@@ -76,6 +87,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        if kv is not None:
+            k, v = kv.attend(layer, k, v)  # (B, nh, S, hs): with the keys of earlier steps; mask (B, 1, T, S)
         # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
@@ -101,8 +114,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int) -> torch.Tensor:
-        attn_out = self.attn(self.ln_1(x), mask, taps, layer)  # (B, T, C)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int,
+                kv: KeyValueStore | None = None) -> torch.Tensor:
+        attn_out = self.attn(self.ln_1(x), mask, taps, layer, kv)  # (B, T, C)
         x = x + attn_out
         mlp_out = self.mlp(self.ln_2(x))  # (B, T, C)
         x = x + mlp_out
@@ -127,15 +141,18 @@ class GPT2(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
-                      taps: ForwardTaps | None = None) -> torch.Tensor:
+                      taps: ForwardTaps | None = None, kv: KeyValueStore | None = None,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids, positions and real-token mask -> (B, T, C) residual stream after the
-        last block (before ln_f)."""
-        mask = attention_mask(valid)  # (B, 1, T, T), shared by every block
+        last block (before ln_f). With `kv`, `mask` (B, 1, T, S) says which of the store's keys
+        each query sees; without, the mask follows from `valid`."""
+        if mask is None:
+            mask = attention_mask(valid)  # (B, 1, T, T), shared by every block
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
         if taps is not None:
             taps.embedded()
         for layer, block in enumerate(self.blocks):
-            x = block(x, mask, taps, layer)  # (B, T, C)
+            x = block(x, mask, taps, layer, kv)  # (B, T, C)
         return x
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,9 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# gen_ai.server.time_per_output_token buckets, with finer ones below 10 ms for GPUs.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GENERATING_METHODS = ("Generate", "Completions")  # their first token is not their answer
 
 
 class Metrics:
@@ -42,6 +45,9 @@ class Metrics:
         self.time_to_first_token = Histogram("gpt2serve_time_to_first_token_seconds",
                                              "Time from arrival to the first generated token",
                                              ["api", "method"], buckets=DURATION_BUCKETS, registry=r)
+        self.time_per_output_token = Histogram("gpt2serve_time_per_output_token_seconds",
+                                               "Mean time between a generation's tokens after the first",
+                                               ["api"], buckets=TOKEN_BUCKETS, registry=r)
         self.queue_duration = Histogram("gpt2serve_queue_duration_seconds", "Time waiting for a batch",
                                         buckets=QUEUE_BUCKETS, registry=r)
         self.forward_duration = Histogram("gpt2serve_forward_duration_seconds", "Forward pass of one batch",
@@ -53,6 +59,12 @@ class Metrics:
         live_sum = dict(multiprocess_mode="livesum")  # across the processes alive (multiprocess mode)
         self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r, **live_sum)
         self.queue_depth = Gauge("gpt2serve_queue_depth", "Prompts waiting for a batch", registry=r, **live_sum)
+        self.running_sequences = Gauge("gpt2serve_running_sequences", "Generations in the running batch",
+                                       registry=r, **live_sum)
+        self.waiting_sequences = Gauge("gpt2serve_waiting_sequences", "Generations waiting for a KV-cache slot",
+                                       registry=r, **live_sum)
+        self.kv_cache_usage = Gauge("gpt2serve_kv_cache_usage_ratio", "Share of the KV-cache slots in use (0..1)",
+                                    registry=r, **live_sum)
         self.device_memory = Gauge("gpt2serve_device_memory_bytes",
                                    "Memory in use on the model's device (CPU: process RSS)", ["device"], registry=r,
                                    **live_sum)
@@ -63,18 +75,22 @@ class Metrics:
             self.model = Info("gpt2serve_model", "The served model", registry=r)
 
     def attach(self, *, model: str, dtype: str, device: str, weights: str, queue_depth: Callable[[], float],
-               device_memory: Callable[[], float]) -> None:
+               device_memory: Callable[[], float], running: Callable[[], float], waiting: Callable[[], float],
+               kv_cache_usage: Callable[[], float]) -> None:
         """Called once the model is loaded, in the process that owns it. In multiprocess mode the
         callbacks are read by `refresh()`, which the engine process calls as it works."""
         labels = {"model": model, "dtype": dtype, "device": device, "weights": weights}
+        gauges = [(self.queue_depth, queue_depth), (self.device_memory.labels(device=device), device_memory),
+                  (self.running_sequences, running), (self.waiting_sequences, waiting),
+                  (self.kv_cache_usage, kv_cache_usage)]
         if self.multiprocess_dir:
             self.model_gauge.labels(**labels).set(1)
-            self._gauges = [(self.queue_depth, queue_depth), (self.device_memory.labels(device=device), device_memory)]
+            self._gauges = gauges
             self.refresh()
         else:
             self.model.info(labels)
-            self.queue_depth.set_function(queue_depth)
-            self.device_memory.labels(device=device).set_function(device_memory)
+            for gauge, read in gauges:
+                gauge.set_function(read)
 
     def refresh(self) -> None:
         for gauge, read in self._gauges:
@@ -85,7 +101,14 @@ class Metrics:
         if status == "OK":
             exemplar = {"trace_id": trace_id} if trace_id else None
             self.request_duration.labels(api=api, method=method).observe(duration_s, exemplar)
-            self.time_to_first_token.labels(api=api, method=method).observe(duration_s, exemplar)
+            if method not in GENERATING_METHODS:  # a next token is the first token
+                self.time_to_first_token.labels(api=api, method=method).observe(duration_s, exemplar)
+
+    def first_token(self, api: str, method: str, seconds: float, trace_id: str = "") -> None:
+        self.time_to_first_token.labels(api=api, method=method).observe(seconds, {"trace_id": trace_id} if trace_id else None)
+
+    def time_per_output(self, api: str, seconds: float, trace_id: str = "") -> None:
+        self.time_per_output_token.labels(api=api).observe(seconds, {"trace_id": trace_id} if trace_id else None)
 
     def tokens(self, api: str, prompt_tokens: int, generated_tokens: int) -> None:
         self.prompt_tokens.labels(api=api).inc(prompt_tokens)

@@ -8,6 +8,11 @@
             ├── block 0 .. block N-1  (only for a request that asked for its layers)
             └── ln_f+unembed
 
+    generate request (SERVER)
+    ├── batch ... (the prompt's forward, layer by layer, when it asked for trace_layers)
+    ├── prefill                       (shared: one span per step, a child of its first sampled
+    └── decode, decode, ...            sequence's request, linked to the others)
+
 The shared `batch` span has one parent: the first request in the batch that asked for its
 layers (else the first sampled one). Another layer-traced request in the same batch gets its
 own `forward` subtree under its own request span, linked to the batch, so every layer-traced
@@ -31,6 +36,7 @@ from opentelemetry.trace import (
 from gpt2serve_client.types import LayerReport
 
 from ..engine.engine import BatchOutput
+from ..engine.generation import StepOutput
 from .metrics import Metrics
 from .tracing import TRACE_LAYERS_ATTRIBUTE
 
@@ -148,6 +154,19 @@ class Telemetry:
             if t.layer_spans and row != owner_row:
                 self._forward(_context_of(t.span_context), output, row, (batch_link,))
         batch.end(end_time=output.ended_ns)
+
+    def record_step(self, traces: Sequence[RequestTrace | None], output: StepOutput) -> None:
+        """One span per generation step (prefill or decode) with a sampled sequence in it: a
+        child of the first such sequence's request span, linked to the others'."""
+        sampled = [t for t in traces if t is not None and t.sampled]
+        if not sampled:
+            return
+        self.tracer.start_span(
+            output.kind, context=_context_of(sampled[0].span_context), start_time=output.started_ns,
+            links=[Link(t.span_context) for t in sampled[1:]],
+            attributes={"gpt2serve.step.sequences": output.rows, "gpt2serve.step.tokens_in": output.tokens_in,
+                        "gpt2serve.step.sampled_requests": len(sampled), "gpt2serve.forward.ms": output.forward_s * 1000},
+        ).end(end_time=output.ended_ns)
 
     def _forward(self, context: Context, output: BatchOutput, row: int | None, links: Sequence[Link]) -> None:
         forward = self.tracer.start_span("forward", context=context, start_time=output.started_ns, links=links,

@@ -19,6 +19,7 @@ from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
 from ..errors import InvalidArgument, ServeError, ShuttingDown
+from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, GrpcAuthInterceptor
 
@@ -56,26 +57,29 @@ def lenient(message_class):
     return deserialize
 
 
-def status_errors(method):
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     """Turn ServeError into its gRPC status; anything else is INTERNAL, logged, never a crash."""
+    if isinstance(exc, ServeError):
+        pushback = retry_pushback_ms(exc)
+        if pushback is not None:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
+        await context.abort(grpc.StatusCode[exc.code], exc.message)
+    log.error("unhandled error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error; see server log")
+
+
+def status_errors(method):
+    """Errors as gRPC statuses (see abort_with), for unary methods."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
-            if isinstance(request, UndecodableRequest):
-                self.service.count_refusal("grpc", method.__name__, InvalidArgument.code)
-                raise InvalidArgument(request.message)
+            self.refuse_undecodable(request, method.__name__)
             return await method(self, request, context)
-        except ServeError as exc:
-            pushback = retry_pushback_ms(exc)
-            if pushback is not None:
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
-            await context.abort(grpc.StatusCode[exc.code], exc.message)
         except grpc.aio.AbortError:
             raise
-        except Exception:
-            log.exception("unhandled error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see server log")
+        except Exception as exc:
+            await abort_with(context, exc, method.__name__)
 
     return wrapper
 
@@ -91,15 +95,43 @@ def request_options(method: str, request, context: grpc.aio.ServicerContext) -> 
     return RequestOptions(
         api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
-        trace_layers=request.trace_layers, include_layers=request.include_layers,
+        trace_layers=request.trace_layers, include_layers=getattr(request, "include_layers", False),
         attention_maps=getattr(request, "attention_maps", False),  # NextToken only
         deadline=None if remaining is None else time.monotonic() + remaining,
+    )
+
+
+def generate_settings(msg: pb.GenerateRequest) -> GenerateSettings:
+    def optional(name: str):
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    return GenerateSettings(
+        max_tokens=optional("max_tokens"), temperature=optional("temperature"), top_k=optional("top_k"),
+        top_p=optional("top_p"), seed=optional("seed"), stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+        logprobs=msg.logprobs, ignore_eos=msg.ignore_eos,
     )
 
 
 class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
     def __init__(self, service: InferenceService):
         self.service = service
+
+    def refuse_undecodable(self, request, method: str) -> None:
+        if isinstance(request, UndecodableRequest):
+            self.service.count_refusal("grpc", method, InvalidArgument.code)
+            raise InvalidArgument(request.message)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        """One message per token as the generation goes; a caller that hangs up cancels it."""
+        try:
+            self.refuse_undecodable(request, "Generate")
+            options = request_options("Generate", request, context)
+            async for chunk in self.service.generate(prompt_input(request), generate_settings(request), options):
+                yield chunk.to_proto()
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc, "Generate")
 
     @status_errors
     async def NextToken(self, request: pb.NextTokenRequest, context) -> pb.NextTokenResponse:
@@ -132,6 +164,9 @@ def add_servicer(servicer: Gpt2ServeServicer, server: grpc.aio.Server) -> None:
             behaviour, request_deserializer=lenient(request), response_serializer=response.SerializeToString)
         for name, (behaviour, request, response) in methods.items()
     }
+    handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=lenient(pb.GenerateRequest),
+        response_serializer=pb.GenerateResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # Faster dispatch, as generated code does.
 

@@ -1,0 +1,156 @@
+"""Token-by-token generation over a KV cache: the engine side of continuous batching.
+
+The scheduler (scheduling.generation) decides who runs; this module runs them, in the engine
+thread, in two kinds of step:
+- prefill: new sequences' prompts, right-padded into one forward that fills their cache slots
+  and gives each its first token;
+- decode: one token for every running sequence, each fed its last token at its own position.
+Sequences leave between steps; their slots are refilled by compaction (engine.kv_cache).
+
+Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids].
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Collection, Sequence
+
+import torch
+
+from .engine import Engine, TokenScore, oom_as_out_of_memory
+from .kv_cache import KVCache
+from .sampling import SamplingParams, choose
+
+SPAN_ROUNDING = 64  # decode attends over a multiple of this many positions: fewer distinct shapes
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # of the sequence's own generator: the same seed, the same draws
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top: list[TokenScore]  # the `logprobs` best alternatives, most likely first
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: dict[int, SampledToken]  # seq_id -> its new token
+    kind: str  # "prefill" or "decode"
+    rows: int  # sequences in the forward
+    tokens_in: int  # tokens the forward read: prompt tokens (prefill) or one per row (decode)
+    forward_s: float
+    started_ns: int  # wall clock, for the step's span
+    ended_ns: int
+
+
+@dataclass
+class _Running:
+    seq_id: int
+    params: SamplingParams
+    rng: random.Random
+    length: int  # positions filled in its cache slot
+    last_token: int  # sampled, not yet fed
+    prompt_length: int = field(default=0)
+
+
+class Generator:
+    """Owns the KV cache and the running sequences, in slot order. Engine thread only."""
+
+    def __init__(self, engine: Engine, slots: int):
+        self.engine = engine
+        self.model = engine.model
+        self.slots = slots
+        self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
+        self.running: list[_Running] = []
+
+    def allocate(self) -> KVCache:
+        if self.cache is None:
+            self.cache = KVCache(self.model.config, self.slots, self.engine.device, self.model.wte.weight.dtype)
+        return self.cache
+
+    def warm_up(self) -> None:
+        """Claim the cache and run each kind of step once (first-call allocations, kernel choice)."""
+        self.allocate()
+        self.prefill([NewSequence(-1, [self.engine.pad_token_id] * 8, SamplingParams(temperature=1.0, top_p=0.9), 0)])
+        self.decode()
+        self.remove({-1})
+
+    @torch.inference_mode()
+    def remove(self, seq_ids: Collection[int]) -> None:
+        """Free these sequences' slots: the last running sequence moves into each hole."""
+        i = 0
+        while i < len(self.running):
+            if self.running[i].seq_id not in seq_ids:
+                i += 1
+                continue
+            last = self.running.pop()
+            if i < len(self.running):
+                self.cache.move(len(self.running), i, last.length)
+                self.running[i] = last  # checked again: it may be leaving too
+
+    @oom_as_out_of_memory
+    @torch.inference_mode()
+    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:
+        """Prompts into slots n..n+k-1, and each one's first token."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        cache = self.allocate()
+        first = len(self.running)
+        if first + len(sequences) > cache.slots:
+            raise ValueError(f"{first + len(sequences)} sequences for {cache.slots} cache slots")
+        lengths = [len(s.prompt) for s in sequences]
+        T, device = max(lengths), self.engine.device
+        ids = torch.full((len(sequences), T), self.engine.pad_token_id, dtype=torch.long)  # (k, T), right-padded
+        for row, s in enumerate(sequences):
+            ids[row, :len(s.prompt)] = torch.tensor(s.prompt)
+        valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (k, T)
+        positions = torch.arange(T).expand(len(sequences), T)  # (k, T)
+        ids, valid, positions = ids.to(device), valid.to(device), positions.to(device)
+        hidden = self.model.hidden_states(ids, positions, valid, kv=cache.prefill(first))  # (k, T, C)
+        last = hidden[torch.arange(len(sequences), device=device), torch.tensor(lengths, device=device) - 1]  # (k, C)
+        added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
+                 for s in sequences]
+        tokens = self._choose(self.engine.unembed(self.model.ln_f(last)), added)
+        self.running.extend(added)
+        return StepOutput(tokens, "prefill", len(sequences), sum(lengths), time.perf_counter() - started,
+                          started_ns, time.time_ns())
+
+    @oom_as_out_of_memory
+    @torch.inference_mode()
+    def decode(self) -> StepOutput:
+        """One token for every running sequence."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        rows, device = self.running, self.engine.device
+        lengths = [r.length for r in rows]
+        span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
+        ids = torch.tensor([[r.last_token] for r in rows], device=device)  # (B, 1)
+        positions = torch.tensor(lengths, device=device)  # (B,)
+        store = self.cache.decode(positions, span)
+        hidden = self.model.hidden_states(ids, positions[:, None], None, kv=store, mask=store.mask())  # (B, 1, C)
+        tokens = self._choose(self.engine.unembed(self.model.ln_f(hidden[:, -1])), rows)
+        for r in rows:
+            r.length += 1
+        return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,
+                          started_ns, time.time_ns())
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[_Running]) -> dict[int, SampledToken]:
+        """Sample each row's next token, bring the answers over in one copy, and record them."""
+        params = [r.params for r in rows]
+        chosen = choose(logits, params, [r.rng.random() for r in rows]).cpu().tolist()  # (B, 2 + 2n)
+        n = (len(chosen[0]) - 2) // 2
+        out = {}
+        for r, values in zip(rows, chosen):
+            token = int(values[0])
+            r.last_token = token
+            k = r.params.logprobs
+            top = [TokenScore(int(i), v) for v, i in zip(values[2:2 + k], values[2 + n:2 + n + k])]
+            out[r.seq_id] = SampledToken(token, values[1], top)
+        return out

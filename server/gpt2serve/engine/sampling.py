@@ -1,0 +1,77 @@
+"""Choosing the next token of each generating row: greedy, or sampled with temperature, top-k
+and top-p from one uniform draw per row.
+
+The draw comes from the sequence's own seeded generator (engine.generation), and the token it
+picks depends only on that row's logits and settings (inverse CDF over the row's candidates in
+an order fixed by its own settings), so a seed gives the same text whatever shares the batch.
+
+Reported log-probabilities are the model's own (temperature 1, nothing filtered), as OpenAI's
+API reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    logprobs: int = 0  # top alternatives reported per token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float]) -> torch.Tensor:
+    """(B, V) logits -> (B, 2 + 2n) fp32: [token id, its logprob, n top logprobs, their ids],
+    n the most alternatives any row asked for; one tensor, so one copy to the host."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
+    tokens = logprobs.argmax(dim=-1)  # (B,): greedy unless sampled below
+    by_mode: dict[str, list[int]] = {}
+    for row, p in enumerate(params):
+        if not p.greedy:
+            by_mode.setdefault("top_k" if p.top_k else "sorted" if p.top_p < 1.0 else "all", []).append(row)
+    for mode, rows in by_mode.items():
+        tokens[rows] = _sample(logits[rows], [params[r] for r in rows], [uniform[r] for r in rows], mode)
+    n = max(p.logprobs for p in params)
+    chosen = logprobs.gather(1, tokens[:, None])  # (B, 1)
+    top_values, top_ids = torch.topk(logprobs, n, dim=-1)  # (B, n) each
+    return torch.cat((tokens[:, None].float(), chosen, top_values, top_ids.float()), dim=1)  # (B, 2 + 2n)
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float], mode: str) -> torch.Tensor:
+    """(S, V) logits of rows that all sample the same way -> (S,) token ids.
+
+    The candidates' order depends on the mode alone, which a row's own settings decide:
+    top_k: the k best, best first (the first k of any longer top list are the same);
+    sorted: the whole vocabulary best first (for top-p); all: vocabulary order (nothing to cut)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # (S,)
+    scaled = logits / temperature[:, None]  # (S, V)
+    if mode == "top_k":
+        scaled, ids = torch.topk(scaled, max(p.top_k for p in params), dim=-1)  # (S, C), best first
+    elif mode == "sorted":
+        scaled, ids = torch.sort(scaled, dim=-1, descending=True)  # (S, V)
+    else:
+        ids = None
+    probs = torch.softmax(scaled, dim=-1)  # (S, C)
+    last = torch.full((probs.shape[0],), probs.shape[1] - 1, device=device)  # (S,): last candidate kept
+    if mode != "all":
+        rank = torch.arange(probs.shape[1], device=device)  # (C,)
+        top_k = torch.tensor([p.top_k or probs.shape[1] for p in params], device=device)  # (S,)
+        top_p = torch.tensor([p.top_p for p in params], device=device)  # (S,)
+        mass_before = probs.cumsum(dim=-1) - probs  # (S, C): probability of the better candidates
+        keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])  # the best one always
+        probs = probs * keep
+        last = keep.sum(dim=-1) - 1  # the kept candidates are a prefix of the order
+    cdf = probs.cumsum(dim=-1)  # (S, C)
+    target = torch.tensor(uniform, device=device, dtype=cdf.dtype) * cdf[:, -1]  # (S,)
+    picked = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True), last[:, None])  # (S, 1)
+    return picked[:, 0] if ids is None else ids.gather(1, picked)[:, 0]

@@ -1,0 +1,276 @@
+"""Continuous batching for generation: sequences join and leave the running batch at step boundaries.
+
+One loop, on the event loop, drives the engine thread (engine.generation.Generator):
+
+    leave    finished and abandoned sequences give their cache slots back (at once: the next
+             engine call frees them before anything else)
+    admit    waiting sequences, oldest first, while cache slots and the prefill token budget
+             (--max-batch-tokens) last; each one's prefill gives its first token
+    decode   one token for every running sequence
+
+Each engine call goes to the same one-thread executor as the next-token batches, one step at a
+time, so the two kinds of work take turns there and neither starves the other.
+
+A sequence that finds no free slot waits; past its deadline (the caller's, or
+--max-queue-wait-s) it gets RESOURCE_EXHAUSTED. More than --max-queue waiting are refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol, Sequence
+
+from ..engine.engine import OutOfMemory
+from ..engine.generation import NewSequence, SampledToken, StepOutput
+from ..engine.sampling import SamplingParams
+from ..errors import ResourceExhausted, ServeError, ShuttingDown, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What the engine side needs to know of a generate call: token ids and numbers, no text."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    seed: int | None = None
+    deadline: float | None = None  # time.monotonic() by which it must have a cache slot
+
+
+@dataclass(frozen=True)
+class GeneratedStep:
+    """One sampled token, as the scheduler hands it out. `finish_reason` is set on the last one:
+    "length", or "eos" / "stop" when this token is the end-of-text / a stop token (which is then
+    not part of the output)."""
+
+    token: SampledToken
+    finish_reason: str = ""
+    queue_s: float = 0.0  # waiting for a cache slot (first step only)
+    forward_s: float = 0.0  # the step's forward
+    batch_size: int = 0  # sequences in that forward
+
+
+class GenerationEngine(Protocol):
+    """What the scheduler needs of engine.generation.Generator."""
+
+    slots: int
+
+    def remove(self, seq_ids) -> None: ...
+
+    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput: ...
+
+    def decode(self) -> StepOutput: ...
+
+
+class StepObserver(Protocol):
+    """Told about every engine step (telemetry): the traces of the sequences in it."""
+
+    def record_step(self, traces: Sequence[Any], output: StepOutput) -> None: ...
+
+
+_END = object()  # the stream's end, queued after the last step or an error
+
+
+@dataclass
+class _Sequence:
+    seq_id: int
+    request: GenerationRequest
+    trace: Any
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # GeneratedStep | ServeError | _END
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    state: str = "waiting"  # -> running -> leaving -> gone
+    generated: int = 0
+
+
+class GenerationScheduler:
+    def __init__(self, engine: GenerationEngine, executor: Executor, *, eos_token_id: int | None, max_queue: int,
+                 max_prefill_tokens: int, max_queue_wait_s: float, observer: StepObserver | None = None):
+        self.engine = engine
+        self.executor = executor
+        self.eos_token_id = eos_token_id
+        self.max_queue = max_queue
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_queue_wait_s = max_queue_wait_s
+        self.observer = observer
+        self.slots = engine.slots
+        self._waiting: list[_Sequence] = []
+        self._running: dict[int, _Sequence] = {}  # admitted, until their slot is freed
+        self._leaving: set[int] = set()  # slots to free at the next engine call
+        self._ids = itertools.count()
+        self._seeds = random.Random()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps_run = 0
+
+    # What telemetry reads -----------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return sum(s.state == "running" for s in self._running.values())
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def cache_usage(self) -> float:
+        """Share of the KV-cache slots held (a slot is held until its sequence has left)."""
+        return len(self._running) / self.slots if self.slots else 0.0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="generation")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for seq in [*self._waiting, *self._running.values()]:
+            seq.events.put_nowait(ShuttingDown("server is shutting down"))
+
+    async def generate(self, request: GenerationRequest, trace: Any = None) -> AsyncIterator[GeneratedStep]:
+        """The sequence's tokens as they come. Leaving the iteration early (the caller hung up,
+        or found a stop string) frees its cache slot at the next step boundary."""
+        if self._task is None or self._task.done():
+            raise Unavailable("the generation loop is not running")
+        if len(self._waiting) >= self.max_queue:
+            raise ResourceExhausted(f"queue full ({len(self._waiting)} sequences waiting for the KV cache, "
+                                    f"--max-queue {self.max_queue}); retry later")
+        seq = _Sequence(next(self._ids), request, trace)
+        self._waiting.append(seq)
+        self._wake.set()
+        deadline = request.deadline or time.monotonic() + self.max_queue_wait_s
+        try:
+            while True:
+                if seq.state == "waiting":
+                    try:
+                        event = await asyncio.wait_for(seq.events.get(), max(deadline - time.monotonic(), 0.0))
+                    except TimeoutError:
+                        if seq.state == "waiting":
+                            raise ResourceExhausted(
+                                f"no KV-cache slot came free within the deadline ({len(self._running)} of "
+                                f"{self.slots} in use, {len(self._waiting)} waiting); retry later") from None
+                        continue
+                else:
+                    event = await seq.events.get()
+                if event is _END:
+                    return
+                if isinstance(event, ServeError):
+                    raise event
+                yield event
+        finally:
+            self._leave(seq)
+
+    def _leave(self, seq: _Sequence) -> None:
+        if seq.state == "waiting":
+            self._waiting.remove(seq)
+        elif seq.state == "running":
+            self._leaving.add(seq.seq_id)
+            self._wake.set()
+        seq.state = "leaving" if seq.state == "running" else seq.state
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            admitted = self._admit()
+            if admitted:
+                await self._step(loop, admitted)
+            # After a prefill, always a decode: arrivals can delay the running streams by one
+            # prefill each step, never stop them.
+            await self._step(loop, [])
+            await asyncio.sleep(0)  # let the streams send what they got
+
+    def _admit(self) -> list[_Sequence]:
+        free = self.slots - len(self._running) + len(self._leaving)
+        admitted, tokens = [], 0
+        while self._waiting and len(admitted) < free:
+            seq = self._waiting[0]
+            if admitted and tokens + len(seq.request.prompt) > self.max_prefill_tokens:
+                break
+            self._waiting.pop(0)
+            admitted.append(seq)
+            tokens += len(seq.request.prompt)
+        return admitted
+
+    async def _step(self, loop: asyncio.AbstractEventLoop, admitted: list[_Sequence]) -> None:
+        """One engine call: free the slots of those leaving, then prefill `admitted`, or (when
+        none) decode everyone running."""
+        leaving, self._leaving = self._leaving, set()
+        for seq_id in leaving:
+            self._running.pop(seq_id, None)
+        if admitted:
+            kind, members = "prefill", admitted
+            sequences = [NewSequence(s.seq_id, s.request.prompt, s.request.params,
+                                     s.request.seed if s.request.seed is not None else self._seeds.getrandbits(63))
+                         for s in admitted]
+            for seq in admitted:
+                seq.state = "running"
+                self._running[seq.seq_id] = seq
+        else:
+            kind, members = "decode", [s for s in self._running.values() if s.state == "running"]
+        if not members and not leaving:
+            return
+
+        def call() -> StepOutput | None:
+            self.engine.remove(leaving)
+            if not members:
+                return None
+            return self.engine.prefill(sequences) if admitted else self.engine.decode()
+
+        try:
+            output = await loop.run_in_executor(self.executor, call)
+        except OutOfMemory as exc:
+            self._fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step: {exc}"))
+            return
+        except Exception as exc:  # Fail the sequences of this step, keep serving the rest.
+            log.error("%s step failed for %d sequences", kind, len(members), exc_info=exc)
+            self._fail(members, ServeError(f"{kind} step failed: {type(exc).__name__}: {exc}"))
+            return
+        if output is None:
+            return
+        self.steps_run += 1
+        for seq in members:
+            token = output.tokens.get(seq.seq_id)
+            if token is not None and seq.state == "running":
+                self._deliver(seq, token, output)
+        if self.observer is not None:
+            try:
+                self.observer.record_step([s.trace for s in members], output)
+            except Exception:  # Telemetry must never fail a request or the loop.
+                log.exception("step observer failed")
+
+    def _deliver(self, seq: _Sequence, token: SampledToken, output: StepOutput) -> None:
+        request = seq.request
+        seq.generated += 1
+        if token.token_id == self.eos_token_id and not request.ignore_eos:
+            finish = "eos"
+        elif token.token_id in request.stop_token_ids:
+            finish = "stop"
+        elif seq.generated >= request.max_tokens:
+            finish = "length"
+        else:
+            finish = ""
+        queue_s = max(time.perf_counter() - output.forward_s - seq.enqueued_at, 0.0) if seq.generated == 1 else 0.0
+        seq.events.put_nowait(GeneratedStep(token, finish, queue_s, output.forward_s, output.rows))
+        if finish:
+            seq.events.put_nowait(_END)
+            seq.state = "leaving"
+            self._leaving.add(seq.seq_id)
+
+    def _fail(self, members: list[_Sequence], error: ServeError) -> None:
+        for seq in members:
+            if seq.state == "running":
+                seq.events.put_nowait(error)
+                seq.state = "leaving"
+                self._leaving.add(seq.seq_id)
