@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import random
 import ssl
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 
 from . import _requests
 from .errors import Gpt2ServeError
-from .types import HealthStatus, ModelInfo, NextTokenResult
+from .types import GenerateChunk, GenerateResult, HealthStatus, ModelInfo, NextTokenResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_BACKOFF_S = 2.0
@@ -107,6 +108,45 @@ class RestClient:
         data = self._request("POST", "/v1/next-token/batch", body, timeout)
         return [NextTokenResult.from_dict(r) for r in data["results"]]
 
+    def generate_stream(self, prompt: _requests.Prompt, max_tokens: int | None = 16, temperature: float | None = None,
+                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                        stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                        logprobs: int = 0, ignore_eos: bool = False, trace_layers: bool = False,
+                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+        """As the gRPC `Client.generate_stream`, over server-sent events (not retried once the
+        stream has begun). Closing the iterator closes the connection, which cancels the generation."""
+        body = _requests.generate_fields(
+            prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
+            trace_layers=trace_layers)
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            with self._http.stream("POST", "/v1/generate", json={**body, "stream": True}, timeout=timeout,
+                                   headers=_requests.request_headers(self._api_key)) as response:
+                if not response.is_success:
+                    response.read()
+                    raise error_from_response(response)
+                event = ""
+                for line in response.iter_lines():
+                    if line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data = json.loads(line[5:])
+                        if event == "error":
+                            raise Gpt2ServeError(data["error"]["code"], data["error"]["message"])
+                        yield GenerateChunk.from_dict(data)
+                        event = ""
+        except httpx.TimeoutException as exc:
+            raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
+        except httpx.TransportError as exc:
+            raise Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__) from None
+
+    def generate(self, prompt: _requests.Prompt, timeout: float | None = None, **options) -> GenerateResult:
+        """The whole generation in one JSON answer (retried like the other calls); the options
+        of `generate_stream`."""
+        body = _requests.generate_fields(prompt=prompt, **{**GENERATE_DEFAULTS, **options})
+        return GenerateResult.from_dict(self._request("POST", "/v1/generate", body, timeout))
+
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_dict(self._request("GET", "/v1/model", timeout=timeout))
 
@@ -128,6 +168,11 @@ class RestClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+GENERATE_DEFAULTS: dict[str, Any] = dict(max_tokens=16, temperature=None, top_k=None, top_p=None, seed=None,
+                                         stop=None, stop_token_ids=None, logprobs=0, ignore_eos=False,
+                                         trace_layers=False)
 
 
 class _Retryable(Exception):

@@ -16,16 +16,19 @@ from typing import Awaitable, TypeVar
 from fastapi import FastAPI, Request
 from opentelemetry import propagate
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from gpt2serve_client.types import ModelInfo, NextTokenResult
+from gpt2serve_client.types import GenerateResult, ModelInfo, NextTokenResult
 
 from .. import __version__
 from ..config import ServeConfig
 from ..errors import PayloadTooLarge, ServeError
+from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
+from .openai_api import add_openai_routes, is_openai_path, openai_error
+from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,28 @@ class NextTokenBatchBody(Body):
     include_layers: StrictBool = False
 
 
+class GenerateBody(Body):
+    prompt: StrictStr | None = Field(None, description="Prompt text", examples=["The capital of France is"])
+    prompt_token_ids: list[StrictInt] | None = Field(None, description="Prompt as GPT-2 token ids, instead of text")
+    max_tokens: StrictInt | None = Field(None, description="Tokens to generate at most (default 16)")
+    temperature: StrictFloat | StrictInt | None = Field(None, description="0: greedy; default 1")
+    top_k: StrictInt | None = Field(None, description="Sample among the k most likely (0: no limit)")
+    top_p: StrictFloat | StrictInt | None = Field(None, description="Nucleus sampling mass (default 1)")
+    seed: StrictInt | None = Field(None, description="The same seed, the same tokens, whatever shares the batch")
+    stop: StrictStr | list[StrictStr] | None = Field(None, description="Stop before these strings (not returned)")
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, description="Stop at these tokens (not returned)")
+    logprobs: StrictInt = Field(0, description="Top alternatives returned with each token (0..20)")
+    ignore_eos: StrictBool = False
+    trace_layers: StrictBool = False
+    stream: StrictBool = Field(False, description="Server-sent events: one per token, then a closing one")
+
+    def settings(self) -> GenerateSettings:
+        return GenerateSettings(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            stop_token_ids=self.stop_token_ids, logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+
+
 class BatchResults(BaseModel):
     results: list[NextTokenResult]
 
@@ -66,6 +91,7 @@ def json_response(payload: dict) -> Response:
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
+OTHER_METHODS = {"/v1/model": "GetModelInfo", "/v1/generate": "Generate", "/v1/completions": "Completions"}
 RETRY_AFTER_S = "1"  # on 429 and 503: the queue drains, or another replica takes over, within about that
 
 
@@ -121,6 +147,10 @@ def request_options(request: Request, route: str, method: str,
     )
 
 
+async def collect(chunks) -> list:
+    return [chunk async for chunk in chunks]
+
+
 def batch_prompt(item: str | list[int]) -> PromptInput:
     return PromptInput(text=item) if isinstance(item, str) else PromptInput(token_ids=item)
 
@@ -150,7 +180,10 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, exc.errors()))
+        message = describe_validation_error(request, exc.errors())
+        if is_openai_path(request.url.path):
+            return openai_error(400, message)
+        return error_response(422, "INVALID_ARGUMENT", message)
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
@@ -169,6 +202,31 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
     @app.post("/v1/next-token/batch", response_model=BatchResults)
     async def next_token_batch(body: NextTokenBatchBody, request: Request) -> Response:
         return await routes.next_token_batch(request, body)
+
+    @app.post("/v1/generate", response_model=GenerateResult, responses={200: {"content": {"text/event-stream": {}}}})
+    async def generate(body: GenerateBody, request: Request) -> Response:
+        """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
+        token (text, token), then a closing chunk (finish_reason, usage, timings); an error
+        after the stream began comes as an `event: error` with the usual error body."""
+        options = RequestOptions(
+            api="rest", method="Generate", span_name="POST /v1/generate", parent=propagate.extract(request.headers),
+            attributes={"http.request.method": "POST", "http.route": "/v1/generate", "url.scheme": request.url.scheme},
+            trace_layers=body.trace_layers)
+        chunks = service.generate(PromptInput(text=body.prompt, token_ids=body.prompt_token_ids), body.settings(),
+                                  options)
+        if not body.stream:
+            collected = await unless_disconnected(request, collect(chunks))
+            return json_response(asdict(GenerateResult.from_chunks(collected)))
+        stream = await unless_disconnected(request, first_and_rest(chunks))
+
+        async def events():
+            try:
+                async for chunk in stream:
+                    yield sse_event(asdict(chunk))
+            except ServeError as exc:
+                yield sse_event({"error": {"code": exc.code, "message": exc.message}}, event="error")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
     @app.get("/v1/model", response_model=ModelInfo)
     async def model_info() -> ModelInfo:
@@ -192,6 +250,7 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
             return JSONResponse({"status": "ready"})
         return error_response(503, "UNAVAILABLE", "not ready")
 
+    add_openai_routes(app, service)
     add_ui_routes(app, config)
     return app
 
@@ -214,7 +273,7 @@ class InferenceRoutes:
     def method_of(self, path: str) -> str:
         """The metrics method label of a path (a fixed set, whatever path a client sends)."""
         route = self.routes.get(path)
-        return route[2] if route else "GetModelInfo" if path == "/v1/model" else "other"
+        return route[2] if route else OTHER_METHODS.get(path, "other")
 
     async def next_token(self, request: Request, body: NextTokenBody) -> Response:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
