@@ -82,6 +82,27 @@ def cmd_next(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Print the text as it comes, then (on stderr) why it ended and what it cost."""
+    from gpt2serve_client import Client, Gpt2ServeError
+
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                                top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                                stop=args.stop or None, trace_layers=args.trace):
+                print(chunk.text, end="", flush=True)
+                closing = chunk
+    except Gpt2ServeError as exc:
+        print(f"\nerror: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    t = closing.timings
+    print(f"\n[{closing.finish_reason}: {closing.usage.completion_tokens} tokens, first after "
+          f"{t.time_to_first_token_ms:.1f} ms, then {t.time_per_output_token_ms:.1f} ms each"
+          f"{', trace ' + closing.trace_id if closing.trace_id else ''}]", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
@@ -136,6 +157,20 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
     nxt.add_argument("--trace", action="store_true", help="trace this request's layers: print a per-layer table and the trace id")
     nxt.set_defaults(func=cmd_next)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, printed as it comes")
+    gen.add_argument("prompt")
+    env = EnvDefaults(gen, environ)
+    env.add("--max-tokens", type=int, default=50, help="tokens to generate at most")
+    env.add("--temperature", type=float, default=1.0, help="0: greedy")
+    env.add("--top-k", type=int, default=0, help="sample among the k most likely (0: no limit)")
+    env.add("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    env.add("--seed", type=int, default=None, help="the same seed, the same text")
+    gen.add_argument("--stop", action="append", help="stop before this string (repeatable)")
+    env.add("--target", default="localhost:50051", help="gRPC server host:port")
+    env.add("--timeout", type=float, default=120.0, help="deadline in seconds")
+    gen.add_argument("--trace", action="store_true", help="trace the prompt's layers and print the trace id")
+    gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")
     from .bench import add_bench_arguments, add_engine_bench_arguments

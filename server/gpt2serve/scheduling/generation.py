@@ -123,8 +123,9 @@ class GenerationScheduler:
 
     @property
     def cache_usage(self) -> float:
-        """Share of the KV-cache slots held (a slot is held until its sequence has left)."""
-        return len(self._running) / self.slots if self.slots else 0.0
+        """Share of the KV-cache slots held by live sequences (a leaving one's slot is already
+        free for the next admission, which the same engine call frees it for)."""
+        return (len(self._running) - len(self._leaving)) / self.slots if self.slots else 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="generation")

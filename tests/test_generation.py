@@ -1,0 +1,227 @@
+"""Generation in-process: KV cache, sampling, continuous batching, against transformers' generate.
+
+The reference is a transformers checkpoint saved here and loaded through the real path. Its
+weights are drawn wider than GPT-2's init (initializer_range 0.5), so greedy text varies from
+token to token instead of repeating one token, and a wrong position or cache slot shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from reference import transformers_random_model
+
+from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.generation import Generator, NewSequence
+from gpt2serve.engine.loading import load_model
+from gpt2serve.engine.sampling import SamplingParams, choose
+from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
+from gpt2serve.errors import ResourceExhausted
+from gpt2serve.scheduling.batcher import new_engine_thread
+from gpt2serve.scheduling.generation import GenerationRequest, GenerationScheduler
+from gpt2serve.text_stream import TextStream
+
+LIVELY = dict(initializer_range=0.5)
+GREEDY = SamplingParams(temperature=0.0)
+# 16 prompts of 1..46 tokens
+PROMPTS = [[(100 + 37 * i + 11 * j) % 50257 for j in range(1 + 3 * i)] for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(transformers model, our engine over the same checkpoint, loaded from disk)."""
+    hf = transformers_random_model(seed=3, **LIVELY)
+    path = tmp_path_factory.mktemp("generation") / "ckpt"
+    hf.save_pretrained(path)
+    return hf, Engine(load_model(str(path), "cpu", "float32"))
+
+
+def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_alone_matches_transformers(saved):
+    hf, engine = saved
+    generator = Generator(engine, slots=2)
+    prompt, n = PROMPTS[5], 30
+    tokens = [generator.prefill([NewSequence(0, prompt, GREEDY, 0)]).tokens[0].token_id]
+    while len(tokens) < n:
+        tokens.append(generator.decode().tokens[0].token_id)
+    assert tokens == transformers_greedy(hf, prompt, n)
+    assert len(set(tokens)) > 5  # the reference is lively enough to catch a misplaced position
+
+
+async def run_joining(generator: Generator, requests: list[tuple[float, GenerationRequest]]) -> list[list[int]]:
+    """Each request starts after its delay; returns every request's token ids."""
+    scheduler = GenerationScheduler(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
+                                    max_prefill_tokens=4096, max_queue_wait_s=60)
+    scheduler.start()
+
+    async def one(delay: float, request: GenerationRequest) -> list[int]:
+        await asyncio.sleep(delay)
+        return [step.token.token_id async for step in scheduler.generate(request)]
+
+    try:
+        results = await asyncio.gather(*(one(delay, r) for delay, r in requests))
+        for _ in range(100):  # the last leavers' slots are freed at the next step boundary
+            if not generator.running:
+                break
+            await asyncio.sleep(0.01)
+        return results
+    finally:
+        await scheduler.stop()
+
+
+def test_sixteen_sequences_joining_midway_match_transformers_alone(saved):
+    """Different lengths, different max_tokens, staggered arrivals, fewer slots than sequences:
+    sequences join a running batch and leave it, and each one's tokens are its tokens alone."""
+    hf, engine = saved
+    generator = Generator(engine, slots=6)
+    running_at_prefill = []
+    prefill = generator.prefill
+
+    def counting_prefill(sequences):
+        running_at_prefill.append(len(generator.running))
+        return prefill(sequences)
+
+    generator.prefill = counting_prefill
+    lengths = [6 + 5 * (i % 4) for i in range(16)]
+    requests = [(0.004 * i, GenerationRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    got = asyncio.run(run_joining(generator, requests))
+    for prompt, n, tokens in zip(PROMPTS, lengths, got):
+        assert tokens == transformers_greedy(hf, prompt, n), prompt
+    assert max(running_at_prefill) > 0, "no sequence joined a running batch"
+    assert not generator.running  # every slot was given back
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(saved):
+    _, engine = saved
+    sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
+    seeded = GenerationRequest(PROMPTS[3], sampled, 20, seed=1234)
+    alone = asyncio.run(run_joining(Generator(engine, slots=4), [(0, seeded)]))[0]
+    others = [(0.0, GenerationRequest(p, SamplingParams(temperature=t, top_p=tp), 20, seed=s))
+              for p, t, tp, s in zip(PROMPTS[6:12], (0.5, 1.0, 1.3, 0.0, 0.7, 1.0), (1.0, 0.9, 0.5, 1, 1, 0.8),
+                                     range(6))]
+    batched = asyncio.run(run_joining(Generator(engine, slots=8), [*others[:3], (0.01, seeded), *others[3:]]))[3]
+    assert batched == alone
+    other_seed = asyncio.run(run_joining(Generator(engine, slots=4), [(0, GenerationRequest(
+        PROMPTS[3], sampled, 20, seed=4321))]))[0]
+    assert other_seed != alone
+
+
+def test_a_sequence_that_finds_no_slot_waits_then_is_refused(saved):
+    _, engine = saved
+
+    async def main():
+        scheduler = GenerationScheduler(Generator(engine, slots=1), new_engine_thread(), eos_token_id=None,
+                                         max_queue=4, max_prefill_tokens=4096, max_queue_wait_s=0.2)
+        scheduler.start()
+        holder = scheduler.generate(GenerationRequest(PROMPTS[1], GREEDY, 200))
+        await anext(holder)  # holds the one slot, and is not read further for now
+        assert scheduler.cache_usage == 1.0
+        with pytest.raises(ResourceExhausted, match="no KV-cache slot"):
+            [s async for s in scheduler.generate(GenerationRequest(PROMPTS[2], GREEDY, 3))]
+        rest = [s async for s in holder]  # the accepted one still finishes
+        assert len(rest) == 199 and rest[-1].finish_reason == "length"
+        assert scheduler.waiting == 0
+        await scheduler.stop()
+
+    asyncio.run(main())
+
+
+def test_leaving_early_frees_the_slot_at_once(saved):
+    _, engine = saved
+
+    async def main():
+        generator = Generator(engine, slots=1)
+        scheduler = GenerationScheduler(generator, new_engine_thread(), eos_token_id=None, max_queue=4,
+                                        max_prefill_tokens=4096, max_queue_wait_s=5)
+        scheduler.start()
+        stream = scheduler.generate(GenerationRequest(PROMPTS[1], GREEDY, 200))
+        await anext(stream)
+        await stream.aclose()  # the caller hung up
+        assert scheduler.cache_usage == 0.0 and scheduler.running == 0
+        second = [s.token.token_id async for s in scheduler.generate(GenerationRequest(PROMPTS[2], GREEDY, 3))]
+        assert len(second) == 3  # it ran in the one slot, so that slot had been freed
+        await scheduler.stop()
+
+    asyncio.run(main())
+
+
+def test_stop_token_and_eos_end_the_sequence(saved):
+    hf, engine = saved
+    expected = transformers_greedy(hf, PROMPTS[4], 10)
+    stop_at = expected[4]
+    got = asyncio.run(run_joining(Generator(engine, slots=2), [
+        (0, GenerationRequest(PROMPTS[4], GREEDY, 10, stop_token_ids=frozenset({stop_at})))]))[0]
+    assert got == expected[:expected.index(stop_at) + 1]  # the stop token is the last step (not output)
+
+
+# Sampling ---------------------------------------------------------------------------------------
+
+def test_top_k_1_and_a_tiny_top_p_are_greedy():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1).tolist()
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+        rows = choose(logits, [params] * 4, [random.random() for _ in range(4)])
+        assert rows[:, 0].long().tolist() == greedy
+
+
+def test_a_rows_token_depends_on_its_own_settings_only():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    mine = SamplingParams(temperature=0.8, top_p=0.9, logprobs=3)
+    alone = choose(logits[:1], [mine], [0.37])
+    mixed = choose(logits, [mine, SamplingParams(temperature=0.0, logprobs=5), SamplingParams(top_k=7)],
+                   [0.37, 0.5, 0.9])
+    assert mixed[0, 0] == alone[0, 0] and mixed[0, 1] == alone[0, 1]
+    assert mixed[1, 0] == logits[1].argmax()
+    logprobs = torch.log_softmax(logits, -1)
+    assert torch.allclose(mixed[1, 2:7], logprobs[1].topk(5).values)  # top alternatives, most likely first
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
+    draws = [int(choose(logits, [SamplingParams()], [u / 1000])[0, 0]) for u in range(1000)]
+    counts = [draws.count(i) for i in range(4)]
+    assert counts[3] == 0 and abs(counts[0] - 500) <= 2 and abs(counts[1] - 300) <= 2 and abs(counts[2] - 200) <= 2
+
+
+# Text: stop strings and split characters ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    return bundled_gpt2_tokenizer()
+
+
+def stream_text(tok, text: str, stop=()) -> tuple[list[str], TextStream]:
+    stream = TextStream(tok, stop)
+    pieces = []
+    for token in tok.encode(text):
+        pieces.append(stream.add(token))
+        if stream.stopped:
+            break
+    pieces.append(stream.finish())
+    return pieces, stream
+
+
+def test_stop_string_across_tokens_is_cut_and_never_streamed(tok):
+    pieces, stream = stream_text(tok, "Hello world. The end is near", stop=["end is"])
+    assert "".join(pieces) == "Hello world. The " and stream.stopped
+    assert all("end" not in p for p in pieces)
+
+
+def test_text_that_only_looks_like_a_stop_string_is_released(tok):
+    pieces, stream = stream_text(tok, "an ending, then more", stop=["end is"])
+    assert "".join(pieces) == "an ending, then more" and not stream.stopped
+
+
+def test_a_character_split_across_tokens_comes_out_whole(tok):
+    text = "café 東京 🙂"
+    pieces, _ = stream_text(tok, text)
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
