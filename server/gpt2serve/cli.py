@@ -96,8 +96,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except Gpt2ServeError as exc:
         print(f"\nerror: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
+    print(flush=True)
     t = closing.timings
-    print(f"\n[{closing.finish_reason}: {closing.usage.completion_tokens} tokens, first after "
+    print(f"[{closing.finish_reason}: {closing.usage.completion_tokens} tokens, first after "
           f"{t.time_to_first_token_ms:.1f} ms, then {t.time_per_output_token_ms:.1f} ms each"
           f"{', trace ' + closing.trace_id if closing.trace_id else ''}]", file=sys.stderr)
     return 0

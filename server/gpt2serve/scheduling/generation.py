@@ -12,7 +12,7 @@ Each engine call goes to the same one-thread executor as the next-token batches,
 time, so the two kinds of work take turns there and neither starves the other.
 
 A sequence that finds no free slot waits; past its deadline (the caller's, or
---max-queue-wait-s) it gets RESOURCE_EXHAUSTED. More than --max-queue waiting are refused at once.
+--max-queue-wait-s, whichever comes first) it gets RESOURCE_EXHAUSTED. More than --max-queue waiting are refused at once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import time
 from concurrent.futures import Executor
@@ -148,7 +149,7 @@ class GenerationScheduler:
         seq = _Sequence(next(self._ids), request, trace)
         self._waiting.append(seq)
         self._wake.set()
-        deadline = request.deadline or time.monotonic() + self.max_queue_wait_s
+        deadline = min(request.deadline or math.inf, time.monotonic() + self.max_queue_wait_s)
         try:
             while True:
                 if seq.state == "waiting":

@@ -54,6 +54,7 @@ class CompletionBody(BaseModel):
     user: StrictStr | None = None
     # Not OpenAI's, but common in OpenAI-compatible servers (vLLM): passed as extra_body.
     top_k: StrictInt | None = Field(None, description="gpt2serve extension: sample among the k most likely")
+    ignore_eos: StrictBool = Field(False, description="gpt2serve extension: generate past the end-of-text token")
 
     def prompt_input(self) -> PromptInput:
         prompt = self.prompt
@@ -75,7 +76,7 @@ class CompletionBody(BaseModel):
         return GenerateSettings(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-            logprobs=self.logprobs or 0)
+            logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos)
 
 
 def is_openai_path(path: str) -> bool:
