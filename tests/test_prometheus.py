@@ -139,8 +139,8 @@ def dashboard_expressions() -> list[str]:
 
 
 def test_every_dashboard_query_returns_data(stack):
-    """Load for a few seconds (with one error in it), then run each panel's PromQL as Grafana would,
-    with $__rate_interval = 30s."""
+    """Load for a few seconds (next tokens and generations, with one error in it), then run each
+    panel's PromQL as Grafana would, with $__rate_interval = 30s."""
     srv, url = stack
     stop_at = time.monotonic() + 4.0
 
@@ -149,10 +149,15 @@ def test_every_dashboard_query_returns_data(stack):
             async def worker(i):
                 while time.monotonic() < stop_at:
                     await client.next_token([i + 1, 2, 3])
-            await asyncio.gather(*(worker(i) for i in range(8)))
+
+            async def generator(i):
+                while time.monotonic() < stop_at:
+                    await client.generate([i + 1, 5], max_tokens=8, temperature=0.7)
+            await asyncio.gather(*(worker(i) for i in range(6)), *(generator(i) for i in range(3)))
 
     with Client(srv.grpc_target) as client:
         client.next_token([1])  # every series exists before the load, so rates see it grow
+        client.generate([1], max_tokens=2)
         time.sleep(1.0)
         asyncio.run(load())
         with pytest.raises(Gpt2ServeError):
@@ -160,6 +165,9 @@ def test_every_dashboard_query_returns_data(stack):
     time.sleep(1.5)  # a few more scrapes
     expressions = dashboard_expressions()
     assert len(expressions) >= 10
+    for metric in ("time_to_first_token", "time_per_output_token", "running_sequences", "waiting_sequences",
+                   "kv_cache_usage", "generated_tokens"):
+        assert any(metric in expr for expr in expressions), f"no panel shows gpt2serve_{metric}"
     empty = []
     for expr in expressions:
         result = query(url, expr.replace("$__rate_interval", "30s"))
