@@ -196,3 +196,29 @@ def test_no_trace_id_when_the_server_exports_nothing(server, client_tracer):
         result = client.next_token(PROMPT, trace_layers=True, include_layers=True)
     assert result.trace_id == ""
     assert len(result.layers) == 2
+
+
+def test_generate_trace_has_its_steps_and_the_prompts_layers(traced_server, receiver, client_tracer, tiny_model):
+    """A traced generation: its request span, the prompt's forward layer by layer, then one span
+    per engine step (a prefill and the decodes), each a child of the request (it ran alone)."""
+    with client_tracer.start_as_current_span("caller") as caller, Client(traced_server.grpc_target) as client:
+        result = client.generate(PROMPT, max_tokens=6, temperature=0, ignore_eos=True, trace_layers=True)
+    trace_id = format_trace_id(caller.get_span_context().trace_id)
+    assert result.trace_id == trace_id
+    name = "gpt2serve.v1.Gpt2Serve/Generate"
+    spans = receiver.wait_for(trace_id, {name, "batch", "forward", "prefill", "decode"} | LAYER_SPANS)
+    named = by_name(spans)
+    (request,) = named[name]
+    assert request.parent_span_id == format_span_id(caller.get_span_context().span_id)
+    assert request.attributes["gen_ai.usage.output_tokens"] == 6
+    assert request.attributes["gen_ai.request.max_tokens"] == 6
+    (prefill,) = named["prefill"]
+    decodes = named["decode"]
+    assert len(decodes) == 5  # the first token came with the prefill
+    for step in [prefill, *decodes]:
+        assert step.parent_span_id == request.span_id
+        assert request.start_ns <= step.start_ns <= step.end_ns <= request.end_ns
+    assert prefill.attributes["gpt2serve.step.tokens_in"] == len(PROMPT)
+    assert all(prefill.end_ns <= d.start_ns for d in decodes)
+    for layer in LAYER_SPANS:
+        assert named[layer][0].start_ns <= prefill.start_ns  # the prompt's layers, before generating

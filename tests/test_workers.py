@@ -155,3 +155,30 @@ def test_sigterm_drains_60_in_flight_across_front_ends(tmp_path):
     for prompt, result in zip(prompts, results):
         assert_matches_reference(reference, result, prompt, 3)
     assert "shutdown complete" in srv.log()
+
+
+def test_generation_through_the_engine_process(workers):
+    """Streams cross the IPC door token by token; a caller that hangs up frees its slot in the
+    engine process; the gauges the engine sets reach every front end's /metrics."""
+    with Client(workers.grpc_target) as grpc, RestClient(workers.http_url) as rest:
+        settings = dict(max_tokens=12, temperature=0.8, seed=9, ignore_eos=True)
+        whole = grpc.generate("Across the door", **settings)
+        assert whole.usage.completion_tokens == 12 and whole.finish_reason == "length"
+        streamed = list(rest.generate_stream("Across the door", **settings))
+        assert [c.token.token_id for c in streamed if c.token] == [t.token_id for t in whole.tokens]
+        with pytest.raises(Gpt2ServeError) as err:
+            grpc.generate("x", max_tokens=10_000)
+        assert err.value.code == "INVALID_ARGUMENT"
+        cancelled = requests_total(workers.http_url, "grpc", "Generate", "CANCELLED")
+        stream = grpc.generate_stream("hang up", max_tokens=250, temperature=0, ignore_eos=True)
+        next(stream)
+        stream.close()
+        deadline = time.monotonic() + 5
+        while metric_value(workers.http_url, "gpt2serve_running_sequences") != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert metric_value(workers.http_url, "gpt2serve_running_sequences") == 0
+        while requests_total(workers.http_url, "grpc", "Generate", "CANCELLED") == cancelled and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert requests_total(workers.http_url, "grpc", "Generate", "CANCELLED") == cancelled + 1
+        assert grpc.generate("after", max_tokens=3).usage.completion_tokens == 3
