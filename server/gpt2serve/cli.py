@@ -131,6 +131,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .engine_bench import run_engine_bench
 
         return run_engine_bench(args)
+    if args.generate:
+        from .generate_bench import run_generate_bench
+
+        return run_generate_bench(args)
     from .bench import run_bench
 
     return run_bench(args)
@@ -175,9 +179,11 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")
     from .bench import add_bench_arguments, add_engine_bench_arguments
+    from .generate_bench import add_generate_bench_arguments
 
     add_bench_arguments(bench)
     add_engine_bench_arguments(bench)
+    add_generate_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     params = sub.add_parser("params", help="where the parameters of a GPT-2-shaped model live, counted from its shape")

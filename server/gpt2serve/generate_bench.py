@@ -1,0 +1,138 @@
+"""`gpt2serve bench --generate`: concurrent generation streams against a running server, and in
+the same run transformers' own `generate` on a batch of the same prompts in this process.
+
+Each of S streams asks for --new-tokens tokens (greedy, past end-of-text), again and again for
+--duration seconds; the served rate is all tokens received / wall time. transformers' side is
+one `generate(batch of S)` call after another, timed half before the load and half after, so
+drift in a shared machine's speed hits both sides of the ratio alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from gpt2serve_client import AsyncClient, Gpt2ServeError, ModelInfo
+
+from .bench import fetch_info, make_prompts
+
+
+@dataclass
+class StreamsResult:
+    streams: int
+    tokens: int
+    tokens_per_s: float
+    time_per_output_token_p50_ms: float
+    time_to_first_token_p50_ms: float
+    errors: int
+    transformers_tokens_per_s: float  # its generate on a batch of `streams` prompts
+    ratio: float  # served / transformers
+
+
+async def serve_streams(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float
+                        ) -> tuple[int, float, list[float], list[float], int]:
+    """(tokens, seconds, per-request time per output token, time to first token, errors)."""
+    tokens, tpot, ttft, errors = 0, [], [], 0
+    async with AsyncClient(target, timeout=600) as client:
+        await client.generate(prompts[0], max_tokens=2, temperature=0)  # connection and first-call costs
+        started = time.perf_counter()
+        stop_at = started + duration_s
+
+        async def stream(index: int) -> None:
+            nonlocal tokens, errors
+            i = index
+            while time.perf_counter() < stop_at:
+                try:
+                    result = await client.generate(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0,
+                                                   ignore_eos=True)
+                except Gpt2ServeError:
+                    errors += 1
+                    continue
+                tokens += result.usage.completion_tokens
+                tpot.append(result.timings.time_per_output_token_ms)
+                ttft.append(result.timings.time_to_first_token_ms)
+                i += streams
+
+        await asyncio.gather(*(stream(i) for i in range(streams)))
+        return tokens, time.perf_counter() - started, tpot, ttft, errors
+
+
+class TransformersGenerate:
+    """transformers' GPT2LMHeadModel with the server's architecture and dtype, on this machine."""
+
+    def __init__(self, info: ModelInfo):
+        import torch
+
+        from .engine.convert import to_transformers
+        from .engine.loading import build_model_like
+
+        loaded = build_model_like(info)
+        self.torch, self.device = torch, loaded.device
+        self.model = to_transformers(loaded.model).to(device=loaded.device, dtype=loaded.dtype).eval()
+
+    def seconds(self, prompts: list[list[int]], new_tokens: int) -> float:
+        torch = self.torch
+        ids = torch.tensor(prompts, device=self.device)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    def tokens_per_s(self, prompts: list[list[int]], new_tokens: int, duration_s: float) -> list[float]:
+        """Per-call rates for about `duration_s` (at least two calls)."""
+        rates, stop_at = [], time.perf_counter() + duration_s
+        while time.perf_counter() < stop_at or len(rates) < 2:
+            rates.append(len(prompts) * new_tokens / self.seconds(prompts, new_tokens))
+        return rates
+
+
+def run_generate_bench(args) -> int:
+    info = asyncio.run(fetch_info(args.target))
+    stream_counts = [int(s) for s in args.streams.split(",")]
+    prompts = make_prompts(max(stream_counts) * 4, args.prompt_tokens, info.architecture.vocab_size, args.seed)
+    reference = TransformersGenerate(info)
+    reference.seconds(prompts[:2], 4)  # first-call costs
+    results = []
+    for streams in stream_counts:
+        batch = prompts[:streams]
+        rates = reference.tokens_per_s(batch, args.new_tokens, args.limit_duration / 2)
+        tokens, seconds, tpot, ttft, errors = asyncio.run(
+            serve_streams(args.target, prompts, streams, args.new_tokens, args.duration))
+        rates += reference.tokens_per_s(batch, args.new_tokens, args.limit_duration / 2)
+        served, limit = tokens / seconds, statistics.median(rates)
+        results.append(StreamsResult(streams, tokens, served, statistics.median(tpot) if tpot else float("nan"),
+                                     statistics.median(ttft) if ttft else float("nan"), errors, limit, served / limit))
+    if args.json:
+        json.dump({"model": asdict(info), "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
+                   "results": [asdict(r) for r in results]}, sys.stdout, indent=2)
+        print()
+    else:
+        print(format_generate_report(info, args.new_tokens, args.prompt_tokens, results))
+    return 0 if all(r.tokens for r in results) else 1
+
+
+def format_generate_report(info: ModelInfo, new_tokens: int, prompt_tokens: int, results: list[StreamsResult]) -> str:
+    lines = [f"model {info.model} ({info.weights} weights), {info.dtype} on {info.device}; "
+             f"streams of {new_tokens} tokens after {prompt_tokens}-token prompts, greedy",
+             "| streams | served tokens/s | time per output token p50 | time to first token p50 "
+             "| transformers generate (batch) tokens/s | served / transformers |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.streams} | {r.tokens_per_s:.0f} | {r.time_per_output_token_p50_ms:.1f} ms "
+                     f"| {r.time_to_first_token_p50_ms:.1f} ms | {r.transformers_tokens_per_s:.0f} | {r.ratio:.2f} |"
+                     + (f" ({r.errors} errors)" if r.errors else ""))
+    return "\n".join(lines)
+
+
+def add_generate_bench_arguments(parser) -> None:
+    parser.add_argument("--generate", action="store_true",
+                        help="generation streams against transformers' generate (see generate_bench)")
+    parser.add_argument("--streams", default="1,16,64", help="--generate: comma-separated concurrent streams")
+    parser.add_argument("--new-tokens", type=int, default=64, help="--generate: tokens per stream")
