@@ -46,9 +46,11 @@ def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_alone_matches_transformers(saved):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "bucketed"])
+def test_greedy_alone_matches_transformers(saved, graphs):
+    """`bucketed`: the decode-graph buffers and padding, run eagerly (captured on cuda: test_gpu)."""
     hf, engine = saved
-    generator = Generator(engine, slots=2)
+    generator = Generator(engine, slots=3, graphs=graphs)
     prompt, n = PROMPTS[5], 30
     tokens = [generator.prefill([NewSequence(0, prompt, GREEDY, 0)]).tokens[0].token_id]
     while len(tokens) < n:
@@ -78,11 +80,12 @@ async def run_joining(generator: Generator, requests: list[tuple[float, Generati
         await scheduler.stop()
 
 
-def test_sixteen_sequences_joining_midway_match_transformers_alone(saved):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "bucketed"])
+def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs):
     """Different lengths, different max_tokens, staggered arrivals, fewer slots than sequences:
     sequences join a running batch and leave it, and each one's tokens are its tokens alone."""
     hf, engine = saved
-    generator = Generator(engine, slots=6)
+    generator = Generator(engine, slots=6, graphs=graphs)
     running_at_prefill = []
     prefill = generator.prefill
 

@@ -167,3 +167,36 @@ def test_the_first_request_after_ready_is_as_fast_as_the_steady_state(tmp_path):
     finally:
         assert srv.stop() == 0
 
+
+
+def test_decode_graphs_generate_what_eager_decoding_does(peaked):
+    """Greedy generation on cuda, fp32: decode steps replayed from captured CUDA graphs give the
+    tokens eager decode steps give, for sequences joining and leaving; both equal the CPU's."""
+    from test_generation import PROMPTS, transformers_greedy
+    from reference import as_transformers
+
+    from gpt2serve.engine.generation import Generator, NewSequence
+    from gpt2serve.engine.sampling import SamplingParams
+
+    engine = cuda_engine(peaked, torch.float32)
+    greedy = SamplingParams(temperature=0.0)
+
+    def generate(graphs: bool) -> dict[int, list[int]]:
+        generator = Generator(engine, slots=8, graphs=graphs)
+        got: dict[int, list[int]] = {}
+        for start in range(0, 12, 4):  # three waves joining a running batch
+            out = generator.prefill([NewSequence(i, PROMPTS[i], greedy, 0) for i in range(start, start + 4)])
+            for seq_id, token in out.tokens.items():
+                got[seq_id] = [token.token_id]
+            for _ in range(6):
+                for seq_id, token in generator.decode().tokens.items():
+                    got[seq_id].append(token.token_id)
+            generator.remove({i for i in got if len(got[i]) >= 13})
+        assert generator.graphs is None or generator.graphs.graphs > 0
+        return got
+
+    with_graphs, eager = generate(True), generate(False)
+    assert with_graphs == eager
+    hf = as_transformers(peaked)
+    for seq_id in (0, 5, 11):
+        assert eager[seq_id] == transformers_greedy(hf, PROMPTS[seq_id], len(eager[seq_id]))

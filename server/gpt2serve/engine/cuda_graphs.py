@@ -34,6 +34,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass
 class _Bucket:
     inputs: torch.Tensor  # (3, B, T) int64 on the device: what the graph reads
+    shape: tuple[int, int]
     graph: torch.cuda.CUDAGraph | None = None  # None: run eagerly from the same buffers
 
 
@@ -89,12 +90,15 @@ class BucketedForward:
         logprobs = self.forward(inputs[IDS], inputs[POSITIONS], inputs[VALID].bool())  # (B, V)
         self.output[:inputs.shape[1]].copy_(logprobs)
 
+    def _new_inputs(self, shape: tuple[int, int]) -> torch.Tensor:
+        return torch.zeros((3, *shape), dtype=torch.long, device=self.device)  # (3, B, T)
+
     def _bucket(self, shape: tuple[int, int]) -> _Bucket | None:
         if shape in self.ready:
             return self.ready[shape]
         if shape in self.refused:
             return None
-        bucket = _Bucket(torch.zeros((3, *shape), dtype=torch.long, device=self.device))
+        bucket = _Bucket(self._new_inputs(shape), shape)
         if self.capture:
             if self.memory_used_bytes >= self.memory_budget_bytes:
                 log.info("CUDA graph memory budget spent (%.0f MiB): shape %s runs eagerly",

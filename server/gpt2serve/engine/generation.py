@@ -19,6 +19,7 @@ from typing import Collection, Sequence
 
 import torch
 
+from .decode_graphs import DecodeGraphs
 from .engine import Engine, TokenScore, oom_as_out_of_memory
 from .kv_cache import KVCache
 from .sampling import SamplingParams, choose
@@ -65,16 +66,28 @@ class _Running:
 class Generator:
     """Owns the KV cache and the running sequences, in slot order. Engine thread only."""
 
-    def __init__(self, engine: Engine, slots: int):
+    def __init__(self, engine: Engine, slots: int, graphs: bool | None = None):
+        """`graphs`: decode steps from bucketed buffers, replayed as CUDA graphs on cuda (default:
+        on cuda with --cuda-graphs); False: eager, at the exact shape."""
         self.engine = engine
         self.model = engine.model
         self.slots = slots
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.running: list[_Running] = []
+        on_cuda = engine.device.type == "cuda" and engine.options.cuda_graphs
+        self.use_graphs = on_cuda if graphs is None else graphs
+        self.graphs: DecodeGraphs | None = None
 
     def allocate(self) -> KVCache:
         if self.cache is None:
-            self.cache = KVCache(self.model.config, self.slots, self.engine.device, self.model.wte.weight.dtype)
+            config = self.model.config
+            self.cache = KVCache(config, self.slots, self.engine.device, self.model.wte.weight.dtype)
+            if self.use_graphs:
+                self.graphs = DecodeGraphs(
+                    self._decode_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,
+                    vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id,
+                    capture=self.engine.device.type == "cuda",
+                    memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20))
         return self.cache
 
     def warm_up(self) -> None:
@@ -129,17 +142,24 @@ class Generator:
         """One token for every running sequence."""
         started, started_ns = time.perf_counter(), time.time_ns()
         rows, device = self.running, self.engine.device
-        lengths = [r.length for r in rows]
-        span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
-        ids = torch.tensor([[r.last_token] for r in rows], device=device)  # (B, 1)
-        positions = torch.tensor(lengths, device=device)  # (B,)
-        store = self.cache.decode(positions, span)
-        hidden = self.model.hidden_states(ids, positions[:, None], None, kv=store, mask=store.mask())  # (B, 1, C)
-        tokens = self._choose(self.engine.unembed(self.model.ln_f(hidden[:, -1])), rows)
+        lengths, last = [r.length for r in rows], [r.last_token for r in rows]
+        logits = self.graphs.run_decode(last, lengths) if self.graphs is not None else None
+        if logits is None:  # eager, at the exact batch; the span rounded up to limit distinct shapes
+            span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
+            logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
+        tokens = self._choose(logits, rows)
         for r in rows:
             r.length += 1
         return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,
                           started_ns, time.time_ns())
+
+    def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`
+        positions of slots 0..B-1. What a decode graph captures."""
+        store = self.cache.decode(positions, span)
+        hidden = self.model.hidden_states(last[:, None], positions[:, None], None, kv=store,
+                                          mask=store.mask())  # (B, 1, C)
+        return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[_Running]) -> dict[int, SampledToken]:
         """Sample each row's next token, bring the answers over in one copy, and record them."""
