@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: the GPU tests, the in-process engine bench table (engine vs
 # transformers' forward, bf16) on gpt2 and gpt2-xl, the served bench with --workers auto (gRPC and
-# REST at 512 clients, 1 client), and the whole suite. Logs and tables land in $GPU_CHECK_OUT
+# REST at 512 clients, 1 client), the generation bench (issue 14: 1..256 streams of 64 tokens
+# against transformers' generate, gpt2 and gpt2-xl), and the whole suite. Logs and tables land in $GPU_CHECK_OUT
 # (default gpu-check/).
 #
 #   make test-gpu                                  # with the project's venv
@@ -46,6 +47,25 @@ else
 fi
 kill $server 2>/dev/null; wait $server 2>/dev/null
 cp "$log" "$out/serve.log"
+
+echo "== generation (issue 14): streams of 64 tokens, bf16, --workers auto"
+: >"$out/generate-bench.md"
+for model in random:gpt2 random:gpt2-xl; do
+  log=$(mktemp)
+  $python -m gpt2serve.cli serve --model "$model" --device cuda --dtype bfloat16 --workers auto \
+      --host 127.0.0.1 --grpc-port 50082 --http-port 8082 >"$log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 300); do grep -q "gpt2serve ready" "$log" && break; kill -0 $server 2>/dev/null || break; sleep 1; done
+  if grep -q "gpt2serve ready" "$log"; then
+    $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50082 --streams 1,16,64,256 -d 10 \
+        --limit-duration 6 2>&1 | grep -v WARN | tee -a "$out/generate-bench.md" || status=1
+    echo | tee -a "$out/generate-bench.md"
+  else
+    cat "$log"; status=1
+  fi
+  kill $server 2>/dev/null; wait $server 2>/dev/null
+  cp "$log" "$out/generate-serve-${model#random:}.log"
+done
 
 if [ "${SUITE:-1}" = 1 ]; then
   echo "== whole suite"
