@@ -131,3 +131,18 @@ def test_https_and_protected_metrics(tls_server, ca, tmp_path):
     plain = tls_server.http_url.replace("https://", "http://")
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{plain}/healthz")
+
+
+def test_generation_and_the_openai_api_need_the_key(keyed_server):
+    import openai
+
+    with pytest.raises(Gpt2ServeError) as err:
+        Client(keyed_server.grpc_target, retries=0).generate("hi", max_tokens=2)
+    assert err.value.code == "UNAUTHENTICATED"
+    with Client(keyed_server.grpc_target, api_key=KEY) as client:
+        assert client.generate("hi", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{keyed_server.http_url}/v1", api_key="wrong", max_retries=0).models.list()
+    oai = openai.OpenAI(base_url=f"{keyed_server.http_url}/v1", api_key=KEY, max_retries=0)
+    model = oai.models.list().data[0].id
+    assert oai.completions.create(model=model, prompt="hi", max_tokens=3).usage.completion_tokens <= 3

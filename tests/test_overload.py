@@ -90,7 +90,11 @@ def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_referen
                 httpx.AsyncClient(base_url=srv.http_url, timeout=30) as http:
             assert (await http.get("/readyz")).status_code == 200
             calls = [asyncio.create_task(client.next_token(prompt(i, DRAIN_PROMPT_TOKENS), top_k=3)) for i in range(60)]
-            while metric_value(srv.http_url, "gpt2serve_in_flight_requests") < 60:  # all 60 accepted by the server
+            def accepted() -> float:  # in flight, or already answered (a lone first one may be done)
+                return metric_value(srv.http_url, "gpt2serve_in_flight_requests") + \
+                    requests_total(srv.http_url, "grpc", "NextToken", "OK")
+
+            while accepted() < 60:  # all 60 accepted by the server
                 await asyncio.sleep(0.01)
             srv.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()

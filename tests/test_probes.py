@@ -21,7 +21,7 @@ def test_reflection_lists_and_describes_the_services(server):
         assert {"gpt2serve.v1.Gpt2Serve", "grpc.health.v1.Health"} <= services
         method_names = {m.name for m in
                         db.FindFileContainingSymbol("gpt2serve.v1.Gpt2Serve").service[0].method}
-        assert method_names == {"NextToken", "NextTokenBatch", "GetModelInfo"}
+        assert method_names == {"NextToken", "NextTokenBatch", "GetModelInfo", "Generate"}
 
 
 def test_grpc_health_for_the_named_service(server):
@@ -36,7 +36,8 @@ def test_http_probes_and_openapi(server):
     ready = httpx.get(f"{server.http_url}/readyz")
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     spec = httpx.get(f"{server.http_url}/openapi.json").json()
-    assert {"/v1/next-token", "/v1/next-token/batch", "/v1/model", "/healthz", "/readyz"} <= set(spec["paths"])
+    assert {"/v1/next-token", "/v1/next-token/batch", "/v1/generate", "/v1/completions", "/v1/models", "/v1/model",
+            "/healthz", "/readyz"} <= set(spec["paths"])
     assert "NextTokenResult" in spec["components"]["schemas"]
     docs = httpx.get(f"{server.http_url}/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
