@@ -166,3 +166,20 @@ def test_bench_in_process_times_the_engine_against_transformers():
         assert r["ratio"] == pytest.approx(r["transformers_ms"] / r["engine_ms"])
     assert set(report["first_request"]) == {"untraced", "traced"}
     assert "random:tiny, float32 on cpu" in report["header"]
+
+
+def test_bench_generate_against_transformers_generate(server):
+    import json
+
+    out = run_cli("bench", "--generate", "--target", server.grpc_target, "--streams", "1,3", "--new-tokens", "6",
+                  "--rounds", "2", "-d", "0.5", "--limit-duration", "0.1", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["model"]["model"] == "random:tiny" and report["rounds"] == 2 and report["new_tokens"] == 6
+    assert [r["streams"] for r in report["results"]] == [1, 3]
+    for r in report["results"]:
+        # Every stream ran to its max_tokens (ignore_eos): whole requests of 6 tokens, none failed.
+        assert r["errors"] == 0 and r["tokens"] >= r["streams"] * 6 * 2 and r["tokens"] % 6 == 0
+        assert 0 < r["time_to_first_token_p50_ms"] and 0 < r["time_per_output_token_p50_ms"]
+        assert len(r["round_ratios"]) == 2 and r["transformers_tokens_per_s"] > 0
+        assert min(r["round_ratios"]) <= r["ratio"] <= max(r["round_ratios"])

@@ -125,7 +125,7 @@ def run_engine_bench(args) -> int:
     firsts = {"untraced": first_request(engine, prompts[0], traced=False),
               "traced": first_request(engine, prompts[1], traced=True)}
     hf = TransformersSide(engine)
-    results = [measure(engine, hf, prompts[:size], args.rounds, args.per_round) for size in sizes]
+    results = [measure(engine, hf, prompts[:size], args.rounds or 5, args.per_round) for size in sizes]
     header = (f"{args.model}, {str(loaded.dtype).removeprefix('torch.')} on {loaded.device} "
               f"({torch.cuda.get_device_name(loaded.device) if loaded.device.type == 'cuda' else 'CPU'}), "
               f"{args.prompt_tokens}-token prompts, torch {torch.__version__}; warm-up {warm_s:.1f} s"

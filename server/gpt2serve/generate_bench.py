@@ -3,8 +3,10 @@ the same run transformers' own `generate` on a batch of the same prompts in this
 
 Each of S streams asks for --new-tokens tokens (greedy, past end-of-text), again and again for
 --duration seconds; the served rate is all tokens received / wall time. transformers' side is
-one `generate(batch of S)` call after another, timed half before the load and half after, so
-drift in a shared machine's speed hits both sides of the ratio alike.
+one `generate(batch of S)` call after another for --limit-duration seconds (at least one).
+The two alternate for --rounds rounds; each round's ratio comes from a pair measured back to
+back, so drift in a shared machine's speed hits both sides alike, and the report gives the
+median ratio and every round's.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ class StreamsResult:
     time_per_output_token_p50_ms: float
     time_to_first_token_p50_ms: float
     errors: int
-    transformers_tokens_per_s: float  # its generate on a batch of `streams` prompts
-    ratio: float  # served / transformers
+    transformers_tokens_per_s: float  # its generate on a batch of `streams` prompts, median of rounds
+    ratio: float  # median over rounds of served / transformers, each pair measured back to back
+    round_ratios: list[float]
 
 
 async def serve_streams(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float
@@ -86,9 +89,9 @@ class TransformersGenerate:
         return time.perf_counter() - started
 
     def tokens_per_s(self, prompts: list[list[int]], new_tokens: int, duration_s: float) -> list[float]:
-        """Per-call rates for about `duration_s` (at least two calls)."""
+        """Per-call rates for about `duration_s` (at least one call)."""
         rates, stop_at = [], time.perf_counter() + duration_s
-        while time.perf_counter() < stop_at or len(rates) < 2:
+        while time.perf_counter() < stop_at or not rates:
             rates.append(len(prompts) * new_tokens / self.seconds(prompts, new_tokens))
         return rates
 
@@ -99,34 +102,48 @@ def run_generate_bench(args) -> int:
     prompts = make_prompts(max(stream_counts) * 4, args.prompt_tokens, info.architecture.vocab_size, args.seed)
     reference = TransformersGenerate(info)
     reference.seconds(prompts[:2], 4)  # first-call costs
-    results = []
+    rounds, results = args.rounds or 3, []
     for streams in stream_counts:
         batch = prompts[:streams]
-        rates = reference.tokens_per_s(batch, args.new_tokens, args.limit_duration / 2)
-        tokens, seconds, tpot, ttft, errors = asyncio.run(
-            serve_streams(args.target, prompts, streams, args.new_tokens, args.duration))
-        rates += reference.tokens_per_s(batch, args.new_tokens, args.limit_duration / 2)
-        served, limit = tokens / seconds, statistics.median(rates)
-        results.append(StreamsResult(streams, tokens, served, statistics.median(tpot) if tpot else float("nan"),
-                                     statistics.median(ttft) if ttft else float("nan"), errors, limit, served / limit))
+        served_rates, limit_rates, ratios, tpot, ttft, tokens, errors = [], [], [], [], [], 0, 0
+        # Alternating rounds, each ratio from a pair measured back to back: a shared machine's
+        # speed drifts by more than the difference we look for.
+        for _ in range(rounds):
+            limit = statistics.median(reference.tokens_per_s(batch, args.new_tokens, args.limit_duration))
+            round_tokens, seconds, round_tpot, round_ttft, round_errors = asyncio.run(
+                serve_streams(args.target, prompts, streams, args.new_tokens, args.duration))
+            served_rates.append(round_tokens / seconds)
+            limit_rates.append(limit)
+            ratios.append(served_rates[-1] / limit)
+            tokens, errors = tokens + round_tokens, errors + round_errors
+            tpot += round_tpot
+            ttft += round_ttft
+        results.append(StreamsResult(streams, tokens, statistics.median(served_rates),
+                                     statistics.median(tpot) if tpot else float("nan"),
+                                     statistics.median(ttft) if ttft else float("nan"), errors,
+                                     statistics.median(limit_rates), statistics.median(ratios),
+                                     ratios))
     if args.json:
         json.dump({"model": asdict(info), "new_tokens": args.new_tokens, "prompt_tokens": args.prompt_tokens,
-                   "results": [asdict(r) for r in results]}, sys.stdout, indent=2)
+                   "rounds": rounds, "results": [asdict(r) for r in results]}, sys.stdout, indent=2)
         print()
     else:
-        print(format_generate_report(info, args.new_tokens, args.prompt_tokens, results))
+        print(format_generate_report(info, args.new_tokens, args.prompt_tokens, rounds, results))
     return 0 if all(r.tokens for r in results) else 1
 
 
-def format_generate_report(info: ModelInfo, new_tokens: int, prompt_tokens: int, results: list[StreamsResult]) -> str:
+def format_generate_report(info: ModelInfo, new_tokens: int, prompt_tokens: int, rounds: int,
+                           results: list[StreamsResult]) -> str:
     lines = [f"model {info.model} ({info.weights} weights), {info.dtype} on {info.device}; "
-             f"streams of {new_tokens} tokens after {prompt_tokens}-token prompts, greedy",
+             f"streams of {new_tokens} tokens after {prompt_tokens}-token prompts, greedy; "
+             f"medians of {rounds} alternating round(s)",
              "| streams | served tokens/s | time per output token p50 | time to first token p50 "
              "| transformers generate (batch) tokens/s | served / transformers |",
              "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.streams} | {r.tokens_per_s:.0f} | {r.time_per_output_token_p50_ms:.1f} ms "
-                     f"| {r.time_to_first_token_p50_ms:.1f} ms | {r.transformers_tokens_per_s:.0f} | {r.ratio:.2f} |"
+                     f"| {r.time_to_first_token_p50_ms:.1f} ms | {r.transformers_tokens_per_s:.0f} "
+                     f"| {r.ratio:.2f} ({', '.join(f'{x:.2f}' for x in r.round_ratios)}) |"
                      + (f" ({r.errors} errors)" if r.errors else ""))
     return "\n".join(lines)
 

@@ -186,12 +186,14 @@ class GenerationScheduler:
                 self._wake.clear()
                 await self._wake.wait()
             admitted = self._admit()
-            if admitted:
-                await self._step(loop, admitted)
+            called = await self._step(loop, admitted) if admitted else False
             # After a prefill, always a decode: arrivals can delay the running streams by one
             # prefill each step, never stop them.
-            await self._step(loop, [])
-            await asyncio.sleep(0)  # let the streams send what they got
+            called = await self._step(loop, []) or called
+            # The streams send what a step gave them while the engine runs the next one (awaiting
+            # its result yields to them), not in a gap between steps; with no engine call, yield here.
+            if not called:
+                await asyncio.sleep(0)
 
     def _admit(self) -> list[_Sequence]:
         free = self.slots - len(self._running) + len(self._leaving)
@@ -205,9 +207,9 @@ class GenerationScheduler:
             tokens += len(seq.request.prompt)
         return admitted
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, admitted: list[_Sequence]) -> None:
+    async def _step(self, loop: asyncio.AbstractEventLoop, admitted: list[_Sequence]) -> bool:
         """One engine call: free the slots of those leaving, then prefill `admitted`, or (when
-        none) decode everyone running."""
+        none) decode everyone running. False when there was nothing to call the engine for."""
         leaving, self._leaving = self._leaving, set()
         for seq_id in leaving:
             self._running.pop(seq_id, None)
@@ -222,7 +224,7 @@ class GenerationScheduler:
         else:
             kind, members = "decode", [s for s in self._running.values() if s.state == "running"]
         if not members and not leaving:
-            return
+            return False
 
         def call() -> StepOutput | None:
             self.engine.remove(leaving)
@@ -234,13 +236,13 @@ class GenerationScheduler:
             output = await loop.run_in_executor(self.executor, call)
         except OutOfMemory as exc:
             self._fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step: {exc}"))
-            return
+            return True
         except Exception as exc:  # Fail the sequences of this step, keep serving the rest.
             log.error("%s step failed for %d sequences", kind, len(members), exc_info=exc)
             self._fail(members, ServeError(f"{kind} step failed: {type(exc).__name__}: {exc}"))
-            return
+            return True
         if output is None:
-            return
+            return True
         self.steps_run += 1
         for seq in members:
             token = output.tokens.get(seq.seq_id)
@@ -251,6 +253,7 @@ class GenerationScheduler:
                 self.observer.record_step([s.trace for s in members], output)
             except Exception:  # Telemetry must never fail a request or the loop.
                 log.exception("step observer failed")
+        return True
 
     def _deliver(self, seq: _Sequence, token: SampledToken, output: StepOutput) -> None:
         request = seq.request
