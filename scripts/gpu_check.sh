@@ -6,7 +6,8 @@
 # (default gpu-check/).
 #
 #   make test-gpu                                  # with the project's venv
-#   source .whl/setup.sh && scripts/gpu_check.sh   # on the offline GPU machines (../shared/gpu/)
+#   source .whl/setup.sh && scripts/gpu_check.sh   # on the offline GPU machines (../shared/gpu/),
+#                                                  # .whl/ from: ../shared/gpu/fetch-wheels.sh -r scripts/gpu-wheels.txt
 #
 # SUITE=0 skips the whole suite (the GPU tests and the bench still run).
 set -uo pipefail
@@ -18,6 +19,8 @@ export PYTHONUNBUFFERED=1
 status=0
 
 $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check here')" || exit 1
+$python -c "import gpt2serve.app, openai, zmq, msgpack, fastapi_offline" ||
+  { echo "missing packages: on an offline machine, fetch .whl/ with ../shared/gpu/fetch-wheels.sh -r scripts/gpu-wheels.txt"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 
 echo "== GPU tests"
