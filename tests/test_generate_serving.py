@@ -165,6 +165,48 @@ def test_openai_token_prompt_and_errors(oai, grpc):
         assert err.value.body["type"] == "invalid_request_error" and err.value.body["message"]
 
 
+def test_openai_prompt_list_runs_as_choices(gen_server, oai, grpc):
+    """A list of prompts: one choice per prompt, in order, each what the prompt gives alone;
+    streamed, the chunks carry their choice's index; one bad prompt fails the whole request."""
+    model = oai.models.list().data[0].id
+    prompts = ["The capital of France is", "Hello", "a b c d e f g"]
+    alone = [grpc.generate(p, max_tokens=6, temperature=0, ignore_eos=True) for p in prompts]
+    settings = dict(model=model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    completion = oai.completions.create(prompt=prompts, logprobs=2, **settings)
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    assert [c.text for c in completion.choices] == [r.text for r in alone]
+    assert [c.logprobs.tokens for c in completion.choices] == [[t.token for t in r.tokens] for r in alone]
+    assert completion.usage.completion_tokens == 18
+    assert completion.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone)
+    by_ids = oai.completions.create(prompt=[PROMPTS[3], PROMPTS[5]], **settings)
+    assert [c.text for c in by_ids.choices] == [grpc.generate(p, max_tokens=6, temperature=0, ignore_eos=True).text
+                                                for p in (PROMPTS[3], PROMPTS[5])]
+
+    texts, finished, usage = {}, {}, None
+    for event in oai.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                        **settings):
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+        usage = event.usage or usage
+    assert texts == {i: r.text for i, r in enumerate(alone)} and finished == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 18 and usage.total_tokens == 18 + completion.usage.prompt_tokens
+
+    limit = grpc.model_info().max_batch_size
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(prompt=["x"] * (limit + 1), **settings)
+    assert f"limit of {limit}" in err.value.body["message"]
+    long_prompt = PROMPTS[15] * 2  # 92 tokens + 200 > the context of 256
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.completions.create(prompt=[PROMPTS[1], long_prompt], stream=stream,
+                                   **{**settings, "max_tokens": 200})
+        assert "context" in err.value.body["message"]
+    # The good prompt's generation was cancelled with the request: no slot stays taken.
+    assert wait_for_metric(gen_server.http_url, "gpt2serve_running_sequences", 0) == 0
+
+
 @pytest.mark.parametrize("kind", ["grpc", "rest"])
 def test_bad_generate_requests_are_clear_errors(kind, grpc, rest, gen_server):
     client = grpc if kind == "grpc" else rest

@@ -1,27 +1,30 @@
 """OpenAI-compatible completions: `POST /v1/completions` and `GET /v1/models`, so the official
 `openai` client (and tools built on it) can talk to gpt2serve.
 
-Translation only, like the other transports: OpenAI's fields become a service generate call,
-and its chunks become OpenAI's JSON. GPT-2 has no chat template, so there is no chat endpoint.
+Translation only, like the other transports: OpenAI's fields become service generate calls, one
+per prompt (a list of prompts runs them all at once, in the running batch, as choices 0..n-1),
+and their chunks become OpenAI's JSON. GPT-2 has no chat template, so there is no chat endpoint.
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from gpt2serve_client.types import GeneratedToken, GenerateResult
+from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 
 from ..errors import InvalidArgument, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
+from .hangup import unless_disconnected
 from .sse import first_and_rest, sse_event
 
 ROUTE = "/v1/completions"
@@ -56,14 +59,14 @@ class CompletionBody(BaseModel):
     top_k: StrictInt | None = Field(None, description="gpt2serve extension: sample among the k most likely")
     ignore_eos: StrictBool = Field(False, description="gpt2serve extension: generate past the end-of-text token")
 
-    def prompt_input(self) -> PromptInput:
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidArgument(f"prompt: {len(prompt)} prompts in one request; gpt2serve takes one "
-                                      "(send them as separate requests: they are batched together)")
-            prompt = prompt[0]
-        return PromptInput(text=prompt) if isinstance(prompt, str) else PromptInput(token_ids=prompt)
+    def prompt_inputs(self, max_prompts: int) -> list[PromptInput]:
+        """One prompt (text or token ids), or a list of them."""
+        many = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
+        prompts = self.prompt if many else [self.prompt]
+        if len(prompts) > max_prompts:
+            raise InvalidArgument(f"prompt: {len(prompts)} prompts in one request, over this server's limit of "
+                                  f"{max_prompts} (--max-batch-size)")
+        return [PromptInput(text=p) if isinstance(p, str) else PromptInput(token_ids=p) for p in prompts]
 
     def settings(self) -> GenerateSettings:
         unsupported = [name for name, ok in (
@@ -119,36 +122,110 @@ def add_openai_routes(app: FastAPI, service: InferenceService) -> None:
                 api="openai", method="Completions", span_name=f"POST {ROUTE}",
                 parent=propagate.extract(request.headers),
                 attributes={"http.request.method": "POST", "http.route": ROUTE, "url.scheme": request.url.scheme})
-            chunks = service.generate(body.prompt_input(), body.settings(), options)
+            settings = body.settings()
+            generations = [service.generate(prompt, settings, options)
+                           for prompt in body.prompt_inputs(service.max_batch_size)]
             completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                           "model": model}
             if body.stream:
-                stream = await first_and_rest(chunks)  # request errors raise here, before the 200
+                streams = await unless_disconnected(request, first_chunks(generations))  # errors raise before the 200
                 include_usage = bool((body.stream_options or {}).get("include_usage"))
-                return StreamingResponse(stream_events(completion, stream, include_usage, body.logprobs),
+                return StreamingResponse(stream_events(completion, interleave(streams), include_usage, body.logprobs),
                                          media_type="text/event-stream", headers={"cache-control": "no-cache"})
-            result = GenerateResult.from_chunks([chunk async for chunk in chunks])
+            results = await unless_disconnected(request, collect_all(generations))
         except ServeError as exc:
             return openai_error(exc.http_status, exc.message)
-        choice = {"index": 0, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
-                  "logprobs": logprobs_json(result.tokens, [t.token for t in result.tokens], 0)
-                  if body.logprobs is not None else None}
-        return JSONResponse({**completion, "choices": [choice], "usage": usage_json(result)})
+        choices = [{"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
+                    "logprobs": logprobs_json(result.tokens, [t.token for t in result.tokens], 0)
+                    if body.logprobs is not None else None}
+                   for index, result in enumerate(results)]
+        return JSONResponse({**completion, "choices": choices, "usage": usage_json([r.usage for r in results])})
 
 
-async def stream_events(completion: dict, chunks, include_usage: bool, logprobs: int | None):
-    """OpenAI's stream: a chunk per token (text delta), the last with its finish_reason, the
-    usage in a chunk of its own when asked for, then `data: [DONE]`."""
-    offset = 0
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The ServeError that failed a group of generations (what the caller is told), else the first."""
+    errors = group.exceptions
+    return next((e for e in errors if isinstance(e, ServeError)), errors[0])
+
+
+async def collect_all(generations: list[AsyncIterator]) -> list[GenerateResult]:
+    """Every generation to its end, all at once (they share the running batch); the first error
+    cancels the others (and so frees their slots)."""
+    async def collect(chunks: AsyncIterator) -> GenerateResult:
+        return GenerateResult.from_chunks([chunk async for chunk in chunks])
+
     try:
-        async for chunk in chunks:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(collect(chunks)) for chunks in generations]
+    except BaseExceptionGroup as failed:
+        raise first_error(failed) from None
+    return [task.result() for task in tasks]
+
+
+async def first_chunks(generations: list[AsyncIterator]) -> list[AsyncIterator]:
+    """Wait for every generation's first chunk, all at once (a request's errors raise here);
+    on an error, the others are closed."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(first_and_rest(chunks)) for chunks in generations]
+    except BaseExceptionGroup as failed:
+        await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
+        raise first_error(failed) from None
+    return [task.result() for task in tasks]
+
+
+_END = object()
+
+
+async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) as items come from any stream. An error in one ends them all: it
+    raises here, and the others are cancelled (as they are when the caller stops iterating)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, _END))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if item is _END:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
+                        logprobs: int | None):
+    """OpenAI's stream: a chunk per token (text delta) with its choice's index, each choice's last
+    with its finish_reason; when asked for, the usage of all choices in a chunk of its own after
+    the last; then `data: [DONE]`."""
+    offsets: dict[int, int] = {}
+    usages: list[Usage] = []
+    try:
+        async for index, chunk in chunks:
             tokens = [chunk.token] if chunk.token else []
-            choice = {"index": 0, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
+            offset = offsets.get(index, 0)
+            choice = {"index": index, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
                       "logprobs": logprobs_json(tokens, [chunk.text], offset) if logprobs is not None else None}
-            offset += len(chunk.text)
+            offsets[index] = offset + len(chunk.text)
             yield sse_event({**completion, "choices": [choice]})
-            if chunk.finish_reason and include_usage:
-                yield sse_event({**completion, "choices": [], "usage": usage_json(GenerateResult.from_chunks([chunk]))})
+            if chunk.finish_reason:
+                usages.append(chunk.usage or Usage())
+        if include_usage:
+            yield sse_event({**completion, "choices": [], "usage": usage_json(usages)})
     except ServeError as exc:
         yield sse_event({"error": {"message": exc.message, "type": ERROR_TYPES.get(exc.http_status, "server_error"),
                                "param": None, "code": None}})
@@ -160,6 +237,7 @@ def finish_reason(reason: str) -> str:
     return "stop" if reason == "eos" else reason
 
 
-def usage_json(result: GenerateResult) -> dict:
-    u = result.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+def usage_json(usages: list[Usage]) -> dict:
+    """All choices together, as OpenAI counts them."""
+    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -7,11 +7,9 @@ full, 503 while not ready.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import asdict
-from typing import Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from opentelemetry import propagate
@@ -27,12 +25,12 @@ from ..errors import PayloadTooLarge, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
+from .hangup import ClientDisconnected, unless_disconnected
 from .openai_api import add_openai_routes, is_openai_path, openai_error
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class Body(BaseModel):
@@ -108,32 +106,6 @@ def describe_validation_error(request: Request, errors: list[dict]) -> str:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return "; ".join(parts)
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it when the client hangs up, so its prompts leave the queue
-    instead of reaching the model (Starlette does not cancel a handler on disconnect)."""
-    task = asyncio.ensure_future(work)
-
-    async def hang_up() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(hang_up())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-class ClientDisconnected(Exception):
-    """Nobody is left to answer."""
 
 
 def request_options(request: Request, route: str, method: str,
