@@ -60,7 +60,7 @@ for model in random:gpt2 random:gpt2-xl; do
   server=$!
   for _ in $(seq 1 300); do grep -q "gpt2serve ready" "$log" && break; kill -0 $server 2>/dev/null || break; sleep 1; done
   if grep -q "gpt2serve ready" "$log"; then
-    $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50082 --streams 1,16,64,256 -d 10 \
+    $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50082 --streams 1,16,64,256 -p 8 -d 10 \
         --limit-duration 6 2>&1 | grep -v WARN | tee -a "$out/generate-bench.md" || status=1
     echo | tee -a "$out/generate-bench.md"
   else

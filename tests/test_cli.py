@@ -171,8 +171,9 @@ def test_bench_in_process_times_the_engine_against_transformers():
 def test_bench_generate_against_transformers_generate(server):
     import json
 
+    # 1 stream from this process, 3 spread over 2 client processes.
     out = run_cli("bench", "--generate", "--target", server.grpc_target, "--streams", "1,3", "--new-tokens", "6",
-                  "--rounds", "2", "-d", "0.5", "--limit-duration", "0.1", "--json")
+                  "--rounds", "2", "-d", "0.5", "--limit-duration", "0.1", "-p", "2", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["model"]["model"] == "random:tiny" and report["rounds"] == 2 and report["new_tokens"] == 6

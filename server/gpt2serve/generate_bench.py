@@ -4,8 +4,9 @@ the same run transformers' own `generate` on a batch of the same prompts in this
 Each of S streams asks for --new-tokens tokens (greedy, past end-of-text), again and again for
 --duration seconds; the served rate is all tokens received / wall time. transformers' side is
 one `generate(batch of S)` call after another for --limit-duration seconds (at least one).
-The two alternate for --rounds rounds; each round's ratio comes from a pair measured back to
-back, so drift in a shared machine's speed hits both sides alike, and the report gives the
+With --processes P, the streams are spread over P client processes (their rates add up).
+The two sides alternate for --rounds rounds; each round's ratio comes from a pair measured back
+to back, so drift in a shared machine's speed hits both sides alike, and the report gives the
 median ratio and every round's.
 """
 
@@ -64,6 +65,32 @@ async def serve_streams(target: str, prompts: list[list[int]], streams: int, new
         return tokens, time.perf_counter() - started, tpot, ttft, errors
 
 
+def streams_in_process(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float
+                       ) -> tuple[int, float, list[float], list[float], int]:
+    """One client process's share of the streams (a top-level function, for --processes)."""
+    return asyncio.run(serve_streams(target, prompts, streams, new_tokens, duration_s))
+
+
+def serve_from_processes(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float,
+                         processes: int) -> tuple[float, int, list[float], list[float], int]:
+    """(tokens/s, tokens, time per output token, time to first token, errors), the streams
+    spread over client processes, each on its own connection (so, with --workers, its own front
+    end): one client process receiving a message per token is otherwise what gets measured.
+    Each process's rate is measured over its own window; the rates add up."""
+    processes = max(1, min(processes, streams))
+    if processes == 1:
+        parts = [streams_in_process(target, prompts, streams, new_tokens, duration_s)]
+    else:
+        import multiprocessing
+
+        shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            parts = pool.starmap(streams_in_process, [(target, prompts[i::processes], share, new_tokens, duration_s)
+                                                      for i, share in enumerate(shares)])
+    return (sum(tokens / seconds for tokens, seconds, *_ in parts), sum(p[0] for p in parts),
+            [x for p in parts for x in p[2]], [x for p in parts for x in p[3]], sum(p[4] for p in parts))
+
+
 class TransformersGenerate:
     """transformers' GPT2LMHeadModel with the server's architecture and dtype, on this machine."""
 
@@ -110,9 +137,9 @@ def run_generate_bench(args) -> int:
         # speed drifts by more than the difference we look for.
         for _ in range(rounds):
             limit = statistics.median(reference.tokens_per_s(batch, args.new_tokens, args.limit_duration))
-            round_tokens, seconds, round_tpot, round_ttft, round_errors = asyncio.run(
-                serve_streams(args.target, prompts, streams, args.new_tokens, args.duration))
-            served_rates.append(round_tokens / seconds)
+            rate, round_tokens, round_tpot, round_ttft, round_errors = serve_from_processes(
+                args.target, prompts, streams, args.new_tokens, args.duration, args.processes)
+            served_rates.append(rate)
             limit_rates.append(limit)
             ratios.append(served_rates[-1] / limit)
             tokens, errors = tokens + round_tokens, errors + round_errors

@@ -31,7 +31,9 @@ class TextStream:
         if self.stopped:
             return ""
         self._undecoded.append(token_id)
-        piece = self.tokenizer.decode(self._undecoded)
+        # One token alone (nearly always): its text is cached; only held bytes need a decode.
+        held = len(self._undecoded) > 1
+        piece = self.tokenizer.decode(self._undecoded) if held else self.tokenizer.token_text(token_id)
         if piece.endswith(REPLACEMENT) and len(self._undecoded) < MAX_HELD_TOKENS:
             return ""
         self._undecoded = []
