@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from gpt2serve.engine.convert import to_transformers
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generation import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import SamplingParams
+from gpt2serve.generate_bench import TransformersGenerate
 
 
 def synchronize(device: torch.device) -> None:
@@ -43,16 +43,6 @@ def engine_seconds(generator: Generator, prompts: list[list[int]], new_tokens: i
     return prefilled - started, decode_s
 
 
-def transformers_seconds(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
-    ids = torch.tensor(prompts, device=device)
-    started = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    synchronize(device)
-    return time.perf_counter() - started
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:gpt2")
@@ -70,11 +60,11 @@ def main() -> None:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     generator = Generator(engine, slots=max(sizes))
     generator.warm_up()
-    reference = to_transformers(loaded.model).to(device=loaded.device, dtype=loaded.dtype).eval()
+    reference = TransformersGenerate(loaded)
     rng = random.Random(0)
     vocab = loaded.model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(max(sizes))]
-    transformers_seconds(reference, prompts[:2], 4, loaded.device)  # first-call costs
+    reference.seconds(prompts[:2], 4)  # first-call costs
 
     rows = []
     for size in sizes:
@@ -82,7 +72,7 @@ def main() -> None:
         for _ in range(args.rounds):
             prefill_s, decode_s = engine_seconds(generator, batch, args.new_tokens)
             ours = prefill_s + decode_s * (args.new_tokens - 1)
-            ratios.append(transformers_seconds(reference, batch, args.new_tokens, loaded.device) / ours)
+            ratios.append(reference.seconds(batch, args.new_tokens) / ours)
             prefill.append(prefill_s)
             step.append(decode_s)
         rows.append({"batch": size, "prefill_ms": 1e3 * statistics.median(prefill),

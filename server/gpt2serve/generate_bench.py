@@ -92,17 +92,22 @@ def serve_from_processes(target: str, prompts: list[list[int]], streams: int, ne
 
 
 class TransformersGenerate:
-    """transformers' GPT2LMHeadModel with the server's architecture and dtype, on this machine."""
+    """transformers' GPT2LMHeadModel with a loaded model's weights, device and dtype."""
 
-    def __init__(self, info: ModelInfo):
+    def __init__(self, loaded):
         import torch
 
         from .engine.convert import to_transformers
-        from .engine.loading import build_model_like
 
-        loaded = build_model_like(info)
         self.torch, self.device = torch, loaded.device
         self.model = to_transformers(loaded.model).to(device=loaded.device, dtype=loaded.dtype).eval()
+
+    @classmethod
+    def like(cls, info: ModelInfo) -> TransformersGenerate:
+        """With the server's architecture and dtype, on this machine."""
+        from .engine.loading import build_model_like
+
+        return cls(build_model_like(info))
 
     def seconds(self, prompts: list[list[int]], new_tokens: int) -> float:
         torch = self.torch
@@ -127,7 +132,7 @@ def run_generate_bench(args) -> int:
     info = asyncio.run(fetch_info(args.target))
     stream_counts = [int(s) for s in args.streams.split(",")]
     prompts = make_prompts(max(stream_counts) * 4, args.prompt_tokens, info.architecture.vocab_size, args.seed)
-    reference = TransformersGenerate(info)
+    reference = TransformersGenerate.like(info)
     reference.seconds(prompts[:2], 4)  # first-call costs
     rounds, results = args.rounds or 3, []
     for streams in stream_counts:

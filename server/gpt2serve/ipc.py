@@ -23,6 +23,7 @@ its KV-cache slot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from dataclasses import asdict
@@ -280,39 +281,40 @@ class EngineServer:
                 elif kind == HELLO:
                     self._outbox.put(peer, self._ready)
 
-    async def _submit(self, key: tuple[bytes, int], prompts: list[list[int]], top_k: int,
-                      trace: RequestTrace | None) -> None:
+    @contextlib.contextmanager
+    def _answering(self, key: tuple[bytes, int], what: str):
+        """Around one front-end request: its errors become an ERROR message to that front end (a
+        cancelled one, whose caller went away, gets none); at the end it leaves `_running`."""
         peer, request_id = key
         try:
-            outputs = await self._batcher.submit(prompts, top_k, trace)
-            self._outbox.put(peer, [RESULT, request_id, [output_to_wire(out) for out in outputs]])
+            yield
         except ServeError as exc:
             self._outbox.put(peer, [ERROR, request_id, exc.code, exc.message])
         except asyncio.CancelledError:
             pass  # the front end's caller went away
         except Exception as exc:  # never lose a request silently
-            log.exception("engine request failed")
+            log.exception("engine %s failed", what)
             self._outbox.put(peer, [ERROR, request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"])
         finally:
             self._running.pop(key, None)
 
+    async def _submit(self, key: tuple[bytes, int], prompts: list[list[int]], top_k: int,
+                      trace: RequestTrace | None) -> None:
+        peer, request_id = key
+        with self._answering(key, "request"):
+            outputs = await self._batcher.submit(prompts, top_k, trace)
+            self._outbox.put(peer, [RESULT, request_id, [output_to_wire(out) for out in outputs]])
+
     async def _generate(self, key: tuple[bytes, int], request: GenerationRequest, trace: RequestTrace | None) -> None:
         peer, request_id = key
         steps = self._generation.generate(request, trace)
-        try:
-            async for step in steps:
-                self._outbox.put(peer, [STEP, request_id, step_to_wire(step)])
-            self._outbox.put(peer, [END, request_id])
-        except ServeError as exc:
-            self._outbox.put(peer, [ERROR, request_id, exc.code, exc.message])
-        except asyncio.CancelledError:
-            pass  # the front end's caller went away
-        except Exception as exc:  # never lose a request silently
-            log.exception("engine generation failed")
-            self._outbox.put(peer, [ERROR, request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"])
-        finally:
-            await steps.aclose()  # frees its KV-cache slot
-            self._running.pop(key, None)
+        with self._answering(key, "generation"):
+            try:
+                async for step in steps:
+                    self._outbox.put(peer, [STEP, request_id, step_to_wire(step)])
+                self._outbox.put(peer, [END, request_id])
+            finally:
+                await steps.aclose()  # frees its KV-cache slot
 
     def close(self) -> None:
         for task in self._running.values():

@@ -39,8 +39,8 @@ MAX_ATTENTION_MAP_TOKENS = 128
 class RequestOptions:
     """How a request arrived and what it asked to see; transports fill this in."""
 
-    api: str = "internal"  # "grpc" or "rest": the metrics label
-    method: str = "NextToken"  # "NextToken" or "NextTokenBatch"
+    api: str = "internal"  # "grpc", "rest" or "openai": the metrics label
+    method: str = "NextToken"  # "NextToken", "NextTokenBatch", "Generate" or "Completions"
     span_name: str = "next_token"  # "gpt2serve.v1.Gpt2Serve/NextToken", "POST /v1/next-token"
     parent: Context | None = None  # W3C trace context from gRPC metadata or HTTP headers
     attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes
@@ -107,11 +107,10 @@ class InferenceService:
         batcher and `generation` the generation loop, or both are the engine process behind the
         IPC door (ipc.EngineClient)."""
         self._generation = generation
-        self.n_ctx = info.architecture.n_ctx
-        n_ctx, self.vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
+        self.n_ctx, self.vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
         self.max_batch_size = scheduler.max_batch_size
         self.tokenizer = tokenizer
-        self.max_prompt_tokens = min(self.config.max_prompt_tokens or n_ctx, n_ctx)
+        self.max_prompt_tokens = min(self.config.max_prompt_tokens or self.n_ctx, self.n_ctx)
         # A text of more bytes than this has more tokens than allowed: refuse it without tokenizing.
         self.max_prompt_bytes = self.max_prompt_tokens * tokenizer.max_token_bytes
         info = replace(info, max_prompt_tokens=self.max_prompt_tokens, max_batch_size=self.max_batch_size)

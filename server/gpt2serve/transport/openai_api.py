@@ -16,15 +16,14 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import propagate
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 
 from ..errors import InvalidArgument, ServeError
 from ..generating import GenerateSettings
-from ..service import InferenceService, PromptInput, RequestOptions
-from .hangup import unless_disconnected
+from ..service import InferenceService, PromptInput
+from .http_request import http_options, unless_disconnected
 from .sse import first_and_rest, sse_event
 
 ROUTE = "/v1/completions"
@@ -118,10 +117,7 @@ def add_openai_routes(app: FastAPI, service: InferenceService) -> None:
             if body.model != model:
                 return openai_error(404, f"The model '{body.model}' does not exist; this server serves '{model}'",
                                     "model", "model_not_found")
-            options = RequestOptions(
-                api="openai", method="Completions", span_name=f"POST {ROUTE}",
-                parent=propagate.extract(request.headers),
-                attributes={"http.request.method": "POST", "http.route": ROUTE, "url.scheme": request.url.scheme})
+            options = http_options(request, ROUTE, "Completions", api="openai")
             settings = body.settings()
             generations = [service.generate(prompt, settings, options)
                            for prompt in body.prompt_inputs(service.max_batch_size)]

@@ -12,7 +12,6 @@ import logging
 from dataclasses import asdict
 
 from fastapi import FastAPI, Request
-from opentelemetry import propagate
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -25,7 +24,7 @@ from ..errors import PayloadTooLarge, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
-from .hangup import ClientDisconnected, unless_disconnected
+from .http_request import ClientDisconnected, http_options, unless_disconnected
 from .openai_api import add_openai_routes, is_openai_path, openai_error
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
@@ -110,13 +109,9 @@ def describe_validation_error(request: Request, errors: list[dict]) -> str:
 
 def request_options(request: Request, route: str, method: str,
                     body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
-    """Span name and attributes, the caller's W3C trace context (headers), and what it asked to see."""
-    return RequestOptions(
-        api="rest", method=method, span_name=f"POST {route}", parent=propagate.extract(request.headers),
-        attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme},
-        trace_layers=body.trace_layers, include_layers=body.include_layers,
-        attention_maps=getattr(body, "attention_maps", False),  # /v1/next-token only
-    )
+    """The next-token routes' options: what the body asked to see."""
+    return http_options(request, route, method, trace_layers=body.trace_layers, include_layers=body.include_layers,
+                        attention_maps=getattr(body, "attention_maps", False))  # /v1/next-token only
 
 
 async def collect(chunks) -> list:
@@ -180,10 +175,7 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
         token (text, token), then a closing chunk (finish_reason, usage, timings); an error
         after the stream began comes as an `event: error` with the usual error body."""
-        options = RequestOptions(
-            api="rest", method="Generate", span_name="POST /v1/generate", parent=propagate.extract(request.headers),
-            attributes={"http.request.method": "POST", "http.route": "/v1/generate", "url.scheme": request.url.scheme},
-            trace_layers=body.trace_layers)
+        options = http_options(request, "/v1/generate", "Generate", trace_layers=body.trace_layers)
         chunks = service.generate(PromptInput(text=body.prompt, token_ids=body.prompt_token_ids), body.settings(),
                                   options)
         if not body.stream:

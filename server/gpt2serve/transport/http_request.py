@@ -1,4 +1,5 @@
-"""Noticing an HTTP client that hangs up while its request waits (REST and OpenAI routes)."""
+"""What the REST and OpenAI routes take from an HTTP request: how it arrived (for spans and
+metrics), and whether its client hangs up while it waits."""
 
 from __future__ import annotations
 
@@ -6,8 +7,19 @@ import asyncio
 from typing import Awaitable, TypeVar
 
 from fastapi import Request
+from opentelemetry import propagate
+
+from ..service import RequestOptions
 
 T = TypeVar("T")
+
+
+def http_options(request: Request, route: str, method: str, api: str = "rest", **asked: bool) -> RequestOptions:
+    """Span name and attributes, the caller's W3C trace context (headers), and what it asked
+    to see (`asked`: trace_layers, include_layers, attention_maps)."""
+    return RequestOptions(
+        api=api, method=method, span_name=f"POST {route}", parent=propagate.extract(request.headers),
+        attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme}, **asked)
 
 
 class ClientDisconnected(Exception):
