@@ -5,6 +5,9 @@ Transports map these to wire status codes; nothing below transport knows about e
 
 from __future__ import annotations
 
+# What a caller is told of a failure that is not theirs (the details go to the server log).
+INTERNAL_MESSAGE = "internal error; see server log"
+
 
 class ServeError(Exception):
     code = "INTERNAL"

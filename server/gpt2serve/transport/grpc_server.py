@@ -18,7 +18,7 @@ from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
-from ..errors import InvalidArgument, ServeError, ShuttingDown
+from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, GrpcAuthInterceptor
@@ -65,7 +65,7 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: 
             context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
         await context.abort(grpc.StatusCode[exc.code], exc.message)
     log.error("unhandled error in %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error; see server log")
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
 def status_errors(method):

@@ -23,7 +23,7 @@ from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 from ..errors import InvalidArgument, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput
-from .http_request import http_options, unless_disconnected
+from .http_shared import http_options, unless_disconnected
 from .sse import first_and_rest, sse_event
 
 ROUTE = "/v1/completions"

@@ -20,11 +20,11 @@ from gpt2serve_client.types import GenerateResult, ModelInfo, NextTokenResult
 
 from .. import __version__
 from ..config import ServeConfig
-from ..errors import PayloadTooLarge, ServeError
+from ..errors import INTERNAL_MESSAGE, PayloadTooLarge, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
-from .http_request import ClientDisconnected, http_options, unless_disconnected
+from .http_shared import ClientDisconnected, http_options, retry_after, unless_disconnected
 from .openai_api import add_openai_routes, is_openai_path, openai_error
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
@@ -89,12 +89,9 @@ def json_response(payload: dict) -> Response:
 
 
 OTHER_METHODS = {"/v1/model": "GetModelInfo", "/v1/generate": "Generate", "/v1/completions": "Completions"}
-RETRY_AFTER_S = "1"  # on 429 and 503: the queue drains, or another replica takes over, within about that
-
-
 def error_response(status: int, code: str, message: str) -> JSONResponse:
-    headers = {"retry-after": RETRY_AFTER_S} if status in (429, 503) else None
-    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}}, headers=headers)
+    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}},
+                        headers=retry_after(status))
 
 
 def describe_validation_error(request: Request, errors: list[dict]) -> str:
@@ -155,7 +152,7 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(500, "INTERNAL", "internal error; see server log")
+        return error_response(500, "INTERNAL", INTERNAL_MESSAGE)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
@@ -265,7 +262,7 @@ class InferenceRoutes:
                 response = error_response(exc.http_status, exc.code, exc.message)
             except Exception:
                 log.exception("unhandled error in %s", scope.get("path"))
-                response = error_response(500, "INTERNAL", "internal error; see server log")
+                response = error_response(500, "INTERNAL", INTERNAL_MESSAGE)
             await response(scope, receive, send)
 
         return app
