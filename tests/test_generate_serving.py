@@ -320,5 +320,10 @@ def test_no_cache_space_waits_then_resource_exhausted(one_slot, kind):
     assert time.monotonic() - started >= 0.25  # it waited for --max-queue-wait-s
     if kind == "rest":
         assert err.value.http_status == 429
+    # OpenAI's client gets the same refusal in OpenAI's shape, with the REST answers' Retry-After.
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as limited:
+        oai.completions.create(model="random:gpt2", prompt="no room", max_tokens=3)
+    assert "KV-cache slot" in limited.value.body["message"] and limited.value.response.headers["retry-after"] == "1"
     rest = list(holder)  # the accepted generation is never lost
     assert rest[-1].finish_reason == "length" and sum(1 for c in rest if c.token) == 399

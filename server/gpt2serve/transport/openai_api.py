@@ -23,7 +23,7 @@ from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 from ..errors import InvalidArgument, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput
-from .http_shared import http_options, unless_disconnected
+from .http_shared import http_options, retry_after, unless_disconnected
 from .sse import first_and_rest, sse_event
 
 ROUTE = "/v1/completions"
@@ -88,7 +88,7 @@ def is_openai_path(path: str) -> bool:
 def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=retry_after(status))
 
 
 def logprobs_json(tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
