@@ -3,18 +3,28 @@
 Real server, real ports; only the forward pass misbehaves, on prompts that ask for it:
 - a prompt containing FAIL_TOKEN makes its batch's forward raise (a bug, a bad kernel);
 - a batch of more than one prompt that contains OOM_TOKEN raises the engine's OutOfMemory, as a
-  CUDA out-of-memory does on a GPU (there is no GPU here), so the scheduler must split it.
+  CUDA out-of-memory does on a GPU (there is no GPU here), so the scheduler must split it;
+- a prompt containing NAN_TOKEN gets NaN logits in its own row (next-token, and every step of a
+  generation), as an fp16 overflow would: only that request may fail.
 Each forward's batch size is printed, so the test can see the splits.
 """
 
 import sys
 
+import torch
+
 from gpt2serve.cli import main
 from gpt2serve.engine import engine as engine_module
+from gpt2serve.engine import generation as generation_module
 
 FAIL_TOKEN = 40000
 OOM_TOKEN = 40001
+NAN_TOKEN = 40002
 real_next_token = engine_module.Engine.next_token
+real_last_logprobs = engine_module.Engine.last_logprobs
+real_prefill = generation_module.Generator.prefill
+real_choose = generation_module.Generator._choose
+poisoned_sequences: set[int] = set()
 
 
 def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=()):
@@ -26,7 +36,26 @@ def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=()):
     return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows)
 
 
+def last_logprobs(self, input_ids, position_ids, valid, probe=None):
+    logprobs = real_last_logprobs(self, input_ids, position_ids, valid, probe)
+    poisoned = (input_ids == NAN_TOKEN).any(dim=-1)  # (B,)
+    return torch.where(poisoned[:, None], float("nan"), logprobs)
+
+
+def prefill(self, sequences):
+    poisoned_sequences.update(s.seq_id for s in sequences if NAN_TOKEN in s.prompt)
+    return real_prefill(self, sequences)
+
+
+def choose(self, logits, rows):
+    poisoned = torch.tensor([r.seq_id in poisoned_sequences for r in rows])  # (B,)
+    return real_choose(self, torch.where(poisoned[:, None], float("nan"), logits), rows)
+
+
 engine_module.Engine.next_token = next_token
+engine_module.Engine.last_logprobs = last_logprobs
+generation_module.Generator.prefill = prefill
+generation_module.Generator._choose = choose
 
 if __name__ == "__main__":
     sys.exit(main())

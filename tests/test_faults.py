@@ -7,9 +7,10 @@ import asyncio
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import launch_server
-from faulty_server import FAIL_TOKEN, OOM_TOKEN
+from faulty_server import FAIL_TOKEN, NAN_TOKEN, OOM_TOKEN
 from reference import assert_matches_reference
 
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError
@@ -37,13 +38,53 @@ def test_a_failing_forward_fails_only_its_batch(faulty_server, tiny_model):
 
     failed, answered = asyncio.run(main())
     assert isinstance(failed, Gpt2ServeError) and failed.code == "INTERNAL"
-    assert "forward pass failed" in failed.message and "injected fault" in failed.message
+    assert "forward pass failed" in failed.message
+    assert "injected fault" not in failed.message and "RuntimeError" not in failed.message  # the log has it
     assert not isinstance(answered, Exception), answered
     for prompt, result in zip(good, answered):
         assert_matches_reference(tiny_model.model, result, prompt, 3)
     with Client(faulty_server.grpc_target) as client:  # and the server keeps serving
         assert_matches_reference(tiny_model.model, client.next_token(good[0], top_k=3), good[0], 3)
-    assert "forward pass failed for a batch of 8" in faulty_server.log()
+    log = faulty_server.log()
+    assert "forward pass failed for a batch of 8" in log and "injected fault in the forward pass" in log
+
+
+def test_a_non_finite_row_fails_alone_and_its_batch_is_answered(faulty_server, tiny_model):
+    """NaN logits in one row (an fp16 overflow, say): that prompt gets INTERNAL with a clear
+    message; the other prompts of the same forward get their right answers."""
+    good = [[464 + i, 3139, 286] for i in range(7)]
+
+    async def main():
+        async with AsyncClient(faulty_server.grpc_target) as client:
+            return await asyncio.gather(client.next_token([NAN_TOKEN, 5]),
+                                        *(client.next_token(p, top_k=3) for p in good), return_exceptions=True)
+
+    failed, *answered = asyncio.run(main())
+    assert isinstance(failed, Gpt2ServeError) and failed.code == "INTERNAL", failed
+    assert "not finite" in failed.message
+    for prompt, result in zip(good, answered):
+        assert not isinstance(result, Exception), result
+        assert_matches_reference(tiny_model.model, result, prompt, 3)
+    assert max(r.batch_size for r in answered) > 1  # they did share forwards with it or each other
+
+
+def test_a_non_finite_generation_fails_alone_beside_running_streams(faulty_server):
+    """A generation whose logits turn NaN fails (500 on REST) while greedy streams started with
+    it, in the same prefill, finish with what they give alone."""
+    prompts = [[464 + i, 3139, 286] for i in range(4)]
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=faulty_server.http_url, timeout=60) as http:
+        alone = [http.post("/v1/generate", json={**body, "prompt_token_ids": p}).json()["text"] for p in prompts]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=faulty_server.http_url, timeout=60) as http:
+            return await asyncio.gather(http.post("/v1/generate", json={**body, "prompt_token_ids": [NAN_TOKEN, 5]}),
+                                        *(http.post("/v1/generate", json={**body, "prompt_token_ids": p})
+                                          for p in prompts))
+
+    bad, *good = asyncio.run(main())
+    assert bad.status_code == 500 and "not finite" in bad.json()["error"]["message"]
+    assert [r.json()["text"] for r in good] == alone
 
 
 def test_out_of_memory_splits_the_batch_until_it_fits(faulty_server, tiny_model):

@@ -18,7 +18,7 @@ from reference import transformers_random_model
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generation import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
-from gpt2serve.engine.sampling import SamplingParams, choose
+from gpt2serve.engine.sampling import TOP, SamplingParams, choose
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.errors import ResourceExhausted
 from gpt2serve.scheduling.batcher import new_engine_thread
@@ -185,7 +185,7 @@ def test_a_rows_token_depends_on_its_own_settings_only():
     assert mixed[0, 0] == alone[0, 0] and mixed[0, 1] == alone[0, 1]
     assert mixed[1, 0] == logits[1].argmax()
     logprobs = torch.log_softmax(logits, -1)
-    assert torch.allclose(mixed[1, 2:7], logprobs[1].topk(5).values)  # top alternatives, most likely first
+    assert torch.allclose(mixed[1, TOP:TOP + 5], logprobs[1].topk(5).values)  # top alternatives, most likely first
 
 
 def test_sampling_follows_the_distribution():

@@ -53,6 +53,11 @@ class ShuttingDown(Unavailable):
     policies so with a negative grpc-retry-pushback-ms)."""
 
 
+class NonFiniteOutput(ServeError):
+    """The model's logits for one row were not finite (a numerical overflow): that row fails
+    alone, with INTERNAL, and the rest of its batch is answered."""
+
+
 class DeadlineExceeded(ServeError):
     code = "DEADLINE_EXCEEDED"
     http_status = 504

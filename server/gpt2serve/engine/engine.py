@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -82,6 +83,9 @@ class BatchOutput:
     ended_ns: int
     cuda_graph: bool = False  # replayed from a captured graph (padded_len is then the bucket's)
     layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> one report per block
+    # Rows whose log-probs were not finite (a numerical overflow, e.g. fp16): their `top` is
+    # meaningless, and the scheduler fails them alone.
+    failed_rows: frozenset[int] = frozenset()
     timeline: ForwardTimeline | None = None  # stage times, when any row was traced
     probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
 
@@ -153,8 +157,9 @@ class Engine:
         if replayed is None:
             return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows)
         logprobs, (_, length) = replayed
-        return BatchOutput(self._top(logprobs, top_ks), time.perf_counter() - started, length, started_ns,
-                           time.time_ns(), cuda_graph=True)
+        top, failed = self._top(logprobs, top_ks)
+        return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(), cuda_graph=True,
+                           failed_rows=failed)
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = ()) -> BatchOutput:
@@ -166,11 +171,11 @@ class Engine:
         if traced_rows:
             probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
                                self.loaded.tokenizer.token_text, mapped_rows)
-        top = self._top(self.last_logprobs(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe), top_ks)
+        top, failed = self._top(self.last_logprobs(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe), top_ks)
         if probe:
             probe.finish()
         return BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
-                           probe=probe)
+                           probe=probe, failed_rows=failed)
 
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
                       probe: LayerProbe | None = None) -> torch.Tensor:
@@ -182,13 +187,15 @@ class Engine:
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
 
     @staticmethod
-    def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> list[list[TokenScore]]:
+    def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[list[TokenScore]], frozenset[int]]:
         """Each row's top-k, with one device-to-host copy: values and ids travel as one tensor
-        (ids are exact in float32 below 2**24)."""
+        (ids are exact in float32 below 2**24). Also the rows that are not finite: any NaN or
+        +inf logit makes log_softmax NaN across the row, so its best value tells."""
         values, ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max) each
         values, ids = torch.stack((values, ids.float())).cpu().tolist()  # (2, B, k_max): one copy
+        failed = frozenset(row for row, row_values in enumerate(values) if not math.isfinite(row_values[0]))
         return [[TokenScore(int(i), v) for i, v in zip(row_ids[:k], row_values[:k])]
-                for row_ids, row_values, k in zip(ids, values, top_ks)]
+                for row_ids, row_values, k in zip(ids, values, top_ks)], failed
 
     @oom_as_out_of_memory
     @torch.inference_mode()

@@ -22,7 +22,7 @@ import torch
 from .decode_graphs import DecodeGraphs
 from .engine import Engine, TokenScore, oom_as_out_of_memory
 from .kv_cache import KVCache
-from .sampling import SamplingParams, choose
+from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
 SPAN_ROUNDING = 64  # decode attends over a multiple of this many positions: fewer distinct shapes
 
@@ -51,6 +51,9 @@ class StepOutput:
     forward_s: float
     started_ns: int  # wall clock, for the step's span
     ended_ns: int
+    # Sequences whose logits were not finite (a numerical overflow): no token; the scheduler
+    # fails them alone, and frees their slots at the next step.
+    failed: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -131,10 +134,10 @@ class Generator:
         last = hidden[torch.arange(len(sequences), device=device), torch.tensor(lengths, device=device) - 1]  # (k, C)
         added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
                  for s in sequences]
-        tokens = self._choose(self.engine.unembed(self.model.ln_f(last)), added)
+        tokens, failed = self._choose(self.engine.unembed(self.model.ln_f(last)), added)
         self.running.extend(added)
         return StepOutput(tokens, "prefill", len(sequences), sum(lengths), time.perf_counter() - started,
-                          started_ns, time.time_ns())
+                          started_ns, time.time_ns(), failed)
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -147,11 +150,11 @@ class Generator:
         if logits is None:  # eager, at the exact batch; the span rounded up to limit distinct shapes
             span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
-        tokens = self._choose(logits, rows)
+        tokens, failed = self._choose(logits, rows)
         for r in rows:
             r.length += 1
         return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,
-                          started_ns, time.time_ns())
+                          started_ns, time.time_ns(), failed)
 
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`
@@ -161,16 +164,21 @@ class Generator:
                                           mask=store.mask())  # (B, 1, C)
         return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
 
-    def _choose(self, logits: torch.Tensor, rows: Sequence[_Running]) -> dict[int, SampledToken]:
-        """Sample each row's next token, bring the answers over in one copy, and record them."""
+    def _choose(self, logits: torch.Tensor, rows: Sequence[_Running]
+                ) -> tuple[dict[int, SampledToken], frozenset[int]]:
+        """Sample each row's next token, bring the answers over in one copy, and record them;
+        also the rows whose logits were not finite (see sampling), which get no token."""
         params = [r.params for r in rows]
-        chosen = choose(logits, params, [r.rng.random() for r in rows]).cpu().tolist()  # (B, 2 + 2n)
-        n = (len(chosen[0]) - 2) // 2
-        out = {}
+        chosen = choose(logits, params, [r.rng.random() for r in rows]).cpu().tolist()  # (B, 3 + 2n)
+        n = (len(chosen[0]) - TOP) // 2
+        out, failed = {}, set()
         for r, values in zip(rows, chosen):
-            token = int(values[0])
-            r.last_token = token
+            token = int(values[TOKEN])
+            r.last_token = token  # fed at the next decode (a failed row leaves before it)
+            if not values[FINITE]:
+                failed.add(r.seq_id)
+                continue
             k = r.params.logprobs
-            top = [TokenScore(int(i), v) for v, i in zip(values[2:2 + k], values[2 + n:2 + n + k])]
-            out[r.seq_id] = SampledToken(token, values[1], top)
-        return out
+            top = [TokenScore(int(i), v) for v, i in zip(values[TOP:TOP + k], values[TOP + n:TOP + n + k])]
+            out[r.seq_id] = SampledToken(token, values[LOGPROB], top)
+        return out, frozenset(failed)

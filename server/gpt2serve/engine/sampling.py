@@ -5,6 +5,12 @@ The draw comes from the sequence's own seeded generator (engine.generation), and
 picks depends only on that row's logits and settings (inverse CDF over the row's candidates in
 an order fixed by its own settings), so a seed gives the same text whatever shares the batch.
 
+Every valid setting gives a valid token: logits are shifted so each row's best is 0 before they
+are divided by the temperature, so a tiny temperature gives -inf for the others (weight 0), never
+inf - inf = NaN; below GREEDY_TEMPERATURE a row is greedy. A row whose logits are not finite (a
+NaN or +inf anywhere, or -inf everywhere: a numerical overflow in the model, e.g. fp16 on a GPU)
+is flagged, not sampled: the caller fails that row alone, and its NaNs never reach another row.
+
 Reported log-probabilities are the model's own (temperature 1, nothing filtered), as OpenAI's
 API reports them.
 """
@@ -15,23 +21,31 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.
+GREEDY_TEMPERATURE = 1e-5
+# Columns of choose()'s answer before the n top logprobs and their ids.
+TOKEN, LOGPROB, FINITE, TOP = 0, 1, 2, 3
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included): greedy
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
     logprobs: int = 0  # top alternatives reported per token
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float]) -> torch.Tensor:
-    """(B, V) logits -> (B, 2 + 2n) fp32: [token id, its logprob, n top logprobs, their ids],
-    n the most alternatives any row asked for; one tensor, so one copy to the host."""
+    """(B, V) logits -> (B, 3 + 2n) fp32: [token id, its logprob, finite (1.0 or 0.0), n top
+    logprobs, their ids], n the most alternatives any row asked for; one tensor, so one copy to
+    the host. A row that is not finite has token 0 and must not be used."""
     logits = logits.float()
+    finite = torch.isfinite(logits.amax(dim=-1))  # (B,): amax is NaN or +inf if any entry is, -inf if all are
+    logits = torch.where(finite[:, None], logits, 0.0)  # (B, V): a bad row cannot poison the rest
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
     tokens = logprobs.argmax(dim=-1)  # (B,): greedy unless sampled below
     by_mode: dict[str, list[int]] = {}
@@ -43,25 +57,27 @@ def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[flo
     n = max(p.logprobs for p in params)
     chosen = logprobs.gather(1, tokens[:, None])  # (B, 1)
     top_values, top_ids = torch.topk(logprobs, n, dim=-1)  # (B, n) each
-    return torch.cat((tokens[:, None].float(), chosen, top_values, top_ids.float()), dim=1)  # (B, 2 + 2n)
+    return torch.cat((tokens[:, None].float(), chosen, finite[:, None].float(), top_values, top_ids.float()),
+                     dim=1)  # (B, 3 + 2n)
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float], mode: str) -> torch.Tensor:
-    """(S, V) logits of rows that all sample the same way -> (S,) token ids.
+    """(S, V) finite logits of rows that all sample the same way -> (S,) token ids.
 
     The candidates' order depends on the mode alone, which a row's own settings decide:
     top_k: the k best, best first (the first k of any longer top list are the same);
     sorted: the whole vocabulary best first (for top-p); all: vocabulary order (nothing to cut)."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device)  # (S,)
-    scaled = logits / temperature[:, None]  # (S, V)
+    shifted = logits - logits.max(dim=-1, keepdim=True).values  # (S, V): best 0, others <= 0, never +inf
+    scaled = shifted / temperature[:, None]  # (S, V): in [-inf, 0], the best one exactly 0
     if mode == "top_k":
         scaled, ids = torch.topk(scaled, max(p.top_k for p in params), dim=-1)  # (S, C), best first
     elif mode == "sorted":
         scaled, ids = torch.sort(scaled, dim=-1, descending=True)  # (S, V)
     else:
         ids = None
-    probs = torch.softmax(scaled, dim=-1)  # (S, C)
+    probs = torch.softmax(scaled, dim=-1)  # (S, C): finite, as some entry is 0
     last = torch.full((probs.shape[0],), probs.shape[1] - 1, device=device)  # (S,): last candidate kept
     if mode != "all":
         rank = torch.arange(probs.shape[1], device=device)  # (C,)
@@ -69,9 +85,11 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], uniform: list[fl
         top_p = torch.tensor([p.top_p for p in params], device=device)  # (S,)
         mass_before = probs.cumsum(dim=-1) - probs  # (S, C): probability of the better candidates
         keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])  # the best one always
+        keep[:, 0] = True  # (even if rounding made mass_before[0] a hair above 0 and top_p is tiny)
         probs = probs * keep
         last = keep.sum(dim=-1) - 1  # the kept candidates are a prefix of the order
     cdf = probs.cumsum(dim=-1)  # (S, C)
     target = torch.tensor(uniform, device=device, dtype=cdf.dtype) * cdf[:, -1]  # (S,)
     picked = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True), last[:, None])  # (S, 1)
+    picked = picked.clamp(min=0)
     return picked[:, 0] if ids is None else ids.gather(1, picked)[:, 0]

@@ -24,7 +24,7 @@ from typing import Any, Protocol, Sequence
 from gpt2serve_client.types import LayerReport
 
 from ..engine.engine import BatchOutput, OutOfMemory, TokenScore
-from ..errors import ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
 from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,9 @@ class Batcher:
                 needs_layers: bool) -> None:
         """Resolve the batch's futures; with needs_layers=False only those not waiting for layers."""
         for row, (item, top) in enumerate(zip(batch, output.top)):
+            if row in output.failed_rows and not item.future.done():
+                item.future.set_exception(NonFiniteOutput(
+                    "the model's output for this prompt was not finite (a numerical overflow)"))
             if item.future.done() or (not needs_layers and getattr(item.trace, "layers_in_response", False)):
                 continue
             item.future.set_result(ScheduledOutput(
@@ -162,7 +165,7 @@ class Batcher:
         log.error("%s failed for a batch of %d", stage, len(batch), exc_info=exc)
         for item in batch:
             if not item.future.done():
-                item.future.set_exception(error or EngineFailure(f"{stage} failed: {type(exc).__name__}: {exc}"))
+                item.future.set_exception(error or EngineFailure(f"the {stage} failed; {INTERNAL_MESSAGE}"))
 
     def _observe(self, traces: list, output: BatchOutput, started_ns: int) -> None:
         try:

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 from ..engine.engine import OutOfMemory
 from ..engine.generation import NewSequence, SampledToken, StepOutput
 from ..engine.sampling import SamplingParams
-from ..errors import ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class GenerationScheduler:
             return True
         except Exception as exc:  # Fail the sequences of this step, keep serving the rest.
             log.error("%s step failed for %d sequences", kind, len(members), exc_info=exc)
-            self._fail(members, ServeError(f"{kind} step failed: {type(exc).__name__}: {exc}"))
+            self._fail(members, ServeError(f"the {kind} step failed; {INTERNAL_MESSAGE}"))
             return True
         if output is None:
             return True
@@ -248,6 +248,11 @@ class GenerationScheduler:
             token = output.tokens.get(seq.seq_id)
             if token is not None and seq.state == "running":
                 self._deliver(seq, token, output)
+        if output.failed:
+            log.error("%s step: %d of %d sequences had non-finite logits; failing them alone",
+                      kind, len(output.failed), len(members))
+            self._fail([s for s in members if s.seq_id in output.failed], NonFiniteOutput(
+                "the model's output for this sequence was not finite (a numerical overflow); it was stopped"))
         if self.observer is not None:
             try:
                 self.observer.record_step([s.trace for s in members], output)
