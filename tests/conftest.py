@@ -97,8 +97,11 @@ def requests_total(http_url: str, api: str, method: str, status: str, **get_kwar
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory) -> ServerProcess:
-    """One random:tiny server (seed 0) shared by the transport tests."""
-    srv = launch_server(tmp_path_factory.mktemp("server"), "--model", "random:tiny", "--max-batch-delay-ms", "20")
+    """One random:tiny server (seed 0) shared by the transport tests. Its length-grouping cost is
+    pinned high, so the prompts of one call share a forward whatever this machine's load made a
+    measured cost come out as (test_serving checks answers of a padded batch)."""
+    srv = launch_server(tmp_path_factory.mktemp("server"), "--model", "random:tiny", "--max-batch-delay-ms", "20",
+                        "--fixed-cost-tokens", "4096")
     yield srv
     srv.stop()
 

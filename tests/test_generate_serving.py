@@ -307,9 +307,11 @@ def test_a_client_that_hangs_up_frees_its_slot(one_slot, kind):
 
 @pytest.mark.parametrize("kind", ["grpc", "rest"])
 def test_no_cache_space_waits_then_resource_exhausted(one_slot, kind):
+    """The holder has no deadline and a generation far longer than the refusals take on any CPU
+    (1000 tokens of GPT-2 small); it hangs up at the end, so nothing races a clock."""
     url = one_slot.http_url
-    holder = Client(one_slot.grpc_target).generate_stream("hold the slot", max_tokens=400, temperature=0,
-                                                          ignore_eos=True)
+    holder_client = Client(one_slot.grpc_target, timeout=None)
+    holder = holder_client.generate_stream("hold the slot", max_tokens=1000, temperature=0, ignore_eos=True)
     first = next(holder)
     assert first.token is not None
     client = Client(one_slot.grpc_target, retries=0) if kind == "grpc" else RestClient(url, retries=0)
@@ -325,5 +327,9 @@ def test_no_cache_space_waits_then_resource_exhausted(one_slot, kind):
     with pytest.raises(openai.RateLimitError) as limited:
         oai.completions.create(model="random:gpt2", prompt="no room", max_tokens=3)
     assert "KV-cache slot" in limited.value.body["message"] and limited.value.response.headers["retry-after"] == "1"
-    rest = list(holder)  # the accepted generation is never lost
-    assert rest[-1].finish_reason == "length" and sum(1 for c in rest if c.token) == 399
+    # The accepted generation went on throughout: still streaming, nowhere near its end.
+    more = [next(holder) for _ in range(3)]
+    assert all(c.token is not None and not c.finish_reason for c in more)
+    holder.close()
+    holder_client.close()
+    assert wait_for_metric(url, "gpt2serve_running_sequences", 0) == 0  # the slot is back for the next test

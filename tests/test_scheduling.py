@@ -17,7 +17,10 @@ LONG_PROMPT = [(i * 7919) % 50000 for i in range(700)]
 
 @pytest.fixture(scope="module")
 def small_queue_server(tmp_path_factory):
-    srv = launch_server(tmp_path_factory.mktemp("sched"), "--model", "random:gpt2", "--max-queue", "4")
+    # The length-grouping cost is pinned (near what warm-up measures for GPT-2 small on a CPU): a
+    # cost measured on a busy machine can come out anywhere and change which prompts share a batch.
+    srv = launch_server(tmp_path_factory.mktemp("sched"), "--model", "random:gpt2", "--max-queue", "4",
+                        "--fixed-cost-tokens", "40")
     yield srv
     srv.stop()
 
@@ -32,27 +35,25 @@ def test_busy_server_stays_responsive_refuses_overflow_and_drops_expired(small_q
             await asyncio.sleep(0.5)  # The big batch is now in the model worker.
             assert not big.done()
 
-            # Probes answer quickly while the forward runs in its own thread.
+            # Probes answer while the forward runs in its own thread (it lasts seconds: they
+            # did not wait for it, whatever this machine's load makes each of them cost).
             for _ in range(5):
-                started = time.perf_counter()
                 assert (await client.health()).serving
                 assert (await http.get("/healthz")).status_code == 200
-                assert time.perf_counter() - started < 0.2  # two probes, each well under 100 ms
                 await asyncio.sleep(0.05)
+            assert not big.done(), "the probes waited for the model"
 
             doomed = asyncio.create_task(client.next_token("too late", timeout=0.3))
             waiting = [asyncio.create_task(client.next_token(f"waiting {i}", top_k=2, timeout=300)) for i in range(3)]
             await asyncio.sleep(0.1)  # All four are queued: the queue is full.
 
-            started = time.perf_counter()
             with pytest.raises(Gpt2ServeError) as overflow:
                 await client.next_token("one too many")
             rest_overflow = await http.post("/v1/next-token", json={"prompt": "one too many"})
-            rejected_in = time.perf_counter() - started
             assert overflow.value.code == "RESOURCE_EXHAUSTED" and "queue full" in overflow.value.message
             assert rest_overflow.status_code == 429
             assert rest_overflow.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
-            assert rejected_in < 0.5 and not big.done(), "rejection waited for the model"
+            assert not big.done(), "rejection waited for the model"
 
             with pytest.raises(Gpt2ServeError) as expired:
                 await doomed

@@ -143,7 +143,8 @@ def kv_cache_slots(config: ServeConfig, engine: Engine) -> int:
 
 def engine_options(config: ServeConfig, loaded) -> EngineOptions:
     return EngineOptions(max_batch_size=config.max_batch_size_on(loaded.device.type),
-                         cuda_graphs=config.cuda_graphs, cuda_graph_memory_mb=config.cuda_graph_memory_mb)
+                         cuda_graphs=config.cuda_graphs, cuda_graph_memory_mb=config.cuda_graph_memory_mb,
+                         fixed_cost_tokens=config.fixed_cost_tokens)
 
 
 @dataclass

@@ -35,6 +35,8 @@ class ServeConfig:
     max_queue: int = 1024
     # Padded tokens (batch size x longest prompt) in one forward; bounds activation memory.
     max_batch_tokens: int = 16384
+    # A forward's fixed cost in padded tokens' worth, for length grouping; None: measured at warm-up.
+    fixed_cost_tokens: float | None = None
     # 0 means "the model's context length".
     max_prompt_tokens: int = 0
     # When the default hub model cannot be loaded, serve random weights instead of failing.
@@ -161,6 +163,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--max-queue", type=int, default=d.max_queue, help="prompts waiting beyond this are refused")
     env.add("--max-batch-tokens", type=int, default=d.max_batch_tokens,
             help="most padded tokens (prompts x longest prompt) in one forward; a longer single prompt still runs alone")
+    env.add("--fixed-cost-tokens", type=auto_float, default="auto",
+            help="a forward's fixed cost in padded tokens' worth, which decides when prompts of different "
+                 "lengths run apart (see scheduling.grouping); auto: measured at warm-up")
     env.add("--max-prompt-tokens", type=int, default=d.max_prompt_tokens,
             help="longest prompt accepted; 0: the model's context length")
     env.add("--random-fallback", type=parse_bool, default=d.random_fallback,
@@ -224,6 +229,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--max-batch-delay-ms must be >= 0")
     if config.max_queue < 1:
         problems.append("--max-queue must be >= 1")
+    if config.fixed_cost_tokens is not None and config.fixed_cost_tokens < 0:
+        problems.append("--fixed-cost-tokens must be >= 0 (or auto)")
     if config.max_batch_tokens < 1:
         problems.append("--max-batch-tokens must be >= 1")
     if not 0.0 <= config.trace_sample_ratio <= 1.0:

@@ -49,6 +49,7 @@ class EngineOptions:
     max_batch_size: int = 64
     cuda_graphs: bool = True  # on cuda only
     cuda_graph_memory_mb: float = 4096.0
+    fixed_cost_tokens: float | None = None  # None: measured by warm_up()
 
 
 class OutOfMemory(Exception):
@@ -99,7 +100,8 @@ class Engine:
         self.device = loaded.device
         self.options = options
         self.pad_token_id = loaded.tokenizer.eos_token_id or 0
-        self.fixed_cost_tokens = DEFAULT_FIXED_COST_TOKENS  # Refined by warm_up().
+        pinned = options.fixed_cost_tokens
+        self.fixed_cost_tokens = DEFAULT_FIXED_COST_TOKENS if pinned is None else pinned  # else measured by warm_up()
         config = self.model.config
         assert config.vocab_size < 2**24, "token ids travel to the host as float32 (see _top)"
         self.graphs: BucketedForward | None = None
@@ -128,6 +130,9 @@ class Engine:
                      time.perf_counter() - started, self.graphs.memory_used_bytes / 2**20)
         prompt = [self.pad_token_id] * 8
         self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the eager path, with taps
+        if self.options.fixed_cost_tokens is not None:  # pinned (--fixed-cost-tokens): nothing to measure
+            self.next_token([prompt], [1])
+            return
         # A forward costs about fixed + r * rows + c * padded tokens (rows: the last-position
         # lm_head, a large share for small models). Splitting a batch by length repeats `fixed`
         # and saves padding, while r * rows is paid either way: so three shapes, r kept apart.
