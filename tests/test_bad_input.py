@@ -101,7 +101,7 @@ def test_rest_malformed_json_and_wrong_types_are_422(server, content, words):
 
 def test_rest_without_json_content_type_says_so(server):
     response = httpx.post(f"{server.http_url}/v1/next-token", content=b'{"prompt": "hi"}', timeout=10)
-    assert response.status_code == 422
+    assert response.status_code == 415  # Unsupported Media Type
     assert "Content-Type: application/json" in response.json()["error"]["message"]
 
 

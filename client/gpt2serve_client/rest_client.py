@@ -13,13 +13,12 @@ import httpx
 
 from . import _requests
 from .errors import Gpt2ServeError
+from .status import ERROR_STATUSES, code_for_http
 from .types import GenerateChunk, GenerateResult, HealthStatus, ModelInfo, NextTokenResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_BACKOFF_S = 2.0
-RETRYABLE_HTTP_STATUS = (429, 503)  # RESOURCE_EXHAUSTED, UNAVAILABLE
-HTTP_TO_CODE = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 422: "INVALID_ARGUMENT",
-                429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+RETRYABLE_HTTP_STATUS = tuple(s.http for s in ERROR_STATUSES if s.retry_after)  # 429, 503
 
 
 def error_from_response(response: httpx.Response) -> Gpt2ServeError:
@@ -27,7 +26,7 @@ def error_from_response(response: httpx.Response) -> Gpt2ServeError:
         error = response.json()["error"]
         code, message = error["code"], error["message"]
     except (ValueError, KeyError, TypeError):
-        code, message = HTTP_TO_CODE.get(response.status_code, "UNKNOWN"), response.text
+        code, message = code_for_http(response.status_code), response.text
     return Gpt2ServeError(code, message, http_status=response.status_code)
 
 

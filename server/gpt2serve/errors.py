@@ -1,51 +1,78 @@
-"""Errors the service raises, each with its gRPC status name and HTTP status.
+"""Errors the service raises, each a kind of failure in gpt2serve_client.status's table.
 
-Transports map these to wire status codes; nothing below transport knows about either protocol.
+Transports map these to wire statuses through that table; nothing below transport knows either
+protocol.
 """
 
 from __future__ import annotations
+
+from gpt2serve_client.status import BY_KIND, ErrorStatus
 
 # What a caller is told of a failure that is not theirs (the details go to the server log).
 INTERNAL_MESSAGE = "internal error; see server log"
 
 
 class ServeError(Exception):
-    code = "INTERNAL"
-    http_status = 500
+    kind = "internal"
+    counted = False  # set once a request metric has counted it (see telemetry.spans, transport)
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, when one is (OpenAI's error `param`)
+
+    @property
+    def status(self) -> ErrorStatus:
+        return BY_KIND[self.kind]
+
+    @property
+    def code(self) -> str:
+        return self.status.code
+
+    @property
+    def http_status(self) -> int:
+        return self.status.http
 
 
 class InvalidArgument(ServeError):
-    code = "INVALID_ARGUMENT"
-    http_status = 400
+    kind = "invalid_argument"
 
 
 class FailedPrecondition(ServeError):
-    code = "FAILED_PRECONDITION"
-    http_status = 400
+    kind = "failed_precondition"
+
+
+class NotFound(ServeError):
+    kind = "not_found"
+
+
+class MethodNotAllowed(ServeError):
+    kind = "method_not_allowed"
+
+
+class MalformedBody(ServeError):
+    """The body is not the route's JSON (syntax, UTF-8, depth, types, fields)."""
+    kind = "malformed"
+
+
+class UnsupportedMediaType(ServeError):
+    kind = "unsupported_media_type"
 
 
 class ResourceExhausted(ServeError):
-    code = "RESOURCE_EXHAUSTED"
-    http_status = 429
+    kind = "resource_exhausted"
 
 
 class PayloadTooLarge(ServeError):
-    code = "RESOURCE_EXHAUSTED"  # what grpc itself answers for an oversized message
-    http_status = 413
+    kind = "payload_too_large"  # RESOURCE_EXHAUSTED: what grpc itself answers for an oversized message
 
 
 class Unauthenticated(ServeError):
-    code = "UNAUTHENTICATED"
-    http_status = 401
+    kind = "unauthenticated"
 
 
 class Unavailable(ServeError):
-    code = "UNAVAILABLE"
-    http_status = 503
+    kind = "unavailable"
 
 
 class ShuttingDown(Unavailable):
@@ -59,15 +86,19 @@ class NonFiniteOutput(ServeError):
 
 
 class DeadlineExceeded(ServeError):
-    code = "DEADLINE_EXCEEDED"
-    http_status = 504
+    kind = "deadline_exceeded"
+
+
+class Cancelled(ServeError):
+    """The caller hung up; nobody reads the answer, but the request is counted."""
+    kind = "cancelled"
 
 
 def error_from_code(code: str, message: str) -> ServeError:
     """The error a (code, message) pair stands for, as it crossed a process boundary."""
     for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unauthenticated, Unavailable,
-                DeadlineExceeded):
-        if cls.code == code:
+                DeadlineExceeded, NotFound):
+        if cls.kind in BY_KIND and BY_KIND[cls.kind].code == code:
             return cls(message)
     return ServeError(message)
 

@@ -22,6 +22,8 @@ timestamps, so the model loop itself holds no telemetry calls.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,6 +123,8 @@ class Telemetry:
                     span.set_attribute("error.type", status)
                     if getattr(exc, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
                         span.set_status(Status(StatusCode.ERROR, str(exc)))
+                    with contextlib.suppress(AttributeError):
+                        exc.counted = True  # the transports' error mappers count only what was not
                     raise
                 except BaseException:  # The caller went away (task cancelled) or its deadline passed.
                     status = "DEADLINE_EXCEEDED" if deadline is not None and \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from typing import Callable
 from pathlib import Path
 
 import grpc
@@ -57,14 +58,20 @@ def lenient(message_class):
     return deserialize
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
-    """Turn ServeError into its gRPC status; anything else is INTERNAL, logged, never a crash."""
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str,
+                     refused: Callable[[str, str, str], None]) -> None:
+    """Turn ServeError into its gRPC status; anything else is INTERNAL, logged, never a crash.
+    The one place gRPC refusals are counted, when the service has not counted them already."""
+    if not isinstance(exc, ServeError):
+        log.error("unhandled error in %s", method, exc_info=exc)
+    code = exc.code if isinstance(exc, ServeError) else "INTERNAL"
+    if not getattr(exc, "counted", False):
+        refused("grpc", method, code)
     if isinstance(exc, ServeError):
         pushback = retry_pushback_ms(exc)
         if pushback is not None:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
         await context.abort(grpc.StatusCode[exc.code], exc.message)
-    log.error("unhandled error in %s", method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
@@ -79,7 +86,7 @@ def status_errors(method):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await abort_with(context, exc, method.__name__)
+            await abort_with(context, exc, method.__name__, self.service.count_refusal)
 
     return wrapper
 
@@ -118,7 +125,6 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
 
     def refuse_undecodable(self, request, method: str) -> None:
         if isinstance(request, UndecodableRequest):
-            self.service.count_refusal("grpc", method, InvalidArgument.code)
             raise InvalidArgument(request.message)
 
     async def Generate(self, request: pb.GenerateRequest, context):
@@ -131,7 +137,7 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await abort_with(context, exc, "Generate")
+            await abort_with(context, exc, "Generate", self.service.count_refusal)
 
     @status_errors
     async def NextToken(self, request: pb.NextTokenRequest, context) -> pb.NextTokenResponse:

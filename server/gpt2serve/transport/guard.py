@@ -3,7 +3,7 @@
 - `BearerKey`: `authorization: Bearer <key>`, compared in constant time.
 - gRPC: `GrpcAuthInterceptor`; message size is grpc's own `max_receive_message_length`.
 - REST: `HttpGuard`, an ASGI wrapper: 401 without the key, 413 for a body over the limit
-  (by Content-Length, or counted while a chunked body streams in).
+  (by Content-Length, or counted while a chunked body streams in: the route reading it answers).
 
 Health probes stay open (`/healthz`, `/readyz`, grpc.health.v1, reflection), and so do the
 OpenAPI docs, which describe the API and hold no data; `/metrics` is open unless asked.
@@ -12,12 +12,12 @@ OpenAPI docs, which describe the API and hold no data; `/metrics` is open unless
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Callable
 
 import grpc
 
-from ..errors import PayloadTooLarge, ServeError, Unauthenticated
+from ..errors import PayloadTooLarge, Unauthenticated
+from .http_errors import HttpErrors
 from .ui import PAGE_PATHS
 
 OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"}) | PAGE_PATHS
@@ -60,7 +60,7 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
         authorization = next((value for key, value in metadata if key == "authorization"), None)
         if self.key.accepts(authorization):
             return await continuation(handler_call_details)
-        self.refused(method, Unauthenticated.code)
+        self.refused(method, Unauthenticated("").code)
         return self._refusal  # Every protected method is unary-unary.
 
     @staticmethod
@@ -69,16 +69,15 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 class HttpGuard:
-    """ASGI wrapper: API key (when configured) and the body size limit, for every HTTP path."""
+    """ASGI wrapper: API key (when configured) and the body size limit, for every HTTP path.
+    Its refusals are answered and counted by transport.http_errors, like every other."""
 
-    def __init__(self, app, *, key: BearerKey | None, max_body_bytes: int, metrics_open: bool,
-                 method_of: Callable[[str], str], refused: Refused):
+    def __init__(self, app, *, key: BearerKey | None, max_body_bytes: int, metrics_open: bool, errors: HttpErrors):
         self.app = app
         self.key = key
         self.max_body_bytes = max_body_bytes
         self.open_paths = OPEN_HTTP_PATHS | ({"/metrics"} if metrics_open else set())
-        self.method_of = method_of
-        self.refused = refused
+        self.errors = errors
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -86,20 +85,18 @@ class HttpGuard:
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or ())
         if self.key is not None and path not in self.open_paths and not self.key.accepts(headers.get(b"authorization")):
-            self.refused(self.method_of(path), Unauthenticated.code)
-            return await _error(send, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"),
-                                {b"www-authenticate": b"Bearer"})
+            return await self.errors.send(scope, send, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"),
+                                          [(b"www-authenticate", b"Bearer")])
         try:
             declared = int(headers.get(b"content-length", b"0"))
         except ValueError:
             declared = 0
         if declared > self.max_body_bytes:
-            self.refused(self.method_of(path), PayloadTooLarge.code)
-            return await _error(send, self.too_large(), {b"connection": b"close"})
+            return await self.errors.send(scope, send, self.too_large(), [(b"connection", b"close")])
         limit, received = self.max_body_bytes, 0
 
         async def counted_receive():
-            """A chunked body has no Content-Length: count it as it arrives (handlers map the error)."""
+            """A chunked body has no Content-Length: count it as it arrives (routes answer the error)."""
             nonlocal received
             message = await receive()
             if message["type"] == "http.request":
@@ -112,11 +109,3 @@ class HttpGuard:
 
     def too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"the body exceeds {self.max_body_bytes} bytes (--max-message-bytes)")
-
-
-async def _error(send, error: ServeError, extra_headers: dict[bytes, bytes]) -> None:
-    body = json.dumps({"error": {"code": error.code, "message": error.message}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *extra_headers.items()]
-    await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

@@ -1,5 +1,5 @@
-"""What the REST and OpenAI routes share: how a request arrived (for spans and metrics),
-whether its client hangs up while it waits, and when an error answer says Retry-After."""
+"""What the REST and OpenAI routes share: how a request arrived (for spans and metrics), and
+whether its client hangs up while it waits."""
 
 from __future__ import annotations
 
@@ -12,14 +12,6 @@ from opentelemetry import propagate
 from ..service import RequestOptions
 
 T = TypeVar("T")
-RETRY_AFTER_S = "1"  # on 429 and 503: the queue drains, or another replica takes over, within about that
-
-
-def retry_after(status: int) -> dict[str, str] | None:
-    """The headers of an error answer with this status."""
-    return {"retry-after": RETRY_AFTER_S} if status in (429, 503) else None
-
-
 def http_options(request: Request, route: str, method: str, api: str = "rest", **asked: bool) -> RequestOptions:
     """Span name and attributes, the caller's W3C trace context (headers), and what it asked
     to see (`asked`: trace_layers, include_layers, attention_maps)."""

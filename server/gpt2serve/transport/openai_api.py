@@ -12,24 +12,34 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 
-from ..errors import InvalidArgument, ServeError
+from ..errors import InvalidArgument, NotFound, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput
-from .http_shared import http_options, retry_after, unless_disconnected
+from .http_shared import http_options, unless_disconnected
 from .sse import first_and_rest, sse_event
 
 ROUTE = "/v1/completions"
 PATHS = (ROUTE, "/v1/models")
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """OpenAI's error object, as every OpenAI-compatible route answers errors."""
+    error: OpenAIError
 
 
 class CompletionBody(BaseModel):
@@ -81,16 +91,6 @@ class CompletionBody(BaseModel):
             logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos)
 
 
-def is_openai_path(path: str) -> bool:
-    return path in PATHS
-
-
-def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
-    return JSONResponse(body, status_code=status, headers=retry_after(status))
-
-
 def logprobs_json(tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
     """OpenAI's legacy completions logprobs: per token its text, logprob, top alternatives, offset."""
     offsets = []
@@ -101,36 +101,41 @@ def logprobs_json(tokens: list[GeneratedToken], texts: list[str], offset: int) -
             "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
 
 
-def add_openai_routes(app: FastAPI, service: InferenceService) -> None:
-    @app.get("/v1/models")
-    async def list_models() -> dict:
+class OpenAIRoutes:
+    """The OpenAI-compatible routes over the service (see the module doc)."""
+
+    def __init__(self, service: InferenceService, error_body: Callable[[ServeError], dict]):
+        """`error_body`: an error as OpenAI's error object (transport.http_errors renders it)."""
+        self.service = service
+        self.error_body = error_body
+
+    async def list_models(self) -> dict:
         """OpenAI's model list: the one model this server serves."""
-        info = service.model_info()
+        info = self.service.model_info()
         return {"object": "list", "data": [{"id": info.model, "object": "model", "created": 0,
                                             "owned_by": "gpt2serve"}]}
 
-    @app.post(ROUTE)
-    async def completions(body: CompletionBody, request: Request) -> Response:
-        """OpenAI's completions API (see the module doc for what is supported)."""
-        try:
-            model = service.model_info().model
-            if body.model != model:
-                return openai_error(404, f"The model '{body.model}' does not exist; this server serves '{model}'",
-                                    "model", "model_not_found")
-            options = http_options(request, ROUTE, "Completions", api="openai")
-            settings = body.settings()
-            generations = [service.generate(prompt, settings, options)
-                           for prompt in body.prompt_inputs(service.max_batch_size)]
-            completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                          "model": model}
-            if body.stream:
-                streams = await unless_disconnected(request, first_chunks(generations))  # errors raise before the 200
-                include_usage = bool((body.stream_options or {}).get("include_usage"))
-                return StreamingResponse(stream_events(completion, interleave(streams), include_usage, body.logprobs),
-                                         media_type="text/event-stream", headers={"cache-control": "no-cache"})
-            results = await unless_disconnected(request, collect_all(generations))
-        except ServeError as exc:
-            return openai_error(exc.http_status, exc.message)
+    async def completions(self, request: Request, body: CompletionBody) -> Response:
+        """OpenAI's completions API: a prompt (text or token ids) or a list of them, one choice
+        each; `stream` for server-sent chunks then `[DONE]`. Errors in OpenAI's shape."""
+        service = self.service
+        model = service.model_info().model
+        if body.model != model:
+            error = NotFound(f"The model '{body.model}' does not exist; this server serves '{model}'", param="model")
+            error.openai_code = "model_not_found"
+            raise error
+        options = http_options(request, ROUTE, "Completions", api="openai")
+        settings = body.settings()
+        generations = [service.generate(prompt, settings, options)
+                       for prompt in body.prompt_inputs(service.max_batch_size)]
+        completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                      "model": model}
+        if body.stream:
+            streams = await unless_disconnected(request, first_chunks(generations))  # errors raise before the 200
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            events = stream_events(completion, interleave(streams), include_usage, body.logprobs, self.error_body)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        results = await unless_disconnected(request, collect_all(generations))
         choices = [{"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
                     "logprobs": logprobs_json(result.tokens, [t.token for t in result.tokens], 0)
                     if body.logprobs is not None else None}
@@ -204,7 +209,7 @@ async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, A
 
 
 async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
-                        logprobs: int | None):
+                        logprobs: int | None, error_body: Callable[[ServeError], dict]):
     """OpenAI's stream: a chunk per token (text delta) with its choice's index, each choice's last
     with its finish_reason; when asked for, the usage of all choices in a chunk of its own after
     the last; then `data: [DONE]`."""
@@ -222,9 +227,8 @@ async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]]
                 usages.append(chunk.usage or Usage())
         if include_usage:
             yield sse_event({**completion, "choices": [], "usage": usage_json(usages)})
-    except ServeError as exc:
-        yield sse_event({"error": {"message": exc.message, "type": ERROR_TYPES.get(exc.http_status, "server_error"),
-                               "param": None, "code": None}})
+    except ServeError as exc:  # after the 200: the error as one more event, in OpenAI's shape
+        yield sse_event(error_body(exc))
     yield sse_event("[DONE]")
 
 

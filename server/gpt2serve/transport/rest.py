@@ -1,35 +1,71 @@
 """The REST transport (FastAPI): JSON bodies mirroring the proto, OpenAPI at /docs.
 
-Errors answer `{"error": {"code": "INVALID_ARGUMENT", "message": "..."}}` with the matching
-HTTP status: 400 for bad values, 422 for malformed JSON or wrong types, 429 when the queue is
-full, 503 while not ready.
+The POST routes (next-token, batch, generate, and OpenAI's completions) are served by
+InferenceRoutes in front of FastAPI: each body is read one way (http_errors.read_body) and every
+error is rendered and counted one way (http_errors.HttpErrors, statuses from
+gpt2serve_client.status). FastAPI serves the rest and documents all of them, from the same table.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpt2serve_client.status import ERROR_STATUSES
 from gpt2serve_client.types import GenerateResult, ModelInfo, NextTokenResult
 
 from .. import __version__
 from ..config import ServeConfig
-from ..errors import INTERNAL_MESSAGE, PayloadTooLarge, ServeError
+from ..errors import MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
-from .http_shared import ClientDisconnected, http_options, retry_after, unless_disconnected
-from .openai_api import add_openai_routes, is_openai_path, openai_error
+from .http_errors import HttpErrors, describe_validation_errors, read_body
+from .http_shared import ClientDisconnected, http_options, unless_disconnected
+from .openai_api import PATHS as OPENAI_PATHS
+from .openai_api import ROUTE as COMPLETIONS_ROUTE
+from .openai_api import CompletionBody, OpenAIErrorBody, OpenAIRoutes
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
+# The metrics method label of each path: the gRPC method it mirrors (a fixed set, whatever path a client sends).
+METHODS = {"/v1/next-token": "NextToken", "/v1/next-token/batch": "NextTokenBatch", "/v1/generate": "Generate",
+           COMPLETIONS_ROUTE: "Completions", "/v1/model": "GetModelInfo", "/v1/models": "ListModels"}
+
+
+def method_of(path: str) -> str:
+    return METHODS.get(path, "other")
+
+
+class RestError(BaseModel):
+    code: str = Field(description="gRPC status name, e.g. INVALID_ARGUMENT")
+    message: str
+
+
+class RestErrorBody(BaseModel):
+    """Every REST error answer."""
+    error: RestError
+
+
+def error_responses(openai: bool, kinds: tuple[str, ...] | None = None) -> dict[int, dict]:
+    """OpenAPI `responses` for the errors a route gives, from the status table."""
+    by_status: dict[int, list[str]] = {}
+    for status in ERROR_STATUSES:
+        if (kinds is None and status.kind not in ("cancelled", "method_not_allowed")
+                and (openai or status.kind != "not_found")) or (kinds is not None and status.kind in kinds):
+            by_status.setdefault(status.openai_http if openai else status.http, []).append(
+                f"{status.code}: {status.when}")
+    model = OpenAIErrorBody if openai else RestErrorBody
+    return {http: {"model": model, "description": "; ".join(lines)} for http, lines in sorted(by_status.items())}
 
 
 class Body(BaseModel):
@@ -88,22 +124,6 @@ def json_response(payload: dict) -> Response:
     return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
 
 
-OTHER_METHODS = {"/v1/model": "GetModelInfo", "/v1/generate": "Generate", "/v1/completions": "Completions"}
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}},
-                        headers=retry_after(status))
-
-
-def describe_validation_error(request: Request, errors: list[dict]) -> str:
-    if "json" not in request.headers.get("content-type", ""):
-        return "the body must be a JSON object sent with 'Content-Type: application/json'"
-    parts = []
-    for err in errors:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
 def request_options(request: Request, route: str, method: str,
                     body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
     """The next-token routes' options: what the body asked to see."""
@@ -122,16 +142,16 @@ def batch_prompt(item: str | list[int]) -> PromptInput:
 def create_app(service: InferenceService, config: ServeConfig | None = None):
     """The ASGI app: the guard (API key, body size) in front of the inference routes and FastAPI."""
     config = config or ServeConfig()
-    routes = InferenceRoutes(service)
-    return HttpGuard(
-        routes.asgi(create_fastapi(service, routes, config)),
-        key=BearerKey(config.api_key) if config.api_key else None, max_body_bytes=config.max_message_bytes,
-        metrics_open=not config.metrics_require_key, method_of=routes.method_of,
-        refused=lambda method, code: service.count_refusal("rest", method, code),
-    )
+    errors = HttpErrors(service.count_refusal, method_of, OPENAI_PATHS)
+    routes = InferenceRoutes(service, errors)
+    return HttpGuard(routes.asgi(create_fastapi(service, routes, errors, config)),
+                     key=BearerKey(config.api_key) if config.api_key else None,
+                     max_body_bytes=config.max_message_bytes, metrics_open=not config.metrics_require_key,
+                     errors=errors)
 
 
-def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: ServeConfig) -> FastAPI:
+def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: HttpErrors,
+                   config: ServeConfig) -> FastAPI:
     # FastAPI's own telemetry is off: the service makes the request span (with the trace_layers
     # sampling rule) and a second server span per request would only add cost and clutter.
     app = FastAPI(title="gpt2serve", version=__version__, description="GPT-2 next-token server",
@@ -139,59 +159,43 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
                   docs_url=None, redoc_url=None)  # served offline by add_ui_routes
 
     @app.exception_handler(ServeError)
-    async def serve_error(_: Request, exc: ServeError) -> JSONResponse:
-        return error_response(exc.http_status, exc.code, exc.message)
+    async def serve_error(request: Request, exc: ServeError) -> Response:
+        return errors.response(request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message = describe_validation_error(request, exc.errors())
-        if is_openai_path(request.url.path):
-            return openai_error(400, message)
-        return error_response(422, "INVALID_ARGUMENT", message)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return errors.response(request.url.path, MalformedBody(describe_validation_errors(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        path = request.url.path
+        error = (NotFound(f"no route {path}") if exc.status_code == 404 else
+                 MethodNotAllowed(f"{request.method} is not allowed on {path}") if exc.status_code == 405 else
+                 MalformedBody(str(exc.detail)))
+        return errors.response(path, error)
 
     @app.exception_handler(Exception)
-    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return error_response(500, "INTERNAL", INTERNAL_MESSAGE)
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        return errors.response(request.url.path, exc)
 
     @app.exception_handler(ClientDisconnected)
     async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
-        return error_response(499, "CANCELLED", "client closed the connection")  # Never read by anyone.
+        return Response(status_code=499)  # Never read by anyone; the service counted it CANCELLED.
 
-    # These two are served by InferenceRoutes.asgi in front of FastAPI; declared here for OpenAPI.
-    @app.post("/v1/next-token", response_model=NextTokenResult)
-    async def next_token(body: NextTokenBody, request: Request) -> Response:
-        return await routes.next_token(request, body)
+    for path, route in routes.routes.items():  # served by InferenceRoutes.asgi in front; documented here
+        app.add_api_route(path, route.documented(), methods=["POST"], response_model=route.response_model,
+                          responses={**error_responses(path in OPENAI_PATHS), **route.responses},
+                          description=route.handler.__doc__, summary=route.summary)
 
-    @app.post("/v1/next-token/batch", response_model=BatchResults)
-    async def next_token_batch(body: NextTokenBatchBody, request: Request) -> Response:
-        return await routes.next_token_batch(request, body)
-
-    @app.post("/v1/generate", response_model=GenerateResult, responses={200: {"content": {"text/event-stream": {}}}})
-    async def generate(body: GenerateBody, request: Request) -> Response:
-        """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
-        token (text, token), then a closing chunk (finish_reason, usage, timings); an error
-        after the stream began comes as an `event: error` with the usual error body."""
-        options = http_options(request, "/v1/generate", "Generate", trace_layers=body.trace_layers)
-        chunks = service.generate(PromptInput(text=body.prompt, token_ids=body.prompt_token_ids), body.settings(),
-                                  options)
-        if not body.stream:
-            collected = await unless_disconnected(request, collect(chunks))
-            return json_response(asdict(GenerateResult.from_chunks(collected)))
-        stream = await unless_disconnected(request, first_and_rest(chunks))
-
-        async def events():
-            try:
-                async for chunk in stream:
-                    yield sse_event(asdict(chunk))
-            except ServeError as exc:
-                yield sse_event({"error": {"code": exc.code, "message": exc.message}}, event="error")
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-
-    @app.get("/v1/model", response_model=ModelInfo)
+    @app.get("/v1/model", response_model=ModelInfo,
+             responses=error_responses(False, ("unauthenticated", "unavailable", "internal")))
     async def model_info() -> ModelInfo:
         return service.model_info()
+
+    @app.get("/v1/models", responses=error_responses(True, ("unauthenticated", "unavailable", "internal")))
+    async def list_models() -> dict:
+        """OpenAI's model list: the one model this server serves."""
+        return await routes.openai.list_models()
 
     @app.get("/metrics", response_class=Response)
     async def metrics(request: Request) -> Response:
@@ -204,83 +208,108 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, config: S
         """Alive: the process answers."""
         return {"status": "ok"}
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        """Ready: the model is loaded and requests are accepted."""
+    @app.get("/readyz", responses=error_responses(False, ("unavailable",)))
+    async def readyz(request: Request) -> Response:
+        """Ready: the model is loaded, the engine is up, and requests are accepted."""
         if service.ready:
             return JSONResponse({"status": "ready"})
-        return error_response(503, "UNAVAILABLE", "not ready")
+        not_ready = Unavailable("not ready")
+        not_ready.counted = True  # a probe's answer, not a refused request
+        return errors.response(request.url.path, not_ready)
 
-    add_openai_routes(app, service)
     add_ui_routes(app, config)
     return app
 
 
+@dataclass(frozen=True)
+class Route:
+    body_type: type[BaseModel]
+    handler: Callable[[Request, Any], Awaitable[Response]]
+    response_model: Any = None
+    summary: str = ""
+    responses: dict = field(default_factory=dict)  # OpenAPI, beyond the errors
+
+    def documented(self):
+        """An endpoint FastAPI can read the body type from (for OpenAPI); it calls the handler."""
+        async def endpoint(request: Request, body) -> Response:
+            return await self.handler(request, body)
+
+        endpoint.__annotations__ = {"request": Request, "body": self.body_type, "return": Response}
+        return endpoint
+
+
+SSE = {200: {"content": {"text/event-stream": {}}}}
+
+
 class InferenceRoutes:
-    """The two inference routes, served in front of FastAPI.
+    """The POST routes, served in front of FastAPI.
 
     FastAPI's routing, dependency solving and middleware stack cost more CPU per request than
     the rest of the request path, which on a 2-core machine slowed the forward passes of a
-    64-client REST load. These routes parse and validate the body with pydantic directly; every
-    other path (docs, probes, model info) goes to FastAPI, which also documents these two.
+    64-client REST load. These routes read the body with pydantic directly (http_errors.read_body);
+    FastAPI documents them from this same table (create_fastapi).
     """
 
-    def __init__(self, service: InferenceService):
+    def __init__(self, service: InferenceService, errors: HttpErrors):
         self.service = service
-        # path -> (body type, handler, method name for metrics: the gRPC method it mirrors)
-        self.routes = {"/v1/next-token": (NextTokenBody, self.next_token, "NextToken"),
-                       "/v1/next-token/batch": (NextTokenBatchBody, self.next_token_batch, "NextTokenBatch")}
-
-    def method_of(self, path: str) -> str:
-        """The metrics method label of a path (a fixed set, whatever path a client sends)."""
-        route = self.routes.get(path)
-        return route[2] if route else OTHER_METHODS.get(path, "other")
+        self.errors = errors
+        self.openai = OpenAIRoutes(service, lambda error: errors.body(COMPLETIONS_ROUTE, error))
+        self.routes = {
+            "/v1/next-token": Route(NextTokenBody, self.next_token, NextTokenResult, "Next token of one prompt"),
+            "/v1/next-token/batch": Route(NextTokenBatchBody, self.next_token_batch, BatchResults,
+                                          "Next token of many prompts, in order"),
+            "/v1/generate": Route(GenerateBody, self.generate, GenerateResult, "Generate text", SSE),
+            COMPLETIONS_ROUTE: Route(CompletionBody, self.openai.completions, None, "OpenAI completions", SSE),
+        }
 
     async def next_token(self, request: Request, body: NextTokenBody) -> Response:
+        """The next token of one prompt, with its top-k (and per-layer reports when asked)."""
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
         options = request_options(request, "/v1/next-token", "NextToken", body)
         result = await unless_disconnected(request, self.service.next_token(prompt, body.top_k, options))
         return json_response(asdict(result))
 
     async def next_token_batch(self, request: Request, body: NextTokenBatchBody) -> Response:
+        """The next token of each prompt, in order (`{"results": [...]}`)."""
         prompts = [batch_prompt(p) for p in body.prompts]
         options = request_options(request, "/v1/next-token/batch", "NextTokenBatch", body)
         results = await unless_disconnected(request, self.service.next_token_batch(prompts, body.top_k, options))
         return json_response({"results": [asdict(r) for r in results]})
 
+    async def generate(self, request: Request, body: GenerateBody) -> Response:
+        """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
+        token (text, token), then a closing chunk (finish_reason, usage, timings); an error
+        after the stream began comes as an `event: error` with the usual error body."""
+        options = http_options(request, "/v1/generate", "Generate", trace_layers=body.trace_layers)
+        chunks = self.service.generate(PromptInput(text=body.prompt, token_ids=body.prompt_token_ids),
+                                       body.settings(), options)
+        if not body.stream:
+            collected = await unless_disconnected(request, collect(chunks))
+            return json_response(asdict(GenerateResult.from_chunks(collected)))
+        stream = await unless_disconnected(request, first_and_rest(chunks))
+
+        async def events():
+            try:
+                async for chunk in stream:
+                    yield sse_event(asdict(chunk))
+            except ServeError as exc:
+                yield sse_event(self.errors.body("/v1/generate", exc), event="error")
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
     def asgi(self, fallback: FastAPI):
         async def app(scope, receive, send) -> None:
-            route = self.routes.get(scope.get("path")) if scope["type"] == "http" else None
+            path = scope.get("path")
+            route = self.routes.get(path) if scope["type"] == "http" else None
             if route is None or scope.get("method") != "POST":
                 return await fallback(scope, receive, send)
             request = Request(scope, receive)
             try:
-                response = await self.handle(request, *route)
+                response = await route.handler(request, await read_body(request, route.body_type))
             except ClientDisconnected:
                 return  # Nobody to answer.
-            except ServeError as exc:
-                response = error_response(exc.http_status, exc.code, exc.message)
-            except Exception:
-                log.exception("unhandled error in %s", scope.get("path"))
-                response = error_response(500, "INTERNAL", INTERNAL_MESSAGE)
+            except Exception as exc:
+                response = self.errors.response(path, exc)
             await response(scope, receive, send)
 
         return app
-
-    async def handle(self, request: Request, body_type: type[Body], handler, method: str) -> Response:
-        try:
-            raw = await request.body()
-        except PayloadTooLarge as exc:  # A chunked body that grew past the limit (see guard).
-            self.service.count_refusal("rest", method, exc.code)
-            raise
-        errors: list[dict] = []
-        if "json" in request.headers.get("content-type", ""):
-            try:
-                body = body_type.model_validate_json(raw)
-            except ValidationError as exc:
-                errors = exc.errors(include_url=False)
-            else:
-                return await handler(request, body)
-        # Malformed bodies never reach the service; count them here like its own refusals.
-        self.service.count_refusal("rest", method, "INVALID_ARGUMENT")
-        return error_response(422, "INVALID_ARGUMENT", describe_validation_error(request, errors))
