@@ -40,7 +40,7 @@ from gpt2serve_client.types import LayerReport, ModelInfo
 from .engine.engine import TokenScore
 from .engine.generation import SampledToken
 from .engine.sampling import SamplingParams
-from .errors import ServeError, Unavailable, error_from_code
+from .errors import INTERNAL_MESSAGE, ServeError, Unavailable, error_from_code
 from .scheduling.batcher import Batcher, ScheduledOutput
 from .scheduling.generation import GeneratedStep, GenerationRequest, GenerationScheduler
 from .telemetry.spans import RequestTrace
@@ -294,7 +294,7 @@ class EngineServer:
             pass  # the front end's caller went away
         except Exception as exc:  # never lose a request silently
             log.exception("engine %s failed", what)
-            self._outbox.put(peer, [ERROR, request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"])
+            self._outbox.put(peer, [ERROR, request_id, "INTERNAL", INTERNAL_MESSAGE])  # the details: this log
         finally:
             self._running.pop(key, None)
 

@@ -218,7 +218,27 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: H
         return errors.response(request.url.path, not_ready)
 
     add_ui_routes(app, config)
+    document_only_real_errors(app)
     return app
+
+
+def document_only_real_errors(app: FastAPI) -> None:
+    """FastAPI documents a 422 `HTTPValidationError` on every route with a body unless the route
+    lists a 422 of its own; the OpenAI routes answer 400 for malformed bodies, so drop it there."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = build()
+            for path in OPENAI_PATHS:
+                for operation in spec["paths"].get(path, {}).values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                spec.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 @dataclass(frozen=True)
