@@ -53,12 +53,15 @@ class ServerProcess:
 def pinned_device(args) -> list[str]:
     """Servers under test run fp32 on the CPU unless a test says otherwise: their answers are
     compared with the fp32 CPU reference at 1e-4, and on a GPU machine `auto` would mean cuda
-    and bf16. The GPU tests (test_gpu.py) ask for cuda explicitly."""
+    and bf16. The GPU tests (test_gpu.py) ask for cuda explicitly. Their KV cache is 512 MiB
+    (about 7 GPT-2 small sequences of full context) unless a test sets it."""
     pinned = []
     if "--device" not in args:
         pinned += ["--device", "cpu"]
     if "--dtype" not in args:
         pinned += ["--dtype", "float32"]
+    if "--kv-cache-mb" not in args:  # claimed before ready: tests need a little, not 25% of RAM each
+        pinned += ["--kv-cache-mb", "512"]
     return pinned
 
 

@@ -119,8 +119,10 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
     generator = Generator(engine, kv_cache_slots(config, engine))
-    if engine.device.type == "cuda":  # claim the cache now; on a CPU at the first generation
-        generator.warm_up()
+    # Ready means warm: the cache is claimed and written (zeros) and each kind of step has run
+    # once before ready. Claimed at the first generation instead, it stalled that one for
+    # seconds on a CPU while the kernel handed out gigabytes of pages.
+    generator.warm_up()
     log.info("KV cache: %d sequences of %d tokens (%.0f MiB)", generator.slots, loaded.model.config.n_ctx,
              generator.slots * KVCache.bytes_per_slot(loaded.model.config, loaded.dtype) / 2**20)
     return engine, generator
@@ -202,6 +204,7 @@ async def serve(config: ServeConfig) -> None:
         raise
     service.attach(schedulers.batcher.engine.loaded.tokenizer, info, schedulers.batcher, schedulers.generation)
     service.ready = True
+    telemetry.metrics.front_ends_up.set(1)  # the one process is the one front end
     await transports.grpc.set_serving(True)
     print(ready_line(service.model_info()), flush=True)
 

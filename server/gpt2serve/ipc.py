@@ -11,13 +11,14 @@ cross. Every frame is one msgpack list of messages: what a process has to send i
 and sent once per event-loop tick, so 64 answers of one batch cost one frame per front end.
 
 Messages, each a list whose first item is its kind:
-    front end -> engine:  [HELLO]  [SUBMIT, id, prompts, top_k, trace | None]  [CANCEL, id]
+    front end -> engine:  [HELLO, pid]  [SUBMIT, id, prompts, top_k, trace | None]  [CANCEL, id]
                           [GENERATE, id, request, trace | None]
     engine -> front end:  [READY, model_info, tokenizer_source, max_batch_size]
                           [RESULT, id, [output, ...]]  [ERROR, id, code, message]
                           [STEP, id, step] ... [END, id]   (a generation's tokens, then its end)
 A front end whose caller leaves sends CANCEL: the request leaves the queue, or the generation
-its KV-cache slot.
+its KV-cache slot. A front end that dies sends nothing: the engine watches each front end's
+process (a pidfd from its HELLO, readable the moment it exits) and cancels all of its work then.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from dataclasses import asdict
 from typing import Any, AsyncIterator, Sequence
 
@@ -154,7 +156,7 @@ class EngineClient:
     async def connect(self) -> None:
         """Say hello and wait for READY (the engine answers once its model is loaded and warm)."""
         self._receiver = asyncio.create_task(self._receive(), name="engine-client")
-        self._outbox.put(None, [HELLO])
+        self._outbox.put(None, [HELLO, os.getpid()])
         await self._ready.wait()
 
     async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: RequestTrace | None = None
@@ -259,6 +261,7 @@ class EngineServer:
         self._generation = generation
         self._ready = [READY, asdict(model_info), tokenizer_source, batcher.max_batch_size]
         self._running: dict[tuple[bytes, int], asyncio.Task] = {}
+        self._watched: dict[bytes, int] = {}  # front end (zmq identity) -> pidfd of its process
 
     async def serve(self) -> None:
         while True:
@@ -279,7 +282,29 @@ class EngineServer:
                     if task is not None:
                         task.cancel()
                 elif kind == HELLO:
+                    self._watch(peer, message[1] if len(message) > 1 else None)
                     self._outbox.put(peer, self._ready)
+
+    def _watch(self, peer: bytes, pid: int | None) -> None:
+        """Cancel a front end's work the moment its process exits (see the module doc)."""
+        if pid is None or peer in self._watched:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError) as exc:  # no pidfds (old kernel), or it is gone already
+            log.warning("cannot watch front end %d (%s); its work is cancelled only by its own CANCELs", pid, exc)
+            return
+        self._watched[peer] = fd
+        asyncio.get_running_loop().add_reader(fd, self._front_end_gone, peer, pid)
+
+    def _front_end_gone(self, peer: bytes, pid: int) -> None:
+        fd = self._watched.pop(peer)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+        tasks = [task for (owner, _), task in self._running.items() if owner == peer]
+        for task in tasks:
+            task.cancel()  # requests leave the queue; generations free their KV-cache slots
+        log.error("front end %d is gone: cancelled its %d request(s)", pid, len(tasks))
 
     @contextlib.contextmanager
     def _answering(self, key: tuple[bytes, int], what: str):
@@ -319,5 +344,9 @@ class EngineServer:
     def close(self) -> None:
         for task in self._running.values():
             task.cancel()
+        for fd in self._watched.values():
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        self._watched.clear()
         self._socket.close(0)
         self._context.term()

@@ -13,8 +13,15 @@ work spreads over the front ends, while batches still form across all of them in
   answered); the engine stops last; all within --shutdown-grace-s.
 - Engine death: front ends are told at once (SIGUSR1), answer UNAVAILABLE and exit; the
   supervisor exits 1 so that its own supervisor (systemd, k8s) restarts the server.
-- Front-end death: logged; the others keep serving (the kernel stops sending it connections).
+- Front-end death: the engine cancels that front end's work the moment its process exits (ipc),
+  so its KV-cache slots come free; the others keep serving (the kernel sends new connections
+  only to listening sockets); the supervisor starts a new one after a backoff (0.5 s, doubling
+  to 30 s; back to 0.5 s once one has served a minute), logs it and counts it in
+  gpt2serve_front_end_restarts_total. Five deaths in a row before ready: the server stops (exit 1).
+- Readiness while one is down: per front end. Each live front end stays ready, as it can serve
+  everything; gpt2serve_front_ends_up shows the capacity lost. A dead engine is not ready anywhere.
 - Children poll their parent: if the supervisor is gone, they exit (no orphans).
+- Process titles (ps, top): `gpt2serve: supervisor`, `gpt2serve: engine`, `gpt2serve: front end N`.
 """
 
 from __future__ import annotations
@@ -38,15 +45,29 @@ log = logging.getLogger("gpt2serve")
 ENGINE_GONE_SIGNAL = signal.SIGUSR1
 CHILD_EXIT_TIMEOUT_S = 5.0  # after the engine died, or past the grace: then killed
 PARENT_POLL_S = 1.0
+RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap (doubling)
+RESTART_RESET_AFTER_S = 60.0  # a front end that served this long starts the backoff over
+MAX_EARLY_DEATHS = 5  # front ends dying before ready, in a row: give up
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # = telemetry.metrics's, without importing prometheus
+
+
+def set_title(title: str) -> None:
+    """`gpt2serve: engine` in ps and top, not `python3 -c from multiprocessing.spawn ...`."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:  # optional: only the title is lost
+        return
+    setproctitle(f"gpt2serve: {title}")
 
 
 # In the children ------------------------------------------------------------------------------
 
-def _child_setup(config: ServeConfig, name: str) -> None:
+def _child_setup(config: ServeConfig, name: str, title: str) -> None:
     # Signals for the server's process group (Ctrl-C, `timeout`, `kill -- -pgid`) go to the
     # supervisor alone, which stops the children in order: the engine must outlive the drain.
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_title(title)
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")
 
@@ -58,10 +79,10 @@ async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-def engine_main(config: ServeConfig, address: str, status, parent_pid: int) -> None:
+def engine_main(config: ServeConfig, address: str, status, parent_pid: int, title: str) -> None:
     from .errors import ModelLoadError
 
-    _child_setup(config, "engine")
+    _child_setup(config, "engine", title)
     try:
         asyncio.run(_engine(config, address, status, parent_pid))
     except ModelLoadError as exc:
@@ -100,12 +121,16 @@ async def _engine(config: ServeConfig, address: str, status, parent_pid: int) ->
     log.info("engine stopped")
 
 
-def front_end_main(config: ServeConfig, address: str, status, parent_pid: int) -> None:
-    _child_setup(config, "front-end")
-    raise SystemExit(asyncio.run(_front_end(config, address, status, parent_pid)))
+def front_end_main(config: ServeConfig, address: str, status, parent_pid: int, title: str,
+                   restarted: bool = False) -> None:
+    _child_setup(config, "front-end", title)
+    raise SystemExit(asyncio.run(_front_end(config, address, status, parent_pid, restarted)))
 
 
-async def _front_end(config: ServeConfig, address: str, status, parent_pid: int) -> int:
+async def _front_end(config: ServeConfig, address: str, status, parent_pid: int, restarted: bool) -> int:
+    """At the server's start a front end listens at once (probes answer "alive, not ready"
+    while the model loads); a restarted one listens only once ready, as its siblings serve
+    meanwhile and a caller it took would get a 503."""
     from .app import Transports, flush_traces, shut_down, until_signalled
     from .engine.tokenizer import load_tokenizer
     from .ipc import EngineClient
@@ -115,9 +140,14 @@ async def _front_end(config: ServeConfig, address: str, status, parent_pid: int)
 
     tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
     service = InferenceService(config, Telemetry())
-    transports = await Transports.start(config, service, reuse_port=True)
-    status.send(("listening", (transports.grpc.port, transports.http_port)))
-    log.info("front end listening (grpc %d, http %d)", transports.grpc.port, transports.http_port)
+
+    async def listen() -> Transports:
+        transports = await Transports.start(config, service, reuse_port=True)
+        status.send(("listening", (transports.grpc.port, transports.http_port)))
+        log.info("front end listening (grpc %d, http %d)", transports.grpc.port, transports.http_port)
+        return transports
+
+    transports = None if restarted else await listen()
     engine = EngineClient(address)
     stop = asyncio.Event()
     engine_gone = asyncio.Event()
@@ -132,9 +162,14 @@ async def _front_end(config: ServeConfig, address: str, status, parent_pid: int)
         source = engine.tokenizer_source
         tokenizer = load_tokenizer(Path(source) if os.path.isdir(source) else None)
         service.attach(tokenizer, engine.model_info, engine, engine)
+        transports = transports or await listen()
         service.ready = True
         await transports.grpc.set_serving(True)
         status.send(("ready", None))
+    if transports is None:  # stopped, or the engine died, before this restarted one served
+        watch.cancel()
+        await engine.close()
+        return 1 if engine_gone.is_set() else 0
     gone = asyncio.create_task(engine_gone.wait())
     await until_signalled(stop, transports.http_task, gone, signals=(signal.SIGTERM,))
     exit_code = 0
@@ -165,47 +200,70 @@ class Supervisor:
         self.config, self.workers = config, workers
         self.run_dir = tempfile.mkdtemp(prefix="gpt2serve-")
         self.stop_requested = False
+        self.children: dict[str, tuple[multiprocessing.Process, multiprocessing.connection.Connection]] = {}
+        self._restart_at: dict[str, float] = {}  # front ends to start again, and when
+        self._backoff: dict[str, float] = {}
+        self._started_at: dict[str, float] = {}
+        self._early_deaths = 0  # front ends that died before ready, in a row
 
     def run(self) -> int:
-        from .ipc import engine_address
-        from .telemetry.metrics import MULTIPROCESS_DIR_ENV
-
+        set_title("supervisor")
         os.makedirs(f"{self.run_dir}/metrics")
-        os.environ[MULTIPROCESS_DIR_ENV] = f"{self.run_dir}/metrics"  # before any child imports prometheus
+        # Before prometheus_client is imported, here or in any child: it picks its mode at import.
+        os.environ[MULTIPROCESS_DIR_ENV] = f"{self.run_dir}/metrics"
+        from .ipc import engine_address
+        from .telemetry.metrics import Metrics
+
+        self.metrics = Metrics()  # the supervisor's own samples (restarts, front ends up) in that directory
         reserved = [reserve_port(self.config.host, port) for port in (self.config.grpc_port, self.config.http_port)]
-        config = replace(self.config, grpc_port=reserved[0].getsockname()[1], http_port=reserved[1].getsockname()[1])
-        address = engine_address(self.run_dir)
-        spawn = multiprocessing.get_context("spawn")
-        self.children: dict[str, tuple[multiprocessing.Process, multiprocessing.connection.Connection]] = {}
-        for name, target in [("engine", engine_main)] + [(f"front-end-{i}", front_end_main)
-                                                         for i in range(1, self.workers + 1)]:
-            reader, writer = spawn.Pipe(duplex=False)
-            process = spawn.Process(target=target, name=name, args=(config, address, writer, os.getpid()))
-            process.start()
-            writer.close()
-            self.children[name] = (process, reader)
+        self.child_config = replace(self.config, grpc_port=reserved[0].getsockname()[1],
+                                    http_port=reserved[1].getsockname()[1])
+        self.address = engine_address(self.run_dir)
+        self.spawn = multiprocessing.get_context("spawn")
+        for name in ["engine"] + [f"front-end-{i}" for i in range(1, self.workers + 1)]:
+            self._start(name)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(self, "stop_requested", True))
         try:
-            return self._supervise(config, reserved)
+            return self._supervise(self.child_config)
         finally:
             for sock in reserved:
                 sock.close()
             self._reap(0)
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def _start(self, name: str) -> None:
+        target, title = (engine_main, "engine") if name == "engine" else \
+            (front_end_main, "front end " + name.rsplit("-", 1)[1])
+        reader, writer = self.spawn.Pipe(duplex=False)
+        args = (self.child_config, self.address, writer, os.getpid(), title)
+        if name in self._started_at:  # a front end started again: it listens once ready
+            args += (True,)
+        process = self.spawn.Process(target=target, name=name, args=args)
+        process.start()
+        writer.close()
+        self.children[name] = (process, reader)
+        self._started_at[name] = time.monotonic()
+
     def _front_ends(self) -> list[str]:
         return [name for name in self.children if name != "engine"]
 
-    def _supervise(self, config: ServeConfig, reserved: list[socket.socket]) -> int:
+    def _supervise(self, config: ServeConfig) -> int:
         listening, ready = set(), set()
-        engine_model = ""
+        engine_model, announced = "", False
         while True:
             if self.stop_requested:
                 return self._drain()
+            now = time.monotonic()
+            for name, at in list(self._restart_at.items()):
+                if at <= now:
+                    del self._restart_at[name]
+                    log.warning("starting %s again", name)
+                    self._start(name)
             processes = {process.sentinel: name for name, (process, _) in self.children.items()}
             pipes = {reader: name for name, (_, reader) in self.children.items() if not reader.closed}
-            for item in multiprocessing.connection.wait([*processes, *pipes], timeout=0.2):
+            timeout = min([0.2, *(at - now for at in self._restart_at.values())])
+            for item in multiprocessing.connection.wait([*processes, *pipes], timeout=max(timeout, 0.0)):
                 if item in pipes:
                     name = pipes[item]
                     try:
@@ -215,16 +273,20 @@ class Supervisor:
                         continue
                     if event == "listening":
                         listening.add(name)
-                        if len(listening) == self.workers:
+                        if len(listening) == self.workers and not announced:
                             scheme = "https" if config.tls_cert else "http"
                             print(f"gpt2serve listening: grpc={config.host}:{config.grpc_port} "
                                   f"http={scheme}://{config.host}:{config.http_port} "
                                   f"({self.workers} front ends){' (TLS)' if config.tls_cert else ''}", flush=True)
                     elif event == "ready":
                         ready.add(name)
+                        if name != "engine":
+                            self._early_deaths = 0
                         engine_model = payload if name == "engine" else engine_model
-                        if len(ready) == self.workers + 1:
+                        if len(ready) == self.workers + 1 and not announced:
+                            announced = True
                             print(f"gpt2serve ready: model={engine_model} workers={self.workers}", flush=True)
+                        self.metrics.front_ends_up.set(len(ready - {"engine"}))
                 else:
                     name = processes[item]
                     process = self.children[name][0]
@@ -233,12 +295,32 @@ class Supervisor:
                     if name == "engine":
                         log.error("the engine process exited (code %s); stopping the server", process.exitcode)
                         return self._engine_gone()
-                    log.error("%s exited (code %s); the others keep serving", name, process.exitcode)
+                    was_ready = name in ready
+                    listening.discard(name)
+                    ready.discard(name)
+                    self.metrics.front_ends_up.set(len(ready - {"engine"}))
                     del self.children[name]
-                    if not self._front_ends():
-                        log.error("no front end is left; stopping the server")
-                        self._drain()
-                        return 1
+                    if not was_ready:
+                        self._early_deaths += 1
+                        if self._early_deaths >= MAX_EARLY_DEATHS:
+                            log.error("%d front ends in a row died before they were ready; stopping the server",
+                                      self._early_deaths)
+                            self._drain()
+                            return 1
+                    delay = self._next_backoff(name)
+                    self.metrics.front_end_restarts.inc()
+                    log.error("%s exited (code %s); the others keep serving; restarting it in %.1f s",
+                              name, process.exitcode, delay)
+                    self._restart_at[name] = time.monotonic() + delay
+
+    def _next_backoff(self, name: str) -> float:
+        """0.5 s, then doubling up to 30 s; from 0.5 s again after a minute of service."""
+        first, cap = RESTART_BACKOFF_S
+        if time.monotonic() - self._started_at.get(name, 0.0) >= RESTART_RESET_AFTER_S:
+            self._backoff[name] = first
+        else:
+            self._backoff[name] = min(self._backoff.get(name, first / 2) * 2, cap)
+        return self._backoff[name]
 
     def _signal_all(self, names: list[str], sig: int) -> None:
         for name in names:
@@ -252,6 +334,7 @@ class Supervisor:
 
     def _drain(self) -> int:
         """Front ends first (they finish what they accepted, which needs the engine), engine last."""
+        self._restart_at.clear()
         deadline = time.monotonic() + self.config.shutdown_grace_s
         front_ends = self._front_ends()
         self._signal_all(front_ends, signal.SIGTERM)

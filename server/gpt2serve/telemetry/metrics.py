@@ -68,6 +68,10 @@ class Metrics:
         self.device_memory = Gauge("gpt2serve_device_memory_bytes",
                                    "Memory in use on the model's device (CPU: process RSS)", ["device"], registry=r,
                                    **live_sum)
+        self.front_end_restarts = Counter("gpt2serve_front_end_restarts",
+                                          "Front-end processes started again after they died (--workers)", registry=r)
+        self.front_ends_up = Gauge("gpt2serve_front_ends_up", "Front-end processes ready to serve (--workers)",
+                                   registry=r, multiprocess_mode="livemax")
         if self.multiprocess_dir:
             self.model_gauge = Gauge("gpt2serve_model_info", "The served model",
                                      ["model", "dtype", "device", "weights"], registry=r, multiprocess_mode="max")
