@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -44,7 +45,7 @@ def test_next_shows_the_leading_space():
 
 
 def test_next_against_the_target_from_env(server):
-    out = run_cli("next", "Hello", env={"GPT2SERVE_TARGET": server.grpc_target, "GPT2SERVE_TOP_K": "2"})
+    out = run_cli("next", "Hello", env={"GPT2SERVE_TARGET": server.grpc_target, "GPT2SERVE_NEXT_TOP_K": "2"})
     assert out.returncode == 0, out.stderr
     header = out.stdout.splitlines().index(next(line for line in out.stdout.splitlines() if line.startswith("rank")))
     assert len([line for line in out.stdout.splitlines()[header + 2:] if line[:1].isdigit()]) == 2
@@ -79,9 +80,42 @@ def test_bad_serve_flags_exit_2(argv):
     assert out.returncode == 2 and ("must be" in out.stderr or "outside" in out.stderr), out.stderr
 
 
-def test_bad_env_value_is_reported():
+def test_bad_env_value_is_reported_by_its_own_command_only():
     out = run_cli("serve", env={"GPT2SERVE_MAX_QUEUE": "lots"})
-    assert out.returncode == 2 and "GPT2SERVE_MAX_QUEUE" in out.stderr
+    assert out.returncode == 2 and "gpt2serve serve" in out.stderr and "GPT2SERVE_MAX_QUEUE='lots'" in out.stderr
+    out = run_cli("next", "hi", env={"GPT2SERVE_NEXT_TOP_K": "many", "GPT2SERVE_MAX_QUEUE": "lots"})
+    assert out.returncode == 2 and "gpt2serve next:" in out.stderr and "GPT2SERVE_NEXT_TOP_K='many'" in out.stderr
+    assert "GPT2SERVE_MAX_QUEUE" not in out.stderr  # serve's variable is no business of next's
+    out = run_cli("params", "gpt2", env={"GPT2SERVE_NEXT_TOP_K": "many", "GPT2SERVE_MAX_QUEUE": "lots"})
+    assert out.returncode == 0, out.stderr
+
+
+def env_variables(parser) -> dict[str, set[tuple[str, str]]]:
+    """Each env variable the CLI reads -> the (command, flag) pairs that read it."""
+    import argparse
+
+    found: dict[str, set[tuple[str, str]]] = {}
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, subparser in sub.choices.items():
+        for action in subparser._actions:
+            match = re.search(r"\[env (GPT2SERVE_\w+)", action.help or "")
+            if match:
+                found.setdefault(match.group(1), set()).add((command, action.dest))
+    return found
+
+
+def test_env_variable_names_do_not_collide_between_commands():
+    """One name, one meaning: only GPT2SERVE_TARGET (the server a client command talks to) is
+    shared; serve's --seed (weights) and generate's --seed (sampling) read different variables."""
+    variables = env_variables(build_parser({}))
+    shared = {name: users for name, users in variables.items() if len({c for c, _ in users}) > 1}
+    assert set(shared) == {"GPT2SERVE_TARGET"} and {dest for _, dest in shared["GPT2SERVE_TARGET"]} == {"target"}
+    assert variables["GPT2SERVE_SEED"] == {("serve", "seed")}
+    assert variables["GPT2SERVE_GENERATE_SEED"] == {("generate", "seed")}
+    args = build_parser({"GPT2SERVE_SEED": "7", "GPT2SERVE_GENERATE_SEED": "3"}).parse_args(["generate", "hi"])
+    assert args.seed == 3
+    args = build_parser({"GPT2SERVE_SEED": "7", "GPT2SERVE_GENERATE_SEED": "3"}).parse_args(["serve"])
+    assert args.seed == 7
 
 
 def test_next_trace_prints_a_per_layer_table(server, tiny_model):

@@ -13,9 +13,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def compose_config(profile: str) -> dict:
+def compose_config(profile: str, **env: str) -> dict:
     out = subprocess.run(["docker-compose", "config"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "COMPOSE_PROFILES": profile})
+                         env={**os.environ, "COMPOSE_PROFILES": profile, **env})
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -54,6 +54,21 @@ def test_compose_config_is_valid_and_wired(profile):
                       "deploy/grafana/dashboards": "/var/lib/grafana/dashboards"}
     assert {p["published"] for s in ("jaeger", "prometheus", "grafana") for p in services[s]["ports"]} >= {
         16686, 4317, 9090, 3000}
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_the_compose_env_selects_the_model(profile):
+    """GPT2SERVE_MODEL=gpt2-medium docker compose up serves gpt2-medium: the env reaches the
+    server, and neither compose's command nor the image's CMD passes a --model that would win."""
+    config = compose_config(profile, GPT2SERVE_MODEL="gpt2-medium")
+    for name in ("gpt2serve", "gpt2serve-cpu"):
+        server = config["services"][name]
+        assert server["environment"]["GPT2SERVE_MODEL"] == "gpt2-medium"
+        assert "--model" not in (server.get("command") or [])
+    assert compose_config(profile)["services"]["gpt2serve"]["environment"]["GPT2SERVE_MODEL"] == "gpt2"
+    lines = (ROOT / "deploy/Dockerfile").read_text().splitlines()
+    assert not any(line.startswith("CMD") and "--model" in line for line in lines)
+    assert any("GPT2SERVE_MODEL=gpt2" in line for line in lines)  # the image's own default
 
 
 def test_plain_compose_up_means_the_gpu_variant():

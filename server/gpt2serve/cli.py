@@ -11,7 +11,9 @@ import os
 import sys
 from typing import Sequence
 
-from .config import EnvDefaults, add_serve_arguments, config_from_args
+from .config import ENV_ERRORS, EnvDefaults, add_serve_arguments, config_from_args
+
+TARGET_ENV = "GPT2SERVE_TARGET"  # the one variable the client commands share: the server they talk to
 
 
 def visible(token: str) -> str:
@@ -156,23 +158,23 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
 
     nxt = sub.add_parser("next", help="print the next token for a prompt, with a top-k table")
     nxt.add_argument("prompt")
-    env = EnvDefaults(nxt, environ)
+    env = EnvDefaults(nxt, environ, prefix="GPT2SERVE_NEXT_")
     env.add("--top-k", type=int, default=5, help="alternatives to show")
-    env.add("--target", default="localhost:50051", help="gRPC server host:port")
+    env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
     env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
     nxt.add_argument("--trace", action="store_true", help="trace this request's layers: print a per-layer table and the trace id")
     nxt.set_defaults(func=cmd_next)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, printed as it comes")
     gen.add_argument("prompt")
-    env = EnvDefaults(gen, environ)
+    env = EnvDefaults(gen, environ, prefix="GPT2SERVE_GENERATE_")
     env.add("--max-tokens", type=int, default=50, help="tokens to generate at most")
     env.add("--temperature", type=float, default=1.0, help="0: greedy")
     env.add("--top-k", type=int, default=0, help="sample among the k most likely (0: no limit)")
     env.add("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     env.add("--seed", type=int, default=None, help="the same seed, the same text")
     gen.add_argument("--stop", action="append", help="stop before this string (repeatable)")
-    env.add("--target", default="localhost:50051", help="gRPC server host:port")
+    env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
     env.add("--timeout", type=float, default=120.0, help="deadline in seconds")
     gen.add_argument("--trace", action="store_true", help="trace the prompt's layers and print the trace id")
     gen.set_defaults(func=cmd_generate)
@@ -196,6 +198,10 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    errors = getattr(args, ENV_ERRORS, [])
+    if errors:  # only the chosen command's variables: another command's cannot break this one
+        print(f"gpt2serve {args.command}: bad environment: {'; '.join(errors)}", file=sys.stderr)
+        return 2
     return args.func(args)
 
 

@@ -1,7 +1,10 @@
 """Server configuration: one frozen dataclass, read from CLI flags and GPT2SERVE_* env vars.
 
-Every flag `--some-flag` may also come from `GPT2SERVE_SOME_FLAG`; an explicit flag wins.
-This is the only module that reads the environment for gpt2serve settings.
+Every flag `--some-flag` of `serve` may also come from `GPT2SERVE_SOME_FLAG`; an explicit flag
+wins. The client commands read theirs under their own name, `GPT2SERVE_<COMMAND>_<FLAG>`
+(GPT2SERVE_GENERATE_SEED is generate's sampling seed, GPT2SERVE_SEED serve's weight seed), except
+GPT2SERVE_TARGET, the server every client command talks to. This is the only module that reads
+the environment for gpt2serve settings.
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ def auto_float(text: str) -> float | None:
     return None if text.strip().lower() == "auto" else float(text)
 
 
-def env_name(flag: str) -> str:
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
+    return prefix + flag.lstrip("-").replace("-", "_").upper()
 
 
 def parse_bool(text: str) -> bool:
@@ -121,21 +124,30 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
-class EnvDefaults:
-    """Adds flags whose defaults come from the environment when set there."""
+ENV_ERRORS = "_env_errors"  # the Namespace attribute with the chosen command's bad env values
 
-    def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str]):
+
+class EnvDefaults:
+    """Adds flags whose defaults come from the environment when set there. A bad value is
+    reported only when its command runs (`env_errors`), so it cannot break another command."""
+
+    def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str], prefix: str = ENV_PREFIX):
         self.parser = parser
         self.environ = environ
+        self.prefix = prefix
+        self.errors: list[str] = []
+        parser.set_defaults(**{ENV_ERRORS: self.errors})
 
-    def add(self, flag: str, *, type=str, default=None, help: str = "", secret: bool = False, **kwargs) -> None:
-        name = env_name(flag)
+    def add(self, flag: str, *, type=str, default=None, help: str = "", secret: bool = False, env: str | None = None,
+            **kwargs) -> None:
+        """`env`: the variable's name, when not <prefix><FLAG>."""
+        name = env or env_name(flag, self.prefix)
         if name in self.environ:
             raw = self.environ[name]
             try:
                 default = type(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                self.parser.error(f"{name}={raw!r}: {exc}")
+                self.errors.append(f"{name}={'<secret>' if secret else repr(raw)}: {exc}")
         if type is parse_bool:
             kwargs.setdefault("nargs", "?")
             kwargs.setdefault("const", True)
