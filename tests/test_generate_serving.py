@@ -207,6 +207,33 @@ def test_openai_prompt_list_runs_as_choices(gen_server, oai, grpc):
     assert wait_for_metric(gen_server.http_url, "gpt2serve_running_sequences", 0) == 0
 
 
+def test_a_prompt_list_longer_than_the_cache_runs_in_turns(gen_server, oai, grpc):
+    """20 prompts for 8 KV-cache slots: served (in turns), not refused with a 429 because the
+    list's own choices hold the slots; each choice what its prompt gives alone. Counted as
+    documented: one request per prompt (each choice is a generation of its own)."""
+    model = oai.models.list().data[0].id
+    slots = grpc.model_info().max_running_sequences
+    assert slots == 8
+    prompts = [PROMPTS[i % 16][: 3 + i] for i in range(20)]
+    alone = [grpc.generate(p, max_tokens=5, temperature=0, ignore_eos=True).text for p in prompts]
+    settings = dict(model=model, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    url = gen_server.http_url
+    counted = requests_total(url, "openai", "Completions", "OK")
+    completion = oai.completions.create(prompt=prompts, **settings)
+    assert [c.text for c in completion.choices] == alone
+    assert requests_total(url, "openai", "Completions", "OK") == counted + 20
+    texts: dict[int, str] = {}
+    for event in oai.completions.create(prompt=prompts, stream=True, **settings):
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(20)] == alone
+    # A bad prompt anywhere in the list refuses the whole request at once, naming it.
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(prompt=[*prompts[:15], [50257]], **settings)
+    assert "prompt[15]" in err.value.body["message"] and err.value.body["param"] == "prompt"
+    assert wait_for_metric(url, "gpt2serve_running_sequences", 0) == 0
+
+
 @pytest.mark.parametrize("kind", ["grpc", "rest"])
 def test_bad_generate_requests_are_clear_errors(kind, grpc, rest, gen_server):
     client = grpc if kind == "grpc" else rest

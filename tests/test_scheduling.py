@@ -79,7 +79,8 @@ def test_a_call_larger_than_the_queue_is_refused(small_queue_server):
 
     with pytest.raises(Gpt2ServeError) as error:
         asyncio.run(main())
-    assert error.value.code == "RESOURCE_EXHAUSTED" and "never fit" in error.value.message
+    assert error.value.code == "INVALID_ARGUMENT" and "never fit" in error.value.message and "--max-queue" in \
+        error.value.message  # no amount of waiting serves it: not a 429
 
 
 def test_a_rest_client_that_hangs_up_leaves_the_queue_at_once(small_queue_server):

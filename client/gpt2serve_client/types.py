@@ -212,6 +212,7 @@ class ModelInfo:
     parameters: ParameterBreakdown
     max_prompt_tokens: int
     max_batch_size: int
+    max_running_sequences: int = 0  # generations decoded together at most (KV-cache slots)
 
     def to_proto(self) -> pb.ModelInfo:
         data = asdict(self)
@@ -233,7 +234,7 @@ class ModelInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
-        scalars = {f: data[f] for f in cls.__dataclass_fields__ if f not in ("architecture", "parameters")}
+        scalars = {f: data[f] for f in cls.__dataclass_fields__ if f not in ("architecture", "parameters") and f in data}
         return cls(
             **scalars,
             architecture=Architecture(**{f: data["architecture"][f] for f in Architecture.__dataclass_fields__}),

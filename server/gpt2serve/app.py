@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
 import uvicorn
@@ -181,7 +181,7 @@ async def start_engine(config: ServeConfig, telemetry: Telemetry) -> tuple[Sched
     batcher.start()
     generation.start()
     loaded = engine.loaded
-    info = describe_model(loaded)
+    info = replace(describe_model(loaded), max_running_sequences=generator.slots)
     telemetry.model_name, telemetry.vocab_size = loaded.name, loaded.model.config.vocab_size
     telemetry.metrics.attach(model=info.model, dtype=info.dtype, device=info.device, weights=info.weights,
                              queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device),

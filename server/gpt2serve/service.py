@@ -181,6 +181,13 @@ class InferenceService:
                 producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
 
+    async def check_generation(self, prompt: PromptInput, settings: GenerateSettings) -> None:
+        """Raise what `generate` would raise for this prompt and these settings, without running
+        it: a request of several generations is refused whole, before any of them starts."""
+        self._require_model()
+        token_ids = await self.resolve_prompt(prompt, "prompt")
+        settings.request(token_ids, self.n_ctx, self.vocab_size, None)
+
     async def _generate(self, prompt: PromptInput, settings: GenerateSettings, options: RequestOptions,
                         put: Callable[[Any], None]) -> None:
         """The generation in its own task, so that its request span is current from start to end."""

@@ -24,7 +24,7 @@ from typing import Any, Protocol, Sequence
 from gpt2serve_client.types import LayerReport
 
 from ..engine.engine import BatchOutput, OutOfMemory, TokenScore
-from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..errors import INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
 from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,9 @@ class Batcher:
         """Queue all prompts of one request together (or none of them) and await their answers."""
         if self._task is None or self._task.done():
             raise Unavailable("the model worker is not running")
-        if len(prompts) > self.max_queue:
-            raise ResourceExhausted(f"{len(prompts)} prompts can never fit a queue of {self.max_queue} (--max-queue)")
+        if len(prompts) > self.max_queue:  # no wait can serve it: the caller's mistake, not "busy"
+            raise InvalidArgument(f"prompts: {len(prompts)} prompts can never fit a queue of {self.max_queue} "
+                                  f"(--max-queue)")
         if self._waiting + len(prompts) > self.max_queue:
             raise ResourceExhausted(f"queue full ({self._waiting} of {self.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()

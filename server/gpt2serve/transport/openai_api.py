@@ -126,12 +126,24 @@ class OpenAIRoutes:
             raise error
         options = http_options(request, ROUTE, "Completions", api="openai")
         settings = body.settings()
-        generations = [service.generate(prompt, settings, options)
-                       for prompt in body.prompt_inputs(service.max_batch_size)]
+        prompts = body.prompt_inputs(service.max_batch_size)
+        if len(prompts) > 1:  # one bad prompt refuses the request whole, before any generation starts
+            for index, prompt in enumerate(prompts):
+                try:
+                    await service.check_generation(prompt, settings)
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"prompt[{index}]: {exc.message}", param="prompt") from None
+        # A list longer than the KV cache has slots runs in turns: a choice starts when one of
+        # this request's own ends, so none of them waits behind its siblings into a 429.
+        slots = max(service.model_info().max_running_sequences, 1)
+        turns = asyncio.Semaphore(slots)
+        generations = [in_turn(turns, service.generate(prompt, settings, options)) for prompt in prompts]
         completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                       "model": model}
         if body.stream:
-            streams = await unless_disconnected(request, first_chunks(generations))  # errors raise before the 200
+            started = min(len(generations), slots)  # errors of these raise before the 200
+            streams = await unless_disconnected(request, first_chunks(generations[:started]))
+            streams += generations[started:]
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             events = stream_events(completion, interleave(streams), include_usage, body.logprobs, self.error_body)
             return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
@@ -141,6 +153,16 @@ class OpenAIRoutes:
                     if body.logprobs is not None else None}
                    for index, result in enumerate(results)]
         return JSONResponse({**completion, "choices": choices, "usage": usage_json([r.usage for r in results])})
+
+
+async def in_turn(turns: asyncio.Semaphore, chunks: AsyncIterator) -> AsyncIterator:
+    """`chunks`, started only once a turn is free; the turn is given back at its end."""
+    async with turns:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
