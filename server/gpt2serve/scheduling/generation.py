@@ -235,7 +235,9 @@ class GenerationScheduler:
         try:
             output = await loop.run_in_executor(self.executor, call)
         except OutOfMemory as exc:
-            self._fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step: {exc}"))
+            log.error("%s step: out of device memory for %d sequences: %s", kind, len(members), exc)
+            self._fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step of "
+                                                  f"{len(members)} sequences; retry later"))
             return True
         except Exception as exc:  # Fail the sequences of this step, keep serving the rest.
             log.error("%s step failed for %d sequences", kind, len(members), exc_info=exc)

@@ -182,7 +182,8 @@ class GrpcTransport:
         interceptors = []
         if config.api_key:
             interceptors.append(GrpcAuthInterceptor(
-                BearerKey(config.api_key), lambda method, code: service.count_refusal("grpc", method, code)))
+                BearerKey(config.api_key),
+                lambda context, error, method: abort_with(context, error, method, service.count_refusal)))
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", -1),  # Answers are bounded by the request limits.

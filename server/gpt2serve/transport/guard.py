@@ -12,7 +12,7 @@ OpenAPI docs, which describe the API and hold no data; `/metrics` is open unless
 from __future__ import annotations
 
 import hmac
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -25,8 +25,9 @@ OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alph
                                 "grpc.reflection.v1.ServerReflection"})
 AUTH_HINT = "send 'authorization: Bearer <key>'"
 
-# Called as refused(method, code) for the request metrics.
-Refused = Callable[[str, str], None]
+# abort(context, error, method): answers a call with its error status and counts it
+# (grpc_server.abort_with, the one place gRPC refusals are counted).
+Abort = Callable[[grpc.aio.ServicerContext, Exception, str], Awaitable[None]]
 
 
 class BearerKey:
@@ -47,10 +48,9 @@ class BearerKey:
 class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls to protected services without the key, before the request is even parsed."""
 
-    def __init__(self, key: BearerKey, refused: Refused):
+    def __init__(self, key: BearerKey, abort: Abort):
         self.key = key
-        self.refused = refused
-        self._refusal = grpc.unary_unary_rpc_method_handler(self._deny)
+        self.abort = abort
 
     async def intercept_service(self, continuation, handler_call_details):
         service, _, method = handler_call_details.method.lstrip("/").partition("/")
@@ -60,12 +60,12 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
         authorization = next((value for key, value in metadata if key == "authorization"), None)
         if self.key.accepts(authorization):
             return await continuation(handler_call_details)
-        self.refused(method, Unauthenticated("").code)
-        return self._refusal  # Every protected method is unary-unary.
 
-    @staticmethod
-    async def _deny(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong API key: {AUTH_HINT}")
+        async def deny(request, context: grpc.aio.ServicerContext):
+            await self.abort(context, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"), method)
+
+        # A unary handler refuses streaming methods too: it aborts before any message is read or sent.
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class HttpGuard:
