@@ -71,6 +71,23 @@ def test_the_compose_env_selects_the_model(profile):
     assert any("GPT2SERVE_MODEL=gpt2" in line for line in lines)  # the image's own default
 
 
+def test_container_defaults_drain_build_small_and_say_their_version(tmp_path):
+    config = compose_config("cpu")["services"]
+    for name in ("gpt2serve", "gpt2serve-cpu"):
+        server = config[name]
+        grace = server["stop_grace_period"]
+        assert int(grace.rstrip("s")) > 30  # the server's own --shutdown-grace-s default
+        assert server["image"].startswith("gpt2serve:0.1.0")
+    assert config["gpt2serve-cpu"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    assert "shm_size" in config["gpt2serve"]
+    dockerfile = (ROOT / "deploy/Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile and "FROM ${BASE_IMAGE}" in dockerfile
+    assert "org.opencontainers.image.version" in dockerfile and "--no-index --find-links /wheels" in dockerfile
+    assert not any(word in dockerfile for word in ("pip.conf", "PIP_INDEX_URL", "PIP_CERT", "ca-certificates.crt"))
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "tests"} <= set(ignored)
+
+
 def test_plain_compose_up_means_the_gpu_variant():
     assert "COMPOSE_PROFILES=gpu" in (ROOT / ".env").read_text().splitlines()
 

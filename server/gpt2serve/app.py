@@ -19,6 +19,7 @@ from .engine.engine import Engine, EngineOptions
 from .engine.generation import Generator
 from .engine.kv_cache import KVCache
 from .engine.loading import load_model
+from .resources import available_cpus, available_memory_bytes
 from .scheduling.batcher import Batcher, new_engine_thread
 from .scheduling.generation import GenerationScheduler
 from .service import InferenceService, describe_model
@@ -112,6 +113,10 @@ def device_memory_probe(device) -> Callable[[], float]:
 
 def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
+    import torch
+
+    if torch.get_num_threads() > available_cpus():  # a container's CPU quota below the host's cores
+        torch.set_num_threads(available_cpus())
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
                         random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
     engine = Engine(loaded, engine_options(config, loaded))
@@ -138,7 +143,7 @@ def kv_cache_slots(config: ServeConfig, engine: Engine) -> int:
 
         budget = 0.4 * torch.cuda.mem_get_info(device)[0]
     else:
-        budget = 0.25 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = 0.25 * available_memory_bytes()  # the container's limit, where there is one
     fits = int(budget // KVCache.bytes_per_slot(model_config, engine.loaded.dtype))
     return max(1, min(config.max_running_sequences or engine.options.max_batch_size, fits))
 

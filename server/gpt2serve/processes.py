@@ -377,7 +377,9 @@ def resolve_workers(config: ServeConfig) -> int:
         import torch
 
         gpu = torch.cuda.is_available()
-    return max(1, min((os.cpu_count() or 1) - 2, 8)) if gpu else 1
+    from .resources import available_cpus  # the container's CPU quota, where there is one
+
+    return max(1, min(available_cpus() - 2, 8)) if gpu else 1
 
 
 def run_workers(config: ServeConfig, workers: int) -> int:
