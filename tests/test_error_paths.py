@@ -4,7 +4,6 @@ right labels, and the README's and /docs' status tables agree with gpt2serve_cli
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx

@@ -16,7 +16,6 @@ import struct
 import threading
 import time
 
-import grpc
 import httpx
 import pytest
 from conftest import launch_server, metric_value

@@ -4,7 +4,6 @@ and a request whose deadline passed never reaches the model."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest

@@ -115,8 +115,9 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
     import torch
 
-    if torch.get_num_threads() > available_cpus():  # a container's CPU quota below the host's cores
-        torch.set_num_threads(available_cpus())
+    cpus = available_cpus()
+    if torch.get_num_threads() > cpus:  # a container's CPU quota below the host's cores
+        torch.set_num_threads(cpus)
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
                         random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
     engine = Engine(loaded, engine_options(config, loaded))

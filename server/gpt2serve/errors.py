@@ -15,6 +15,7 @@ INTERNAL_MESSAGE = "internal error; see server log"
 class ServeError(Exception):
     kind = "internal"
     counted = False  # set once a request metric has counted it (see telemetry.spans, transport)
+    openai_code = None  # OpenAI's error `code`, where it has one for this failure
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
@@ -44,6 +45,10 @@ class FailedPrecondition(ServeError):
 
 class NotFound(ServeError):
     kind = "not_found"
+
+
+class ModelNotFound(NotFound):
+    openai_code = "model_not_found"
 
 
 class MethodNotAllowed(ServeError):
@@ -89,16 +94,11 @@ class DeadlineExceeded(ServeError):
     kind = "deadline_exceeded"
 
 
-class Cancelled(ServeError):
-    """The caller hung up; nobody reads the answer, but the request is counted."""
-    kind = "cancelled"
-
-
 def error_from_code(code: str, message: str) -> ServeError:
     """The error a (code, message) pair stands for, as it crossed a process boundary."""
     for cls in (InvalidArgument, FailedPrecondition, ResourceExhausted, Unauthenticated, Unavailable,
                 DeadlineExceeded, NotFound):
-        if cls.kind in BY_KIND and BY_KIND[cls.kind].code == code:
+        if BY_KIND[cls.kind].code == code:
             return cls(message)
     return ServeError(message)
 

@@ -282,12 +282,12 @@ class EngineServer:
                     if task is not None:
                         task.cancel()
                 elif kind == HELLO:
-                    self._watch(peer, message[1] if len(message) > 1 else None)
+                    self._watch(peer, message[1])
                     self._outbox.put(peer, self._ready)
 
-    def _watch(self, peer: bytes, pid: int | None) -> None:
+    def _watch(self, peer: bytes, pid: int) -> None:
         """Cancel a front end's work the moment its process exits (see the module doc)."""
-        if pid is None or peer in self._watched:
+        if peer in self._watched:
             return
         try:
             fd = os.pidfd_open(pid)
@@ -317,7 +317,7 @@ class EngineServer:
             self._outbox.put(peer, [ERROR, request_id, exc.code, exc.message])
         except asyncio.CancelledError:
             pass  # the front end's caller went away
-        except Exception as exc:  # never lose a request silently
+        except Exception:  # never lose a request silently
             log.exception("engine %s failed", what)
             self._outbox.put(peer, [ERROR, request_id, "INTERNAL", INTERNAL_MESSAGE])  # the details: this log
         finally:

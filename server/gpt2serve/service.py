@@ -181,12 +181,13 @@ class InferenceService:
                 producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
 
-    async def check_generation(self, prompt: PromptInput, settings: GenerateSettings) -> None:
-        """Raise what `generate` would raise for this prompt and these settings, without running
-        it: a request of several generations is refused whole, before any of them starts."""
+    async def generation_request(self, prompt: PromptInput, settings: GenerateSettings,
+                                 deadline: float | None = None) -> GenerationRequest:
+        """The prompt tokenized and the settings checked: what `generate` raises for bad input.
+        Alone, it refuses a request of several generations whole, before any of them starts."""
         self._require_model()
         token_ids = await self.resolve_prompt(prompt, "prompt")
-        settings.request(token_ids, self.n_ctx, self.vocab_size, None)
+        return settings.request(token_ids, self.n_ctx, self.vocab_size, deadline)
 
     async def _generate(self, prompt: PromptInput, settings: GenerateSettings, options: RequestOptions,
                         put: Callable[[Any], None]) -> None:
@@ -198,8 +199,8 @@ class InferenceService:
                                              options.trace_layers, options.api, options.method,
                                              options.deadline) as span:
                 scheduler, _ = self._require_model()
-                token_ids = await self.resolve_prompt(prompt, "prompt")
-                request = settings.request(token_ids, self.n_ctx, self.vocab_size, options.deadline)
+                request = await self.generation_request(prompt, settings, options.deadline)
+                token_ids = request.prompt
                 trace_id = exported_trace_id(span)
                 trace = self.request_trace(span, options, sampled=bool(trace_id))
                 for name, value in (("max_tokens", request.max_tokens), ("temperature", request.params.temperature),

@@ -131,7 +131,6 @@ class Engine:
         prompt = [self.pad_token_id] * 8
         self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the eager path, with taps
         if self.options.fixed_cost_tokens is not None:  # pinned (--fixed-cost-tokens): nothing to measure
-            self.next_token([prompt], [1])
             return
         # A forward costs about fixed + r * rows + c * padded tokens (rows: the last-position
         # lm_head, a large share for small models). Splitting a batch by length repeats `fixed`

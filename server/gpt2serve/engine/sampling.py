@@ -91,5 +91,4 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], uniform: list[fl
     cdf = probs.cumsum(dim=-1)  # (S, C)
     target = torch.tensor(uniform, device=device, dtype=cdf.dtype) * cdf[:, -1]  # (S,)
     picked = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True), last[:, None])  # (S, 1)
-    picked = picked.clamp(min=0)
     return picked[:, 0] if ids is None else ids.gather(1, picked)[:, 0]

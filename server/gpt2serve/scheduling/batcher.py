@@ -24,7 +24,8 @@ from typing import Any, Protocol, Sequence
 from gpt2serve_client.types import LayerReport
 
 from ..engine.engine import BatchOutput, OutOfMemory, TokenScore
-from ..errors import INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown,
+                      Unavailable)
 from .grouping import plan_batch
 
 log = logging.getLogger(__name__)

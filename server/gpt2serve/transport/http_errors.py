@@ -19,8 +19,6 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from gpt2serve_client.status import ERROR_STATUSES
-
 from ..errors import INTERNAL_MESSAGE, MalformedBody, ServeError, UnsupportedMediaType
 
 log = logging.getLogger(__name__)
@@ -43,7 +41,7 @@ class HttpErrors:
     def body(self, path: str, error: ServeError) -> dict:
         if path in self.openai_paths:
             return {"error": {"message": error.message, "type": error.status.openai_type, "param": error.param,
-                              "code": getattr(error, "openai_code", None)}}
+                              "code": error.openai_code}}
         return {"error": {"code": error.code, "message": error.message}}
 
     def render(self, path: str, error: ServeError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 
-from ..errors import InvalidArgument, NotFound, ServeError
+from ..errors import InvalidArgument, ModelNotFound, ServeError
 from ..generating import GenerateSettings
 from ..service import InferenceService, PromptInput
 from .http_shared import http_options, unless_disconnected
@@ -119,23 +119,23 @@ class OpenAIRoutes:
         """OpenAI's completions API: a prompt (text or token ids) or a list of them, one choice
         each; `stream` for server-sent chunks then `[DONE]`. Errors in OpenAI's shape."""
         service = self.service
-        model = service.model_info().model
+        info = service.model_info()
+        model = info.model
         if body.model != model:
-            error = NotFound(f"The model '{body.model}' does not exist; this server serves '{model}'", param="model")
-            error.openai_code = "model_not_found"
-            raise error
+            raise ModelNotFound(f"The model '{body.model}' does not exist; this server serves '{model}'", param="model")
         options = http_options(request, ROUTE, "Completions", api="openai")
         settings = body.settings()
         prompts = body.prompt_inputs(service.max_batch_size)
         if len(prompts) > 1:  # one bad prompt refuses the request whole, before any generation starts
             for index, prompt in enumerate(prompts):
                 try:
-                    await service.check_generation(prompt, settings)
+                    checked = await service.generation_request(prompt, settings)
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"prompt[{index}]: {exc.message}", param="prompt") from None
+                prompts[index] = PromptInput(token_ids=checked.prompt)  # tokenized once
         # A list longer than the KV cache has slots runs in turns: a choice starts when one of
         # this request's own ends, so none of them waits behind its siblings into a 429.
-        slots = max(service.model_info().max_running_sequences, 1)
+        slots = max(info.max_running_sequences, 1)
         turns = asyncio.Semaphore(slots)
         generations = [in_turn(turns, service.generate(prompt, settings, options)) for prompt in prompts]
         completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
