@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: serve test test-gpu proto lock clean
+.PHONY: serve test test-gpu stack stack-down proto lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ serve: $(STAMP)
 test: $(STAMP)
 	scripts/debian_test_deps.sh
 	$(BIN)/python -m pytest $(ARGS)
+
+## The compose stack with no registry access: installs Docker and compose from Debian when absent,
+## starts the engine when none runs, builds every image here (no pulls), waits until healthy.
+## GPT2SERVE_MODEL=random:gpt2 make stack   # any model; ports: docker-compose.yml's header
+stack: $(STAMP)
+	scripts/stack.sh up
+
+## Stop the stack, and the Docker engine if `make stack` started it (volumes are kept).
+stack-down:
+	scripts/stack.sh down
 
 ## On a GPU machine: the GPU tests, the whole suite and the engine bench table (gpt2, gpt2-xl).
 test-gpu: $(STAMP)

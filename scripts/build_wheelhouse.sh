@@ -6,7 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
+# The same source gives the same wheel bytes (zip timestamps from the last commit), so Docker's
+# layer cache holds across fresh clones.
+export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git log -1 --format=%ct 2>/dev/null || echo 315532800)}
 mkdir -p deploy/wheels
 rm -f deploy/wheels/*.whl
-"$PYTHON" -m pip wheel --quiet --constraint constraints.txt --wheel-dir deploy/wheels '.[server]'
+"$PYTHON" -m pip wheel --quiet --quiet --constraint constraints.txt --wheel-dir deploy/wheels '.[server]'
 echo "deploy/wheels: $(ls deploy/wheels/*.whl | wc -l) wheels, $(du -sh deploy/wheels | cut -f1)"

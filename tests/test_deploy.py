@@ -28,6 +28,14 @@ def volume(entry) -> tuple[str, str]:
     return entry.get("source", ""), entry["target"]
 
 
+def published(entry) -> tuple[str, int, int]:
+    """(host address, host port, container port) from compose's short or long port syntax."""
+    if isinstance(entry, str):
+        address, host, container = entry.removesuffix("/tcp").split(":")
+        return address, int(host), int(container)
+    return entry.get("host_ip", ""), int(entry["published"]), int(entry["target"])
+
+
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
 def test_compose_config_is_valid_and_wired(profile):
     config = compose_config(profile)
@@ -36,7 +44,7 @@ def test_compose_config_is_valid_and_wired(profile):
     for name in ("gpt2serve", "gpt2serve-cpu"):
         server = services[name]
         assert server["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
-        assert {p["target"] for p in server["ports"]} == {50051, 8000}
+        assert {published(p)[2] for p in server["ports"]} == {50051, 8000}
         assert any(volume(v)[1] == "/models" for v in server["volumes"])
     gpu = services["gpt2serve"]
     assert gpu["profiles"] == ["gpu"]
@@ -52,8 +60,32 @@ def test_compose_config_is_valid_and_wired(profile):
     assert mounts == {"deploy/prometheus/prometheus.yml": "/etc/prometheus/prometheus.yml",
                       "deploy/grafana/provisioning": "/etc/grafana/provisioning",
                       "deploy/grafana/dashboards": "/var/lib/grafana/dashboards"}
-    assert {p["published"] for s in ("jaeger", "prometheus", "grafana") for p in services[s]["ports"]} >= {
-        16686, 4317, 9090, 3000}
+    ports = [published(p) for s in services.values() for p in s["ports"]]
+    assert {host for _, host, _ in ports} >= {50051, 8000, 16686, 4317, 9090, 3000}
+    assert {address for address, _, _ in ports} == {"127.0.0.1"}  # loopback unless GPT2SERVE_PUBLISH says
+
+
+def test_ports_move_with_the_env():
+    config = compose_config("cpu", GPT2SERVE_PUBLISH="0.0.0.0", GPT2SERVE_REST_PORT="18000",
+                            GPT2SERVE_PROMETHEUS_PORT="19090")["services"]
+    assert ("0.0.0.0", 18000, 8000) in map(published, config["gpt2serve-cpu"]["ports"])
+    assert ("0.0.0.0", 19090, 9090) in map(published, config["prometheus"]["ports"])
+
+
+def test_the_offline_stack_builds_every_image_it_starts_with_no_network():
+    """`make stack`: with deploy/compose.offline.yml laid over, each service that starts is built
+    here with --network none on the debootstrap'd base, so compose has nothing to pull; Jaeger and
+    Grafana (registry images only) stay off, and traces go to the Phoenix service."""
+    config = compose_config("cpu", COMPOSE_FILE="docker-compose.yml:deploy/compose.offline.yml")["services"]
+    started = {name for name, service in config.items() if "cpu" in service.get("profiles", ["cpu"])}
+    assert started == {"gpt2serve-cpu", "prometheus", "phoenix"}
+    for name in started:
+        build = config[name]["build"]
+        assert build["network"] == "none" and build["args"]["BASE_IMAGE"] == "gpt2serve-base:bookworm", name
+        assert not config[name]["image"].startswith(("prom/", "jaegertracing/", "grafana/")), name
+    assert config["gpt2serve-cpu"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://phoenix:4317"
+    stack = (ROOT / "scripts/stack.sh").read_text()
+    assert "COMPOSE_FILE=docker-compose.yml:deploy/compose.offline.yml" in stack and "--no-build" in stack
 
 
 @pytest.mark.parametrize("profile", ["gpu", "cpu"])
