@@ -125,6 +125,25 @@ def stack(tmp_path_factory, found_state):
         stack.script("down", "--volumes", timeout=300)  # idempotent; the last test checks it
 
 
+def test_an_engine_that_cannot_start_is_reported_with_its_own_error(tmp_path, found_state):
+    """The one case the stack test skips: dockerd exits before it listens. scripts/stack.sh says
+    so with dockerd's own words and a distinct status, and puts the host back as it was."""
+    if found_state["engine_running"]:
+        pytest.skip("an engine is already running here; stack.sh would use it")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "docker").write_text("#!/bin/sh\necho 'Cannot connect to the Docker daemon' >&2\nexit 1\n")
+    (fake / "dockerd").write_text("#!/bin/sh\necho 'failed to start daemon: Devices cgroup is not mounted' >&2\n"
+                                  "exit 1\n")
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPT2SERVE_STACK_STATE": str(tmp_path / "state")}
+    out = subprocess.run(["scripts/stack.sh", "up"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == ENGINE_UNAVAILABLE, out.stderr
+    assert "the Docker engine could not start" in out.stderr and "Devices cgroup is not mounted" in out.stderr
+    assert host_state() == found_state
+
+
 def test_ready_through_the_published_port_on_the_model_the_env_chose(stack):
     assert httpx.get(f"{stack.rest_url}/readyz", timeout=10).json() == {"status": "ready"}
     models = httpx.get(f"{stack.rest_url}/v1/models", timeout=10).json()
@@ -234,3 +253,4 @@ def test_stack_down_leaves_the_machine_as_found(stack, found_state):
     if not found_state["engine_running"]:
         assert not after["engine_running"], "the engine this test started is still running"
     assert after == found_state
+
