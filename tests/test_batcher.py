@@ -92,3 +92,25 @@ def test_out_of_memory_splits_until_the_halves_fit():
     answers = asyncio.run(main())
     assert engine.batch_sizes == [5, 5, 5, 5]
     assert [out.top[0].token_id for out in answers] == list(range(20))
+
+
+def test_prompts_count_as_waiting_then_running():
+    """What the router gauges read: ten prompts and batches of four, so while the first forward
+    runs, four are running and six wait; nothing is counted once all are answered."""
+    engine = FakeEngine(forward_s=0.3)
+
+    async def main():
+        batcher = batcher_for(engine, max_batch_size=4)
+        batcher.start()
+        try:
+            answers = asyncio.gather(*(batcher.submit([[i, 1]], top_k=1) for i in range(10)))
+            await asyncio.sleep(0.1)  # inside the first forward
+            during = (batcher.running, batcher.queue_depth)
+            await answers
+            return during, (batcher.running, batcher.queue_depth)
+        finally:
+            await batcher.stop()
+
+    during, after = asyncio.run(main())
+    assert during == (4, 6)
+    assert after == (0, 0)

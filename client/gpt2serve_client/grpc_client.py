@@ -17,19 +17,30 @@ from .types import GenerateChunk, GenerateResult, HealthStatus, ModelInfo, NextT
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # include_layers on a big batch of a big model is large
+# A dns: target is resolved again when a connection closes (a replica left, or the server's
+# --grpc-max-connection-age-s), at most this often; gRPC's own default is 30 s, which would
+# leave a new replica idle that long in a rolling update.
+DNS_MIN_RESOLUTION_INTERVAL_MS = 2000
 
 
-def channel_options(retries: int) -> list[tuple[str, object]]:
+def default_load_balancing(target: str) -> str:
+    """round_robin for a `dns:///name:port` target (every replica the name resolves to, a call
+    each in turn), gRPC's own pick_first (one connection) otherwise."""
+    return "round_robin" if target.startswith("dns:") else "pick_first"
+
+
+def channel_options(retries: int, load_balancing: str = "pick_first") -> list[tuple[str, object]]:
     """gRPC's own retry policy: UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential
-    backoff (and the server's grpc-retry-pushback-ms), within the call's deadline."""
+    backoff (and the server's grpc-retry-pushback-ms), within the call's deadline. Each attempt
+    is picked again by the load balancer, so under round_robin a retry goes to another replica."""
     options: list[tuple[str, object]] = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
+    config: dict = {"loadBalancingConfig": [{load_balancing: {}}]}
     if retries > 0:
         policy = {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.1s", "maxBackoff": "2s",
                   "backoffMultiplier": 2, "retryableStatusCodes": list(_requests.RETRYABLE)}
-        config = {"methodConfig": [{"name": [{"service": "gpt2serve.v1.Gpt2Serve"}], "retryPolicy": policy}]}
-        options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config))]
-    else:
-        options.append(("grpc.enable_retries", 0))
+        config["methodConfig"] = [{"name": [{"service": "gpt2serve.v1.Gpt2Serve"}], "retryPolicy": policy}]
+    options += [("grpc.enable_retries", int(retries > 0)), ("grpc.service_config", json.dumps(config)),
+                ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_RESOLUTION_INTERVAL_MS)]
     return options
 
 
@@ -54,15 +65,22 @@ class Client:
     is retried on UNAVAILABLE / RESOURCE_EXHAUSTED up to `retries` times within it.
 
     `api_key` is sent as `authorization: Bearer <key>`; `tls=True` (or `root_certificates`, PEM
-    bytes or a file path, for a private CA) connects over TLS."""
+    bytes or a file path, for a private CA) connects over TLS.
+
+    Several replicas: give a `dns:///name:port` target (e.g. a Kubernetes headless Service) and
+    each call goes to the next replica the name resolves to (`load_balancing="round_robin"`, the
+    default for dns: targets); the name is resolved again when a connection closes, so replicas
+    that come and go are followed (see the server's --grpc-max-connection-age-s)."""
 
     def __init__(self, target: str = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, tls: bool = False, root_certificates: bytes | str | Path | None = None,
-                 retries: int = _requests.DEFAULT_RETRIES, channel: grpc.Channel | None = None):
+                 retries: int = _requests.DEFAULT_RETRIES, channel: grpc.Channel | None = None,
+                 load_balancing: str | None = None):
         self.target = target
         self.timeout = timeout
         self._api_key = api_key
-        credentials, options = tls_credentials(tls, root_certificates), channel_options(retries)
+        credentials = tls_credentials(tls, root_certificates)
+        options = channel_options(retries, load_balancing or default_load_balancing(target))
         self._channel = channel or (grpc.secure_channel(target, credentials, options) if credentials
                                     else grpc.insecure_channel(target, options))
         self._stub = pb_grpc.Gpt2ServeStub(self._channel)
@@ -137,11 +155,13 @@ class AsyncClient:
 
     def __init__(self, target: str = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, tls: bool = False, root_certificates: bytes | str | Path | None = None,
-                 retries: int = _requests.DEFAULT_RETRIES, channel: grpc.aio.Channel | None = None):
+                 retries: int = _requests.DEFAULT_RETRIES, channel: grpc.aio.Channel | None = None,
+                 load_balancing: str | None = None):
         self.target = target
         self.timeout = timeout
         self._api_key = api_key
-        credentials, options = tls_credentials(tls, root_certificates), channel_options(retries)
+        credentials = tls_credentials(tls, root_certificates)
+        options = channel_options(retries, load_balancing or default_load_balancing(target))
         self._channel = channel or (grpc.aio.secure_channel(target, credentials, options) if credentials
                                     else grpc.aio.insecure_channel(target, options))
         self._stub = pb_grpc.Gpt2ServeStub(self._channel)

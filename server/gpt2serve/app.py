@@ -190,9 +190,11 @@ async def start_engine(config: ServeConfig, telemetry: Telemetry) -> tuple[Sched
     info = replace(describe_model(loaded), max_running_sequences=generator.slots)
     telemetry.model_name, telemetry.vocab_size = loaded.name, loaded.model.config.vocab_size
     telemetry.metrics.attach(model=info.model, dtype=info.dtype, device=info.device, weights=info.weights,
-                             queue_depth=lambda: batcher.queue_depth, device_memory=device_memory_probe(loaded.device),
-                             running=lambda: generation.running, waiting=lambda: generation.waiting,
-                             kv_cache_usage=lambda: generation.cache_usage)
+                             device_memory=device_memory_probe(loaded.device),
+                             queue_depth=lambda: batcher.queue_depth, batch_running=lambda: batcher.running,
+                             generations_waiting=lambda: generation.waiting,
+                             generations_running=lambda: generation.running,
+                             kv_cache_usage=lambda: generation.cache_usage, compat=config.metrics_compat)
     return Schedulers(batcher, generation), info
 
 

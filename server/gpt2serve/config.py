@@ -20,6 +20,7 @@ ENV_PREFIX = "GPT2SERVE_"
 DEVICES_HELP = "auto (CUDA when present, else CPU), cpu, cuda, cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TRACE_LAYERS_MODES = ("never", "on-request", "always")
+METRICS_COMPAT_CHOICES = ("vllm",)  # telemetry.metrics.METRICS_COMPAT
 # --max-batch-size auto: on a GPU, batch 256 costs about what 64 does (issue 11, H100: CUDA-graph
 # forwards of 1.65 ms at 64 and 3.5 ms at 256); on a CPU, 64 already fills the cores.
 AUTO_MAX_BATCH_SIZE = {"cuda": 256, "cpu": 64}
@@ -79,6 +80,11 @@ class ServeConfig:
     max_queue_wait_s: float = 30.0
     # A tracing UI's page for one trace, "{trace_id}" replaced (the /ui page links to it).
     trace_ui_url: str | None = None
+    # Also export the router gauges under another server's names ("vllm"; telemetry.metrics).
+    metrics_compat: str | None = None
+    # gRPC connections are closed (gracefully, GOAWAY) after this many seconds, so long-lived
+    # clients re-resolve and reach replicas added since; 0: never.
+    grpc_max_connection_age_s: float = 0.0
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
@@ -215,6 +221,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "(auto: 40%% of free device memory on cuda, 25%% of RAM on CPU)")
     env.add("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
             help="a generation waiting this long for a KV-cache slot gets RESOURCE_EXHAUSTED / 429")
+    env.add("--metrics-compat", default=d.metrics_compat, choices=METRICS_COMPAT_CHOICES,
+            help="also export the router gauges (requests waiting, running, KV-cache usage) under another "
+                 "server's names: vllm (vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc)")
+    env.add("--grpc-max-connection-age-s", type=float, default=d.grpc_max_connection_age_s,
+            help="close each gRPC connection after this long (GOAWAY; in-flight calls finish), so clients "
+                 "re-resolve and spread over new replicas; 0: never")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process), about min(cores - 2, 8) on a GPU")
@@ -266,6 +278,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--workers must be >= 1 (or auto)")
     if config.cuda_graph_memory_mb < 0:
         problems.append("--cuda-graph-memory-mb must be >= 0")
+    if config.grpc_max_connection_age_s < 0:
+        problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.shutdown_grace_s < 0:
         problems.append("--shutdown-grace-s must be >= 0")
     for port in (config.grpc_port, config.http_port):

@@ -99,6 +99,7 @@ class Batcher:
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._backlog: list[_Pending] = []  # Left over by length grouping; runs before newer arrivals.
         self._waiting = 0  # Live requests in queue + backlog (abandoned ones stop counting at once).
+        self._running = 0  # Prompts in the forward pass under way.
         # Pass the thread that loaded the model: see `new_engine_thread()`.
         self._executor = engine_thread or new_engine_thread()
         self._task: asyncio.Task | None = None
@@ -110,6 +111,11 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         return self._waiting
+
+    @property
+    def running(self) -> int:
+        """Prompts in the forward pass under way (a router's "requests running")."""
+        return self._running
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="batcher")
@@ -200,7 +206,11 @@ class Batcher:
         while True:
             batch = await self._collect_batch(asyncio.get_running_loop())
             if batch:
-                await self._run_batch(batch)
+                self._running = len(batch)
+                try:
+                    await self._run_batch(batch)
+                finally:
+                    self._running = 0
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
         """Forward one batch and answer it. Out of device memory: run each half on its own."""

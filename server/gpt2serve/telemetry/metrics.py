@@ -10,6 +10,12 @@ With `--workers N` (N > 1) every process writes its samples to files in PROMETHE
 any front end's /metrics sums them: the counters are the whole server's. That mode has no
 exemplars, no Info metric (the model is a gauge of 1 with the same name and labels) and no
 callback gauges (the engine process sets queue depth and device memory as they change).
+
+Routers and autoscalers (the Gateway API Inference Extension, KEDA, an HPA over
+prometheus-adapter) read three gauges, one value per engine: `gpt2serve_requests_waiting`,
+`gpt2serve_requests_running` and `gpt2serve_kv_cache_usage_ratio`. `--metrics-compat vllm`
+exports them under vLLM's names as well, so routers and dashboards written for vLLM work as they
+are (METRICS_COMPAT).
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # gen_ai.server.time_per_output_token buckets, with finer ones below 10 ms for GPUs.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 GENERATING_METHODS = ("Generate", "Completions")  # their first token is not their answer
+# --metrics-compat: other servers' names for the router gauges (ours -> theirs). vLLM's carry
+# the labels model_name and engine; its kv_cache_usage_perc is a ratio too (1 = 100%).
+METRICS_COMPAT = {
+    "vllm": {"requests_waiting": "vllm:num_requests_waiting", "requests_running": "vllm:num_requests_running",
+             "kv_cache_usage": "vllm:kv_cache_usage_perc"},
+}
 
 
 class Metrics:
@@ -65,6 +77,14 @@ class Metrics:
                                        registry=r, **live_sum)
         self.kv_cache_usage = Gauge("gpt2serve_kv_cache_usage_ratio", "Share of the KV-cache slots in use (0..1)",
                                     registry=r, **live_sum)
+        self.requests_waiting = Gauge(
+            "gpt2serve_requests_waiting",
+            "Requests waiting to run: prompts queued for a next-token batch and generations waiting for a "
+            "KV-cache slot (what a router or autoscaler reads)", registry=r, **live_sum)
+        self.requests_running = Gauge(
+            "gpt2serve_requests_running",
+            "Requests running: prompts in the forward pass under way and generations being decoded",
+            registry=r, **live_sum)
         self.device_memory = Gauge("gpt2serve_device_memory_bytes",
                                    "Memory in use on the model's device (CPU: process RSS)", ["device"], registry=r,
                                    **live_sum)
@@ -78,15 +98,24 @@ class Metrics:
         else:
             self.model = Info("gpt2serve_model", "The served model", registry=r)
 
-    def attach(self, *, model: str, dtype: str, device: str, weights: str, queue_depth: Callable[[], float],
-               device_memory: Callable[[], float], running: Callable[[], float], waiting: Callable[[], float],
-               kv_cache_usage: Callable[[], float]) -> None:
+    def attach(self, *, model: str, dtype: str, device: str, weights: str, device_memory: Callable[[], float],
+               queue_depth: Callable[[], float], batch_running: Callable[[], float],
+               generations_waiting: Callable[[], float], generations_running: Callable[[], float],
+               kv_cache_usage: Callable[[], float], compat: str | None = None) -> None:
         """Called once the model is loaded, in the process that owns it. In multiprocess mode the
         callbacks are read by `refresh()`, which the engine process calls as it works."""
         labels = {"model": model, "dtype": dtype, "device": device, "weights": weights}
+        router = {"requests_waiting": lambda: queue_depth() + generations_waiting(),
+                  "requests_running": lambda: batch_running() + generations_running(),
+                  "kv_cache_usage": kv_cache_usage}
         gauges = [(self.queue_depth, queue_depth), (self.device_memory.labels(device=device), device_memory),
-                  (self.running_sequences, running), (self.waiting_sequences, waiting),
-                  (self.kv_cache_usage, kv_cache_usage)]
+                  (self.running_sequences, generations_running), (self.waiting_sequences, generations_waiting),
+                  *((getattr(self, name), read) for name, read in router.items())]
+        if compat:  # The same readings under another server's names (a gauge's own help says whose).
+            for name, their_name in METRICS_COMPAT[compat].items():
+                gauge = Gauge(their_name, f"{getattr(self, name)._documentation} (--metrics-compat {compat})",
+                              ["model_name", "engine"], registry=self.registry, multiprocess_mode="livesum")
+                gauges.append((gauge.labels(model_name=model, engine="0"), router[name]))
         if self.multiprocess_dir:
             self.model_gauge.labels(**labels).set(1)
             self._gauges = gauges

@@ -184,10 +184,15 @@ class GrpcTransport:
             interceptors.append(GrpcAuthInterceptor(
                 BearerKey(config.api_key),
                 lambda context, error, method: abort_with(context, error, method, service.count_refusal)))
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
+        options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", -1),  # Answers are bounded by the request limits.
-        ])
+        ]
+        if config.grpc_max_connection_age_s > 0:
+            # GOAWAY after this age; calls under way get the drain grace to finish.
+            options += [("grpc.max_connection_age_ms", int(config.grpc_max_connection_age_s * 1000)),
+                        ("grpc.max_connection_age_grace_ms", int(config.shutdown_grace_s * 1000))]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         add_servicer(Gpt2ServeServicer(service), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -1,0 +1,99 @@
+"""Several replicas behind one DNS name, on loopback: real server processes on 127.0.0.2-5, a real
+DNS server answering for the name (what a Kubernetes headless Service is), and the typed client
+with a `dns:` target in its own process (replica_load.py). Round-robin spreads the calls; a
+rolling update (a new replica in, an old one drained out) loses none; traffic stays on 127/8."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import launch_server, requests_total
+from dns_server import LoopbackDns
+
+NAME = "replicas.gpt2serve.test"
+LOAD = Path(__file__).with_name("replica_load.py")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def start_replica(tmp_path: Path, address: str, grpc_port: int, *args: str):
+    return launch_server(tmp_path, "--model", "random:tiny", "--host", address, "--grpc-port", str(grpc_port),
+                         "--http-port", "0", *args)
+
+
+def served(replica) -> float:
+    return requests_total(replica.http_url, "grpc", "NextToken", "OK")
+
+
+def run_load(target: str, calls: int, interval_s: float, balancing: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(LOAD), target, str(calls), str(interval_s), *([balancing] if balancing else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result(load: subprocess.Popen, timeout: float = 120) -> dict:
+    out, err = load.communicate(timeout=timeout)
+    assert load.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def dns():
+    with LoopbackDns() as server:
+        yield server
+
+
+def test_round_robin_spreads_calls_over_three_replicas(tmp_path, dns):
+    grpc_port = free_port("127.0.0.2")
+    replicas = [start_replica(tmp_path, f"127.0.0.{i}", grpc_port) for i in (2, 3, 4)]
+    try:
+        dns.set(NAME, ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+        outcome = result(run_load(dns.target(NAME, grpc_port), 90, 0.0))
+        assert outcome == {"ok": 90, "errors": []}
+        counts = [served(r) for r in replicas]
+        assert sum(counts) == 90
+        assert all(15 <= c <= 45 for c in counts), counts  # within ±50% of even
+        # gRPC's default, pick_first, sends every call to one replica: what round_robin fixes.
+        outcome = result(run_load(dns.target(NAME, grpc_port), 30, 0.0, "pick_first"))
+        assert outcome == {"ok": 30, "errors": []}
+        added = sorted(served(r) - c for r, c in zip(replicas, counts))
+        assert added == [0, 0, 30]
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+def test_rolling_update_under_load_loses_nothing(tmp_path, dns):
+    """Steady load over A, B, C. Then D starts and turns ready, the name now gives B, C, D, and A
+    gets SIGTERM: it drains and exits. Every call is answered (retries move to another replica),
+    and D takes traffic once clients re-resolve (connections age out after 2 s)."""
+    grpc_port = free_port("127.0.0.2")
+    age = ("--grpc-max-connection-age-s", "2", "--shutdown-grace-s", "10")
+    a, b, c = (start_replica(tmp_path, f"127.0.0.{i}", grpc_port, *age) for i in (2, 3, 4))
+    replicas = [a, b, c]
+    try:
+        dns.set(NAME, ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+        calls = 500
+        load = run_load(dns.target(NAME, grpc_port), calls, 0.02)
+        a.wait_for_line(r"^$|gpt2serve ready:")  # (already ready) the load is under way
+        d = start_replica(tmp_path, "127.0.0.5", grpc_port, *age)
+        replicas.append(d)
+        dns.set(NAME, ["127.0.0.3", "127.0.0.4", "127.0.0.5"])
+        a_served_before_stop = served(a)
+        assert a_served_before_stop > 0  # A took its share before it left
+        assert a.stop() == 0
+        outcome = result(load)
+        assert outcome == {"ok": calls, "errors": []}
+        assert served(d) > 0, "the new replica never got a call"
+        assert "shutting down" in a.log()
+    finally:
+        for replica in replicas:
+            replica.stop()
