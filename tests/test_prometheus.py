@@ -4,8 +4,6 @@ load: the counters it stores equal the requests sent, and it keeps the traced re
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -14,50 +12,22 @@ import httpx
 import pytest
 from conftest import launch_server
 from otlp_receiver import OtlpReceiver
+from prometheus_server import Prometheus
 
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """gpt2serve (tracing to a local OTLP receiver) + Prometheus scraping it every 0.5 s."""
-    if not shutil.which("prometheus"):
-        pytest.fail("prometheus is not installed: `make test` installs it (scripts/debian_test_deps.sh)")
     tmp = tmp_path_factory.mktemp("prometheus")
     receiver = OtlpReceiver().start()
-    env = receiver.exporter_env()
-    srv = launch_server(tmp, "--model", "random:tiny", "--trace-sample-ratio", "0", env=env)
-    # The shipped config, pointed at this server instead of the compose service name.
-    config = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
-    config = config.replace("gpt2serve:8000", srv.http_url.removeprefix("http://")).replace("5s", "500ms")
-    (tmp / "prometheus.yml").write_text(config)
-    port = free_port()
-    prom = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=exemplar-storage"],
-        stdout=open(tmp / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    else:
-        raise TimeoutError((tmp / "prometheus.log").read_text())
-    yield srv, url
-    prom.terminate()
-    prom.wait(timeout=30)
+    srv = launch_server(tmp, "--model", "random:tiny", "--trace-sample-ratio", "0", env=receiver.exporter_env())
+    prometheus = Prometheus(tmp, [srv.http_url.removeprefix("http://")])
+    yield srv, prometheus.url
+    prometheus.stop()
     srv.stop()
     receiver.stop()
 

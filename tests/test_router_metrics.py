@@ -4,14 +4,12 @@ with `--metrics-compat vllm`, so routers and dashboards written for vLLM read us
 
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import pytest
 from conftest import launch_server, metric_value
-
-from gpt2serve_client import Client, Gpt2ServeError
+from held_streams import HeldGenerations
 
 VLLM_LABELS = {"model_name": "random:gpt2", "engine": "0"}
 
@@ -41,36 +39,16 @@ def test_router_gauges_count_each_request_once(tmp_path, workers):
     what /metrics shows, not a sum over processes."""
     srv = launch_server(tmp_path, "--model", "random:gpt2", "--workers", workers, "--max-running-sequences", "2",
                         "--max-queue-wait-s", "60", "--metrics-compat", "vllm")
-    clients, streams = [], []
     try:
         if workers == "2":
             srv.wait_for_line(r"front-end\[\d+\].*front end listening(.|\n)*front-end\[\d+\].*front end listening")
         assert settle(srv.http_url, gauges(0, 0, 0)) == gauges(0, 0, 0)
-        for i in range(3):
-            client = Client(srv.grpc_target, timeout=None)
-            stream = client.generate_stream(f"hold {i}", max_tokens=1000, temperature=0, ignore_eos=True)
-            clients.append(client)
-            streams.append(stream)
-            if i < 2:
-                next(stream)  # it holds a slot now
-            else:  # no slot left: its first token waits, in a thread, until the hang-up below
-                threading.Thread(target=first_or_error, args=(stream,), daemon=True).start()
-        assert settle(srv.http_url, gauges(1, 2, 1.0)) == gauges(1, 2, 1.0)
-        for client in clients:
-            client.close()  # hang up: slots and the queue empty
+        with HeldGenerations(srv.grpc_target, running=2, waiting=1):
+            assert settle(srv.http_url, gauges(1, 2, 1.0)) == gauges(1, 2, 1.0)
+        # hung up: slots and the queue empty
         assert settle(srv.http_url, gauges(0, 0, 0)) == gauges(0, 0, 0)
     finally:
-        for client in clients:
-            client.close()
         srv.stop()
-
-
-def first_or_error(stream) -> None:
-    try:
-        next(stream)
-    except Gpt2ServeError:
-        pass  # cancelled by the hang-up
-
 
 
 def test_without_compat_there_are_no_vllm_names(tmp_path):
