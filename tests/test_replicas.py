@@ -6,14 +6,17 @@ rolling update (a new replica in, an old one drained out) loses none; traffic st
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import launch_server, requests_total
 from dns_server import LoopbackDns
+from held_streams import HeldGenerations
 
 NAME = "replicas.gpt2serve.test"
 LOAD = Path(__file__).with_name("replica_load.py")
@@ -73,27 +76,34 @@ def test_round_robin_spreads_calls_over_three_replicas(tmp_path, dns):
 
 def test_rolling_update_under_load_loses_nothing(tmp_path, dns):
     """Steady load over A, B, C. Then D starts and turns ready, the name now gives B, C, D, and A
-    gets SIGTERM: it drains and exits. Every call is answered (retries move to another replica),
-    and D takes traffic once clients re-resolve (connections age out after 2 s)."""
+    gets SIGTERM while a long generation keeps it draining for seconds, its connections still
+    open. Every call is answered: the clients' health checks see A NOT_SERVING and send it
+    nothing new. D takes traffic once clients re-resolve (connections age out after 2 s)."""
     grpc_port = free_port("127.0.0.2")
-    age = ("--grpc-max-connection-age-s", "2", "--shutdown-grace-s", "10")
-    a, b, c = (start_replica(tmp_path, f"127.0.0.{i}", grpc_port, *age) for i in (2, 3, 4))
+    flags = ("--grpc-max-connection-age-s", "2", "--shutdown-grace-s", "6", "--model", "random:gpt2")
+    a, b, c = (start_replica(tmp_path, f"127.0.0.{i}", grpc_port, *flags) for i in (2, 3, 4))
     replicas = [a, b, c]
+    holder = None
     try:
         dns.set(NAME, ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
-        calls = 500
-        load = run_load(dns.target(NAME, grpc_port), calls, 0.02)
-        a.wait_for_line(r"^$|gpt2serve ready:")  # (already ready) the load is under way
-        d = start_replica(tmp_path, "127.0.0.5", grpc_port, *age)
+        calls = 400
+        load = run_load(dns.target(NAME, grpc_port), calls, 0.03)
+        d = start_replica(tmp_path, "127.0.0.5", grpc_port, *flags)
         replicas.append(d)
+        holder = HeldGenerations(a.grpc_target, running=1)  # A drains until its grace ends
+        assert served(a) > 0  # A took its share before it left
+        # SIGTERM while the name still gives A (in a cluster, the endpoint update races the
+        # signal): for seconds A is connected, draining, and refusing new calls.
+        a.proc.send_signal(signal.SIGTERM)
+        a.wait_for_line(r"shutting down: [1-9]\d* request\(s\) in flight", timeout=10)
+        time.sleep(2)
         dns.set(NAME, ["127.0.0.3", "127.0.0.4", "127.0.0.5"])
-        a_served_before_stop = served(a)
-        assert a_served_before_stop > 0  # A took its share before it left
-        assert a.stop() == 0
         outcome = result(load)
         assert outcome == {"ok": calls, "errors": []}
         assert served(d) > 0, "the new replica never got a call"
-        assert "shutting down" in a.log()
+        assert a.proc.wait(timeout=30) == 0
     finally:
+        if holder is not None:
+            holder.close()
         for replica in replicas:
             replica.stop()

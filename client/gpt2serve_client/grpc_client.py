@@ -21,6 +21,10 @@ MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # include_layers on a big batch of a big
 # --grpc-max-connection-age-s), at most this often; gRPC's own default is 30 s, which would
 # leave a new replica idle that long in a rolling update.
 DNS_MIN_RESOLUTION_INTERVAL_MS = 2000
+# Round-robin over replicas: a unary call refused UNAVAILABLE (a replica draining, or gone in
+# the instant before its health check said so) is tried again, on the next replica, this many
+# times in all. gRPC's own retries cannot: a draining server asks them not to retry (pushback).
+FAILOVER_ATTEMPTS = 3
 
 
 def default_load_balancing(target: str) -> str:
@@ -35,6 +39,10 @@ def channel_options(retries: int, load_balancing: str = "pick_first") -> list[tu
     is picked again by the load balancer, so under round_robin a retry goes to another replica."""
     options: list[tuple[str, object]] = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
     config: dict = {"loadBalancingConfig": [{load_balancing: {}}]}
+    if load_balancing == "round_robin":
+        # Client-side health checking: a replica whose gRPC health is NOT_SERVING (loading, or
+        # draining after SIGTERM; it mirrors /readyz) gets no new calls while it stays connected.
+        config["healthCheckConfig"] = {"serviceName": "gpt2serve.v1.Gpt2Serve"}
     if retries > 0:
         policy = {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.1s", "maxBackoff": "2s",
                   "backoffMultiplier": 2, "retryableStatusCodes": list(_requests.RETRYABLE)}
@@ -80,7 +88,9 @@ class Client:
         self.timeout = timeout
         self._api_key = api_key
         credentials = tls_credentials(tls, root_certificates)
-        options = channel_options(retries, load_balancing or default_load_balancing(target))
+        load_balancing = load_balancing or default_load_balancing(target)
+        options = channel_options(retries, load_balancing)
+        self._attempts = FAILOVER_ATTEMPTS if load_balancing == "round_robin" and retries > 0 else 1
         self._channel = channel or (grpc.secure_channel(target, credentials, options) if credentials
                                     else grpc.insecure_channel(target, options))
         self._stub = pb_grpc.Gpt2ServeStub(self._channel)
@@ -90,10 +100,14 @@ class Client:
         return tuple(_requests.request_headers(self._api_key).items()) or None
 
     def _call(self, method, request, timeout: float | None):
-        try:
-            return method(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata())
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return method(request, timeout=self.timeout if timeout is None else timeout,
+                              metadata=self._metadata())
+            except grpc.RpcError as exc:
+                error = _error(exc)
+                if error.code != "UNAVAILABLE" or attempt == self._attempts:
+                    raise error from None
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
@@ -161,7 +175,9 @@ class AsyncClient:
         self.timeout = timeout
         self._api_key = api_key
         credentials = tls_credentials(tls, root_certificates)
-        options = channel_options(retries, load_balancing or default_load_balancing(target))
+        load_balancing = load_balancing or default_load_balancing(target)
+        options = channel_options(retries, load_balancing)
+        self._attempts = FAILOVER_ATTEMPTS if load_balancing == "round_robin" and retries > 0 else 1
         self._channel = channel or (grpc.aio.secure_channel(target, credentials, options) if credentials
                                     else grpc.aio.insecure_channel(target, options))
         self._stub = pb_grpc.Gpt2ServeStub(self._channel)
@@ -170,11 +186,14 @@ class AsyncClient:
     _metadata = Client._metadata
 
     async def _call(self, method, request, timeout: float | None):
-        try:
-            return await method(request, timeout=self.timeout if timeout is None else timeout,
-                                metadata=self._metadata())
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return await method(request, timeout=self.timeout if timeout is None else timeout,
+                                    metadata=self._metadata())
+            except grpc.RpcError as exc:
+                error = _error(exc)
+                if error.code != "UNAVAILABLE" or attempt == self._attempts:
+                    raise error from None
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
