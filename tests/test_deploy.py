@@ -110,6 +110,7 @@ def test_container_defaults_drain_build_small_and_say_their_version(tmp_path):
         grace = server["stop_grace_period"]
         assert int(grace.rstrip("s")) > 30  # the server's own --shutdown-grace-s default
         assert server["image"].startswith("gpt2serve:0.1.0")
+        assert server["read_only"] is True and "/tmp" in server["tmpfs"]  # the stack test runs it so
     assert config["gpt2serve-cpu"]["build"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
     assert "shm_size" in config["gpt2serve"]
     dockerfile = (ROOT / "deploy/Dockerfile").read_text()
