@@ -107,3 +107,25 @@ def test_rolling_update_under_load_loses_nothing(tmp_path, dns):
             holder.close()
         for replica in replicas:
             replica.stop()
+
+
+def test_connection_age_brings_long_lived_clients_to_a_new_replica(tmp_path, dns):
+    """Scale-out with nothing leaving: no connection would ever close, so a client would never
+    look the name up again. --grpc-max-connection-age-s closes them on a schedule (GOAWAY),
+    the client re-resolves, and the replica added to the name gets calls."""
+    grpc_port = free_port("127.0.0.2")
+    age = ("--grpc-max-connection-age-s", "1")
+    a, b, c = (start_replica(tmp_path, f"127.0.0.{i}", grpc_port, *age) for i in (2, 3, 4))
+    try:
+        dns.set(NAME, ["127.0.0.2", "127.0.0.3"])
+        load = run_load(dns.target(NAME, grpc_port), 300, 0.03)
+        deadline = time.monotonic() + 20
+        while served(a) + served(b) < 20 and time.monotonic() < deadline:  # connected to A and B
+            time.sleep(0.1)
+        dns.set(NAME, ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+        assert result(load) == {"ok": 300, "errors": []}
+        assert served(c) > 0, "the added replica never got a call"
+        assert served(a) + served(b) + served(c) == 300
+    finally:
+        for replica in (a, b, c):
+            replica.stop()
