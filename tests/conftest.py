@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,29 @@ def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, 
     if wait_ready:
         server.wait_for_line(r"gpt2serve ready:")
     return server
+
+
+def free_ports(count: int = 1, host: str = "127.0.0.1") -> list[int]:
+    """Ports free on `host` now, all different (held open together while they are picked)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "", interval: float = 0.25):
+    """The predicate's first truthy value, polled every `interval` seconds; TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(what)
 
 
 def metric_value(http_url: str, name: str, labels: dict[str, str] | None = None, **get_kwargs) -> float:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,14 +11,22 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from conftest import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def query(url: str, promql: str) -> list[dict]:
+    """An instant query against the Prometheus at `url` (ours, or one in a container)."""
+    body = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def scalar(url: str, promql: str) -> float:
+    """The query's first value; 0.0 when there is no sample."""
+    result = query(url, promql)
+    return float(result[0]["value"][1]) if result else 0.0
 
 
 class Prometheus:
@@ -33,7 +40,7 @@ class Prometheus:
         (job,) = config["scrape_configs"]
         job["static_configs"] = [{"targets": targets, "labels": labels or {}}]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{free_ports()[0]}"
         self.log = tmp / "prometheus.log"
         self.proc = subprocess.Popen(
             ["prometheus", f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
@@ -51,13 +58,10 @@ class Prometheus:
         raise TimeoutError(self.log.read_text())
 
     def query(self, promql: str) -> list[dict]:
-        body = httpx.get(f"{self.url}/api/v1/query", params={"query": promql}, timeout=10).json()
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+        return query(self.url, promql)
 
     def scalar(self, promql: str) -> float:
-        result = self.query(promql)
-        return float(result[0]["value"][1]) if result else 0.0
+        return scalar(self.url, promql)
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -11,13 +11,12 @@ import math
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import launch_server, metric_value
+from conftest import launch_server, metric_value, wait_for
 from held_streams import HeldGenerations
 from prometheus_server import Prometheus
 
@@ -113,13 +112,14 @@ def test_the_validators_can_say_no(tmp_path):
 
 
 def test_defaults_render_the_serving_shape():
-    kinds = by_kind(render(None))
+    objects = render(None)
+    kinds = by_kind(objects)
     assert set(kinds) == {"Deployment", "Service", "PodDisruptionBudget"}
     deployment = kinds["Deployment"][0]
     assert deployment["spec"]["strategy"] == {
         "type": "RollingUpdate", "rollingUpdate": {"maxSurge": "100%", "maxUnavailable": 0}}
     pod = deployment["spec"]["template"]["spec"]
-    container = server_container(render(None))
+    container = server_container(objects)
     assert container["image"] == "gpt2serve:0.1.0-cpu"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -213,9 +213,8 @@ def test_the_autoscaling_query_over_live_replicas_gives_the_formulas_replica_cou
         held = [HeldGenerations(r.grpc_target, running=1, waiting=w) for r, w in zip(replicas, (3, 2, 0))]
         prometheus = Prometheus(tmp_path, [r.http_url.removeprefix("http://") for r in replicas],
                                 labels={"namespace": "serving", "service": "rel-gpt2serve"})
-        deadline = time.monotonic() + 30
-        while (waiting := prometheus.scalar(trigger["query"])) != 5 and time.monotonic() < deadline:
-            time.sleep(0.25)
+        wait_for(lambda: prometheus.scalar(trigger["query"]) == 5, 30, "the query never summed to 5")
+        waiting = prometheus.scalar(trigger["query"])
         assert waiting == 5
         assert sum(metric_value(r.http_url, "gpt2serve_requests_waiting") for r in replicas) == 5
 

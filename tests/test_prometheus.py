@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import launch_server
+from conftest import launch_server, wait_for
 from otlp_receiver import OtlpReceiver
-from prometheus_server import Prometheus
+from prometheus_server import Prometheus, query, scalar
 
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError
 
@@ -30,27 +30,6 @@ def stack(tmp_path_factory):
     prometheus.stop()
     srv.stop()
     receiver.stop()
-
-
-def query(url: str, promql: str) -> list[dict]:
-    body = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
-def scalar(url: str, promql: str) -> float:
-    result = query(url, promql)
-    return float(result[0]["value"][1]) if result else 0.0
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise TimeoutError(what)
 
 
 def test_prometheus_stores_what_was_sent(stack):

@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import launch_server, requests_total
+from conftest import free_ports, launch_server, requests_total
 from dns_server import LoopbackDns
 from held_streams import HeldGenerations
 
 NAME = "replicas.gpt2serve.test"
 LOAD = Path(__file__).with_name("replica_load.py")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def start_replica(tmp_path: Path, address: str, grpc_port: int, *args: str):
@@ -55,7 +48,7 @@ def dns():
 
 
 def test_round_robin_spreads_calls_over_three_replicas(tmp_path, dns):
-    grpc_port = free_port("127.0.0.2")
+    (grpc_port,) = free_ports(1, "127.0.0.2")
     replicas = [start_replica(tmp_path, f"127.0.0.{i}", grpc_port) for i in (2, 3, 4)]
     try:
         dns.set(NAME, ["127.0.0.2", "127.0.0.3", "127.0.0.4"])
@@ -79,7 +72,7 @@ def test_rolling_update_under_load_loses_nothing(tmp_path, dns):
     gets SIGTERM while a long generation keeps it draining for seconds, its connections still
     open. Every call is answered: the clients' health checks see A NOT_SERVING and send it
     nothing new. D takes traffic once clients re-resolve (connections age out after 2 s)."""
-    grpc_port = free_port("127.0.0.2")
+    (grpc_port,) = free_ports(1, "127.0.0.2")
     flags = ("--grpc-max-connection-age-s", "2", "--shutdown-grace-s", "6", "--model", "random:gpt2")
     a, b, c = (start_replica(tmp_path, f"127.0.0.{i}", grpc_port, *flags) for i in (2, 3, 4))
     replicas = [a, b, c]
@@ -113,7 +106,7 @@ def test_connection_age_brings_long_lived_clients_to_a_new_replica(tmp_path, dns
     """Scale-out with nothing leaving: no connection would ever close, so a client would never
     look the name up again. --grpc-max-connection-age-s closes them on a schedule (GOAWAY),
     the client re-resolves, and the replica added to the name gets calls."""
-    grpc_port = free_port("127.0.0.2")
+    (grpc_port,) = free_ports(1, "127.0.0.2")
     age = ("--grpc-max-connection-age-s", "1")
     a, b, c = (start_replica(tmp_path, f"127.0.0.{i}", grpc_port, *age) for i in (2, 3, 4))
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,9 @@ import grpc
 import httpx
 import openai
 import pytest
+from conftest import free_ports, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_server import scalar
 
 from gpt2serve_client import Client
 
@@ -32,16 +33,6 @@ PROJECT = "gpt2serve-stacktest"
 MODEL = "random:gpt2"  # not the compose default (gpt2): proves the env chose it
 ENGINE_UNAVAILABLE = 3  # scripts/stack.sh's exit status when dockerd cannot start
 LAYER_SPANS = {"embed", *(f"block {i}" for i in range(12)), "ln_f+unembed"}
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def host_state() -> dict:
@@ -66,16 +57,6 @@ def docker(*args: str) -> str:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=120).stdout
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(what)
-
-
 class Stack:
     def __init__(self, tmp: Path):
         grpc_port, rest_port, prometheus_port, traces_port = free_ports(4)
@@ -98,10 +79,7 @@ class Stack:
                       "--filter", f"label=com.docker.compose.service={service}").strip()
 
     def prometheus(self, promql: str) -> float:
-        body = httpx.get(f"{self.prometheus_url}/api/v1/query", params={"query": promql}, timeout=10).json()
-        assert body["status"] == "success", body
-        result = body["data"]["result"]
-        return float(result[0]["value"][1]) if result else 0.0
+        return scalar(self.prometheus_url, promql)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +149,8 @@ def test_grpc_and_openai_requests_are_scraped_by_prometheus(stack):
     ok_grpc = 'sum(gpt2serve_requests_total{api="grpc",status="OK"})'
     ok_openai = 'sum(gpt2serve_requests_total{api="openai",status="OK"})'
     wait_for(lambda: stack.prometheus(up) == 1 and stack.prometheus(ok_grpc) >= sent_grpc
-             and stack.prometheus(ok_openai) >= 1, timeout=60, what="Prometheus never scraped the requests")
+             and stack.prometheus(ok_openai) >= 1, timeout=60, what="Prometheus never scraped the requests",
+             interval=0.5)
     time.sleep(6)  # one more scrape (every 5 s): nothing else may arrive
     assert stack.prometheus(ok_grpc) == sent_grpc
     assert stack.prometheus(ok_openai) == 1
@@ -191,7 +170,7 @@ def test_layer_spans_arrive_in_the_trace_backend_container(stack):
         spans = [s for s in body.json()["data"] if s["context"]["trace_id"] == trace_id]
         return spans if LAYER_SPANS <= {s["name"] for s in spans} else None
 
-    spans = wait_for(spans_of_the_trace, timeout=60, what=f"trace {trace_id} never reached Phoenix")
+    spans = wait_for(spans_of_the_trace, timeout=60, what=f"trace {trace_id} never reached Phoenix", interval=0.5)
     by_name = {s["name"]: s for s in spans}
     assert {"POST /v1/next-token", "batch", "forward"} <= set(by_name)
     forward = by_name["forward"]

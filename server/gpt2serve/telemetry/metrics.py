@@ -113,7 +113,8 @@ class Metrics:
                   *((getattr(self, name), read) for name, read in router.items())]
         if compat:  # The same readings under another server's names (a gauge's own help says whose).
             for name, their_name in METRICS_COMPAT[compat].items():
-                gauge = Gauge(their_name, f"{getattr(self, name)._documentation} (--metrics-compat {compat})",
+                (ours,) = getattr(self, name).describe()
+                gauge = Gauge(their_name, f"{ours.name} under its --metrics-compat {compat} name: {ours.documentation}",
                               ["model_name", "engine"], registry=self.registry, multiprocess_mode="livesum")
                 gauges.append((gauge.labels(model_name=model, engine="0"), router[name]))
         if self.multiprocess_dir:
