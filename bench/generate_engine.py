@@ -16,10 +16,10 @@ import time
 import torch
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generation import Generator, NewSequence
+from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import SamplingParams
-from gpt2serve.generate_bench import TransformersGenerate
+from gpt2serve.benchmarks.generate_load import TransformersGenerate
 
 
 def synchronize(device: torch.device) -> None:

@@ -18,7 +18,7 @@ import signal
 import statistics
 import sys
 
-from gpt2serve.bench import load_grpc, load_rest, make_prompts
+from gpt2serve.benchmarks.serving_load import load_grpc, load_rest, make_prompts
 from local_server import launch
 
 

@@ -29,7 +29,7 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from gpt2serve.bench import load_grpc, make_prompts
+from gpt2serve.benchmarks.serving_load import load_grpc, make_prompts
 from gpt2serve_client import AsyncClient
 from local_server import launch
 

@@ -15,7 +15,7 @@ import json
 import signal
 import sys
 
-from gpt2serve.bench import load_from_processes, make_prompts
+from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts
 from local_server import launch
 
 

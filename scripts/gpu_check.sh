@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 status=0
 
 $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check here')" || exit 1
-$python -c "import gpt2serve.app, openai, zmq, msgpack, fastapi_offline" ||
+$python -c "import gpt2serve.launch.single_process, openai, zmq, msgpack, fastapi_offline" ||
   { echo "missing packages: on an offline machine, fetch .whl/ with ../shared/gpu/fetch-wheels.sh -r scripts/gpu-wheels.txt"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 

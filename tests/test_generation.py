@@ -16,14 +16,16 @@ import torch
 from reference import transformers_random_model
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generation import Generator, NewSequence
+from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import TOP, SamplingParams, choose
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.errors import ResourceExhausted
 from gpt2serve.scheduling.batcher import new_engine_thread
-from gpt2serve.scheduling.generation import GenerationRequest, GenerationScheduler
-from gpt2serve.text_stream import TextStream
+from gpt2serve.protocol import GenerateRequest
+from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
+from scheduler_events import events
+from gpt2serve.service.detokenizer import Detokenizer
 
 LIVELY = dict(initializer_range=0.5)
 GREEDY = SamplingParams(temperature=0.0)
@@ -59,15 +61,15 @@ def test_greedy_alone_matches_transformers(saved, graphs):
     assert len(set(tokens)) > 5  # the reference is lively enough to catch a misplaced position
 
 
-async def run_joining(generator: Generator, requests: list[tuple[float, GenerationRequest]]) -> list[list[int]]:
+async def run_joining(generator: Generator, requests: list[tuple[float, GenerateRequest]]) -> list[list[int]]:
     """Each request starts after its delay; returns every request's token ids."""
-    scheduler = GenerationScheduler(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
+    scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
                                     max_prefill_tokens=4096, max_queue_wait_s=60)
     scheduler.start()
 
-    async def one(delay: float, request: GenerationRequest) -> list[int]:
+    async def one(delay: float, request: GenerateRequest) -> list[int]:
         await asyncio.sleep(delay)
-        return [step.token.token_id async for step in scheduler.generate(request)]
+        return [step.token.token_id async for step in events(scheduler, request)]
 
     try:
         results = await asyncio.gather(*(one(delay, r) for delay, r in requests))
@@ -95,7 +97,7 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
 
     generator.prefill = counting_prefill
     lengths = [6 + 5 * (i % 4) for i in range(16)]
-    requests = [(0.004 * i, GenerationRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    requests = [(0.004 * i, GenerateRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
     got = asyncio.run(run_joining(generator, requests))
     for prompt, n, tokens in zip(PROMPTS, lengths, got):
         assert tokens == transformers_greedy(hf, prompt, n), prompt
@@ -106,14 +108,14 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
 def test_seeded_sampling_is_the_same_alone_and_batched(saved):
     _, engine = saved
     sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
-    seeded = GenerationRequest(PROMPTS[3], sampled, 20, seed=1234)
+    seeded = GenerateRequest(PROMPTS[3], sampled, 20, seed=1234)
     alone = asyncio.run(run_joining(Generator(engine, slots=4), [(0, seeded)]))[0]
-    others = [(0.0, GenerationRequest(p, SamplingParams(temperature=t, top_p=tp), 20, seed=s))
+    others = [(0.0, GenerateRequest(p, SamplingParams(temperature=t, top_p=tp), 20, seed=s))
               for p, t, tp, s in zip(PROMPTS[6:12], (0.5, 1.0, 1.3, 0.0, 0.7, 1.0), (1.0, 0.9, 0.5, 1, 1, 0.8),
                                      range(6))]
     batched = asyncio.run(run_joining(Generator(engine, slots=8), [*others[:3], (0.01, seeded), *others[3:]]))[3]
     assert batched == alone
-    other_seed = asyncio.run(run_joining(Generator(engine, slots=4), [(0, GenerationRequest(
+    other_seed = asyncio.run(run_joining(Generator(engine, slots=4), [(0, GenerateRequest(
         PROMPTS[3], sampled, 20, seed=4321))]))[0]
     assert other_seed != alone
 
@@ -122,14 +124,14 @@ def test_a_sequence_that_finds_no_slot_waits_then_is_refused(saved):
     _, engine = saved
 
     async def main():
-        scheduler = GenerationScheduler(Generator(engine, slots=1), new_engine_thread(), eos_token_id=None,
+        scheduler = ContinuousBatcher(Generator(engine, slots=1), new_engine_thread(), eos_token_id=None,
                                          max_queue=4, max_prefill_tokens=4096, max_queue_wait_s=0.2)
         scheduler.start()
-        holder = scheduler.generate(GenerationRequest(PROMPTS[1], GREEDY, 200))
+        holder = events(scheduler, GenerateRequest(PROMPTS[1], GREEDY, 200))
         await anext(holder)  # holds the one slot, and is not read further for now
         assert scheduler.cache_usage == 1.0
         with pytest.raises(ResourceExhausted, match="no KV-cache slot"):
-            [s async for s in scheduler.generate(GenerationRequest(PROMPTS[2], GREEDY, 3))]
+            [s async for s in events(scheduler, GenerateRequest(PROMPTS[2], GREEDY, 3))]
         rest = [s async for s in holder]  # the accepted one still finishes
         assert len(rest) == 199 and rest[-1].finish_reason == "length"
         assert scheduler.waiting == 0
@@ -143,14 +145,14 @@ def test_leaving_early_frees_the_slot_at_once(saved):
 
     async def main():
         generator = Generator(engine, slots=1)
-        scheduler = GenerationScheduler(generator, new_engine_thread(), eos_token_id=None, max_queue=4,
+        scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=4,
                                         max_prefill_tokens=4096, max_queue_wait_s=5)
         scheduler.start()
-        stream = scheduler.generate(GenerationRequest(PROMPTS[1], GREEDY, 200))
+        stream = events(scheduler, GenerateRequest(PROMPTS[1], GREEDY, 200))
         await anext(stream)
         await stream.aclose()  # the caller hung up
         assert scheduler.cache_usage == 0.0 and scheduler.running == 0
-        second = [s.token.token_id async for s in scheduler.generate(GenerationRequest(PROMPTS[2], GREEDY, 3))]
+        second = [s.token.token_id async for s in events(scheduler, GenerateRequest(PROMPTS[2], GREEDY, 3))]
         assert len(second) == 3  # it ran in the one slot, so that slot had been freed
         await scheduler.stop()
 
@@ -162,7 +164,7 @@ def test_stop_token_and_eos_end_the_sequence(saved):
     expected = transformers_greedy(hf, PROMPTS[4], 10)
     stop_at = expected[4]
     got = asyncio.run(run_joining(Generator(engine, slots=2), [
-        (0, GenerationRequest(PROMPTS[4], GREEDY, 10, stop_token_ids=frozenset({stop_at})))]))[0]
+        (0, GenerateRequest(PROMPTS[4], GREEDY, 10, stop_token_ids=frozenset({stop_at})))]))[0]
     assert got == expected[:expected.index(stop_at) + 1]  # the stop token is the last step (not output)
 
 
@@ -202,8 +204,8 @@ def tok():
     return bundled_gpt2_tokenizer()
 
 
-def stream_text(tok, text: str, stop=()) -> tuple[list[str], TextStream]:
-    stream = TextStream(tok, stop)
+def stream_text(tok, text: str, stop=()) -> tuple[list[str], Detokenizer]:
+    stream = Detokenizer(tok, stop)
     pieces = []
     for token in tok.encode(text):
         pieces.append(stream.add(token))

@@ -175,7 +175,7 @@ def test_decode_graphs_generate_what_eager_decoding_does(peaked):
     from test_generation import PROMPTS, transformers_greedy
     from reference import as_transformers
 
-    from gpt2serve.engine.generation import Generator, NewSequence
+    from gpt2serve.engine.generator import Generator, NewSequence
     from gpt2serve.engine.sampling import SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)

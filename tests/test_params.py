@@ -12,7 +12,7 @@ import torch
 from gpt2serve.engine.gpt2 import GPT2
 from gpt2serve.engine.loading import ARCHITECTURES
 from gpt2serve.engine.model_info import parameter_breakdown
-from gpt2serve.params import PRESETS, SERVABLE, count_parameters
+from gpt2serve.introspection.params import PRESETS, SERVABLE, count_parameters
 
 FIELDS = ("token_embedding", "position_embedding", "attention_qkv", "attention_output", "mlp", "layer_norm",
           "lm_head", "total")

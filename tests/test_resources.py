@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpt2serve.resources import available_cpus, available_memory_bytes, cgroup_cpus, cgroup_memory_bytes
+from gpt2serve.launch.resources import available_cpus, available_memory_bytes, cgroup_cpus, cgroup_memory_bytes
 
 PHYSICAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 AFFINITY = len(os.sched_getaffinity(0))

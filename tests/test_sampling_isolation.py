@@ -18,13 +18,15 @@ from hypothesis import strategies as st
 from test_generation import GREEDY, LIVELY, PROMPTS, run_joining
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generation import Generator, NewSequence
+from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import FINITE, GREEDY_TEMPERATURE, LOGPROB, TOKEN, SamplingParams, choose
 from gpt2serve.errors import NonFiniteOutput
-from gpt2serve.generating import MAX_TEMPERATURE
+from gpt2serve.service.validation import MAX_TEMPERATURE
 from gpt2serve.scheduling.batcher import new_engine_thread
-from gpt2serve.scheduling.generation import GenerationRequest, GenerationScheduler
+from gpt2serve.protocol import GenerateRequest
+from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
+from scheduler_events import events
 from reference import transformers_random_model
 
 VOCAB = 512
@@ -133,7 +135,7 @@ def test_a_non_finite_stream_fails_alone_and_the_running_streams_go_on(engine):
     """The poisoned sequence (the only one 50 tokens long, poisoned at its 5th decode step) gets
     NonFiniteOutput; 8 greedy streams beside it give exactly what they give without it."""
     bad_prompt = [(7 * j) % 50257 for j in range(50)]
-    requests = [(0.0, GenerationRequest(PROMPTS[i], GREEDY, 12)) for i in range(8)]
+    requests = [(0.0, GenerateRequest(PROMPTS[i], GREEDY, 12)) for i in range(8)]
 
     def generator() -> PoisonedGenerator:
         g = PoisonedGenerator(engine, slots=9, graphs=False)
@@ -142,24 +144,24 @@ def test_a_non_finite_stream_fails_alone_and_the_running_streams_go_on(engine):
 
     clean = asyncio.run(run_joining(generator(), requests))
     good, bad_error, bad_tokens = asyncio.run(run_with_failure(generator(), requests,
-                                                               GenerationRequest(bad_prompt, GREEDY, 12)))
+                                                               GenerateRequest(bad_prompt, GREEDY, 12)))
     assert good == clean
     assert isinstance(bad_error, NonFiniteOutput) and len(bad_tokens) == 5  # prefill + 4 decodes, then it fails
 
 
 async def run_with_failure(generator, requests, bad_request):
-    scheduler = GenerationScheduler(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
+    scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
                                     max_prefill_tokens=4096, max_queue_wait_s=60)
     scheduler.start()
 
     async def one(request):
-        return [step.token.token_id async for step in scheduler.generate(request)]
+        return [step.token.token_id async for step in events(scheduler, request)]
 
     bad_tokens: list[int] = []
 
     async def bad():
         try:
-            async for step in scheduler.generate(bad_request):
+            async for step in events(scheduler, bad_request):
                 bad_tokens.append(step.token.token_id)
         except NonFiniteOutput as exc:
             return exc

@@ -366,7 +366,7 @@ def test_kill_9_of_a_front_end_frees_its_slots_and_a_new_one_serves(tmp_path):
 
 def test_the_supervisor_names_prometheus_multiprocess_dir_as_metrics_does():
     """The supervisor sets it before importing prometheus_client, so it keeps its own copy."""
-    from gpt2serve import processes
+    from gpt2serve.launch import supervisor as processes
     from gpt2serve.telemetry import metrics
 
     assert processes.MULTIPROCESS_DIR_ENV == metrics.MULTIPROCESS_DIR_ENV

@@ -11,7 +11,14 @@ import os
 import sys
 from typing import Sequence
 
+from gpt2serve_client import Client, Gpt2ServeError
+
+from .benchmarks.generate_load import add_generate_bench_arguments, run_generate_bench
+from .benchmarks.serving_load import add_bench_arguments, add_engine_bench_arguments, run_bench
 from .config import ENV_ERRORS, EnvDefaults, add_serve_arguments, config_from_args
+from .errors import ModelLoadError
+from .introspection.params import add_params_arguments, run_params
+from .launch.supervisor import resolve_workers, run_workers
 
 TARGET_ENV = "GPT2SERVE_TARGET"  # the one variable the client commands share: the server they talk to
 
@@ -71,8 +78,6 @@ def shape(dims) -> str:
 
 
 def cmd_next(args: argparse.Namespace) -> int:
-    from gpt2serve_client import Client, Gpt2ServeError
-
     try:
         with Client(args.target, timeout=args.timeout) as client:
             result = client.next_token(args.prompt, top_k=args.top_k, trace_layers=args.trace,
@@ -86,8 +91,6 @@ def cmd_next(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Print the text as it comes, then (on stderr) why it ended and what it cost."""
-    from gpt2serve_client import Client, Gpt2ServeError
-
     try:
         with Client(args.target, timeout=args.timeout) as client:
             for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -112,13 +115,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gpt2serve serve: {exc}", file=sys.stderr)
         return 2
-    from .processes import resolve_workers, run_workers
-
     workers = resolve_workers(config)
     if workers > 1:
         return run_workers(config, workers)
-    from .app import run  # Imports torch: only when serving.
-    from .errors import ModelLoadError
+    from .launch.single_process import run  # lazy: it imports torch, which only serving needs
 
     try:
         run(config)
@@ -130,21 +130,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.in_process:
-        from .engine_bench import run_engine_bench
+        from .benchmarks.engine_limit import run_engine_bench  # lazy: torch, for the in-process limit
 
         return run_engine_bench(args)
     if args.generate:
-        from .generate_bench import run_generate_bench
-
         return run_generate_bench(args)
-    from .bench import run_bench
-
     return run_bench(args)
 
 
 def cmd_params(args: argparse.Namespace) -> int:
-    from .params import run_params
-
     return run_params(args)
 
 
@@ -180,17 +174,12 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")
-    from .bench import add_bench_arguments, add_engine_bench_arguments
-    from .generate_bench import add_generate_bench_arguments
-
     add_bench_arguments(bench)
     add_engine_bench_arguments(bench)
     add_generate_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     params = sub.add_parser("params", help="where the parameters of a GPT-2-shaped model live, counted from its shape")
-    from .params import add_params_arguments
-
     add_params_arguments(params)
     params.set_defaults(func=cmd_params)
     return parser

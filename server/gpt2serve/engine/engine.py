@@ -24,7 +24,9 @@ import torch
 
 from gpt2serve_client.types import LayerReport
 
-from ..introspection.probe import ForwardTimeline, LayerProbe
+from ..protocol import TokenScore
+from ..introspection.probe import LayerProbe
+from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
 from .loading import LoadedModel
 from .padding import IDS, POSITIONS, VALID, Buckets, left_pad
@@ -67,12 +69,6 @@ def oom_as_out_of_memory(method):
             raise OutOfMemory(str(exc).splitlines()[0]) from None
 
     return wrapper
-
-
-@dataclass(frozen=True)
-class TokenScore:
-    token_id: int
-    logprob: float
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from transformers import GPT2LMHeadModel
 
 from ..errors import ModelLoadError
-from ..params import PRESETS, SERVABLE
+from ..introspection.params import PRESETS, SERVABLE
 from .convert import from_transformers
 from .gpt2 import GPT2, GPT2Config
 from .tokenizer import Tokenizer, bundled_gpt2_tokenizer, load_tokenizer

@@ -1,7 +1,7 @@
 """Choosing the next token of each generating row: greedy, or sampled with temperature, top-k
 and top-p from one uniform draw per row.
 
-The draw comes from the sequence's own seeded generator (engine.generation), and the token it
+The draw comes from the sequence's own seeded generator (engine.generator), and the token it
 picks depends only on that row's logits and settings (inverse CDF over the row's candidates in
 an order fixed by its own settings), so a seed gives the same text whatever shares the batch.
 
@@ -17,26 +17,13 @@ API reports them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-# Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.
-GREEDY_TEMPERATURE = 1e-5
+from ..protocol import GREEDY_TEMPERATURE, SamplingParams  # noqa: F401  (the engine's names for them)
+
 # Columns of choose()'s answer before the n top logprobs and their ids.
 TOKEN, LOGPROB, FINITE, TOP = 0, 1, 2, 3
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included): greedy
-    top_k: int = 0  # 0: no limit
-    top_p: float = 1.0
-    logprobs: int = 0  # top alternatives reported per token
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
 
 
 def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 Its `encoder.json` and `vocab.bpe` are GPT-2's `vocab.json` and `merges.txt`, so no hub access
 is needed; a checkpoint directory that carries its own tokenizer files uses those instead.
+No torch: front-end processes tokenize, and they never import it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import functools
 from importlib import resources
 from pathlib import Path
 
-from transformers import AutoTokenizer, GPT2Tokenizer, PreTrainedTokenizerBase
+from transformers import GPT2Tokenizer, PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
@@ -45,5 +46,7 @@ def bundled_gpt2_tokenizer() -> Tokenizer:
 
 def load_tokenizer(checkpoint_dir: Path | None = None) -> Tokenizer:
     if checkpoint_dir is not None and any((checkpoint_dir / f).exists() for f in TOKENIZER_FILES):
-        return Tokenizer(AutoTokenizer.from_pretrained(checkpoint_dir), source=str(checkpoint_dir))
+        # GPT2Tokenizer rather than AutoTokenizer: the same tokenizer for a GPT-2 checkpoint (the
+        # only kind served), and AutoTokenizer imports torch, which a front-end process must not.
+        return Tokenizer(GPT2Tokenizer.from_pretrained(checkpoint_dir), source=str(checkpoint_dir))
     return bundled_gpt2_tokenizer()

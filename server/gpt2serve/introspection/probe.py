@@ -18,25 +18,25 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from gpt2serve_client.types import HeadSummary, LayerReport, TokenProb
 
-if TYPE_CHECKING:
-    from ..engine.gpt2 import GPT2
+from ..telemetry.records import ForwardTimeline
+
+
+
+class TappedModel(Protocol):
+    """What the probe reads of the model (engine.gpt2.GPT2, which calls the probe's taps)."""
+
+    config: Any  # n_layer, n_head, n_embd
+
+    def ln_f(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 LOGIT_LENS_K = 5
 
-
-@dataclass
-class ForwardTimeline:
-    """Wall-clock spans of the forward's stages, in time.time_ns() units."""
-
-    embed: tuple[int, int]
-    blocks: list[tuple[int, int]]
-    unembed: tuple[int, int]
 
 
 @dataclass
@@ -67,7 +67,7 @@ class LayerProbe:
     """The taps of one forward (engine.gpt2.ForwardTaps); `reports()` afterwards gives per-row
     layer summaries and the timeline."""
 
-    def __init__(self, model: GPT2, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
+    def __init__(self, model: TappedModel, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
                  token_text: Callable[[int], str], mapped_rows: Sequence[int] = ()):
         self.model = model
         self.token_text = token_text

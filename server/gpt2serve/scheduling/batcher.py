@@ -19,29 +19,19 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
-from gpt2serve_client.types import LayerReport
-
-from ..engine.engine import BatchOutput, OutOfMemory, TokenScore
+from ..engine.engine import BatchOutput, OutOfMemory
 from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown,
                       Unavailable)
+from ..protocol import NextTokenOutput, TraceContext
+from ..telemetry.records import BatchDone
 from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
 STREAMING_WAIT_FACTOR = 3  # see Batcher._wait_until
 STREAMING_WAIT_SHARE_OF_FORWARD = 0.5  # see Batcher._wait_until
 
-
-@dataclass(frozen=True)
-class ScheduledOutput:
-    top: list[TokenScore]
-    queue_s: float
-    forward_s: float
-    batch_size: int
-    enqueued_ns: int  # wall clock, for the queue span
-    batch_started_ns: int
-    layers: list[LayerReport] | None  # when the request's trace asked for them
 
 
 class BatchEngine(Protocol):
@@ -56,9 +46,9 @@ class BatchEngine(Protocol):
 
 
 class BatchObserver(Protocol):
-    """Told about every batch (telemetry); `traces` are what each row's submitter passed, in row order."""
+    """Told about every batch (telemetry)."""
 
-    def record_batch(self, traces: Sequence[Any], output: BatchOutput, started_ns: int) -> None: ...
+    def record_batch(self, record: BatchDone) -> None: ...
 
 
 @dataclass
@@ -66,7 +56,7 @@ class _Pending:
     token_ids: list[int]
     top_k: int
     future: asyncio.Future
-    trace: Any = None  # Opaque to scheduling; handed to the observer. `layers_wanted` marks traced rows.
+    trace: TraceContext | None = None  # handed to the observer; `layers_wanted` marks traced rows
     enqueued_at: float = field(default_factory=time.perf_counter)
     enqueued_ns: int = field(default_factory=time.time_ns)
     waiting: bool = True  # Counted in the queue depth until taken into a batch or abandoned.
@@ -132,7 +122,8 @@ class Batcher:
                 pending.future.set_exception(ShuttingDown("server is shutting down"))
         self._executor.shutdown(wait=True)
 
-    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: Any = None) -> list[ScheduledOutput]:
+    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None = None
+                     ) -> list[NextTokenOutput]:
         """Queue all prompts of one request together (or none of them) and await their answers."""
         if self._task is None or self._task.done():
             raise Unavailable("the model worker is not running")
@@ -161,9 +152,9 @@ class Batcher:
             if row in output.failed_rows and not item.future.done():
                 item.future.set_exception(NonFiniteOutput(
                     "the model's output for this prompt was not finite (a numerical overflow)"))
-            if item.future.done() or (not needs_layers and getattr(item.trace, "layers_in_response", False)):
+            if item.future.done() or (not needs_layers and item.trace is not None and item.trace.layers_in_response):
                 continue
-            item.future.set_result(ScheduledOutput(
+            item.future.set_result(NextTokenOutput(
                 top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
                 started_ns, output.layers.get(row),
             ))
@@ -175,9 +166,10 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(error or EngineFailure(f"the {stage} failed; {INTERNAL_MESSAGE}"))
 
-    def _observe(self, traces: list, output: BatchOutput, started_ns: int) -> None:
+    def _observe(self, traces: list[TraceContext | None], output: BatchOutput, started_ns: int) -> None:
         try:
-            self.observer.record_batch(traces, output, started_ns)
+            self.observer.record_batch(BatchDone(traces, output.padded_len, output.forward_s, started_ns,
+                                                 output.ended_ns, output.timeline, output.layers))
         except Exception:  # Telemetry must never fail a request or the scheduler.
             log.exception("batch observer failed")
 
@@ -216,8 +208,9 @@ class Batcher:
         """Forward one batch and answer it. Out of device memory: run each half on its own."""
         loop = asyncio.get_running_loop()
         started, started_ns = time.perf_counter(), time.time_ns()
-        traced_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "layers_wanted", False)]
-        mapped_rows = [row for row, p in enumerate(batch) if getattr(p.trace, "attention_maps", False)]
+        traces = [p.trace for p in batch]
+        traced_rows = [row for row, t in enumerate(traces) if t is not None and t.layers_wanted]
+        mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
         try:
             output = await loop.run_in_executor(
                 self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],

@@ -27,6 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from .records import FirstToken, ModelLoaded, RequestDone, RequestRefused, SchedulerStats
+
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # GenAI semantic conventions: gen_ai.server.request.duration / time_to_first_token buckets.
@@ -48,7 +50,9 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
-        self._gauges: list[tuple[Gauge, Callable[[], float]]] = []  # set by refresh() (multiprocess mode)
+        self._gauges: list[tuple[Gauge, Callable[[SchedulerStats], float]]] = []  # set by refresh() (multiprocess mode)
+        self._stats: Callable[[], SchedulerStats] | None = None
+        self._device_memory: tuple = ()
         r = self.registry
         self.requests = Counter("gpt2serve_requests", "Requests answered, by API, method and status code",
                                 ["api", "method", "status"], registry=r)
@@ -98,58 +102,68 @@ class Metrics:
         else:
             self.model = Info("gpt2serve_model", "The served model", registry=r)
 
-    def attach(self, *, model: str, dtype: str, device: str, weights: str, device_memory: Callable[[], float],
-               queue_depth: Callable[[], float], batch_running: Callable[[], float],
-               generations_waiting: Callable[[], float], generations_running: Callable[[], float],
-               kv_cache_usage: Callable[[], float], compat: str | None = None) -> None:
-        """Called once the model is loaded, in the process that owns it. In multiprocess mode the
-        callbacks are read by `refresh()`, which the engine process calls as it works."""
-        labels = {"model": model, "dtype": dtype, "device": device, "weights": weights}
-        router = {"requests_waiting": lambda: queue_depth() + generations_waiting(),
-                  "requests_running": lambda: batch_running() + generations_running(),
-                  "kv_cache_usage": kv_cache_usage}
-        gauges = [(self.queue_depth, queue_depth), (self.device_memory.labels(device=device), device_memory),
-                  (self.running_sequences, generations_running), (self.waiting_sequences, generations_waiting),
+    def model_loaded(self, model: ModelLoaded, stats: Callable[[], SchedulerStats],
+                     device_memory: Callable[[], float], compat: str | None = None) -> None:
+        """Called once the model is loaded, in the process that owns it: the model's labels, and
+        the gauges read from `stats()` and `device_memory()`. In multiprocess mode those are read
+        by `refresh()`, which the engine process calls as it works."""
+        labels = {"model": model.model, "dtype": model.dtype, "device": model.device, "weights": model.weights}
+        router = {"requests_waiting": lambda s: s.prompts_waiting + s.generations_waiting,
+                  "requests_running": lambda s: s.prompts_running + s.generations_running,
+                  "kv_cache_usage": lambda s: s.kv_cache_usage}
+        gauges = [(self.queue_depth, lambda s: s.prompts_waiting), (self.running_sequences, lambda s: s.generations_running),
+                  (self.waiting_sequences, lambda s: s.generations_waiting),
                   *((getattr(self, name), read) for name, read in router.items())]
         if compat:  # The same readings under another server's names (a gauge's own help says whose).
             for name, their_name in METRICS_COMPAT[compat].items():
                 (ours,) = getattr(self, name).describe()
                 gauge = Gauge(their_name, f"{ours.name} under its --metrics-compat {compat} name: {ours.documentation}",
                               ["model_name", "engine"], registry=self.registry, multiprocess_mode="livesum")
-                gauges.append((gauge.labels(model_name=model, engine="0"), router[name]))
+                gauges.append((gauge.labels(model_name=model.model, engine="0"), router[name]))
+        memory = self.device_memory.labels(device=model.device)
         if self.multiprocess_dir:
             self.model_gauge.labels(**labels).set(1)
             self._gauges = gauges
+            self._stats, self._device_memory = stats, (memory, device_memory)
             self.refresh()
         else:
             self.model.info(labels)
+            memory.set_function(device_memory)
             for gauge, read in gauges:
-                gauge.set_function(read)
+                gauge.set_function(lambda read=read: read(stats()))
 
     def refresh(self) -> None:
+        if self._stats is None:
+            return
+        stats = self._stats()
         for gauge, read in self._gauges:
-            gauge.set(read())
+            gauge.set(read(stats))
+        gauge, read_memory = self._device_memory
+        gauge.set(read_memory())
 
-    def request_finished(self, api: str, method: str, status: str, duration_s: float, trace_id: str = "") -> None:
-        self.requests.labels(api=api, method=method, status=status).inc()
-        if status == "OK":
-            exemplar = {"trace_id": trace_id} if trace_id else None
-            self.request_duration.labels(api=api, method=method).observe(duration_s, exemplar)
-            if method not in GENERATING_METHODS:  # a next token is the first token
-                self.time_to_first_token.labels(api=api, method=method).observe(duration_s, exemplar)
+    def request_done(self, record: RequestDone) -> None:
+        api, method = record.api, record.method
+        self.requests.labels(api=api, method=method, status=record.status).inc()
+        if record.status != "OK":
+            return
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        self.request_duration.labels(api=api, method=method).observe(record.duration_s, exemplar)
+        if method not in GENERATING_METHODS:  # a next token is the first token
+            self.time_to_first_token.labels(api=api, method=method).observe(record.duration_s, exemplar)
+        self.prompt_tokens.labels(api=api).inc(record.prompt_tokens)
+        self.generated_tokens.labels(api=api).inc(record.output_tokens)
+        for queue_s in record.queue_s:
+            self.queue_duration.observe(queue_s, exemplar)
+        if record.time_per_output_token_s is not None:
+            self.time_per_output_token.labels(api=api).observe(record.time_per_output_token_s, exemplar)
 
-    def first_token(self, api: str, method: str, seconds: float, trace_id: str = "") -> None:
-        self.time_to_first_token.labels(api=api, method=method).observe(seconds, {"trace_id": trace_id} if trace_id else None)
+    def request_refused(self, record: RequestRefused) -> None:
+        """A request refused before it reached the service: counted with its status, no duration."""
+        self.requests.labels(api=record.api, method=record.method, status=record.code).inc()
 
-    def time_per_output(self, api: str, seconds: float, trace_id: str = "") -> None:
-        self.time_per_output_token.labels(api=api).observe(seconds, {"trace_id": trace_id} if trace_id else None)
-
-    def tokens(self, api: str, prompt_tokens: int, generated_tokens: int) -> None:
-        self.prompt_tokens.labels(api=api).inc(prompt_tokens)
-        self.generated_tokens.labels(api=api).inc(generated_tokens)
-
-    def queued(self, queue_s: float, trace_id: str = "") -> None:
-        self.queue_duration.observe(queue_s, {"trace_id": trace_id} if trace_id else None)
+    def first_token(self, record: FirstToken) -> None:
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        self.time_to_first_token.labels(api=record.api, method=record.method).observe(record.seconds, exemplar)
 
     def batch(self, size: int, forward_s: float) -> None:
         self.batch_size.observe(size)

@@ -23,23 +23,21 @@ timestamps, so the model loop itself holds no telemetry calls.
 from __future__ import annotations
 
 import contextlib
-
+import functools
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import (
-    Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, format_trace_id,
+    Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags, format_trace_id,
 )
 
 from gpt2serve_client.types import LayerReport
 
-from ..engine.engine import BatchOutput
-from ..engine.generation import StepOutput
+from ..protocol import TraceContext
 from .metrics import Metrics
+from .records import BatchDone, FirstToken, RequestDone, RequestOptions, RequestRefused, StepDone
 from .tracing import TRACE_LAYERS_ATTRIBUTE
 
 # A caller's cancel this close to its deadline is the deadline: the server's copy of it starts
@@ -47,22 +45,26 @@ from .tracing import TRACE_LAYERS_ATTRIBUTE
 DEADLINE_SLACK_S = 0.05
 
 
-@dataclass(frozen=True)
-class RequestTrace:
-    """What a queued prompt carries for telemetry (opaque to the scheduler)."""
-
-    span_context: SpanContext
-    sampled: bool  # the request span is recorded and will be exported
-    layers_wanted: bool  # compute per-layer reports for it (include_layers or exported layer spans)
-    layer_spans: bool  # export per-layer spans for it
-    layers_in_response: bool = False  # its answer waits for the reports (include_layers)
-    attention_maps: bool = False  # its reports carry full attention maps and the all-position lens
-
-
 def exported_trace_id(span: Span) -> str:
     """The span's hex trace id if it is recorded and sampled (so it will exist in a backend), else ""."""
     context = span.get_span_context()
     return format_trace_id(context.trace_id) if span.is_recording() and context.trace_flags.sampled else ""
+
+
+def traceparent(span: Span) -> str:
+    """The span as a W3C traceparent, what crosses to the engine side (protocol.TraceContext)."""
+    c = span.get_span_context()
+    return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
+
+
+@functools.lru_cache(maxsize=4096)
+def span_context(traceparent: str) -> SpanContext:
+    """A traceparent back as the span context that engine-side spans hang from."""
+    try:
+        _, trace_id, span_id, flags = traceparent.split("-")
+        return SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16)))
+    except ValueError:
+        return SpanContext(0, 0, is_remote=True, trace_flags=TraceFlags(0))
 
 
 def layer_attributes(report: LayerReport, row: int) -> dict:
@@ -95,6 +97,47 @@ def layer_attributes(report: LayerReport, row: int) -> dict:
     }
 
 
+class RequestTelemetry:
+    """One request in flight: its server span, open until `finish`."""
+
+    def __init__(self, telemetry: Telemetry, options: RequestOptions):
+        self.telemetry, self.options = telemetry, options
+        attributes = {**options.attributes, "gen_ai.operation.name": "text_completion",
+                      "gen_ai.request.model": telemetry.model_name, TRACE_LAYERS_ATTRIBUTE: options.trace_layers}
+        self.started = time.perf_counter()
+        self.span = telemetry.tracer.start_span(options.span_name, context=options.parent, kind=SpanKind.SERVER,
+                                                attributes=attributes, record_exception=False,
+                                                set_status_on_exception=False)
+        self.trace_id = exported_trace_id(self.span)  # the exemplar for the histograms
+        self.finished = False
+        telemetry.metrics.in_flight.inc()
+
+    def finish(self, error: BaseException | None = None, *, prompt_tokens: int = 0, output_tokens: int = 0,
+               queue_s: Sequence[float] = (), time_per_output_token_s: float | None = None) -> None:
+        """End the span and count the request: OK, the error's status, or CANCELLED /
+        DEADLINE_EXCEEDED for a caller that went away (anything not an Exception)."""
+        if self.finished:
+            return
+        self.finished = True
+        span, status = self.span, "OK"
+        if isinstance(error, Exception):
+            status = getattr(error, "code", "INTERNAL")
+            span.set_attribute("error.type", status)
+            if getattr(error, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
+                span.set_status(Status(StatusCode.ERROR, str(error)))
+            with contextlib.suppress(AttributeError):
+                error.counted = True  # the transports' error mappers count only what was not
+        elif error is not None:
+            deadline = self.options.deadline
+            status = "DEADLINE_EXCEEDED" if deadline is not None and \
+                time.monotonic() >= deadline - DEADLINE_SLACK_S else "CANCELLED"
+        span.end()
+        self.telemetry.metrics.in_flight.dec()
+        self.telemetry.metrics.request_done(RequestDone(
+            self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
+            prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
+
+
 class Telemetry:
     def __init__(self, model_name: str = "", vocab_size: int = 0, tracer: trace.Tracer | None = None,
                  metrics: Metrics | None = None):
@@ -103,82 +146,73 @@ class Telemetry:
         self.tracer = tracer or trace.get_tracer("gpt2serve")
         self.metrics = metrics or Metrics()
 
-    @contextmanager
-    def request_span(self, name: str, parent: Context | None, attributes: Mapping, trace_layers: bool,
-                     api: str = "internal", method: str = "", deadline: float | None = None) -> Iterator[Span]:
-        """The server span of one request, and its request metrics; records errors raised inside."""
-        attributes = {**attributes, "gen_ai.operation.name": "text_completion",
-                      "gen_ai.request.model": self.model_name, TRACE_LAYERS_ATTRIBUTE: trace_layers}
-        started, status, trace_id = time.perf_counter(), "OK", ""
-        self.metrics.in_flight.inc()
+    def start_request(self, options: RequestOptions) -> RequestTelemetry:
+        return RequestTelemetry(self, options)
+
+    @contextlib.contextmanager
+    def request_span(self, options: RequestOptions) -> Iterator[RequestTelemetry]:
+        """A request from start to answer: what is raised inside fails it (and still raises)."""
+        request = self.start_request(options)
         try:
-            with self.tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
-                                                   attributes=attributes, record_exception=False,
-                                                   set_status_on_exception=False) as span:
-                trace_id = exported_trace_id(span)  # exemplar for the histograms
-                try:
-                    yield span
-                except Exception as exc:
-                    status = getattr(exc, "code", "INTERNAL")
-                    span.set_attribute("error.type", status)
-                    if getattr(exc, "http_status", 500) >= 500:  # A caller's mistake is not a server error.
-                        span.set_status(Status(StatusCode.ERROR, str(exc)))
-                    with contextlib.suppress(AttributeError):
-                        exc.counted = True  # the transports' error mappers count only what was not
-                    raise
-                except BaseException:  # The caller went away (task cancelled) or its deadline passed.
-                    status = "DEADLINE_EXCEEDED" if deadline is not None and \
-                        time.monotonic() >= deadline - DEADLINE_SLACK_S else "CANCELLED"
-                    raise
+            yield request
+        except BaseException as exc:
+            request.finish(exc)
+            raise
         finally:
-            self.metrics.in_flight.dec()
-            self.metrics.request_finished(api, method, status, time.perf_counter() - started, trace_id)
+            request.finish()  # no-op once finished: the body finishes it with its token counts
+
+    def request_refused(self, record: RequestRefused) -> None:
+        self.metrics.request_refused(record)
+
+    def first_token(self, record: FirstToken) -> None:
+        self.metrics.first_token(record)
 
     def queue_span(self, request_span: Span, start_ns: int, end_ns: int) -> None:
         if request_span.is_recording():
             context = trace.set_span_in_context(request_span)
             self.tracer.start_span("queue", context=context, start_time=start_ns).end(end_time=end_ns)
 
-    def record_batch(self, traces: Sequence[RequestTrace | None], output: BatchOutput, started_ns: int) -> None:
+    def record_batch(self, record: BatchDone) -> None:
         """Called once per batch with each row's trace (row order)."""
-        self.metrics.batch(len(traces), output.forward_s)
+        traces = record.traces
+        self.metrics.batch(len(traces), record.forward_s)
         sampled = [(row, t) for row, t in enumerate(traces) if t is not None and t.sampled]
         if not sampled:
             return
         owner_row, owner = next(((row, t) for row, t in sampled if t.layer_spans), sampled[0])
         batch = self.tracer.start_span(
-            "batch", context=_context_of(owner.span_context), start_time=started_ns,
-            links=[Link(t.span_context) for _, t in sampled],
-            attributes={"gpt2serve.batch.size": len(traces), "gpt2serve.batch.padded_length": output.padded_len,
+            "batch", context=_context_of(owner), start_time=record.started_ns,
+            links=[Link(span_context(t.traceparent)) for _, t in sampled],
+            attributes={"gpt2serve.batch.size": len(traces), "gpt2serve.batch.padded_length": record.padded_len,
                         "gpt2serve.batch.sampled_requests": len(sampled)},
         )
         batch_link = Link(batch.get_span_context())
-        self._forward(trace.set_span_in_context(batch), output, owner_row if owner.layer_spans else None, ())
+        self._forward(trace.set_span_in_context(batch), record, owner_row if owner.layer_spans else None, ())
         for row, t in sampled:
             if t.layer_spans and row != owner_row:
-                self._forward(_context_of(t.span_context), output, row, (batch_link,))
-        batch.end(end_time=output.ended_ns)
+                self._forward(_context_of(t), record, row, (batch_link,))
+        batch.end(end_time=record.ended_ns)
 
-    def record_step(self, traces: Sequence[RequestTrace | None], output: StepOutput) -> None:
+    def record_step(self, record: StepDone) -> None:
         """One span per generation step (prefill or decode) with a sampled sequence in it: a
         child of the first such sequence's request span, linked to the others'."""
-        sampled = [t for t in traces if t is not None and t.sampled]
+        sampled = [t for t in record.traces if t is not None and t.sampled]
         if not sampled:
             return
         self.tracer.start_span(
-            output.kind, context=_context_of(sampled[0].span_context), start_time=output.started_ns,
-            links=[Link(t.span_context) for t in sampled[1:]],
-            attributes={"gpt2serve.step.sequences": output.rows, "gpt2serve.step.tokens_in": output.tokens_in,
-                        "gpt2serve.step.sampled_requests": len(sampled), "gpt2serve.forward.ms": output.forward_s * 1000},
-        ).end(end_time=output.ended_ns)
+            record.kind, context=_context_of(sampled[0]), start_time=record.started_ns,
+            links=[Link(span_context(t.traceparent)) for t in sampled[1:]],
+            attributes={"gpt2serve.step.sequences": record.rows, "gpt2serve.step.tokens_in": record.tokens_in,
+                        "gpt2serve.step.sampled_requests": len(sampled), "gpt2serve.forward.ms": record.forward_s * 1000},
+        ).end(end_time=record.ended_ns)
 
-    def _forward(self, context: Context, output: BatchOutput, row: int | None, links: Sequence[Link]) -> None:
+    def _forward(self, context: Context, output: BatchDone, row: int | None, links: Sequence[Link]) -> None:
         forward = self.tracer.start_span("forward", context=context, start_time=output.started_ns, links=links,
                                          attributes={"gpt2serve.forward.ms": output.forward_s * 1000})
         timeline, reports = output.timeline, output.layers.get(row) if row is not None else None
         if timeline is not None and reports:
             inside = trace.set_span_in_context(forward)
-            batch_size, padded = len(output.top), output.padded_len
+            batch_size, padded = len(output.traces), output.padded_len
             d_model = reports[0].batch_hidden_shape[-1]
             self._child("embed", inside, timeline.embed, {
                 "gpt2.shape.input_ids": [batch_size, padded], "gpt2.shape.hidden": [batch_size, padded, d_model]})
@@ -192,5 +226,5 @@ class Telemetry:
         self.tracer.start_span(name, context=context, start_time=times[0], attributes=attributes).end(end_time=times[1])
 
 
-def _context_of(span_context: SpanContext) -> Context:
-    return trace.set_span_in_context(NonRecordingSpan(span_context))
+def _context_of(t: TraceContext) -> Context:
+    return trace.set_span_in_context(NonRecordingSpan(span_context(t.traceparent)))

@@ -69,3 +69,9 @@ def setup_tracing(exporter: str | None, sample_ratio: float) -> TracerProvider |
     trace.set_tracer_provider(provider)
     log.info("tracing: %s exporter, sample ratio %s (layer-traced requests always kept)", exporter, sample_ratio)
     return provider
+
+
+def flush_traces(tracer_provider: TracerProvider, timeout_s: float) -> None:
+    """Export the spans still queued, within `timeout_s` (at least half a second), then stop."""
+    tracer_provider.force_flush(int(max(timeout_s, 0.5) * 1000))
+    tracer_provider.shutdown()

@@ -1,4 +1,4 @@
-"""The gRPC transport: servicer, health, reflection. Translation only; rules live in service.py."""
+"""The gRPC transport: servicer, health, reflection. Translation only; rules live in the service package."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
 from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
-from ..generating import GenerateSettings
-from ..service import InferenceService, PromptInput, RequestOptions
+from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, GrpcAuthInterceptor
 
 log = logging.getLogger(__name__)

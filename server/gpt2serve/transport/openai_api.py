@@ -21,8 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
 
 from ..errors import InvalidArgument, ModelNotFound, ServeError
-from ..generating import GenerateSettings
-from ..service import InferenceService, PromptInput
+from ..service import GenerateSettings, InferenceService, PromptInput
 from .http_shared import http_options, unless_disconnected
 from .sse import first_and_rest, sse_event
 

@@ -25,8 +25,7 @@ from gpt2serve_client.types import GenerateResult, ModelInfo, NextTokenResult
 from .. import __version__
 from ..config import ServeConfig
 from ..errors import MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
-from ..generating import GenerateSettings
-from ..service import InferenceService, PromptInput, RequestOptions
+from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
 from .http_errors import HttpErrors, describe_validation_errors, read_body
 from .http_shared import ClientDisconnected, http_options, unless_disconnected

@@ -1,6 +1,6 @@
 """Continuous batching for generation: sequences join and leave the running batch at step boundaries.
 
-One loop, on the event loop, drives the engine thread (engine.generation.Generator):
+One loop, on the event loop, drives the engine thread (engine.generator.Generator):
 
     leave    finished and abandoned sequences give their cache slots back (at once: the next
              engine call frees them before anything else)
@@ -20,49 +20,24 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import random
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Protocol, Sequence
+
+from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..protocol import GenerateRequest, SampledToken, TokenEvent, TokenSink
+from ..telemetry.records import StepDone
 
 from ..engine.engine import OutOfMemory
-from ..engine.generation import NewSequence, SampledToken, StepOutput
-from ..engine.sampling import SamplingParams
-from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..engine.generator import NewSequence, StepOutput
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What the engine side needs to know of a generate call: token ids and numbers, no text."""
-
-    prompt: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    seed: int | None = None
-    deadline: float | None = None  # time.monotonic() by which it must have a cache slot
-
-
-@dataclass(frozen=True)
-class GeneratedStep:
-    """One sampled token, as the scheduler hands it out. `finish_reason` is set on the last one:
-    "length", or "eos" / "stop" when this token is the end-of-text / a stop token (which is then
-    not part of the output)."""
-
-    token: SampledToken
-    finish_reason: str = ""
-    queue_s: float = 0.0  # waiting for a cache slot (first step only)
-    forward_s: float = 0.0  # the step's forward
-    batch_size: int = 0  # sequences in that forward
-
-
 class GenerationEngine(Protocol):
-    """What the scheduler needs of engine.generation.Generator."""
+    """What the scheduler needs of engine.generator.Generator."""
 
     slots: int
 
@@ -74,26 +49,23 @@ class GenerationEngine(Protocol):
 
 
 class StepObserver(Protocol):
-    """Told about every engine step (telemetry): the traces of the sequences in it."""
+    """Told about every engine step (telemetry)."""
 
-    def record_step(self, traces: Sequence[Any], output: StepOutput) -> None: ...
-
-
-_END = object()  # the stream's end, queued after the last step or an error
+    def record_step(self, record: StepDone) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     seq_id: int
-    request: GenerationRequest
-    trace: Any
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # GeneratedStep | ServeError | _END
+    request: GenerateRequest
+    sink: TokenSink
     enqueued_at: float = field(default_factory=time.perf_counter)
-    state: str = "waiting"  # -> running -> leaving -> gone
+    state: str = "waiting"  # -> running -> leaving (slot freed at the next engine call) -> gone
     generated: int = 0
+    expiry: asyncio.TimerHandle | None = None  # while waiting: the deadline for a cache slot
 
 
-class GenerationScheduler:
+class ContinuousBatcher:
     def __init__(self, engine: GenerationEngine, executor: Executor, *, eos_token_id: int | None, max_queue: int,
                  max_prefill_tokens: int, max_queue_wait_s: float, observer: StepObserver | None = None):
         self.engine = engine
@@ -107,6 +79,7 @@ class GenerationScheduler:
         self._waiting: list[_Sequence] = []
         self._running: dict[int, _Sequence] = {}  # admitted, until their slot is freed
         self._leaving: set[int] = set()  # slots to free at the next engine call
+        self._sequences: dict[int, _Sequence] = {}  # every live one, for abort()
         self._ids = itertools.count()
         self._seeds = random.Random()
         self._wake = asyncio.Event()
@@ -135,49 +108,54 @@ class GenerationScheduler:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for seq in [*self._waiting, *self._running.values()]:
-            seq.events.put_nowait(ShuttingDown("server is shutting down"))
+        for seq in list(self._sequences.values()):
+            self._end(seq, ShuttingDown("server is shutting down"))
 
-    async def generate(self, request: GenerationRequest, trace: Any = None) -> AsyncIterator[GeneratedStep]:
-        """The sequence's tokens as they come. Leaving the iteration early (the caller hung up,
-        or found a stop string) frees its cache slot at the next step boundary."""
+    def add(self, request: GenerateRequest, sink: TokenSink) -> int:
+        """Queue a sequence; its tokens go to `sink` as they come. Returns its id, for abort().
+        Refusals raise here: the loop is not running, or the queue is full."""
         if self._task is None or self._task.done():
             raise Unavailable("the generation loop is not running")
         if len(self._waiting) >= self.max_queue:
             raise ResourceExhausted(f"queue full ({len(self._waiting)} sequences waiting for the KV cache, "
                                     f"--max-queue {self.max_queue}); retry later")
-        seq = _Sequence(next(self._ids), request, trace)
+        seq = _Sequence(next(self._ids), request, sink)
+        loop = asyncio.get_running_loop()
+        wait_s = self.max_queue_wait_s
+        if request.deadline is not None:
+            wait_s = min(wait_s, request.deadline - time.monotonic())
+        seq.expiry = loop.call_later(max(wait_s, 0.0), self._expire, seq)
         self._waiting.append(seq)
+        self._sequences[seq.seq_id] = seq
         self._wake.set()
-        deadline = min(request.deadline or math.inf, time.monotonic() + self.max_queue_wait_s)
-        try:
-            while True:
-                if seq.state == "waiting":
-                    try:
-                        event = await asyncio.wait_for(seq.events.get(), max(deadline - time.monotonic(), 0.0))
-                    except TimeoutError:
-                        if seq.state == "waiting":
-                            raise ResourceExhausted(
-                                f"no KV-cache slot came free within the deadline ({len(self._running)} of "
-                                f"{self.slots} in use, {len(self._waiting)} waiting); retry later") from None
-                        continue
-                else:
-                    event = await seq.events.get()
-                if event is _END:
-                    return
-                if isinstance(event, ServeError):
-                    raise event
-                yield event
-        finally:
-            self._leave(seq)
+        return seq.seq_id
 
-    def _leave(self, seq: _Sequence) -> None:
+    def abort(self, seq_id: int) -> None:
+        """The caller left (hung up, or found a stop string): the sequence leaves the queue, or
+        frees its cache slot at the next step boundary. Its sink hears nothing more."""
+        seq = self._sequences.get(seq_id)
+        if seq is not None:
+            self._end(seq, None)
+
+    def _expire(self, seq: _Sequence) -> None:
+        if seq.state == "waiting":
+            self._end(seq, ResourceExhausted(
+                f"no KV-cache slot came free within the deadline ({len(self._running)} of {self.slots} in use, "
+                f"{len(self._waiting)} waiting); retry later"))
+
+    def _end(self, seq: _Sequence, error: Exception | None) -> None:
+        """The sequence is done for its caller (`error`: what it is told, if anything)."""
+        if seq.expiry is not None:
+            seq.expiry.cancel()
         if seq.state == "waiting":
             self._waiting.remove(seq)
         elif seq.state == "running":
             self._leaving.add(seq.seq_id)
             self._wake.set()
-        seq.state = "leaving" if seq.state == "running" else seq.state
+        seq.state = "leaving" if seq.state == "running" else "gone"
+        self._sequences.pop(seq.seq_id, None)
+        if error is not None:
+            seq.sink.fail(error)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -203,6 +181,7 @@ class GenerationScheduler:
             if admitted and tokens + len(seq.request.prompt) > self.max_prefill_tokens:
                 break
             self._waiting.pop(0)
+            seq.expiry.cancel()
             admitted.append(seq)
             tokens += len(seq.request.prompt)
         return admitted
@@ -257,7 +236,9 @@ class GenerationScheduler:
                 "the model's output for this sequence was not finite (a numerical overflow); it was stopped"))
         if self.observer is not None:
             try:
-                self.observer.record_step([s.trace for s in members], output)
+                self.observer.record_step(StepDone(output.kind, [s.request.trace for s in members], output.rows,
+                                                   output.tokens_in, output.forward_s, output.started_ns,
+                                                   output.ended_ns))
             except Exception:  # Telemetry must never fail a request or the loop.
                 log.exception("step observer failed")
         return True
@@ -274,15 +255,15 @@ class GenerationScheduler:
         else:
             finish = ""
         queue_s = max(time.perf_counter() - output.forward_s - seq.enqueued_at, 0.0) if seq.generated == 1 else 0.0
-        seq.events.put_nowait(GeneratedStep(token, finish, queue_s, output.forward_s, output.rows))
         if finish:
-            seq.events.put_nowait(_END)
-            seq.state = "leaving"
-            self._leaving.add(seq.seq_id)
+            self._end(seq, None)
+        try:
+            seq.sink.put(TokenEvent(token, finish, queue_s, output.forward_s, output.rows))
+        except Exception:  # A sink's failure is its own request's; the loop goes on.
+            log.exception("generation %d: its sink failed; stopping it", seq.seq_id)
+            self._end(seq, None)
 
     def _fail(self, members: list[_Sequence], error: ServeError) -> None:
         for seq in members:
             if seq.state == "running":
-                seq.events.put_nowait(error)
-                seq.state = "leaving"
-                self._leaving.add(seq.seq_id)
+                self._end(seq, error)

@@ -2,8 +2,9 @@
 
     supervisor (this process: ports, signals, health of the children; no model, no requests)
     ├── front end 1..N   gRPC + REST on the shared ports (SO_REUSEPORT): parse, validate,
-    │                    tokenize, encode; InferenceService over an ipc.EngineClient
-    └── engine           the model, the one global queue and batcher, the forward; ipc.EngineServer
+    │                    tokenize, encode; launch.front_end over ipc.zmq_client (no torch)
+    └── engine           the model, the one global queue and batcher, the forward;
+                         launch.engine_host behind ipc.engine_server
 
 One Python process caps serving near 1.5k req/s whatever the GPU can do (issue 12): protocol
 work spreads over the front ends, while batches still form across all of them in one engine.
@@ -14,7 +15,7 @@ work spreads over the front ends, while batches still form across all of them in
 - Engine death: front ends are told at once (SIGUSR1), answer UNAVAILABLE and exit; the
   supervisor exits 1 so that its own supervisor (systemd, k8s) restarts the server.
 - Front-end death: the engine cancels that front end's work the moment its process exits (ipc),
-  so its KV-cache slots come free; the others keep serving (the kernel sends new connections
+  so its KV-cache slots come free (ipc.engine_server); the others keep serving (the kernel sends new connections
   only to listening sockets); the supervisor starts a new one after a backoff (0.5 s, doubling
   to 30 s; back to 0.5 s once one has served a minute), logs it and counts it in
   gpt2serve_front_end_restarts_total. Five deaths in a row before ready: the server stops (exit 1).
@@ -26,7 +27,6 @@ work spreads over the front ends, while batches still form across all of them in
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -37,151 +37,18 @@ import socket
 import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 
-from .config import ServeConfig
+from ..config import ServeConfig
+from ..ipc.zmq_client import engine_address
+from .process_common import ENGINE_GONE_SIGNAL, set_title
+from .resources import available_cpus
 
 log = logging.getLogger("gpt2serve")
-ENGINE_GONE_SIGNAL = signal.SIGUSR1
 CHILD_EXIT_TIMEOUT_S = 5.0  # after the engine died, or past the grace: then killed
-PARENT_POLL_S = 1.0
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay, cap (doubling)
 RESTART_RESET_AFTER_S = 60.0  # a front end that served this long starts the backoff over
 MAX_EARLY_DEATHS = 5  # front ends dying before ready, in a row: give up
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # = telemetry.metrics's, without importing prometheus
-
-
-def set_title(title: str) -> None:
-    """`gpt2serve: engine` in ps and top, not `python3 -c from multiprocessing.spawn ...`."""
-    try:
-        from setproctitle import setproctitle
-    except ImportError:  # optional: only the title is lost
-        return
-    setproctitle(f"gpt2serve: {title}")
-
-
-# In the children ------------------------------------------------------------------------------
-
-def _child_setup(config: ServeConfig, name: str, title: str) -> None:
-    # Signals for the server's process group (Ctrl-C, `timeout`, `kill -- -pgid`) go to the
-    # supervisor alone, which stops the children in order: the engine must outlive the drain.
-    os.setpgrp()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_title(title)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")
-
-
-async def _watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
-    while os.getppid() == parent_pid:
-        await asyncio.sleep(PARENT_POLL_S)
-    log.error("the supervisor is gone; stopping")
-    stop.set()
-
-
-def engine_main(config: ServeConfig, address: str, status, parent_pid: int, title: str) -> None:
-    from .errors import ModelLoadError
-
-    _child_setup(config, "engine", title)
-    try:
-        asyncio.run(_engine(config, address, status, parent_pid))
-    except ModelLoadError as exc:
-        print(f"gpt2serve serve: cannot load model: {exc}", flush=True)
-        raise SystemExit(1)
-
-
-async def _engine(config: ServeConfig, address: str, status, parent_pid: int) -> None:
-    from .app import flush_traces, start_engine
-    from .ipc import EngineServer
-    from .telemetry.spans import Telemetry
-    from .telemetry.tracing import setup_tracing
-
-    tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
-    telemetry = Telemetry()
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # also while loading
-    schedulers, info = await start_engine(config, telemetry)
-    server = EngineServer(address, schedulers.batcher, schedulers.generation, info,
-                          schedulers.batcher.engine.loaded.tokenizer.source)
-    serving = asyncio.create_task(server.serve(), name="ipc")
-    status.send(("ready", info.model))
-    log.info("engine ready at %s", address)
-    watch = asyncio.create_task(_watch_parent(parent_pid, stop))
-    while not stop.is_set() and not serving.done():  # gauges the front ends' /metrics read
-        telemetry.metrics.refresh()
-        await asyncio.wait([asyncio.create_task(stop.wait())], timeout=0.5)
-    watch.cancel()
-    if serving.done() and not serving.cancelled() and serving.exception() is not None:
-        log.error("the IPC server failed", exc_info=serving.exception())
-    serving.cancel()
-    await schedulers.stop()
-    server.close()
-    if tracer_provider is not None:
-        flush_traces(tracer_provider, 1.0)
-    log.info("engine stopped")
-
-
-def front_end_main(config: ServeConfig, address: str, status, parent_pid: int, title: str,
-                   restarted: bool = False) -> None:
-    _child_setup(config, "front-end", title)
-    raise SystemExit(asyncio.run(_front_end(config, address, status, parent_pid, restarted)))
-
-
-async def _front_end(config: ServeConfig, address: str, status, parent_pid: int, restarted: bool) -> int:
-    """At the server's start a front end listens at once (probes answer "alive, not ready"
-    while the model loads); a restarted one listens only once ready, as its siblings serve
-    meanwhile and a caller it took would get a 503."""
-    from .app import Transports, flush_traces, shut_down, until_signalled
-    from .engine.tokenizer import load_tokenizer
-    from .ipc import EngineClient
-    from .service import InferenceService
-    from .telemetry.spans import Telemetry
-    from .telemetry.tracing import setup_tracing
-
-    tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
-    service = InferenceService(config, Telemetry())
-
-    async def listen() -> Transports:
-        transports = await Transports.start(config, service, reuse_port=True)
-        status.send(("listening", (transports.grpc.port, transports.http_port)))
-        log.info("front end listening (grpc %d, http %d)", transports.grpc.port, transports.http_port)
-        return transports
-
-    transports = None if restarted else await listen()
-    engine = EngineClient(address)
-    stop = asyncio.Event()
-    engine_gone = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)  # also while the engine is still loading
-    loop.add_signal_handler(ENGINE_GONE_SIGNAL, engine_gone.set)
-    watch = asyncio.create_task(_watch_parent(parent_pid, stop))
-    connected = asyncio.create_task(engine.connect())
-    await asyncio.wait([connected, asyncio.create_task(engine_gone.wait()), asyncio.create_task(stop.wait())],
-                       return_when=asyncio.FIRST_COMPLETED)
-    if connected.done():
-        source = engine.tokenizer_source
-        tokenizer = load_tokenizer(Path(source) if os.path.isdir(source) else None)
-        service.attach(tokenizer, engine.model_info, engine, engine)
-        transports = transports or await listen()
-        service.ready = True
-        await transports.grpc.set_serving(True)
-        status.send(("ready", None))
-    if transports is None:  # stopped, or the engine died, before this restarted one served
-        watch.cancel()
-        await engine.close()
-        return 1 if engine_gone.is_set() else 0
-    gone = asyncio.create_task(engine_gone.wait())
-    await until_signalled(stop, transports.http_task, gone, signals=(signal.SIGTERM,))
-    exit_code = 0
-    if engine_gone.is_set():
-        log.error("the engine process is gone: answering UNAVAILABLE and exiting")
-        engine.engine_gone("the engine process died; the server is restarting")
-        exit_code = 1
-    watch.cancel()
-    await shut_down(config, service, transports, stop, engine.close)
-    if tracer_provider is not None:
-        flush_traces(tracer_provider, 1.0)
-    return exit_code
 
 
 # The supervisor ---------------------------------------------------------------------------------
@@ -211,8 +78,7 @@ class Supervisor:
         os.makedirs(f"{self.run_dir}/metrics")
         # Before prometheus_client is imported, here or in any child: it picks its mode at import.
         os.environ[MULTIPROCESS_DIR_ENV] = f"{self.run_dir}/metrics"
-        from .ipc import engine_address
-        from .telemetry.metrics import Metrics
+        from ..telemetry.metrics import Metrics  # lazy: only now, with the directory set
 
         self.metrics = Metrics()  # the supervisor's own samples (restarts, front ends up) in that directory
         reserved = [reserve_port(self.config.host, port) for port in (self.config.grpc_port, self.config.http_port)]
@@ -233,6 +99,11 @@ class Supervisor:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _start(self, name: str) -> None:
+        # Lazy: the supervisor loads no model (engine_host imports torch) and must not import
+        # prometheus_client before run() has set its directory; a child imports its own module.
+        from .engine_host import engine_main
+        from .front_end import front_end_main
+
         target, title = (engine_main, "engine") if name == "engine" else \
             (front_end_main, "front end " + name.rsplit("-", 1)[1])
         reader, writer = self.spawn.Pipe(duplex=False)
@@ -362,7 +233,7 @@ class Supervisor:
 
 def forget_metrics_of(pid: int) -> None:
     """A dead process's gauges leave the sums (its counters stay: they counted real requests)."""
-    from prometheus_client import multiprocess
+    from prometheus_client import multiprocess  # lazy: see Supervisor._start
 
     multiprocess.mark_process_dead(pid)
 
@@ -374,12 +245,10 @@ def resolve_workers(config: ServeConfig) -> int:
         return config.workers
     gpu = config.device.startswith("cuda")
     if config.device == "auto":
-        import torch
+        import torch  # lazy: only to ask whether there is a GPU
 
         gpu = torch.cuda.is_available()
-    from .resources import available_cpus  # the container's CPU quota, where there is one
-
-    return max(1, min(available_cpus() - 2, 8)) if gpu else 1
+    return max(1, min(available_cpus() - 2, 8)) if gpu else 1  # the container's CPU quota, where there is one
 
 
 def run_workers(config: ServeConfig, workers: int) -> int:

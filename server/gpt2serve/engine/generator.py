@@ -1,6 +1,6 @@
 """Token-by-token generation over a KV cache: the engine side of continuous batching.
 
-The scheduler (scheduling.generation) decides who runs; this module runs them, in the engine
+The scheduler (scheduling.continuous_batcher) decides who runs; this module runs them, in the engine
 thread, in two kinds of step:
 - prefill: new sequences' prompts, right-padded into one forward that fills their cache slots
   and gives each its first token;
@@ -20,7 +20,8 @@ from typing import Collection, Sequence
 import torch
 
 from .decode_graphs import DecodeGraphs
-from .engine import Engine, TokenScore, oom_as_out_of_memory
+from ..protocol import SampledToken, TokenScore
+from .engine import Engine, oom_as_out_of_memory
 from .kv_cache import KVCache
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
@@ -34,12 +35,6 @@ class NewSequence:
     params: SamplingParams
     seed: int  # of the sequence's own generator: the same seed, the same draws
 
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float
-    top: list[TokenScore]  # the `logprobs` best alternatives, most likely first
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from gpt2serve_client import AsyncClient, Gpt2ServeError, ModelInfo
 
-from .bench import fetch_info, make_prompts
+from .serving_load import fetch_info, make_prompts
 
 
 @dataclass
@@ -97,7 +97,7 @@ class TransformersGenerate:
     def __init__(self, loaded):
         import torch
 
-        from .engine.convert import to_transformers
+        from ..engine.convert import to_transformers
 
         self.torch, self.device = torch, loaded.device
         self.model = to_transformers(loaded.model).to(device=loaded.device, dtype=loaded.dtype).eval()
@@ -105,7 +105,7 @@ class TransformersGenerate:
     @classmethod
     def like(cls, info: ModelInfo) -> TransformersGenerate:
         """With the server's architecture and dtype, on this machine."""
-        from .engine.loading import build_model_like
+        from ..engine.loading import build_model_like
 
         return cls(build_model_like(info))
 

@@ -226,8 +226,8 @@ class InProcessModel:
     """The same architecture and dtype on this machine, no server: the most it can do."""
 
     def __init__(self, info: ModelInfo):
-        from .engine.engine import Engine, EngineOptions
-        from .engine.loading import build_model_like
+        from ..engine.engine import Engine, EngineOptions
+        from ..engine.loading import build_model_like
 
         # The server's batch buckets (CUDA graphs on cuda), and the reference size beside them.
         options = EngineOptions(max_batch_size=max(info.max_batch_size, MAX_REFERENCE_BATCH))
@@ -339,7 +339,7 @@ def add_bench_arguments(parser) -> None:
 
 def add_engine_bench_arguments(parser) -> None:
     """Flags of `bench --in-process` (engine_bench; the server-load flags are ignored there)."""
-    from .config import parse_bool
+    from ..config import parse_bool
 
     parser.add_argument("--in-process", action="store_true",
                         help="time the engine against transformers' forward in this process (no server)")

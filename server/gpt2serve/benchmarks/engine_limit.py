@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .bench import make_prompts
-from .engine.convert import to_transformers
-from .engine.engine import Engine, EngineOptions
-from .engine.loading import load_model
-from .engine.padding import IDS, POSITIONS, VALID, left_pad
+from .serving_load import make_prompts
+from ..engine.convert import to_transformers
+from ..engine.engine import Engine, EngineOptions
+from ..engine.loading import load_model
+from ..engine.padding import IDS, POSITIONS, VALID, left_pad
 
 TOP_K = 5
 

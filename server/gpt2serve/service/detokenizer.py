@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .engine.tokenizer import Tokenizer
+from ..engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 MAX_HELD_TOKENS = 4  # a UTF-8 character has at most 4 bytes: past that the U+FFFD is real
 
 
-class TextStream:
+class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]

@@ -1,0 +1,149 @@
+"""The engine process's side of the IPC door (see zmq_client): each Submit becomes a
+Batcher.submit, each Generate a ContinuousBatcher.add whose events go back as Step messages.
+
+A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
+watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
+cancels all of its work then, so its KV-cache slots come free. A frame that does not decode is
+logged and dropped; the front ends' other requests go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.asyncio
+
+from .. import protocol
+from ..errors import INTERNAL_MESSAGE, ServeError
+from ..protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, Step, Submit,
+                        TokenEvent)
+from .outbox import Outbox
+
+if TYPE_CHECKING:
+    from ..scheduling.batcher import Batcher
+    from ..scheduling.continuous_batcher import ContinuousBatcher
+
+log = logging.getLogger(__name__)
+Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
+
+
+class _PeerSink:
+    """A generation's events, on their way back to the front end that asked."""
+
+    def __init__(self, server: EngineServer, key: Key):
+        self.server, self.key = server, key
+
+    def put(self, event: TokenEvent) -> None:
+        if event.finish_reason:
+            self.server._generations.pop(self.key, None)
+        self.server._outbox.put(self.key[0], Step(self.key[1], event))
+
+    def fail(self, error: Exception) -> None:
+        self.server._generations.pop(self.key, None)
+        self.server._send_error(self.key, error, "generation")
+
+
+class EngineServer:
+    def __init__(self, address: str, batcher: Batcher, continuous: ContinuousBatcher, ready: EngineReady):
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]))
+        self._batcher = batcher
+        self._continuous = continuous
+        self._ready = ready
+        self._submits: dict[Key, asyncio.Task] = {}
+        self._generations: dict[Key, int] = {}  # -> the continuous batcher's sequence id
+        self._watched: dict[bytes, int] = {}  # front end (zmq identity) -> pidfd of its process
+
+    async def serve(self) -> None:
+        while True:
+            peer, frame = await self._socket.recv_multipart()
+            try:
+                messages = protocol.decode(frame)
+            except BadFrame as exc:
+                log.error("dropped a frame from a front end that does not decode: %s", exc)
+                continue
+            for message in messages:
+                self._dispatch(peer, message)
+
+    def _dispatch(self, peer: bytes, message) -> None:
+        kind = type(message)
+        if kind is Generate:
+            key = (peer, message.request_id)
+            try:
+                self._generations[key] = self._continuous.add(message.request, _PeerSink(self, key))
+            except Exception as exc:  # refused (queue full, shutting down)
+                self._send_error(key, exc, "generation")
+        elif kind is Submit:
+            key = (peer, message.request_id)
+            self._submits[key] = asyncio.create_task(self._submit(key, message.request))
+        elif kind is Cancel:
+            key = (peer, message.request_id)
+            self._cancel(key)
+        elif kind is Hello:
+            self._watch(peer, message.pid)
+            self._outbox.put(peer, self._ready)
+        else:
+            log.error("dropped a %s message: not one a front end sends", kind.__name__)
+
+    def _cancel(self, key: Key) -> None:
+        task, seq_id = self._submits.get(key), self._generations.pop(key, None)
+        if task is not None:
+            task.cancel()  # its prompts leave the queue
+        if seq_id is not None:
+            self._continuous.abort(seq_id)  # its slot comes free at the next step
+
+    def _send_error(self, key: Key, error: Exception, what: str) -> None:
+        if isinstance(error, ServeError):
+            self._outbox.put(key[0], Failed(key[1], error.code, error.message))
+        else:  # never lose a request silently; the details stay in this log
+            log.error("engine %s failed", what, exc_info=error)
+            self._outbox.put(key[0], Failed(key[1], "INTERNAL", INTERNAL_MESSAGE))
+
+    async def _submit(self, key: Key, request: NextTokenRequest) -> None:
+        try:
+            outputs = await self._batcher.submit(request.prompts, request.top_k, request.trace)
+            self._outbox.put(key[0], Result(key[1], outputs))
+        except asyncio.CancelledError:
+            pass  # the front end's caller went away: nobody to answer
+        except Exception as exc:
+            self._send_error(key, exc, "request")
+        finally:
+            self._submits.pop(key, None)
+
+    def _watch(self, peer: bytes, pid: int) -> None:
+        """Cancel a front end's work the moment its process exits (see the module doc)."""
+        if peer in self._watched:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError) as exc:  # no pidfds (old kernel), or it is gone already
+            log.warning("cannot watch front end %d (%s); its work is cancelled only by its own Cancels", pid, exc)
+            return
+        self._watched[peer] = fd
+        asyncio.get_running_loop().add_reader(fd, self._front_end_gone, peer, pid)
+
+    def _front_end_gone(self, peer: bytes, pid: int) -> None:
+        fd = self._watched.pop(peer)
+        asyncio.get_running_loop().remove_reader(fd)
+        os.close(fd)
+        keys = [key for key in [*self._submits, *self._generations] if key[0] == peer]
+        for key in keys:
+            self._cancel(key)  # requests leave the queue; generations free their KV-cache slots
+        log.error("front end %d is gone: cancelled its %d request(s)", pid, len(keys))
+
+    def close(self) -> None:
+        for key in [*self._submits, *self._generations]:
+            self._cancel(key)
+        for fd in self._watched.values():
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+        self._watched.clear()
+        self._socket.close(0)
+        self._context.term()

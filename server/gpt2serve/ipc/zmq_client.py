@@ -1,0 +1,144 @@
+"""The engine client of a front-end process under `--workers N` (see launch.supervisor):
+
+    front end: service -> ZmqEngineClient (DEALER) ─┐
+    front end: service -> ZmqEngineClient (DEALER) ─┼─ ipc:// ─> EngineServer (ROUTER) -> schedulers
+                                                    ┘
+
+Messages are protocol's dataclasses, a frame one protocol.encode of those sent in one loop tick.
+A generation's Step messages go straight to its sink (the service's GenerationStream) from the
+receive loop: no queue of their own. A frame that does not decode is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import os
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from gpt2serve_client.types import ModelInfo
+
+from .. import protocol
+from ..errors import Unavailable, error_from_code
+from ..protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
+                        NextTokenRequest, Result, Step, Submit, TokenSink)
+from .outbox import Outbox
+
+log = logging.getLogger(__name__)
+
+
+def engine_address(directory: str) -> str:
+    return f"ipc://{directory}/engine.sock"
+
+
+class ZmqEngineClient:
+    def __init__(self, address: str):
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(address)
+        self._outbox = Outbox(lambda _peer, frame: self._socket.send(frame))
+        self._pending: dict[int, asyncio.Future] = {}  # next-token requests
+        self._sinks: dict[int, TokenSink] = {}  # generations
+        self._ids = itertools.count()
+        self._ready = asyncio.Event()
+        self._receiver: asyncio.Task | None = None
+        self.dead_reason = ""
+        self.model_info: ModelInfo | None = None
+        self.tokenizer_source = ""
+        self.max_batch_size = 0
+
+    async def connect(self) -> None:
+        """Say hello and wait for EngineReady (sent once the model is loaded and warm)."""
+        self._receiver = asyncio.create_task(self._receive(), name="engine-client")
+        self._outbox.put(None, Hello(os.getpid()))
+        await self._ready.wait()
+
+    async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
+        if self.dead_reason:
+            raise Unavailable(self.dead_reason)
+        request_id = next(self._ids)
+        future = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        self._outbox.put(None, Submit(request_id, request))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not self.dead_reason:
+                self._outbox.put(None, Cancel(request_id))  # its prompts leave the engine's queue
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+
+    def generate(self, request: GenerateRequest, sink: TokenSink) -> Callable[[], None]:
+        if self.dead_reason:
+            raise Unavailable(self.dead_reason)
+        request_id = next(self._ids)
+        self._sinks[request_id] = sink
+        self._outbox.put(None, Generate(request_id, request))
+        return functools.partial(self._cancel_generation, request_id)
+
+    def _cancel_generation(self, request_id: int) -> None:
+        if self._sinks.pop(request_id, None) is not None and not self.dead_reason:
+            self._outbox.put(None, Cancel(request_id))  # its KV-cache slot comes free
+
+    def engine_gone(self, reason: str) -> None:
+        """The engine process died: every waiting request and every new one is UNAVAILABLE at once."""
+        self.dead_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(Unavailable(reason))
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.fail(Unavailable(reason))
+
+    async def close(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._socket.close(0)
+        self._context.term()
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            try:
+                messages = protocol.decode(frame)
+            except BadFrame as exc:
+                log.error("dropped a frame from the engine that does not decode: %s", exc)
+                continue
+            for message in messages:
+                try:
+                    self._dispatch(message)
+                except Exception:  # one request's failure, never the receive loop's
+                    log.exception("handling a %s message failed", type(message).__name__)
+
+    def _dispatch(self, message) -> None:
+        kind = type(message)
+        if kind is Step:
+            sink = self._sinks.get(message.request_id)
+            if sink is not None:
+                if message.event.finish_reason:
+                    del self._sinks[message.request_id]
+                sink.put(message.event)
+        elif kind is Result:
+            future = self._pending.get(message.request_id)
+            if future is not None and not future.done():
+                future.set_result(message.outputs)
+        elif kind is Failed:
+            error = error_from_code(message.code, message.message)
+            future, sink = self._pending.get(message.request_id), self._sinks.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+            elif sink is not None:
+                sink.fail(error)
+        elif kind is EngineReady:
+            self.model_info, self.tokenizer_source = message.model_info, message.tokenizer_source
+            self.max_batch_size = message.max_batch_size
+            self._ready.set()
+        else:
+            log.error("dropped a %s message: not one the engine sends", kind.__name__)

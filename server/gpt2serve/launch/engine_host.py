@@ -1,0 +1,187 @@
+"""The engine side of a server: the model loaded and warmed in its own thread, the two
+schedulers in front of it, and the engine process of `--workers N` around them.
+
+    EngineHost.start()   load + warm up (engine thread), Batcher + ContinuousBatcher, metrics
+    EngineHost.client()  the in-process engine client (--workers 1)
+    EngineHost.stop()    schedulers stop; queued work is told UNAVAILABLE
+    engine_main()        --workers N: an EngineHost behind ipc.engine_server, until SIGTERM
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from gpt2serve_client.types import ModelInfo
+
+from ..config import ServeConfig
+from ..engine.engine import Engine, EngineOptions
+from ..engine.generator import Generator
+from ..engine.kv_cache import KVCache
+from ..engine.loading import LoadedModel, load_model
+from ..engine.model_info import architecture, parameter_breakdown
+from ..errors import ModelLoadError
+from ..ipc.engine_server import EngineServer
+from ..ipc.inproc_client import InprocEngineClient
+from ..protocol import EngineReady
+from ..scheduling.batcher import Batcher, new_engine_thread
+from ..scheduling.continuous_batcher import ContinuousBatcher
+from ..telemetry.records import ModelLoaded, SchedulerStats
+from ..telemetry.spans import Telemetry
+from ..telemetry.tracing import flush_traces, setup_tracing
+from .process_common import child_setup, watch_parent
+from .resources import available_cpus, available_memory_bytes
+
+log = logging.getLogger("gpt2serve")
+REFRESH_S = 0.5  # --workers N: how often the engine process writes its gauges for the front ends' /metrics
+
+
+def describe_model(loaded: LoadedModel) -> ModelInfo:
+    """The model part of ModelInfo; the service fills in its limits when attached."""
+    return ModelInfo(
+        model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
+        dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
+        architecture=architecture(loaded.model.config), parameters=parameter_breakdown(loaded.model),
+        max_prompt_tokens=0, max_batch_size=0,
+    )
+
+
+def device_memory_probe(device: torch.device) -> Callable[[], float]:
+    """Bytes in use on the model's device: CUDA allocations, or the process's resident memory."""
+    if device.type == "cuda":
+        return lambda: float(torch.cuda.memory_allocated(device))
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident_bytes() -> float:
+        with open("/proc/self/statm") as statm:
+            return float(int(statm.read().split()[1]) * page)
+
+    return resident_bytes
+
+
+def engine_options(config: ServeConfig, loaded: LoadedModel) -> EngineOptions:
+    return EngineOptions(max_batch_size=config.max_batch_size_on(loaded.device.type),
+                         cuda_graphs=config.cuda_graphs, cuda_graph_memory_mb=config.cuda_graph_memory_mb,
+                         fixed_cost_tokens=config.fixed_cost_tokens)
+
+
+def kv_cache_slots(config: ServeConfig, engine: Engine) -> int:
+    """--max-running-sequences, as far as --kv-cache-mb holds them (at least one)."""
+    model_config, device = engine.model.config, engine.device
+    if config.kv_cache_mb is not None:
+        budget = config.kv_cache_mb * 2**20
+    elif device.type == "cuda":
+        budget = 0.4 * torch.cuda.mem_get_info(device)[0]
+    else:
+        budget = 0.25 * available_memory_bytes()  # the container's limit, where there is one
+    fits = int(budget // KVCache.bytes_per_slot(model_config, engine.loaded.dtype))
+    return max(1, min(config.max_running_sequences or engine.options.max_batch_size, fits))
+
+
+def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
+    """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
+    cpus = available_cpus()
+    if torch.get_num_threads() > cpus:  # a container's CPU quota below the host's cores
+        torch.set_num_threads(cpus)
+    loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
+                        random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
+    engine = Engine(loaded, engine_options(config, loaded))
+    engine.warm_up()
+    log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
+             engine.fixed_cost_tokens)
+    generator = Generator(engine, kv_cache_slots(config, engine))
+    # Ready means warm: the cache is claimed and written (zeros) and each kind of step has run
+    # once before ready. Claimed at the first generation instead, it stalled that one for
+    # seconds on a CPU while the kernel handed out gigabytes of pages.
+    generator.warm_up()
+    log.info("KV cache: %d sequences of %d tokens (%.0f MiB)", generator.slots, loaded.model.config.n_ctx,
+             generator.slots * KVCache.bytes_per_slot(loaded.model.config, loaded.dtype) / 2**20)
+    return engine, generator
+
+
+class EngineHost:
+    def __init__(self, config: ServeConfig, telemetry: Telemetry):
+        self.config, self.telemetry = config, telemetry
+
+    async def start(self) -> None:
+        """Load and warm the model in its own thread, then put the schedulers in front of it."""
+        config, telemetry = self.config, self.telemetry
+        engine_thread = new_engine_thread()
+        try:
+            engine, generator = await asyncio.get_running_loop().run_in_executor(engine_thread, load_engine, config)
+        except BaseException:
+            engine_thread.shutdown(wait=False)
+            raise
+        self.batcher = Batcher(
+            engine, max_batch_size=engine.options.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
+            max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
+            observer=telemetry)
+        self.continuous = ContinuousBatcher(
+            generator, engine_thread, eos_token_id=engine.loaded.tokenizer.eos_token_id, max_queue=config.max_queue,
+            max_prefill_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s, observer=telemetry)
+        self.batcher.start()
+        self.continuous.start()
+        loaded = engine.loaded
+        self.tokenizer = loaded.tokenizer
+        self.info = replace(describe_model(loaded), max_running_sequences=generator.slots)
+        telemetry.model_name, telemetry.vocab_size = loaded.name, loaded.model.config.vocab_size
+        info = self.info
+        telemetry.metrics.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
+                                                   info.architecture.vocab_size),
+                                       self.stats, device_memory_probe(loaded.device), config.metrics_compat)
+
+    def stats(self) -> SchedulerStats:
+        batcher, continuous = self.batcher, self.continuous
+        return SchedulerStats(batcher.queue_depth, batcher.running, continuous.waiting, continuous.running,
+                              continuous.cache_usage)
+
+    def client(self) -> InprocEngineClient:
+        return InprocEngineClient(self.batcher, self.continuous)
+
+    async def stop(self) -> None:
+        await self.continuous.stop()
+        await self.batcher.stop()
+
+
+# --workers N: the engine process --------------------------------------------------------------------
+
+def engine_main(config: ServeConfig, address: str, status, parent_pid: int, title: str) -> None:
+    child_setup(config, "engine", title)
+    try:
+        asyncio.run(_engine_process(config, address, status, parent_pid))
+    except ModelLoadError as exc:
+        print(f"gpt2serve serve: cannot load model: {exc}", flush=True)
+        raise SystemExit(1)
+
+
+async def _engine_process(config: ServeConfig, address: str, status, parent_pid: int) -> None:
+    tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
+    telemetry = Telemetry()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # also while loading
+    host = EngineHost(config, telemetry)
+    await host.start()
+    server = EngineServer(address, host.batcher, host.continuous,
+                          EngineReady(host.info, host.tokenizer.source, host.batcher.max_batch_size))
+    serving = asyncio.create_task(server.serve(), name="ipc")
+    status.send(("ready", host.info.model))
+    log.info("engine ready at %s", address)
+    watch = asyncio.create_task(watch_parent(parent_pid, stop))
+    while not stop.is_set() and not serving.done():  # gauges the front ends' /metrics read
+        telemetry.metrics.refresh()
+        await asyncio.wait([asyncio.create_task(stop.wait())], timeout=REFRESH_S)
+    watch.cancel()
+    if serving.done() and not serving.cancelled() and serving.exception() is not None:
+        log.error("the IPC server failed", exc_info=serving.exception())
+    serving.cancel()
+    await host.stop()
+    server.close()
+    if tracer_provider is not None:
+        flush_traces(tracer_provider, 1.0)
+    log.info("engine stopped")

@@ -1,0 +1,208 @@
+"""The front end of a server: gRPC and REST over the service, over an engine client.
+
+    FrontEnd.listen()   both transports listening, not serving: probes answer "alive, not ready"
+    FrontEnd.serve()    the service attached to the engine client; ready, health SERVING
+    FrontEnd.stop()     drain (not ready at once, new work UNAVAILABLE, accepted work answered),
+                        then close; all within --shutdown-grace-s
+    front_end_main()    --workers N: a FrontEnd over ipc.zmq_client, until SIGTERM
+
+No torch is imported here or below: a front-end process of `--workers N` is the transports,
+the service and the tokenizer (tests/test_workers.py checks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import uvicorn
+
+from gpt2serve_client.types import ModelInfo
+
+from ..config import ServeConfig
+from ..engine.tokenizer import Tokenizer, load_tokenizer
+from ..ipc.zmq_client import ZmqEngineClient
+from ..protocol import EngineClient
+from ..service import InferenceService
+from ..telemetry.spans import Telemetry
+from ..telemetry.tracing import flush_traces, setup_tracing
+from ..transport.grpc_server import GrpcTransport
+from ..transport.rest import create_app
+from .process_common import ENGINE_GONE_SIGNAL, child_setup, watch_parent
+
+log = logging.getLogger("gpt2serve")
+
+
+def bind_http_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """Bind here rather than in uvicorn, so port 0 yields a known ephemeral port. With
+    `reuse_port`, front-end processes share the port (the kernel spreads connections)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class Transports:
+    """gRPC and REST over one service, started and stopped together."""
+
+    grpc: GrpcTransport
+    http_server: uvicorn.Server
+    http_task: asyncio.Task
+    http_port: int
+
+    @classmethod
+    async def start(cls, config: ServeConfig, service: InferenceService, reuse_port: bool = False) -> Transports:
+        """Listening, not serving yet: probes answer (alive, not ready) while the model loads."""
+        grpc_transport = GrpcTransport(service, config)  # grpc sets SO_REUSEPORT itself on Linux
+        http_socket = bind_http_socket(config.host, config.http_port, reuse_port)
+        http_server = uvicorn.Server(uvicorn.Config(
+            create_app(service, config), log_level=config.log_level, access_log=False, lifespan="off",
+            ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
+            timeout_graceful_shutdown=max(config.shutdown_grace_s, 0.1),
+        ))
+        await grpc_transport.start()
+        await grpc_transport.set_serving(False)
+        http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="http")
+        while not http_server.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            await http_task  # Raises why uvicorn could not start.
+        return cls(grpc_transport, http_server, http_task, http_socket.getsockname()[1])
+
+    async def stop(self, grace_s: float) -> None:
+        self.http_server.should_exit = True
+        await self.grpc.stop(min(grace_s, 1.0))
+        await asyncio.wait([self.http_task], timeout=grace_s + 0.5)
+
+
+async def until_signalled(stop: asyncio.Event, *also: asyncio.Task,
+                          signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+    """Until one of `signals` sets `stop` (or one of `also` ends)."""
+    loop = asyncio.get_running_loop()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.wait([asyncio.create_task(stop.wait()), *also], return_when=asyncio.FIRST_COMPLETED)
+
+
+class FrontEnd:
+    def __init__(self, config: ServeConfig, telemetry: Telemetry, reuse_port: bool = False):
+        self.config, self.reuse_port = config, reuse_port
+        self.service = InferenceService(config, telemetry)
+        self.transports: Transports | None = None
+
+    async def listen(self) -> Transports:
+        self.transports = await Transports.start(self.config, self.service, self.reuse_port)
+        return self.transports
+
+    def listening_line(self) -> str:
+        config, transports = self.config, self.transports
+        scheme = "https" if config.tls_cert else "http"
+        return (f"gpt2serve listening: grpc={config.host}:{transports.grpc.port} "
+                f"http={scheme}://{config.host}:{transports.http_port}"
+                f"{' (TLS)' if config.tls_cert else ''}{' (API key required)' if config.api_key else ''}")
+
+    async def serve(self, tokenizer: Tokenizer, info: ModelInfo, engine: EngineClient) -> None:
+        """Ready: requests reach the engine; probes and gRPC health say so."""
+        self.service.attach(tokenizer, info, engine)
+        self.service.ready = True
+        await self.transports.grpc.set_serving(True)
+
+    def ready_line(self) -> str:
+        info = self.service.model_info()
+        return f"gpt2serve ready: model={info.model} weights={info.weights} device={info.device} dtype={info.dtype}"
+
+    async def stop(self, stop: asyncio.Event, then: Callable[[], Awaitable[None]] | None = None) -> float:
+        """Drain, then close, all within --shutdown-grace-s; `then` runs last (stops the engine
+        side). Returns the seconds of grace left.
+
+        Not ready at once (probes and load balancers stop sending), new requests UNAVAILABLE / 503
+        while the listeners stay open for the connections still in use; every accepted request is
+        answered; then the transports close. A second signal skips the wait.
+        """
+        config, service, transports = self.config, self.service, self.transports
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.shutdown_grace_s
+        log.info("shutting down: %d request(s) in flight, up to %.1f s to finish them",
+                 service.in_flight, config.shutdown_grace_s)
+        service.ready = service.accepting = False
+        await transports.grpc.set_serving(False)
+        stop.clear()
+        second_signal = asyncio.create_task(stop.wait())
+        drained = asyncio.create_task(service.drained(config.shutdown_grace_s))
+        await asyncio.wait([drained, second_signal], return_when=asyncio.FIRST_COMPLETED)
+        second_signal.cancel()
+        if not (drained.done() and drained.result()):
+            log.warning("shutdown: %d request(s) still in flight are cancelled", service.in_flight)
+        drained.cancel()
+        await transports.stop(max(deadline - loop.time(), 0.0))
+        if then is not None:
+            await then()
+        return max(deadline - loop.time(), 0.0)
+
+
+# --workers N: a front-end process -------------------------------------------------------------------
+
+def front_end_main(config: ServeConfig, address: str, status, parent_pid: int, title: str,
+                   restarted: bool = False) -> None:
+    child_setup(config, "front-end", title)
+    raise SystemExit(asyncio.run(_front_end_process(config, address, status, parent_pid, restarted)))
+
+
+async def _front_end_process(config: ServeConfig, address: str, status, parent_pid: int, restarted: bool) -> int:
+    """At the server's start a front end listens at once (probes answer "alive, not ready"
+    while the model loads); a restarted one listens only once ready, as its siblings serve
+    meanwhile and a caller it took would get a 503."""
+    tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
+    front = FrontEnd(config, Telemetry(), reuse_port=True)
+
+    async def listen() -> Transports:
+        transports = await front.listen()
+        status.send(("listening", (transports.grpc.port, transports.http_port)))
+        log.info("front end listening (grpc %d, http %d)", transports.grpc.port, transports.http_port)
+        return transports
+
+    if not restarted:
+        await listen()
+    engine = ZmqEngineClient(address)
+    stop, engine_gone = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # also while the engine is still loading
+    loop.add_signal_handler(ENGINE_GONE_SIGNAL, engine_gone.set)
+    watch = asyncio.create_task(watch_parent(parent_pid, stop))
+    connected = asyncio.create_task(engine.connect())
+    await asyncio.wait([connected, asyncio.create_task(engine_gone.wait()), asyncio.create_task(stop.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if connected.done():
+        source = engine.tokenizer_source
+        tokenizer = load_tokenizer(Path(source) if os.path.isdir(source) else None)
+        if front.transports is None:
+            await listen()
+        await front.serve(tokenizer, engine.model_info, engine)
+        status.send(("ready", None))
+    if front.transports is None:  # stopped, or the engine died, before this restarted one served
+        watch.cancel()
+        await engine.close()
+        return 1 if engine_gone.is_set() else 0
+    gone = asyncio.create_task(engine_gone.wait())
+    await until_signalled(stop, front.transports.http_task, gone, signals=(signal.SIGTERM,))
+    exit_code = 0
+    if engine_gone.is_set():
+        log.error("the engine process is gone: answering UNAVAILABLE and exiting")
+        engine.engine_gone("the engine process died; the server is restarting")
+        exit_code = 1
+    watch.cancel()
+    await front.stop(stop, engine.close)
+    if tracer_provider is not None:
+        flush_traces(tracer_provider, 1.0)
+    return exit_code

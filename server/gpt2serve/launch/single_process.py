@@ -1,0 +1,44 @@
+"""`--workers 1`: the front end and the engine host in one process, joined by the in-process
+engine client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..config import ServeConfig
+from ..telemetry.spans import Telemetry
+from ..telemetry.tracing import flush_traces, setup_tracing
+from .engine_host import EngineHost
+from .front_end import FrontEnd, until_signalled
+
+log = logging.getLogger("gpt2serve")
+
+
+async def serve(config: ServeConfig) -> None:
+    tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
+    telemetry = Telemetry()
+    front = FrontEnd(config, telemetry)
+    await front.listen()
+    print(front.listening_line(), flush=True)
+    engine = EngineHost(config, telemetry)
+    try:
+        await engine.start()
+    except BaseException:
+        await front.transports.stop(0)
+        raise
+    await front.serve(engine.tokenizer, engine.info, engine.client())
+    telemetry.metrics.front_ends_up.set(1)  # the one process is the one front end
+    print(front.ready_line(), flush=True)
+
+    stop = asyncio.Event()
+    await until_signalled(stop, front.transports.http_task)
+    remaining_s = await front.stop(stop, then=engine.stop)
+    if tracer_provider is not None:
+        flush_traces(tracer_provider, remaining_s)
+    log.info("shutdown complete")
+
+
+def run(config: ServeConfig) -> None:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(config))

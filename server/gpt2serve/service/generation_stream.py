@@ -1,0 +1,184 @@
+"""One generate call as a stream, from the engine's token events to the chunks a transport
+sends, as vLLM's RequestState and output processor are: detokenise, cut stop strings, clock,
+finish, and tell telemetry.
+
+    engine client ── put(TokenEvent) / fail(error) ──> GenerationStream ── one queue ──> chunks()
+    (its TokenSink, on the event loop)                  (detokenise, stop, clock)      (the transport)
+
+`chunks()` is what every transport iterates: GenerateChunks, the closing one (finish_reason,
+usage, timings) last. The request is checked at the first iteration, so its errors raise before
+anything is sent; an error later raises from the iteration where it happened. A caller that
+stops iterating (hung up, cancelled, or had enough) cancels the generation, which frees its
+KV-cache slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from gpt2serve_client.types import GeneratedToken, GenerateChunk, GenerateTimings, TokenLogprob, Usage
+
+from ..engine.tokenizer import Tokenizer
+from ..protocol import NextTokenRequest, SampledToken, TokenEvent
+from ..telemetry.records import FirstToken, RequestOptions
+from .detokenizer import Detokenizer
+from .validation import GenerateSettings, PromptInput
+
+if TYPE_CHECKING:
+    from ..telemetry.spans import RequestTelemetry
+    from .inference import InferenceService
+
+
+@dataclass(frozen=True)
+class _End:
+    """The stream's one end marker: after the closing chunk, or carrying the error that ended it."""
+
+    error: BaseException | None = None
+
+
+class GenerationStream:
+    def __init__(self, service: InferenceService, prompt: PromptInput, settings: GenerateSettings,
+                 options: RequestOptions):
+        self.service, self.prompt, self.settings, self.options = service, prompt, settings, options
+        self._queue: asyncio.Queue = asyncio.Queue()  # GenerateChunk ... then _End
+        self._cancel: Callable[[], None] = lambda: None  # the engine client's, once started
+        self._request: RequestTelemetry | None = None
+        self._done = False
+        self.clock = StreamClock()  # restarted when the call starts (a caller may open it and start later)
+
+    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        await self._start()
+        try:
+            while True:
+                item = await self._queue.get()
+                if type(item) is _End:
+                    if item.error is not None:
+                        raise item.error
+                    return
+                yield item
+        except BaseException as exc:  # the caller left (cancelled, or closed the iteration)
+            self._end(exc)
+            raise
+
+    async def _start(self) -> None:
+        service, options = self.service, self.options
+        self.clock = StreamClock()
+        service.started()
+        self._request = request = service.telemetry.start_request(options)
+        try:
+            engine, _ = service.require_model()
+            validator = service.validator
+            prompt = self.token_ids = await validator.prompt(self.prompt, "prompt")
+            trace = validator.trace(request, options)
+            generate = self.settings.request(prompt, validator.n_ctx, validator.vocab_size, options.deadline, trace)
+            span = request.span
+            for name, value in (("max_tokens", generate.max_tokens), ("temperature", generate.params.temperature),
+                                ("top_p", generate.params.top_p), ("top_k", generate.params.top_k)):
+                span.set_attribute(f"gen_ai.request.{name}", value)
+            if generate.seed is not None:
+                span.set_attribute("gen_ai.request.seed", generate.seed)
+            if trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
+                await engine.next_token(NextTokenRequest([prompt], 1, trace))
+            self.tokenizer: Tokenizer = validator.tokenizer
+            self.text = Detokenizer(self.tokenizer, self.settings.stop)
+            self._cancel = engine.generate(generate, self)
+        except BaseException as exc:
+            self._end(exc)
+            raise
+
+    # The engine client's side (protocol.TokenSink) ------------------------------------------------
+
+    def put(self, event: TokenEvent) -> None:
+        if self._done:
+            return
+        clock = self.clock
+        if clock.step(event.queue_s):
+            self.service.telemetry.first_token(FirstToken(self.options.api, self.options.method,
+                                                          clock.time_to_first_token_s, self._request.trace_id))
+        finish = event.finish_reason
+        if finish in ("eos", "stop"):  # the end token is not part of the output
+            return self._close(finish)
+        clock.tokens += 1
+        token = event.token
+        self._queue.put_nowait(GenerateChunk(self.text.add(token.token_id), generated_token(self.tokenizer, token)))
+        if self.text.stopped:
+            self._close("stop")
+        elif finish:
+            self._close(finish)
+
+    def fail(self, error: Exception) -> None:
+        if not self._done:
+            self._queue.put_nowait(_End(error))
+            self._end(error)
+
+    # The end, whichever way it comes -----------------------------------------------------------------
+
+    def _close(self, finish: str) -> None:
+        """Finished: the closing chunk, then the end marker."""
+        clock, prompt, request = self.clock, self.token_ids, self._request
+        self._queue.put_nowait(closing_chunk(self.text.finish(), finish, prompt, clock, request.trace_id))
+        self._queue.put_nowait(_End())
+        span = request.span
+        span.set_attribute("gen_ai.usage.input_tokens", len(prompt))
+        span.set_attribute("gen_ai.usage.output_tokens", clock.tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [finish])
+        self._end(None)
+
+    def _end(self, error: BaseException | None) -> None:
+        """Once: the engine stops (a no-op if it already has), telemetry hears how it ended."""
+        if self._done:
+            return
+        self._done = True
+        self._cancel()
+        clock = self.clock
+        if self._request is not None:
+            self._request.finish(error, prompt_tokens=len(getattr(self, "token_ids", ())), output_tokens=clock.tokens,
+                                 time_per_output_token_s=clock.time_per_output_token_s)
+        self.service.finished()
+
+
+def generated_token(tokenizer: Tokenizer, token: SampledToken) -> GeneratedToken:
+    top = [TokenLogprob(s.token_id, tokenizer.token_text(s.token_id), s.logprob) for s in token.top]
+    return GeneratedToken(token.token_id, tokenizer.token_text(token.token_id), token.logprob, top)
+
+
+@dataclass
+class StreamClock:
+    """A generation's timings, as its tokens arrive."""
+
+    received: float = field(default_factory=time.perf_counter)
+    queue_s: float = 0.0
+    first: float | None = None  # the first step's arrival
+    last: float = 0.0
+    steps: int = 0  # tokens sampled
+    tokens: int = 0  # of them, those in the output (not an end-of-text or stop token)
+
+    def step(self, queue_s: float) -> bool:
+        """Note a sampled token; True for the first one."""
+        self.last = time.perf_counter()
+        self.steps += 1
+        if self.first is None:
+            self.first, self.queue_s = self.last, queue_s
+            return True
+        return False
+
+    @property
+    def time_to_first_token_s(self) -> float:
+        return (self.first or self.last) - self.received
+
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        return (self.last - self.first) / (self.steps - 1) if self.steps > 1 else None
+
+    def timings(self) -> GenerateTimings:
+        return GenerateTimings(queue_ms=self.queue_s * 1000, time_to_first_token_ms=self.time_to_first_token_s * 1000,
+                               time_per_output_token_ms=(self.time_per_output_token_s or 0.0) * 1000,
+                               total_ms=(time.perf_counter() - self.received) * 1000)
+
+
+def closing_chunk(text: str, finish_reason: str, prompt: list[int], clock: StreamClock, trace_id: str) -> GenerateChunk:
+    usage = Usage(len(prompt), clock.tokens, len(prompt) + clock.tokens)
+    return GenerateChunk(text, None, finish_reason, usage, clock.timings(), trace_id, prompt)

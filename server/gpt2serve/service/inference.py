@@ -1,0 +1,108 @@
+"""The service every transport calls: lifecycle (loading, ready, draining) and the entry points.
+
+Transports only decode their wire format into these calls and encode what comes back, so every
+rule about what a valid request is lives in this package, once: validation.py checks,
+next_token.py and generation_stream.py run the two kinds of call over the engine client
+(protocol.EngineClient: in this process, or the engine process behind IPC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import AsyncIterator, Sequence
+
+from gpt2serve_client.types import GenerateChunk, ModelInfo, NextTokenResult
+
+from ..config import ServeConfig
+from ..engine.tokenizer import Tokenizer
+from ..errors import ShuttingDown, Unavailable
+from ..protocol import EngineClient, GenerateRequest
+from ..telemetry.records import RequestOptions, RequestRefused
+from ..telemetry.spans import Telemetry
+from .generation_stream import GenerationStream
+from .next_token import next_token_batch
+from .validation import GenerateSettings, PromptInput, Validator
+
+GENERATE = RequestOptions(method="Generate", span_name="generate")
+
+
+class InferenceService:
+    """Starts without a model (transports answer UNAVAILABLE / 503 while it loads); `attach` makes it ready."""
+
+    def __init__(self, config: ServeConfig, telemetry: Telemetry | None = None):
+        self.config = config
+        self.telemetry = telemetry or Telemetry()
+        self.max_batch_size = 0  # set by attach(): --max-batch-size, resolved for the device
+        self.ready = False
+        self.accepting = True  # False once shutdown begins: new requests get UNAVAILABLE.
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._attached: tuple[EngineClient, ModelInfo] | None = None
+        self.validator: Validator | None = None
+
+    def attach(self, tokenizer: Tokenizer, info: ModelInfo, engine: EngineClient) -> None:
+        """Ready to serve: `info` describes the model (launch.engine_host.describe_model) and
+        `engine` is the engine client."""
+        n_ctx, vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
+        self.max_batch_size = engine.max_batch_size
+        self.validator = Validator(tokenizer, n_ctx, vocab_size, self.config.max_prompt_tokens, self.config.trace_layers)
+        info = replace(info, max_prompt_tokens=self.validator.max_prompt_tokens, max_batch_size=self.max_batch_size)
+        self._attached = (engine, info)
+        self.telemetry.model_name, self.telemetry.vocab_size = info.model, vocab_size
+
+    def count_refusal(self, api: str, method: str, code: str) -> None:
+        """A request refused before it reached the service (auth, size, malformed): count it too."""
+        self.telemetry.request_refused(RequestRefused(api, method, code))
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if some still are after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def started(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def finished(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._idle.set()
+
+    def require_model(self) -> tuple[EngineClient, ModelInfo]:
+        if not self.accepting:
+            raise ShuttingDown("the server is shutting down; retry on another replica")
+        if self._attached is None:
+            raise Unavailable("the model is still loading; retry shortly")
+        return self._attached
+
+    def model_info(self) -> ModelInfo:
+        return self.require_model()[1]
+
+    async def next_token(self, prompt: PromptInput, top_k: int | None = None,
+                         options: RequestOptions = RequestOptions()) -> NextTokenResult:
+        return (await self.next_token_batch([prompt], top_k, options))[0]
+
+    async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None,
+                               options: RequestOptions = RequestOptions()) -> list[NextTokenResult]:
+        self.started()
+        try:
+            return await next_token_batch(self, prompts, top_k, options)
+        finally:
+            self.finished()
+
+    def generate(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
+                 options: RequestOptions = GENERATE) -> AsyncIterator[GenerateChunk]:
+        """The generation's chunks as they come, the closing one last (see generation_stream)."""
+        return GenerationStream(self, prompt, settings, options).chunks()
+
+    async def generation_request(self, prompt: PromptInput, settings: GenerateSettings) -> GenerateRequest:
+        """The prompt tokenized and the settings checked: what `generate` raises for bad input.
+        Alone, it refuses a request of several generations whole, before any of them starts."""
+        self.require_model()
+        token_ids = await self.validator.prompt(prompt, "prompt")
+        return settings.request(token_ids, self.validator.n_ctx, self.validator.vocab_size)
