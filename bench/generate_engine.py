@@ -18,7 +18,7 @@ import torch
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
-from gpt2serve.engine.sampling import SamplingParams
+from gpt2serve.protocol import SamplingParams
 from gpt2serve.benchmarks.generate_load import TransformersGenerate
 
 

@@ -15,15 +15,15 @@ import torch
 
 from gpt2serve.cli import main
 from gpt2serve.engine import engine as engine_module
-from gpt2serve.engine import generation as generation_module
+from gpt2serve.engine import generator as generator_module
 
 FAIL_TOKEN = 40000
 OOM_TOKEN = 40001
 NAN_TOKEN = 40002
 real_next_token = engine_module.Engine.next_token
 real_last_logprobs = engine_module.Engine.last_logprobs
-real_prefill = generation_module.Generator.prefill
-real_choose = generation_module.Generator._choose
+real_prefill = generator_module.Generator.prefill
+real_choose = generator_module.Generator._choose
 poisoned_sequences: set[int] = set()
 
 
@@ -54,8 +54,8 @@ def choose(self, logits, rows):
 
 engine_module.Engine.next_token = next_token
 engine_module.Engine.last_logprobs = last_logprobs
-generation_module.Generator.prefill = prefill
-generation_module.Generator._choose = choose
+generator_module.Generator.prefill = prefill
+generator_module.Generator._choose = choose
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,7 +18,8 @@ from reference import transformers_random_model
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
-from gpt2serve.engine.sampling import TOP, SamplingParams, choose
+from gpt2serve.engine.sampling import TOP, choose
+from gpt2serve.protocol import SamplingParams
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.errors import ResourceExhausted
 from gpt2serve.scheduling.batcher import new_engine_thread

@@ -176,7 +176,7 @@ def test_decode_graphs_generate_what_eager_decoding_does(peaked):
     from reference import as_transformers
 
     from gpt2serve.engine.generator import Generator, NewSequence
-    from gpt2serve.engine.sampling import SamplingParams
+    from gpt2serve.protocol import SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)
     greedy = SamplingParams(temperature=0.0)

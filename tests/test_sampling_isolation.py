@@ -20,7 +20,8 @@ from test_generation import GREEDY, LIVELY, PROMPTS, run_joining
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
-from gpt2serve.engine.sampling import FINITE, GREEDY_TEMPERATURE, LOGPROB, TOKEN, SamplingParams, choose
+from gpt2serve.engine.sampling import FINITE, LOGPROB, TOKEN, choose
+from gpt2serve.protocol import GREEDY_TEMPERATURE, SamplingParams
 from gpt2serve.errors import NonFiniteOutput
 from gpt2serve.service.validation import MAX_TEMPERATURE
 from gpt2serve.scheduling.batcher import new_engine_thread

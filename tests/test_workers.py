@@ -78,6 +78,26 @@ def test_two_front_ends_and_one_engine_answer_both_transports_correctly(workers,
         assert client.model_info().max_batch_size == 64 and client.health().serving
 
 
+def mapped_files(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split()[-1] for line in maps if "/" in line}
+
+
+def test_front_end_processes_load_no_torch(workers):
+    """A front end is transports, service and tokenizer: it never loads torch (nor transformers'
+    model code), while the engine process does. Its resident memory is logged for the notes."""
+    with Client(workers.grpc_target) as client:  # both served at least a little
+        client.generate([464, 3139], max_tokens=2, temperature=0)
+    (engine,) = pids(workers, "engine")
+    assert any("libtorch" in f for f in mapped_files(engine))
+    for pid in pids(workers, "front-end"):
+        torch_files = [f for f in mapped_files(pid) if "libtorch" in f or "/torch/" in f]
+        assert not torch_files, f"front end {pid} mapped {torch_files[:3]}"
+        with open(f"/proc/{pid}/status") as status:
+            rss = next(line for line in status if line.startswith("VmRSS"))
+        print(f"front end {pid}: {rss.strip()}")
+
+
 def test_one_trace_spans_front_end_and_engine(workers, receiver, tiny_model):
     caller_tracer = TracerProvider().get_tracer("test-caller")
     with caller_tracer.start_as_current_span("caller") as caller, Client(workers.grpc_target) as client:

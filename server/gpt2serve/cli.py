@@ -32,17 +32,12 @@ def format_next_token(result) -> str:
     rows = [("rank", "token", "prob", "logprob", "id")]
     for rank, t in enumerate(result.top, 1):
         rows.append((str(rank), repr(visible(t.token))[1:-1], f"{math.exp(t.logprob):.4f}", f"{t.logprob:.4f}", str(t.token_id)))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    align = ["<", "<", ">", ">", ">"]
     lines = [
         f"next token: {visible(result.token)!r} (id {result.token_id}, p={math.exp(result.logprob):.4f})",
         f"prompt tokens: {list(result.prompt_token_ids)}",
         "",
+        *table(rows, "<<>>>"),
     ]
-    for i, row in enumerate(rows):
-        lines.append("  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)))
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths))
     t = result.timings
     lines.append("")
     lines.append(f"queue {t.queue_ms:.1f} ms, forward {t.forward_ms:.1f} ms, total {t.total_ms:.1f} ms, batch of {result.batch_size}")
@@ -65,12 +60,19 @@ def format_layers(result) -> str:
             f"h{head_index} -> {visible(head.top_token)!r} ({head.top_position}, {head.max_weight:.2f})",
             f"{visible(lens.token)!r} {lens.prob:.4f}", f"{layer.duration_ms:.2f}",
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = table(rows, "<" * len(rows[0]))
     batch = result.layers[0]
     lines.append(f"(batch shapes: hidden {shape(batch.batch_hidden_shape)}, attn {shape(batch.batch_attn_shape)})")
     return "\n".join(lines)
+
+
+def table(rows: list[tuple[str, ...]], align: str) -> list[str]:
+    """Columns as wide as their widest cell, two spaces apart, a rule under the header row;
+    `align` has one of "<" or ">" per column."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(f"{cell:{a}{w}}" for cell, a, w in zip(row, align, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def shape(dims) -> str:

@@ -69,7 +69,7 @@ class ServeConfig:
     cuda_graphs: bool = True
     # Device memory the captured graphs may take; shapes past it run eagerly.
     cuda_graph_memory_mb: float = 4096.0
-    # Front-end processes around one engine process; None: auto (1 on a CPU; see processes.py).
+    # Front-end processes around one engine process; None: auto (1 on a CPU; see launch.supervisor.resolve_workers).
     workers: int | None = None
     # Generations in the running batch at most (one KV-cache slot each); None: --max-batch-size.
     max_running_sequences: int | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -81,8 +82,6 @@ def serve_from_processes(target: str, prompts: list[list[int]], streams: int, ne
     if processes == 1:
         parts = [streams_in_process(target, prompts, streams, new_tokens, duration_s)]
     else:
-        import multiprocessing
-
         shares = [streams // processes + (i < streams % processes) for i in range(processes)]
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             parts = pool.starmap(streams_in_process, [(target, prompts[i::processes], share, new_tokens, duration_s)
@@ -95,7 +94,7 @@ class TransformersGenerate:
     """transformers' GPT2LMHeadModel with a loaded model's weights, device and dtype."""
 
     def __init__(self, loaded):
-        import torch
+        import torch  # lazy, here and below: the load client itself needs no torch
 
         from ..engine.convert import to_transformers
 
@@ -182,6 +181,6 @@ def format_generate_report(info: ModelInfo, new_tokens: int, prompt_tokens: int,
 
 def add_generate_bench_arguments(parser) -> None:
     parser.add_argument("--generate", action="store_true",
-                        help="generation streams against transformers' generate (see generate_bench)")
+                        help="generation streams against transformers' generate (see benchmarks.generate_load)")
     parser.add_argument("--streams", default="1,16,64", help="--generate: comma-separated concurrent streams")
     parser.add_argument("--new-tokens", type=int, default=64, help="--generate: tokens per stream")

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
 
 from gpt2serve_client import AsyncClient, Gpt2ServeError, ModelInfo
+from gpt2serve_client.types import NextTokenResult
+
+from ..config import parse_bool
 
 MAX_REFERENCE_BATCH = 64  # in-process reference batch size, also measured when the server's is smaller
 
@@ -133,8 +138,6 @@ def load_from_processes(api: str, target: str, prompts, concurrency: int, durati
                         processes: int) -> LoadSamples:
     """The clients spread over `processes` client processes, so one client's event loop is not
     what is measured (a front end per core on a GPU machine outruns a single client process)."""
-    import multiprocessing
-
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         parts = pool.starmap(load_in_process, [(api, target, prompts[i::processes] or prompts, share, duration_s,
@@ -193,10 +196,6 @@ class KeepAliveHttp:
 
 async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
                     between=None) -> LoadSamples:
-    from urllib.parse import urlparse
-
-    from gpt2serve_client.types import NextTokenResult
-
     url = urlparse(base_url)
     pool = [KeepAliveHttp(url.hostname, url.port or 80) for _ in range(concurrency)]
     free = list(pool)
@@ -226,7 +225,7 @@ class InProcessModel:
     """The same architecture and dtype on this machine, no server: the most it can do."""
 
     def __init__(self, info: ModelInfo):
-        from ..engine.engine import Engine, EngineOptions
+        from ..engine.engine import Engine, EngineOptions  # lazy: the load client itself needs no torch
         from ..engine.loading import build_model_like
 
         # The server's batch buckets (CUDA graphs on cuda), and the reference size beside them.
@@ -338,9 +337,7 @@ def add_bench_arguments(parser) -> None:
 
 
 def add_engine_bench_arguments(parser) -> None:
-    """Flags of `bench --in-process` (engine_bench; the server-load flags are ignored there)."""
-    from ..config import parse_bool
-
+    """Flags of `bench --in-process` (benchmarks.engine_limit; the server-load flags are ignored there)."""
     parser.add_argument("--in-process", action="store_true",
                         help="time the engine against transformers' forward in this process (no server)")
     parser.add_argument("--model", default="random:gpt2", help="--in-process: model to load")

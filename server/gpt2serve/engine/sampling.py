@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..protocol import GREEDY_TEMPERATURE, SamplingParams  # noqa: F401  (the engine's names for them)
+from ..protocol import SamplingParams
 
 # Columns of choose()'s answer before the n top logprobs and their ids.
 TOKEN, LOGPROB, FINITE, TOP = 0, 1, 2, 3
-
 
 
 def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float]) -> torch.Tensor:

@@ -10,6 +10,7 @@ logged and dropped; the front ends' other requests go on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -17,11 +18,10 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
-from .. import protocol
 from ..errors import INTERNAL_MESSAGE, ServeError
-from ..protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, Step, Submit,
+from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, Step, Submit,
                         TokenEvent)
-from .outbox import Outbox
+from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
     from ..scheduling.batcher import Batcher
@@ -64,13 +64,7 @@ class EngineServer:
     async def serve(self) -> None:
         while True:
             peer, frame = await self._socket.recv_multipart()
-            try:
-                messages = protocol.decode(frame)
-            except BadFrame as exc:
-                log.error("dropped a frame from a front end that does not decode: %s", exc)
-                continue
-            for message in messages:
-                self._dispatch(peer, message)
+            deliver(frame, functools.partial(self._dispatch, peer), "a front end")
 
     def _dispatch(self, peer: bytes, message) -> None:
         kind = type(message)

@@ -23,11 +23,10 @@ import zmq.asyncio
 
 from gpt2serve_client.types import ModelInfo
 
-from .. import protocol
 from ..errors import Unavailable, error_from_code
-from ..protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
+from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Result, Step, Submit, TokenSink)
-from .outbox import Outbox
+from .framing import Outbox, deliver
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +104,7 @@ class ZmqEngineClient:
 
     async def _receive(self) -> None:
         while True:
-            frame = await self._socket.recv()
-            try:
-                messages = protocol.decode(frame)
-            except BadFrame as exc:
-                log.error("dropped a frame from the engine that does not decode: %s", exc)
-                continue
-            for message in messages:
-                try:
-                    self._dispatch(message)
-                except Exception:  # one request's failure, never the receive loop's
-                    log.exception("handling a %s message failed", type(message).__name__)
+            deliver(await self._socket.recv(), self._dispatch, "the engine")
 
     def _dispatch(self, message) -> None:
         kind = type(message)

@@ -17,19 +17,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from gpt2serve_client.types import GeneratedToken, GenerateChunk, GenerateTimings, TokenLogprob, Usage
 
 from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent
 from ..telemetry.records import FirstToken, RequestOptions
+from ..telemetry.spans import RequestTelemetry
 from .detokenizer import Detokenizer
+from .context import CallContext
 from .validation import GenerateSettings, PromptInput
 
-if TYPE_CHECKING:
-    from ..telemetry.spans import RequestTelemetry
-    from .inference import InferenceService
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class _End:
 
 
 class GenerationStream:
-    def __init__(self, service: InferenceService, prompt: PromptInput, settings: GenerateSettings,
+    def __init__(self, service: CallContext, prompt: PromptInput, settings: GenerateSettings,
                  options: RequestOptions):
         self.service, self.prompt, self.settings, self.options = service, prompt, settings, options
         self._queue: asyncio.Queue = asyncio.Queue()  # GenerateChunk ... then _End

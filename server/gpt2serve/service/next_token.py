@@ -4,20 +4,19 @@ answers built with their texts, timings and (when asked) per-layer reports."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from gpt2serve_client.types import NextTokenResult, Timings, TokenLogprob
 
 from ..errors import InvalidArgument
 from ..protocol import NextTokenOutput, NextTokenRequest
 from ..telemetry.records import RequestOptions
+from .context import CallContext
 from .validation import MAX_ATTENTION_MAP_TOKENS, PromptInput
 
-if TYPE_CHECKING:
-    from .inference import InferenceService
 
 
-async def next_token_batch(service: InferenceService, prompts: Sequence[PromptInput], top_k: int | None,
+async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput], top_k: int | None,
                            options: RequestOptions) -> list[NextTokenResult]:
     received = time.perf_counter()
     with service.telemetry.request_span(options) as request:
@@ -50,7 +49,7 @@ async def next_token_batch(service: InferenceService, prompts: Sequence[PromptIn
                 for ids, out in zip(token_ids, outputs)]
 
 
-def build_result(service: InferenceService, prompt_token_ids: list[int], out: NextTokenOutput, total_ms: float,
+def build_result(service: CallContext, prompt_token_ids: list[int], out: NextTokenOutput, total_ms: float,
                  trace_id: str, include_layers: bool) -> NextTokenResult:
     token_text = service.validator.tokenizer.token_text
     top = [TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in out.top]

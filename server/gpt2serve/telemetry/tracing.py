@@ -60,6 +60,7 @@ def setup_tracing(exporter: str | None, sample_ratio: float) -> TracerProvider |
         resource = resource.merge(Resource({"service.name": "gpt2serve"}))
     provider = TracerProvider(resource=resource, sampler=LayerTraceSampler(sample_ratio))
     if exporter == "otlp":
+        # lazy: the exporter pulls in its own gRPC stack, needed only when spans are exported
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         span_exporter = OTLPSpanExporter()

