@@ -262,6 +262,8 @@ class GeneratedToken:
     top: list[TokenLogprob] = field(default_factory=list)
 
     def to_proto(self) -> pb.GeneratedToken:
+        if not self.top:
+            return pb.GeneratedToken(token_id=self.token_id, token=self.token, logprob=self.logprob)
         return pb.GeneratedToken(token_id=self.token_id, token=self.token, logprob=self.logprob,
                                  top=[t.to_proto() for t in self.top])
 
@@ -305,6 +307,9 @@ class GenerateChunk:
     prompt_token_ids: list[int] = field(default_factory=list)
 
     def to_proto(self) -> pb.GenerateResponse:
+        if self.token is not None and not (self.finish_reason or self.usage or self.timings or self.trace_id
+                                           or self.prompt_token_ids):  # a token's message: the hot path
+            return pb.GenerateResponse(text=self.text, token=self.token.to_proto())
         return pb.GenerateResponse(
             text=self.text, token=self.token.to_proto() if self.token else None, finish_reason=self.finish_reason,
             usage=pb.Usage(**asdict(self.usage)) if self.usage else None,
