@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 # A forward's cost that does not grow with the batch, in padded tokens' worth (see warm_up).
 DEFAULT_FIXED_COST_TOKENS = 32.0
 MAX_FIXED_COST_TOKENS = 4096.0
-SLOW_GEMM_ROWS = (4, 16)  # see Engine.unembed
 # CUDA graphs cover prompts up to this many tokens; longer ones are compute-bound, so the
 # launches a graph saves matter little there, and padding to the next bucket would cost more.
 GRAPH_MAX_LEN = 256
@@ -206,13 +205,7 @@ class Engine:
         return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None)
 
     def unembed(self, rows: torch.Tensor) -> torch.Tensor:
-        """lm_head over (N, d_model) rows -> (N, vocab).
-
-        On CPU, MKL computes 4..15 rows one at a time (13 rows: 40 ms; 16 rows: 16 ms for
-        GPT-2 small on our 2-core machine), so such inputs are padded to 16 rows."""
-        n = rows.shape[0]
-        if self.device.type == "cpu" and SLOW_GEMM_ROWS[0] <= n < SLOW_GEMM_ROWS[1]:
-            padded = torch.zeros(SLOW_GEMM_ROWS[1], rows.shape[1], dtype=rows.dtype, device=rows.device)
-            padded[:n] = rows
-            return self.model.lm_head(padded)[:n]
+        """lm_head over (N, d_model) rows -> (N, vocab). On a CPU it has no cliff at a few rows
+        any more (engine.gpt2.Linear): 8-15 ms at 2-8 rows for GPT-2 small on our 2-core AVX2
+        machine, where F.linear took 39-46 ms (and 15 ms for one row)."""
         return self.model.lm_head(rows)

@@ -62,6 +62,23 @@ class KeyValueStore(Protocol):
     # k, v (B, nh, T, hs) of this forward's tokens -> the keys and values to attend over (B, nh, S, hs)
 
 
+class Linear(nn.Linear):
+    """nn.Linear, computed on a CPU as W @ x.T (transposed back, a view): the same dot products,
+    but MKL's GEMM in that orientation has no cliff at a few rows. A decode step's 4 or 16 rows
+    took 1.5-2.3x longer through F.linear (GPT-2 small's matrices, 2-core AVX2 machine; from 64
+    rows up the two are within a few percent; `bench/linear_kernels.py`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        if self.bias is None:
+            y = self.weight @ rows.T  # (out, N)
+        else:
+            y = torch.addmm(self.bias[:, None], self.weight, rows.T)  # (out, N): bias added in the GEMM
+        return y.T.reshape(*x.shape[:-1], self.out_features)  # (..., out)
+
+
 def attention_mask(valid: torch.Tensor) -> torch.Tensor:
     """(B, T) bool, True = real token -> (B, 1, T, T) bool, True = may attend."""
     T = valid.shape[1]
@@ -74,8 +91,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
+        self.proj = Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int,
                 kv: KeyValueStore | None = None) -> torch.Tensor:
@@ -98,8 +115,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.d_mlp)
-        self.proj = nn.Linear(config.d_mlp, config.d_model)
+        self.fc = Linear(config.d_model, config.d_mlp)
+        self.proj = Linear(config.d_mlp, config.d_model)
         self.approximate = config.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +150,7 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_ctx, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
