@@ -4,7 +4,7 @@ model), and the one codec that puts them on the IPC wire.
     front end                                        engine side
     service ── EngineClient ──────────────────────── scheduling.Batcher / ContinuousBatcher
                ├ ipc.inproc_client (--workers 1: plain calls, no encoding)
-               └ ipc.zmq_client ── Codec ── ipc:// ── ipc.engine_server (--workers N)
+               └ ipc.zmq_client ── encode/decode ── ipc:// ── ipc.engine_server (--workers N)
 
 What crosses is plain data: token ids, numbers, layer reports, errors as (code, message) and the
 W3C `traceparent` of the request span as a string. No torch and no OpenTelemetry SDK here, so a
@@ -255,13 +255,18 @@ def _trace(x: Any) -> TraceContext | None:
     return TraceContext(_str(traceparent), *map(_bool, flags))
 
 
+def _from_dicts(what: str, build: Callable[[], Any]) -> Any:
+    """A part the client types build from dicts; whatever they trip on is a BadFrame."""
+    try:
+        return build()
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise BadFrame(f"{what}: {exc}") from None
+
+
 def _layers(x: Any) -> list[LayerReport] | None:
     if x is None:
         return None
-    try:
-        return [LayerReport.from_dict(report) for report in x]
-    except (TypeError, KeyError, AttributeError, ValueError) as exc:
-        raise BadFrame(f"layer reports: {exc}") from None
+    return _from_dicts("layer reports", lambda: [LayerReport.from_dict(report) for report in x])
 
 
 def _pack_output(o: NextTokenOutput) -> list:
@@ -301,10 +306,7 @@ def _event(x: Any) -> TokenEvent:
 
 
 def _model_info(x: Any) -> ModelInfo:
-    try:
-        return ModelInfo.from_dict(x)
-    except (TypeError, KeyError, AttributeError, ValueError) as exc:
-        raise BadFrame(f"model info: {exc}") from None
+    return _from_dicts("model info", lambda: ModelInfo.from_dict(x))
 
 
 def _list(x: Any) -> list:

@@ -36,7 +36,6 @@ class NewSequence:
     seed: int  # of the sequence's own generator: the same seed, the same draws
 
 
-
 @dataclass(frozen=True)
 class StepOutput:
     tokens: dict[int, SampledToken]  # seq_id -> its new token

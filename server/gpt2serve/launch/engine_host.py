@@ -130,11 +130,10 @@ class EngineHost:
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
         self.info = replace(describe_model(loaded), max_running_sequences=generator.slots)
-        telemetry.model_name, telemetry.vocab_size = loaded.name, loaded.model.config.vocab_size
         info = self.info
-        telemetry.metrics.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
-                                                   info.architecture.vocab_size),
-                                       self.stats, device_memory_probe(loaded.device), config.metrics_compat)
+        telemetry.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
+                                           info.architecture.vocab_size),
+                               self.stats, device_memory_probe(loaded.device), config.metrics_compat)
 
     def stats(self) -> SchedulerStats:
         batcher, continuous = self.batcher, self.continuous

@@ -33,7 +33,6 @@ STREAMING_WAIT_FACTOR = 3  # see Batcher._wait_until
 STREAMING_WAIT_SHARE_OF_FORWARD = 0.5  # see Batcher._wait_until
 
 
-
 class BatchEngine(Protocol):
     """What the batcher needs of an engine (engine.Engine; tests/fake_engine.FakeEngine)."""
 
@@ -246,7 +245,7 @@ class Batcher:
         self._answer(batch, output, started, started_ns, needs_layers=True)
         self._last_answered = loop.time()
         if self.observer is not None:  # After the answers: spans are not on anyone's critical path.
-            loop.call_soon(self._observe, [p.trace for p in batch], output, started_ns)
+            loop.call_soon(self._observe, traces, output, started_ns)
         # Let the answered handlers run (encode, send) before the next batch's wait starts:
         # its clock is for callers coming back, not for our own responses going out.
         await asyncio.sleep(0)

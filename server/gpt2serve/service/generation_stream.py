@@ -30,7 +30,6 @@ from .context import CallContext
 from .validation import GenerateSettings, PromptInput
 
 
-
 @dataclass(frozen=True)
 class _End:
     """The stream's one end marker: after the closing chunk, or carrying the error that ended it."""
@@ -46,7 +45,7 @@ class GenerationStream:
         self._cancel: Callable[[], None] = lambda: None  # the engine client's, once started
         self._request: RequestTelemetry | None = None
         self._done = False
-        self.clock = StreamClock()  # restarted when the call starts (a caller may open it and start later)
+        self.token_ids: list[int] = []  # the prompt, once checked
 
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         await self._start()
@@ -64,7 +63,7 @@ class GenerationStream:
 
     async def _start(self) -> None:
         service, options = self.service, self.options
-        self.clock = StreamClock()
+        self.clock = StreamClock()  # from the first iteration: a caller may open the stream and start it later
         service.started()
         self._request = request = service.telemetry.start_request(options)
         try:
@@ -134,7 +133,7 @@ class GenerationStream:
         self._cancel()
         clock = self.clock
         if self._request is not None:
-            self._request.finish(error, prompt_tokens=len(getattr(self, "token_ids", ())), output_tokens=clock.tokens,
+            self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,
                                  time_per_output_token_s=clock.time_per_output_token_s)
         self.service.finished()
 

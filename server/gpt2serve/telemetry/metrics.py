@@ -52,7 +52,6 @@ class Metrics:
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
         self._gauges: list[tuple[Gauge, Callable[[SchedulerStats], float]]] = []  # set by refresh() (multiprocess mode)
         self._stats: Callable[[], SchedulerStats] | None = None
-        self._device_memory: tuple = ()
         r = self.registry
         self.requests = Counter("gpt2serve_requests", "Requests answered, by API, method and status code",
                                 ["api", "method", "status"], registry=r)
@@ -113,6 +112,7 @@ class Metrics:
                   "kv_cache_usage": lambda s: s.kv_cache_usage}
         gauges = [(self.queue_depth, lambda s: s.prompts_waiting), (self.running_sequences, lambda s: s.generations_running),
                   (self.waiting_sequences, lambda s: s.generations_waiting),
+                  (self.device_memory.labels(device=model.device), lambda _: device_memory()),
                   *((getattr(self, name), read) for name, read in router.items())]
         if compat:  # The same readings under another server's names (a gauge's own help says whose).
             for name, their_name in METRICS_COMPAT[compat].items():
@@ -120,15 +120,12 @@ class Metrics:
                 gauge = Gauge(their_name, f"{ours.name} under its --metrics-compat {compat} name: {ours.documentation}",
                               ["model_name", "engine"], registry=self.registry, multiprocess_mode="livesum")
                 gauges.append((gauge.labels(model_name=model.model, engine="0"), router[name]))
-        memory = self.device_memory.labels(device=model.device)
         if self.multiprocess_dir:
             self.model_gauge.labels(**labels).set(1)
-            self._gauges = gauges
-            self._stats, self._device_memory = stats, (memory, device_memory)
+            self._gauges, self._stats = gauges, stats
             self.refresh()
         else:
             self.model.info(labels)
-            memory.set_function(device_memory)
             for gauge, read in gauges:
                 gauge.set_function(lambda read=read: read(stats()))
 
@@ -138,15 +135,13 @@ class Metrics:
         stats = self._stats()
         for gauge, read in self._gauges:
             gauge.set(read(stats))
-        gauge, read_memory = self._device_memory
-        gauge.set(read_memory())
 
     def request_done(self, record: RequestDone) -> None:
         api, method = record.api, record.method
         self.requests.labels(api=api, method=method, status=record.status).inc()
         if record.status != "OK":
             return
-        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        exemplar = _exemplar(record.trace_id)
         self.request_duration.labels(api=api, method=method).observe(record.duration_s, exemplar)
         if method not in GENERATING_METHODS:  # a next token is the first token
             self.time_to_first_token.labels(api=api, method=method).observe(record.duration_s, exemplar)
@@ -162,8 +157,8 @@ class Metrics:
         self.requests.labels(api=record.api, method=record.method, status=record.code).inc()
 
     def first_token(self, record: FirstToken) -> None:
-        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        self.time_to_first_token.labels(api=record.api, method=record.method).observe(record.seconds, exemplar)
+        self.time_to_first_token.labels(api=record.api, method=record.method).observe(record.seconds,
+                                                                                  _exemplar(record.trace_id))
 
     def batch(self, size: int, forward_s: float) -> None:
         self.batch_size.observe(size)
@@ -177,3 +172,8 @@ class Metrics:
             MultiProcessCollector(registry, self.multiprocess_dir)
             return encoder(registry), content_type
         return encoder(self.registry), content_type
+
+
+def _exemplar(trace_id: str) -> dict[str, str] | None:
+    """A histogram sample's link to its trace, when the request was sampled."""
+    return {"trace_id": trace_id} if trace_id else None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -37,7 +37,8 @@ from gpt2serve_client.types import LayerReport
 
 from ..protocol import TraceContext
 from .metrics import Metrics
-from .records import BatchDone, FirstToken, RequestDone, RequestOptions, RequestRefused, StepDone
+from .records import (BatchDone, FirstToken, ModelLoaded, RequestDone, RequestOptions, RequestRefused,
+                      SchedulerStats, StepDone)
 from .tracing import TRACE_LAYERS_ATTRIBUTE
 
 # A caller's cancel this close to its deadline is the deadline: the server's copy of it starts
@@ -160,6 +161,12 @@ class Telemetry:
             raise
         finally:
             request.finish()  # no-op once finished: the body finishes it with its token counts
+
+    def model_loaded(self, record: ModelLoaded, stats: Callable[[], SchedulerStats],
+                     device_memory: Callable[[], float], compat: str | None = None) -> None:
+        """In the process that owns the model: span attributes name it, metrics export it."""
+        self.model_name, self.vocab_size = record.model, record.vocab_size
+        self.metrics.model_loaded(record, stats, device_memory, compat)
 
     def request_refused(self, record: RequestRefused) -> None:
         self.metrics.request_refused(record)
