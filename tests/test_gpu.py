@@ -28,6 +28,7 @@ from test_introspection import report_as_dict
 
 from gpt2serve.engine.engine import Engine, EngineOptions
 from gpt2serve.engine.loading import LoadedModel, build_random_model
+from gpt2serve.engine.model_info import parameter_breakdown
 from gpt2serve.engine.padding import IDS, POSITIONS, VALID, left_pad
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.scheduling.batcher import Batcher, new_engine_thread
@@ -58,7 +59,8 @@ def peaked():
 def cuda_engine(model, dtype: torch.dtype, **options) -> Engine:
     """An engine over a copy of `model` on cuda in `dtype` (the CPU original stays the reference)."""
     on_device = copy.deepcopy(model).to(device=CUDA, dtype=dtype)
-    loaded = LoadedModel(on_device, bundled_gpt2_tokenizer(), "test", "random", "test", CUDA, dtype)
+    loaded = LoadedModel(on_device, bundled_gpt2_tokenizer(), "test", "random", "test", CUDA, dtype,
+                         parameter_breakdown(on_device))
     engine = Engine(loaded, EngineOptions(**{"max_batch_size": 64, **options}))
     engine.warm_up()
     return engine

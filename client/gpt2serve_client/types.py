@@ -213,6 +213,7 @@ class ModelInfo:
     max_prompt_tokens: int
     max_batch_size: int
     max_running_sequences: int = 0  # generations decoded together at most (KV-cache slots)
+    quantize: str = "none"  # weight storage when smaller than dtype: "int8" or "fp16" (--quantize)
 
     def to_proto(self) -> pb.ModelInfo:
         data = asdict(self)

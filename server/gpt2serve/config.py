@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 ENV_PREFIX = "GPT2SERVE_"
 DEVICES_HELP = "auto (CUDA when present, else CPU), cpu, cuda, cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE_MODES = ("none", "int8", "fp16")  # engine.quantize.MODES
 TRACE_LAYERS_MODES = ("never", "on-request", "always")
 METRICS_COMPAT_CHOICES = ("vllm",)  # telemetry.metrics.METRICS_COMPAT
 # --max-batch-size auto: on a GPU, batch 256 costs about what 64 does (issue 11, H100: CUDA-graph
@@ -31,6 +32,8 @@ class ServeConfig:
     model: str = "gpt2"
     device: str = "auto"
     dtype: str = "auto"
+    # Smaller weights for CPU decoding: int8 (per output channel) or fp16 storage (engine.quantize).
+    quantize: str = "none"
     host: str = "0.0.0.0"
     grpc_port: int = 50051
     http_port: int = 8000
@@ -170,6 +173,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="Hugging Face id, local checkpoint directory, or random:<arch> (random:gpt2, random:tiny, ...)")
     env.add("--device", default=d.device, help=DEVICES_HELP)
     env.add("--dtype", default=d.dtype, choices=DTYPES, help="auto: bf16/fp16 on GPU, fp32 on CPU")
+    env.add("--quantize", default=d.quantize, choices=QUANTIZE_MODES,
+            help="CPU only: int8 weights per output channel (LM head and embedding included; activations "
+                 "rounded per row in two parts, about 14 bits), or fp16 weight storage; fp32 compute either way")
     env.add("--host", default=d.host, help="address both servers bind to")
     env.add("--grpc-port", type=int, default=d.grpc_port, help="gRPC port (0: pick a free one)")
     env.add("--http-port", type=int, default=d.http_port, help="REST port (0: pick a free one)")

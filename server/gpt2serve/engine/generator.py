@@ -78,7 +78,7 @@ class Generator:
     def allocate(self) -> KVCache:
         if self.cache is None:
             config = self.model.config
-            self.cache = KVCache(config, self.slots, self.engine.device, self.model.wte.weight.dtype)
+            self.cache = KVCache(config, self.slots, self.engine.device, self.engine.loaded.dtype)
             if self.use_graphs:
                 self.graphs = DecodeGraphs(
                     self._decode_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,

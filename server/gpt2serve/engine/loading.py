@@ -20,10 +20,14 @@ from urllib.parse import urlparse
 import torch
 from transformers import GPT2LMHeadModel
 
+from gpt2serve_client.types import ParameterBreakdown
+
 from ..errors import ModelLoadError
 from ..introspection.params import PRESETS, SERVABLE
 from .convert import from_transformers
 from .gpt2 import GPT2, GPT2Config
+from .model_info import parameter_breakdown
+from .quantize import MODES as QUANTIZE_MODES, quantize as quantize_model
 from .tokenizer import Tokenizer, bundled_gpt2_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,9 @@ class LoadedModel:
     weights: str  # "pretrained" | "random"
     weights_source: str
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of activations and compute (and of the weights, unless quantized)
+    parameters: ParameterBreakdown  # counted before quantizing (packed weights are not Parameters)
+    quantize: str = "none"  # engine.quantize.MODES
 
 
 def resolve_device(device: str) -> torch.device:
@@ -83,7 +89,8 @@ def build_model_like(info) -> LoadedModel:
                         n_ctx=a.n_ctx, vocab_size=a.vocab_size)
     device, dtype = torch.device(info.device), DTYPES[info.dtype]
     model = GPT2.random(config, seed=0).to(device=device, dtype=dtype)
-    return LoadedModel(model, bundled_gpt2_tokenizer(), f"like:{info.model}", "random", "bench", device, dtype)
+    return LoadedModel(model, bundled_gpt2_tokenizer(), f"like:{info.model}", "random", "bench", device, dtype,
+                       parameter_breakdown(model))
 
 
 def hub_reachable() -> bool:
@@ -138,10 +145,34 @@ def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -
     return from_transformers(model), bundled_gpt2_tokenizer(), f"huggingface:{spec}"
 
 
+def check_quantize(quantize: str, device: torch.device, dtype: torch.dtype) -> None:
+    if quantize not in QUANTIZE_MODES:
+        raise ModelLoadError(f"--quantize {quantize}: expected one of {', '.join(QUANTIZE_MODES)}")
+    if quantize == "none":
+        return
+    if device.type != "cpu":
+        raise ModelLoadError(f"--quantize {quantize} runs on CPUs only (fbgemm kernels); on {device.type} "
+                             "use --dtype float16 or bfloat16 for smaller weights")
+    if dtype != torch.float32:
+        raise ModelLoadError(f"--quantize {quantize} computes in float32; drop --dtype {str(dtype)[6:]} "
+                             "(or pass float32)")
+
+
+def release_freed_memory() -> None:
+    """Give the fp32 weights' freed pages back to the OS: glibc keeps freed heap blocks below
+    its mmap threshold (32 MiB at most), so a quantized model would otherwise keep the RSS of fp32."""
+    try:
+        import ctypes  # lazy: only quantizing needs it
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: int = 0,
-               random_fallback: bool = False, allow_pickle: bool = False) -> LoadedModel:
+               random_fallback: bool = False, allow_pickle: bool = False, quantize: str = "none") -> LoadedModel:
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    check_quantize(quantize, torch_device, torch_dtype)
     if spec.startswith(RANDOM_PREFIX):
         arch = spec[len(RANDOM_PREFIX):]
         model, tokenizer = build_random_model(arch, seed), bundled_gpt2_tokenizer()
@@ -165,4 +196,8 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", *, seed: in
             f"tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}"
         )
     model = model.to(device=torch_device, dtype=torch_dtype)
-    return LoadedModel(model, tokenizer, spec, weights, source, torch_device, torch_dtype)
+    parameters = parameter_breakdown(model)
+    if quantize != "none":
+        model = quantize_model(model, quantize)
+        release_freed_memory()
+    return LoadedModel(model, tokenizer, spec, weights, source, torch_device, torch_dtype, parameters, quantize)

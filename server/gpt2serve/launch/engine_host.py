@@ -25,7 +25,7 @@ from ..engine.engine import Engine, EngineOptions
 from ..engine.generator import Generator
 from ..engine.kv_cache import KVCache
 from ..engine.loading import LoadedModel, load_model
-from ..engine.model_info import architecture, parameter_breakdown
+from ..engine.model_info import architecture
 from ..errors import ModelLoadError
 from ..ipc.engine_server import EngineServer
 from ..ipc.inproc_client import InprocEngineClient
@@ -47,8 +47,8 @@ def describe_model(loaded: LoadedModel) -> ModelInfo:
     return ModelInfo(
         model=loaded.name, weights=loaded.weights, weights_source=loaded.weights_source,
         dtype=str(loaded.dtype).removeprefix("torch."), device=str(loaded.device),
-        architecture=architecture(loaded.model.config), parameters=parameter_breakdown(loaded.model),
-        max_prompt_tokens=0, max_batch_size=0,
+        architecture=architecture(loaded.model.config), parameters=loaded.parameters,
+        max_prompt_tokens=0, max_batch_size=0, quantize=loaded.quantize,
     )
 
 
@@ -90,7 +90,8 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     if torch.get_num_threads() > cpus:  # a container's CPU quota below the host's cores
         torch.set_num_threads(cpus)
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
-                        random_fallback=config.random_fallback, allow_pickle=config.allow_pickle)
+                        random_fallback=config.random_fallback, allow_pickle=config.allow_pickle,
+                        quantize=config.quantize)
     engine = Engine(loaded, engine_options(config, loaded))
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",

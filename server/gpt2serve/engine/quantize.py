@@ -1,0 +1,139 @@
+"""Smaller weights for decoding on a CPU: `--quantize int8` or `--quantize fp16`.
+
+Decoding one token reads every weight once, so on a CPU its speed follows the bytes read: fp32
+GPT-2 small reads about 500 MB per token. Both modes swap every Linear (the LM head included)
+and the token embedding for smaller ones, after loading; positions and layer norms stay fp32.
+
+int8: weights per output channel (scale = the row's largest |w| / 127), kept packed for fbgemm's
+int8 GEMM, which multiplies int8 by int8 and accumulates in int32 (exact). The kernels that take
+fp32 activations with int8 weights (gpt-fast's `_weight_int8pack_mm`, torchao's CPU path) ran 2-25x
+slower than fp32 on our AVX2 machine (`bench/linear_kernels.py`), so the activations are
+quantized too, but per row and in two parts, so that the answer is as close to fp32 as weight-only
+int8 would be:
+- each row is scaled to |x| <= 1 by its own largest value and rounded to 1/63 steps (7 bits: no
+  int16 overflow in AVX2's u8 x s8 multiply-add); a fixed step, not the kernel's per-tensor one,
+  so a row's result never depends on its batchmates;
+- what that rounding lost (at most 1/126 of the row's largest value) is scaled up and rounded the
+  same way, as a second row of the same GEMM: about 14 bits in all. One part alone gave 2% logit
+  error on random weights (weight rounding alone gives 0.8%), and a row with an outlier feature
+  would lose most of its other features to a 7-bit step.
+llama.cpp's q8_0 also rounds activations for its int8 dot products, in blocks of 32.
+
+fp16: weights stored fp16 and widened in registers (fbgemm's fp16 GEMM); fp32 activations and
+accumulation. No CPU here computes in fp16; it halves the bytes read.
+
+The token embedding shares the LM head's quantized rows when they are tied (as in every GPT-2):
+the per-output-channel scale of the LM head is the per-token scale of the embedding.
+CPU only: fbgemm has no CUDA kernels (on a GPU use --dtype float16/bfloat16).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from .gpt2 import GPT2, Linear
+
+MODES = ("none", "int8", "fp16")
+ACTIVATION_STEPS = 63  # |x| <= 1 in steps of 1/63: quantized values 1..127 around the zero point 64
+ZERO_POINT = 64
+
+
+def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) fp32 -> int8 (out, in) and fp32 scales (out,): w ~= int8 * scale."""
+    scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
+    return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales.float()
+
+
+def _pack_int8(int8: torch.Tensor, scales: torch.Tensor):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are marked deprecated in torch 2.13, still there
+        qweight = torch._make_per_channel_quantized_tensor(int8, scales.double(),
+                                                           torch.zeros_like(scales, dtype=torch.long), 0)
+        return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+def _round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, in) -> the rows scaled to |x| <= 1, and the scales (N, 1)."""
+    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # (N, 1)
+    return x / scale, scale
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = int8.shape[1], int8.shape[0]
+        self.packed = _pack_int8(int8, scales)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # (N, in)
+        n = rows.shape[0]
+        high, high_scale = _round_rows(rows)  # (N, in), (N, 1)
+        kept = torch.round(high * ACTIVATION_STEPS) / ACTIVATION_STEPS  # what the kernel will see of `high`
+        low, low_scale = _round_rows(high - kept)  # (N, in): the rounding error, scaled up
+        both = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            torch.cat((high, low)), 1.0 / ACTIVATION_STEPS, ZERO_POINT, self.packed)  # (2N, out)
+        y = (both[:n] + both[n:] * low_scale) * high_scale  # (N, out)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Fp16Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # (N, in)
+        y = torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)  # (N, out)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class RowScaledEmbedding(nn.Module):
+    """An embedding table kept small (int8 rows with a scale each, or fp16), widened on lookup."""
+
+    def __init__(self, table: torch.Tensor, scales: torch.Tensor | None):
+        super().__init__()
+        self.table, self.scales = table, scales  # (V, C) int8 or fp16; (V,) or None
+        self.weight = None  # not an fp32 table any more (introspection asks for lm_head instead)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table[ids].float()  # (..., C)
+        return rows if self.scales is None else rows * self.scales[ids][..., None]
+
+
+def quantize(model: GPT2, mode: str) -> GPT2:
+    """Swap the model's Linears and token embedding for `mode`'s, in place (fp32 CPU model)."""
+    if mode == "none":
+        return model
+    if mode not in MODES:
+        raise ValueError(f"--quantize {mode}: expected one of {', '.join(MODES)}")
+    assert next(model.parameters()).device.type == "cpu", "quantized kernels are CPU only"
+    with torch.inference_mode():
+        wte = model.wte.weight.detach().float()
+        if mode == "int8":
+            table, scales = _int8_per_channel(wte)
+            model.wte = RowScaledEmbedding(table, scales)
+        else:
+            model.wte = RowScaledEmbedding(wte.half(), None)
+        tied = model.config.tie_lm_head
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if not isinstance(child, Linear):
+                    continue
+                weight, bias = child.weight.detach().float(), child.bias
+                bias = None if bias is None else bias.detach().float()
+                if mode == "int8":
+                    int8, scales = (table, model.wte.scales) if tied and child is model.lm_head else _int8_per_channel(weight)
+                    setattr(parent, name, Int8Linear(int8, scales, bias))
+                else:
+                    setattr(parent, name, Fp16Linear(weight, bias))
+    model.tie_weights = lambda: None  # the embedding and head are rebuilt above, not shared Parameters
+    return model
