@@ -21,9 +21,10 @@ from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import TOP, choose
 from gpt2serve.protocol import SamplingParams
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
-from gpt2serve.errors import ResourceExhausted
+from gpt2serve.errors import InvalidArgument, ResourceExhausted
 from gpt2serve.scheduling.batcher import new_engine_thread
 from gpt2serve.protocol import GenerateRequest
+from gpt2serve.engine.kv_cache import blocks_for
 from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
 from scheduler_events import events
 from gpt2serve.service.detokenizer import Detokenizer
@@ -106,6 +107,69 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
     assert not generator.running  # every slot was given back
 
 
+def test_the_cache_grows_with_the_tokens_held_and_gives_them_back(saved):
+    """Two long sequences cross the cache's growth points (64 and 128 positions; more slots as
+    short ones join) while short ones join and leave: each one's tokens stay transformers' own,
+    the tensors stay within a few times what is held, and they shrink back once everyone has left."""
+    hf, engine = saved
+    generator = Generator(engine, slots=8)
+    shapes = []  # (running, slots allocated, positions allocated) after each decode step
+    decode = generator.decode
+
+    def recording_decode():
+        output = decode()
+        shapes.append((len(generator.running), generator.cache.slots, generator.cache.length,
+                       max(r.length for r in generator.running)))
+        return output
+
+    generator.decode = recording_decode
+    requests = [(0.0, GenerateRequest(PROMPTS[0], GREEDY, 150)), (0.0, GenerateRequest(PROMPTS[15], GREEDY, 100))]
+    requests += [(0.02 * i, GenerateRequest(PROMPTS[i], GREEDY, 8)) for i in range(1, 7)]
+    got = asyncio.run(run_joining(generator, requests))
+    for (_, request), tokens in zip(requests, got):
+        assert tokens == transformers_greedy(hf, request.prompt, request.max_tokens), request.prompt
+    assert {length for _, _, length, _ in shapes} == {64, 128, 256}  # grown twice, by doubling
+    assert max(slots for _, slots, _, _ in shapes) > 2  # short ones joined: more slots
+    for running, slots, length, longest in shapes:
+        # a power of two at least what is held, kept until it is twice that: under 4x either way
+        assert running <= slots < 4 * running
+        assert longest <= length and (length == 64 or length < 4 * (longest + 1))
+    assert (generator.cache.slots, generator.cache.length) == (1, 64)  # everyone left: shrunk back
+
+
+def test_admission_counts_the_cache_blocks_each_sequence_may_grow_to(saved):
+    """A cache of 4 blocks (256 positions): sequences that may grow to 2 blocks run two at a time,
+    the others wait (and are then served exactly); one that could never fit is refused at once."""
+    hf, engine = saved
+    generator = Generator(engine, slots=4, capacity_blocks=4)
+    most_running = []
+    prefill = generator.prefill
+
+    def counting_prefill(sequences):
+        output = prefill(sequences)
+        most_running.append(len(generator.running))
+        return output
+
+    generator.prefill = counting_prefill
+    requests = [(0.0, GenerateRequest(PROMPTS[i], GREEDY, 70)) for i in range(1, 5)]  # <= 128 positions each
+    got = asyncio.run(run_joining(generator, requests))
+    for (_, request), tokens in zip(requests, got):
+        assert tokens == transformers_greedy(hf, request.prompt, request.max_tokens)
+    assert max(most_running) == 2  # four slots, but blocks for two
+
+    async def too_long():
+        scheduler = ContinuousBatcher(Generator(engine, slots=4, capacity_blocks=3), new_engine_thread(),
+                                      eos_token_id=None, max_queue=4, max_prefill_tokens=4096, max_queue_wait_s=5)
+        scheduler.start()
+        try:
+            with pytest.raises(InvalidArgument, match="needs 210 tokens of KV cache, and it holds 192"):
+                scheduler.add(GenerateRequest(PROMPTS[3], GREEDY, 200), sink=None)
+        finally:
+            await scheduler.stop()
+
+    asyncio.run(too_long())
+
+
 def test_seeded_sampling_is_the_same_alone_and_batched(saved):
     _, engine = saved
     sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
@@ -130,8 +194,9 @@ def test_a_sequence_that_finds_no_slot_waits_then_is_refused(saved):
         scheduler.start()
         holder = events(scheduler, GenerateRequest(PROMPTS[1], GREEDY, 200))
         await anext(holder)  # holds the one slot, and is not read further for now
-        assert scheduler.cache_usage == 1.0
-        with pytest.raises(ResourceExhausted, match="no KV-cache slot"):
+        # its blocks at the longest it may grow, of a cache of one full-context sequence
+        assert scheduler.cache_usage == blocks_for(len(PROMPTS[1]) + 200) / blocks_for(engine.model.config.n_ctx)
+        with pytest.raises(ResourceExhausted, match="no room in the KV cache"):
             [s async for s in events(scheduler, GenerateRequest(PROMPTS[2], GREEDY, 3))]
         rest = [s async for s in holder]  # the accepted one still finishes
         assert len(rest) == 199 and rest[-1].finish_reason == "length"

@@ -42,7 +42,7 @@ ERROR_STATUSES: tuple[ErrorStatus, ...] = (
                 "the body is not the route's JSON: invalid JSON or UTF-8, nested too deep, wrong types, "
                 "missing or unknown fields"),
     ErrorStatus("resource_exhausted", "RESOURCE_EXHAUSTED", 429, 429, "rate_limit_error", True,
-                "busy now: the queue is full, or no KV-cache slot came free in time"),
+                "busy now: the queue is full, or no room in the KV cache came free in time"),
     ErrorStatus("cancelled", "CANCELLED", 499, 499, "server_error", False,
                 "the caller hung up (counted, never read)"),
     ErrorStatus("internal", "INTERNAL", 500, 500, "server_error", False,

@@ -76,9 +76,10 @@ class ServeConfig:
     workers: int | None = None
     # Generations in the running batch at most (one KV-cache slot each); None: --max-batch-size.
     max_running_sequences: int | None = None
-    # Memory for the KV cache; None: auto (40% of the free device memory on cuda, 25% of RAM on CPU).
+    # Most memory the KV cache may hold; None: auto (40% of free device memory on cuda, claimed at
+    # start; 25% of what this process may use on a CPU, allocated as used; launch.engine_host).
     kv_cache_mb: float | None = None
-    # A generation that has found no KV-cache slot by then gets RESOURCE_EXHAUSTED (unless its
+    # A generation that has found no room in the KV cache by then gets RESOURCE_EXHAUSTED (unless its
     # own deadline, e.g. gRPC's, comes first).
     max_queue_wait_s: float = 30.0
     # A tracing UI's page for one trace, "{trace_id}" replaced (the /ui page links to it).
@@ -223,8 +224,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--max-running-sequences", type=auto_or_int, default="auto",
             help="generations decoded together at most, one KV-cache slot each (auto: --max-batch-size)")
     env.add("--kv-cache-mb", type=auto_float, default="auto",
-            help="memory for the KV cache, which bounds the running generations "
-                 "(auto: 40%% of free device memory on cuda, 25%% of RAM on CPU)")
+            help="most memory the KV cache may hold; a generation is admitted when it fits at prompt + max_tokens "
+                 "(auto: 40%% of free device memory on cuda, claimed at start; 25%% of the memory this process "
+                 "may use on a CPU, allocated as used)")
     env.add("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
             help="a generation waiting this long for a KV-cache slot gets RESOURCE_EXHAUSTED / 429")
     env.add("--metrics-compat", default=d.metrics_compat, choices=METRICS_COMPAT_CHOICES,

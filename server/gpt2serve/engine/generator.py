@@ -22,7 +22,7 @@ import torch
 from .decode_graphs import DecodeGraphs
 from ..protocol import SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
-from .kv_cache import KVCache
+from .kv_cache import KVCache, blocks_needed
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
 SPAN_ROUNDING = 64  # decode attends over a multiple of this many positions: fewer distinct shapes
@@ -63,12 +63,16 @@ class _Running:
 class Generator:
     """Owns the KV cache and the running sequences, in slot order. Engine thread only."""
 
-    def __init__(self, engine: Engine, slots: int, graphs: bool | None = None):
-        """`graphs`: decode steps from bucketed buffers, replayed as CUDA graphs on cuda (default:
-        on cuda with --cuda-graphs); False: eager, at the exact shape."""
+    def __init__(self, engine: Engine, slots: int, capacity_blocks: int | None = None, graphs: bool | None = None):
+        """`slots`: sequences at most; `capacity_blocks`: KV-cache blocks that may be held (see
+        engine.kv_cache; default: every slot at full context). `graphs`: decode steps from bucketed
+        buffers, replayed as CUDA graphs on cuda (default: on cuda with --cuda-graphs); False: eager,
+        at the exact shape."""
         self.engine = engine
         self.model = engine.model
         self.slots = slots
+        self.n_ctx = self.model.config.n_ctx
+        self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.running: list[_Running] = []
         on_cuda = engine.device.type == "cuda" and engine.options.cuda_graphs
@@ -78,7 +82,8 @@ class Generator:
     def allocate(self) -> KVCache:
         if self.cache is None:
             config = self.model.config
-            self.cache = KVCache(config, self.slots, self.engine.device, self.engine.loaded.dtype)
+            self.cache = KVCache(config, self.slots, self.capacity_blocks, self.engine.device, self.engine.loaded.dtype,
+                                 grow=self.engine.device.type != "cuda")
             if self.use_graphs:
                 self.graphs = DecodeGraphs(
                     self._decode_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,
@@ -106,6 +111,8 @@ class Generator:
             if i < len(self.running):
                 self.cache.move(len(self.running), i, last.length)
                 self.running[i] = last  # checked again: it may be leaving too
+        if self.cache is not None:
+            self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -114,10 +121,11 @@ class Generator:
         started, started_ns = time.perf_counter(), time.time_ns()
         cache = self.allocate()
         first = len(self.running)
-        if first + len(sequences) > cache.slots:
-            raise ValueError(f"{first + len(sequences)} sequences for {cache.slots} cache slots")
+        if first + len(sequences) > self.slots:
+            raise ValueError(f"{first + len(sequences)} sequences for {self.slots} cache slots")
         lengths = [len(s.prompt) for s in sequences]
         T, device = max(lengths), self.engine.device
+        cache.reserve(first + len(sequences), T)
         ids = torch.full((len(sequences), T), self.engine.pad_token_id, dtype=torch.long)  # (k, T), right-padded
         for row, s in enumerate(sequences):
             ids[row, :len(s.prompt)] = torch.tensor(s.prompt)
@@ -140,6 +148,7 @@ class Generator:
         started, started_ns = time.perf_counter(), time.time_ns()
         rows, device = self.running, self.engine.device
         lengths, last = [r.length for r in rows], [r.last_token for r in rows]
+        self.cache.reserve(len(rows), max(lengths) + 1)
         logits = self.graphs.run_decode(last, lengths) if self.graphs is not None else None
         if logits is None:  # eager, at the exact batch; the span rounded up to limit distinct shapes
             span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)

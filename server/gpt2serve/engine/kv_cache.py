@@ -1,9 +1,21 @@
 """Keys and values of the running sequences, kept on the device between generation steps.
 
-One slot per sequence, each as long as the context, in two tensors per cache (keys, values):
-(n_layer, slots, nh, L, hs). Slots stay dense: the n running sequences always hold slots
-0..n-1 (a leaving sequence's slot takes the last one's contents), so a decode step attends over
-a view of the first n slots and never gathers a copy, and new sequences join at n, n+1, ...
+Two tensors (keys, values) of (n_layer, S, nh, L, hs): S slots of L positions, one slot per
+running sequence. Slots stay dense: the n running sequences always hold slots 0..n-1 (a leaving
+sequence's slot takes the last one's contents), so a decode step attends over a view of the
+first n slots and never gathers a copy, and new sequences join at n, n+1, ...
+
+Memory follows what is held, in blocks of BLOCK positions of one slot:
+- on a CPU the tensors grow when a step needs more slots or positions (to the next power of two,
+  so a sequence growing to L tokens is copied O(log L) times, not L / BLOCK times) and shrink once
+  they are more than twice what the running sequences need;
+- on cuda they are claimed whole at start: captured CUDA graphs hold their addresses (as vLLM
+  claims its block pool up front).
+What may be held is bounded by `capacity_blocks` (--kv-cache-mb): the scheduler admits a sequence
+only when every running sequence, at the longest length any of them may reach (prompt +
+max_tokens), fits in it (`blocks_needed`). Dense slots cost a short sequence beside a long one as
+much as the long one; paging (vLLM) would not, but would gather every key each decode step,
+which on a CPU costs as much memory traffic as the attention itself.
 
 Every value read is finite: the tensors start zeroed, and a slot past a sequence's length holds
 zeros or an earlier sequence's keys, which the mask hides (a NaN there would leak through
@@ -16,19 +28,81 @@ import torch
 
 from .gpt2 import GPT2Config
 
+BLOCK = 64  # positions: the unit of growth and of admission
+
+
+def blocks_for(length: int) -> int:
+    return -(-length // BLOCK)
+
+
+def blocks_needed(sequences: int, longest: int) -> int:
+    """What `sequences` dense slots of `longest` positions take, in blocks."""
+    return sequences * blocks_for(longest)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
 
 class KVCache:
-    def __init__(self, config: GPT2Config, slots: int, device: torch.device, dtype: torch.dtype):
-        shape = (config.n_layer, slots, config.n_head, config.n_ctx, config.d_head)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (n_layer, slots, nh, L, hs)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.slots, self.length = slots, config.n_ctx
-        self._rows = torch.arange(slots, device=device)  # (slots,)
+    def __init__(self, config: GPT2Config, slots: int, capacity_blocks: int, device: torch.device,
+                 dtype: torch.dtype, grow: bool):
+        """`slots`: sequences at most; `capacity_blocks`: what may be held; `grow`: allocate as
+        steps need (else all of slots x n_ctx now, which must fit in the capacity)."""
+        self.config, self.device, self.dtype, self.grow = config, device, dtype, grow
+        self.max_slots, self.capacity_blocks = slots, capacity_blocks
+        self.slots, self.length = 0, 0
+        self.keys = self.values = torch.empty(0)
+        if grow:
+            self._resize(1, min(BLOCK, config.n_ctx))
+        else:
+            assert blocks_needed(slots, config.n_ctx) <= capacity_blocks, "the whole cache must fit its capacity"
+            self._resize(slots, config.n_ctx)
 
     @staticmethod
-    def bytes_per_slot(config: GPT2Config, dtype: torch.dtype) -> int:
-        """Keys and values of one full-context sequence."""
-        return 2 * config.n_layer * config.n_ctx * config.d_model * torch.finfo(dtype).bits // 8
+    def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
+        """Keys and values of one position, every layer."""
+        return 2 * config.n_layer * config.d_model * torch.finfo(dtype).bits // 8
+
+    @property
+    def allocated_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def reserve(self, sequences: int, length: int) -> None:
+        """Room for `sequences` slots of `length` positions (growing: up to a power of two,
+        within the capacity, which admission keeps the exact size within)."""
+        if sequences <= self.slots and length <= self.length:
+            return
+        assert self.grow, f"{sequences} x {length} positions do not fit a cache of {self.slots} x {self.length}"
+        slots, length = max(sequences, self.slots), max(length, self.length)
+        rounded_slots = min(_power_of_two_at_least(slots), self.max_slots)
+        rounded_length = min(BLOCK * _power_of_two_at_least(blocks_for(length)), self.config.n_ctx)
+        if blocks_needed(rounded_slots, rounded_length) <= self.capacity_blocks:
+            slots, length = rounded_slots, rounded_length
+        else:
+            length = min(BLOCK * blocks_for(length), self.config.n_ctx)
+        self._resize(slots, length)
+
+    def fit(self, sequences: int, length: int) -> None:
+        """Shrink once the tensors are more than twice what `sequences` x `length` needs."""
+        if not self.grow:
+            return
+        slots = max(_power_of_two_at_least(sequences), 1)
+        length = min(BLOCK * _power_of_two_at_least(blocks_for(max(length, 1))), self.config.n_ctx)
+        if self.slots >= 2 * slots or self.length >= 2 * length:
+            self._resize(min(slots, self.slots), min(length, self.length))
+
+    def _resize(self, slots: int, length: int) -> None:
+        c = self.config
+        shape = (c.n_layer, slots, c.n_head, length, c.d_head)
+        keys = torch.zeros(shape, device=self.device, dtype=self.dtype)  # (n_layer, S, nh, L, hs)
+        values = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        kept_slots, kept_length = min(slots, self.slots), min(length, self.length)
+        if kept_slots and kept_length:
+            keys[:, :kept_slots, :, :kept_length] = self.keys[:, :kept_slots, :, :kept_length]
+            values[:, :kept_slots, :, :kept_length] = self.values[:, :kept_slots, :, :kept_length]
+        self.keys, self.values, self.slots, self.length = keys, values, slots, length
+        self._rows = torch.arange(slots, device=self.device)  # (S,)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Slot `source`'s first `length` positions into slot `target` (compaction)."""

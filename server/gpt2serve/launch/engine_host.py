@@ -23,7 +23,7 @@ from gpt2serve_client.types import ModelInfo
 from ..config import ServeConfig
 from ..engine.engine import Engine, EngineOptions
 from ..engine.generator import Generator
-from ..engine.kv_cache import KVCache
+from ..engine.kv_cache import BLOCK, KVCache, blocks_for
 from ..engine.loading import LoadedModel, load_model
 from ..engine.model_info import architecture
 from ..errors import ModelLoadError
@@ -71,17 +71,26 @@ def engine_options(config: ServeConfig, loaded: LoadedModel) -> EngineOptions:
                          fixed_cost_tokens=config.fixed_cost_tokens)
 
 
-def kv_cache_slots(config: ServeConfig, engine: Engine) -> int:
-    """--max-running-sequences, as far as --kv-cache-mb holds them (at least one)."""
+def kv_cache_size(config: ServeConfig, engine: Engine) -> tuple[int, int]:
+    """(sequences at most, KV-cache blocks that may be held). The budget is --kv-cache-mb, or by
+    default 40% of the free device memory on cuda and 25% of the memory this process may use on a
+    CPU (its container's limit, where there is one). On a CPU that is a ceiling the cache grows
+    towards as sequences need it; on cuda it is claimed whole at start, so there the sequences
+    are as many as fit at full context. At least one full-context sequence, whatever the budget."""
     model_config, device = engine.model.config, engine.device
     if config.kv_cache_mb is not None:
         budget = config.kv_cache_mb * 2**20
     elif device.type == "cuda":
         budget = 0.4 * torch.cuda.mem_get_info(device)[0]
     else:
-        budget = 0.25 * available_memory_bytes()  # the container's limit, where there is one
-    fits = int(budget // KVCache.bytes_per_slot(model_config, engine.loaded.dtype))
-    return max(1, min(config.max_running_sequences or engine.options.max_batch_size, fits))
+        budget = 0.25 * available_memory_bytes()
+    slots = config.max_running_sequences or engine.options.max_batch_size
+    block_bytes = KVCache.bytes_per_token(model_config, engine.loaded.dtype) * BLOCK
+    full = blocks_for(model_config.n_ctx)  # one sequence at full context
+    blocks = max(int(budget // block_bytes), full)
+    if device.type == "cuda":
+        slots = max(1, min(slots, blocks // full))
+    return slots, min(blocks, slots * full)
 
 
 def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
@@ -96,13 +105,14 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
-    generator = Generator(engine, kv_cache_slots(config, engine))
-    # Ready means warm: the cache is claimed and written (zeros) and each kind of step has run
-    # once before ready. Claimed at the first generation instead, it stalled that one for
-    # seconds on a CPU while the kernel handed out gigabytes of pages.
+    generator = Generator(engine, *kv_cache_size(config, engine))
+    # Ready means warm: each kind of step has run once (on cuda the whole cache is claimed and
+    # written now; on a CPU it grows with use, a few slots and positions at a time).
     generator.warm_up()
-    log.info("KV cache: %d sequences of %d tokens (%.0f MiB)", generator.slots, loaded.model.config.n_ctx,
-             generator.slots * KVCache.bytes_per_slot(loaded.model.config, loaded.dtype) / 2**20)
+    log.info("KV cache: up to %d sequences and %d tokens (%.0f MiB), %s", generator.slots,
+             generator.capacity_blocks * BLOCK,
+             generator.capacity_blocks * BLOCK * KVCache.bytes_per_token(loaded.model.config, loaded.dtype) / 2**20,
+             "claimed now" if loaded.device.type == "cuda" else "allocated as used")
     return engine, generator
 
 

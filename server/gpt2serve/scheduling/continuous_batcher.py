@@ -4,14 +4,16 @@ One loop, on the event loop, drives the engine thread (engine.generator.Generato
 
     leave    finished and abandoned sequences give their cache slots back (at once: the next
              engine call frees them before anything else)
-    admit    waiting sequences, oldest first, while cache slots and the prefill token budget
-             (--max-batch-tokens) last; each one's prefill gives its first token
+    admit    waiting sequences, oldest first, while cache slots, the cache's blocks and the
+             prefill token budget (--max-batch-tokens) last; each one's prefill gives its first
+             token. A sequence counts at the longest it may grow (prompt + max_tokens), so
+             one admitted never runs out of cache (engine.kv_cache: blocks_needed)
     decode   one token for every running sequence
 
 Each engine call goes to the same one-thread executor as the next-token batches, one step at a
 time, so the two kinds of work take turns there and neither starves the other.
 
-A sequence that finds no free slot waits; past its deadline (the caller's, or
+A sequence that finds no room waits; past its deadline (the caller's, or
 --max-queue-wait-s, whichever comes first) it gets RESOURCE_EXHAUSTED. More than --max-queue waiting are refused at once.
 """
 
@@ -26,12 +28,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
+from ..errors import INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, SampledToken, TokenEvent, TokenSink
 from ..telemetry.records import StepDone
 
 from ..engine.engine import OutOfMemory
 from ..engine.generator import NewSequence, StepOutput
+from ..engine.kv_cache import BLOCK, blocks_for, blocks_needed
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,9 @@ log = logging.getLogger(__name__)
 class GenerationEngine(Protocol):
     """What the scheduler needs of engine.generator.Generator."""
 
-    slots: int
+    slots: int  # sequences at most
+    capacity_blocks: int  # KV-cache blocks that may be held
+    n_ctx: int
 
     def remove(self, seq_ids) -> None: ...
 
@@ -76,6 +81,8 @@ class ContinuousBatcher:
         self.max_queue_wait_s = max_queue_wait_s
         self.observer = observer
         self.slots = engine.slots
+        self.capacity_blocks = engine.capacity_blocks
+        self.n_ctx = engine.n_ctx
         self._waiting: list[_Sequence] = []
         self._running: dict[int, _Sequence] = {}  # admitted, until their slot is freed
         self._leaving: set[int] = set()  # slots to free at the next engine call
@@ -97,9 +104,20 @@ class ContinuousBatcher:
 
     @property
     def cache_usage(self) -> float:
-        """Share of the KV-cache slots held by live sequences (a leaving one's slot is already
-        free for the next admission, which the same engine call frees it for)."""
-        return (len(self._running) - len(self._leaving)) / self.slots if self.slots else 0.0
+        """Share of the KV cache's blocks held by live sequences, each at the longest it may grow
+        (a leaving one's are already free for the next admission, which the same engine call
+        frees them for)."""
+        staying = self._staying()
+        return self._blocks(len(staying), staying) / self.capacity_blocks if self.capacity_blocks else 0.0
+
+    def _staying(self) -> list[_Sequence]:
+        return [s for s in self._running.values() if s.seq_id not in self._leaving]
+
+    def _longest(self, seq: _Sequence) -> int:
+        return min(len(seq.request.prompt) + seq.request.max_tokens, self.n_ctx)
+
+    def _blocks(self, rows: int, members: list[_Sequence]) -> int:
+        return blocks_needed(rows, max((self._longest(s) for s in members), default=0))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="generation")
@@ -116,6 +134,10 @@ class ContinuousBatcher:
         Refusals raise here: the loop is not running, or the queue is full."""
         if self._task is None or self._task.done():
             raise Unavailable("the generation loop is not running")
+        longest = min(len(request.prompt) + request.max_tokens, self.n_ctx)
+        if blocks_for(longest) > self.capacity_blocks:
+            raise InvalidArgument(f"the prompt plus max_tokens needs {longest} tokens of KV cache, and it holds "
+                                  f"{self.capacity_blocks * BLOCK} (--kv-cache-mb); lower max_tokens")
         if len(self._waiting) >= self.max_queue:
             raise ResourceExhausted(f"queue full ({len(self._waiting)} sequences waiting for the KV cache, "
                                     f"--max-queue {self.max_queue}); retry later")
@@ -140,8 +162,8 @@ class ContinuousBatcher:
     def _expire(self, seq: _Sequence) -> None:
         if seq.state == "waiting":
             self._end(seq, ResourceExhausted(
-                f"no KV-cache slot came free within the deadline ({len(self._running)} of {self.slots} in use, "
-                f"{len(self._waiting)} waiting); retry later"))
+                f"no room in the KV cache came free within the deadline ({len(self._running)} of {self.slots} "
+                f"sequences, {self.cache_usage:.0%} of its blocks in use, {len(self._waiting)} waiting); retry later"))
 
     def _end(self, seq: _Sequence, error: Exception | None) -> None:
         """The sequence is done for its caller (`error`: what it is told, if anything)."""
@@ -174,12 +196,16 @@ class ContinuousBatcher:
                 await asyncio.sleep(0)
 
     def _admit(self) -> list[_Sequence]:
-        free = self.slots - len(self._running) + len(self._leaving)
+        staying = self._staying()
+        free = self.slots - len(staying)
         admitted, tokens = [], 0
         while self._waiting and len(admitted) < free:
             seq = self._waiting[0]
             if admitted and tokens + len(seq.request.prompt) > self.max_prefill_tokens:
                 break
+            members = staying + admitted + [seq]
+            if self._blocks(len(members), members) > self.capacity_blocks:
+                break  # oldest first: a long one is not passed by shorter ones behind it
             self._waiting.pop(0)
             seq.expiry.cancel()
             admitted.append(seq)

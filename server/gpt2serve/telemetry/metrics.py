@@ -78,7 +78,7 @@ class Metrics:
                                        registry=r, **live_sum)
         self.waiting_sequences = Gauge("gpt2serve_waiting_sequences", "Generations waiting for a KV-cache slot",
                                        registry=r, **live_sum)
-        self.kv_cache_usage = Gauge("gpt2serve_kv_cache_usage_ratio", "Share of the KV-cache slots in use (0..1)",
+        self.kv_cache_usage = Gauge("gpt2serve_kv_cache_usage_ratio", "Share of the KV cache's blocks held by running generations, each at the longest it may grow (0..1)",
                                     registry=r, **live_sum)
         self.requests_waiting = Gauge(
             "gpt2serve_requests_waiting",
