@@ -66,8 +66,8 @@ class Generator:
     def __init__(self, engine: Engine, slots: int, capacity_blocks: int | None = None, graphs: bool | None = None):
         """`slots`: sequences at most; `capacity_blocks`: KV-cache blocks that may be held (see
         engine.kv_cache; default: every slot at full context). `graphs`: decode steps from bucketed
-        buffers, replayed as CUDA graphs on cuda (default: on cuda with --cuda-graphs); False: eager,
-        at the exact shape."""
+        buffers, replayed as CUDA graphs on cuda (with --cuda-graphs) or run as TorchScript traces on
+        a CPU (engine.decode_graphs), the default; False: eager, at the exact shape."""
         self.engine = engine
         self.model = engine.model
         self.slots = slots
@@ -75,8 +75,8 @@ class Generator:
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.running: list[_Running] = []
-        on_cuda = engine.device.type == "cuda" and engine.options.cuda_graphs
-        self.use_graphs = on_cuda if graphs is None else graphs
+        on_cuda = engine.device.type == "cuda"
+        self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None
 
     def allocate(self) -> KVCache:
@@ -89,7 +89,8 @@ class Generator:
                     self._decode_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,
                     vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id,
                     capture=self.engine.device.type == "cuda",
-                    memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20))
+                    memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20),
+                    trace=(self.model, self.cache) if self.engine.device.type == "cpu" else None)
         return self.cache
 
     def warm_up(self) -> None:
@@ -148,8 +149,11 @@ class Generator:
         started, started_ns = time.perf_counter(), time.time_ns()
         rows, device = self.running, self.engine.device
         lengths, last = [r.length for r in rows], [r.last_token for r in rows]
-        self.cache.reserve(len(rows), max(lengths) + 1)
-        logits = self.graphs.run_decode(last, lengths) if self.graphs is not None else None
+        shape = self.graphs.shape_for(len(rows), max(lengths) + 1) if self.graphs is not None else None
+        if shape is not None and blocks_needed(*shape) > self.capacity_blocks:
+            shape = None  # the padded bucket would not fit the cache's budget: the exact shape, eagerly
+        self.cache.reserve(*(shape or (len(rows), max(lengths) + 1)))
+        logits = self.graphs.run_decode(last, lengths) if shape is not None else None
         if logits is None:  # eager, at the exact batch; the span rounded up to limit distinct shapes
             span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)

@@ -55,10 +55,9 @@ def _pack_int8(int8: torch.Tensor, scales: torch.Tensor):
         return torch.ops.quantized.linear_prepack(qweight, None)
 
 
-def _round_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, in) -> the rows scaled to |x| <= 1, and the scales (N, 1)."""
-    scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)  # (N, 1)
-    return x / scale, scale
+def _row_max(x: torch.Tensor) -> torch.Tensor:
+    """(N, in) -> (N, 1) each row's largest |x| (never 0: a zero row divides by a tiny number)."""
+    return torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
 
 
 class Int8Linear(nn.Module):
@@ -69,17 +68,21 @@ class Int8Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # (N, in)
+        rows = x.reshape(-1, self.in_features)  # (N, in), fp32
         n = rows.shape[0]
-        high, high_scale = _round_rows(rows)  # (N, in), (N, 1)
-        kept = torch.round(high * ACTIVATION_STEPS) / ACTIVATION_STEPS  # what the kernel will see of `high`
-        low, low_scale = _round_rows(high - kept)  # (N, in): the rounding error, scaled up
-        both = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            torch.cat((high, low)), 1.0 / ACTIVATION_STEPS, ZERO_POINT, self.packed)  # (2N, out)
-        y = (both[:n] + both[n:] * low_scale) * high_scale  # (N, out)
+        high_scale = _row_max(rows)  # (N, 1)
+        steps = rows.div(high_scale).mul_(ACTIVATION_STEPS)  # (N, in): |x| <= 63, in 1/63 units of the row's max
+        kept = steps.round()  # what the kernel keeps of it
+        low = steps.sub_(kept)  # (N, in): the rounding error, |low| <= 1/2
+        low_scale = _row_max(low)  # (N, 1)
+        both = torch.cat((kept.div_(ACTIVATION_STEPS), low.div_(low_scale)))  # (2N, in), each |x| <= 1
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            both, 1.0 / ACTIVATION_STEPS, ZERO_POINT, self.packed)  # (2N, out)
+        # high + low, each scaled back: the low part was in units of 1/63 of the row's max
+        y = torch.addcmul(out[:n], out[n:], low_scale.div_(ACTIVATION_STEPS)).mul_(high_scale)  # (N, out)
         if self.bias is not None:
             y += self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class Fp16Linear(nn.Module):
