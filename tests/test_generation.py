@@ -25,6 +25,7 @@ from gpt2serve.errors import InvalidArgument, ResourceExhausted
 from gpt2serve.scheduling.batcher import new_engine_thread
 from gpt2serve.protocol import GenerateRequest
 from gpt2serve.engine.kv_cache import blocks_for
+from gpt2serve.engine.traced_decode import TracedDecode
 from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
 from scheduler_events import events
 from gpt2serve.service.detokenizer import Detokenizer
@@ -168,6 +169,32 @@ def test_admission_counts_the_cache_blocks_each_sequence_may_grow_to(saved):
             await scheduler.stop()
 
     asyncio.run(too_long())
+
+
+def test_a_decode_trace_serves_any_number_of_rows_exactly(saved):
+    """engine.traced_decode: a step traced at one size (here 2 rows; one row is traced beside a
+    dummy row) gives eager's logits and writes eager's keys and values for 1, 3 and 7 rows."""
+    _, engine = saved
+    generator = Generator(engine, slots=8, graphs=False)
+    generator.prefill([NewSequence(i, PROMPTS[i + 2], GREEDY, i) for i in range(7)])
+    traces = TracedDecode(generator._decode_logits, generator.model, generator.cache)
+
+    def step_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.arange(rows) + 500, torch.tensor([len(PROMPTS[i + 2]) for i in range(rows)])
+
+    with torch.inference_mode():
+        traces.run(*step_inputs(2), 64)  # traced here
+        for rows in (1, 3, 7, 2):
+            before = generator.cache.keys.clone(), generator.cache.values.clone()
+            eager = generator._decode_logits(*step_inputs(rows), 64)
+            after_eager = generator.cache.keys.clone(), generator.cache.values.clone()
+            generator.cache.keys.copy_(before[0])
+            generator.cache.values.copy_(before[1])
+            traced = traces.run(*step_inputs(rows), 64)
+            assert torch.equal(traced, eager), rows
+            assert torch.equal(generator.cache.keys, after_eager[0]) and torch.equal(generator.cache.values, after_eager[1])
+            assert not torch.equal(after_eager[0], before[0])  # the step did write its keys
+    assert list(traces.traces) == [64]  # one trace for every row count
 
 
 def test_seeded_sampling_is_the_same_alone_and_batched(saved):

@@ -9,9 +9,12 @@ instead of sitting near 0; with random weights the best two tokens are still clo
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
+
+from conftest import launch_server
 
 from gpt2serve.engine.convert import to_transformers
 from gpt2serve.engine.generator import Generator, NewSequence
@@ -21,6 +24,7 @@ from gpt2serve.engine.model_info import parameter_breakdown
 from gpt2serve.engine.quantize import Fp16Linear, Int8Linear, quantize
 from gpt2serve.engine.sampling import SamplingParams
 from gpt2serve.errors import ModelLoadError
+from gpt2serve_client import Client
 
 LOGIT_GAIN = 30.0
 
@@ -155,3 +159,37 @@ def test_quantized_checkpoint_loads_from_a_directory(tmp_path):
     rms, _, agree = errors(logits(loaded.model, ids), logits(model, ids))
     assert rms < 0.05 and agree == 1.0
 
+
+
+def resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_served_int8_holds_sixteen_streams_within_a_gibibyte(tmp_path):
+    """GPT-2 small's shape with --quantize int8 and default flags otherwise: 16 concurrent streams
+    of 16 + 64 tokens. The server process stays under 1 GiB resident (the fp32 weights it loaded
+    first are given back; the cache holds what the streams hold), and says what it serves."""
+    server = launch_server(tmp_path, "--model", "random:gpt2", "--quantize", "int8")
+    try:
+        with Client(server.grpc_target) as client:
+            info = client.model_info()
+            assert info.quantize == "int8" and info.dtype == "float32"
+            assert info.parameters.total == 124439808  # GPT-2 small, counted before packing
+            prompts = [[(300 + 17 * i + 5 * j) % 50257 for j in range(16)] for i in range(16)]
+            done = []
+
+            def stream(prompt):
+                done.append(client.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True))
+
+            threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=300)
+            assert [d.usage.completion_tokens for d in done] == [64] * 16
+        rss = resident_mib(server.proc.pid)
+        print(f"server RSS after 16 streams: {rss:.0f} MiB")
+        assert rss < 1024
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ from typing import Collection, Sequence
 import torch
 
 from .decode_graphs import DecodeGraphs
+from .traced_decode import TracedDecode
 from ..protocol import SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
 from .kv_cache import KVCache, blocks_needed
@@ -77,20 +78,22 @@ class Generator:
         self.running: list[_Running] = []
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # cuda
+        self.traces: TracedDecode | None = None  # cpu
 
     def allocate(self) -> KVCache:
         if self.cache is None:
             config = self.model.config
             self.cache = KVCache(config, self.slots, self.capacity_blocks, self.engine.device, self.engine.loaded.dtype,
                                  grow=self.engine.device.type != "cuda")
-            if self.use_graphs:
+            if self.use_graphs and self.engine.device.type == "cpu":
+                self.traces = TracedDecode(self._decode_logits, self.model, self.cache)
+            elif self.use_graphs:
                 self.graphs = DecodeGraphs(
                     self._decode_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,
                     vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id,
                     capture=self.engine.device.type == "cuda",
-                    memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20),
-                    trace=(self.model, self.cache) if self.engine.device.type == "cpu" else None)
+                    memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20))
         return self.cache
 
     def warm_up(self) -> None:
@@ -149,13 +152,17 @@ class Generator:
         started, started_ns = time.perf_counter(), time.time_ns()
         rows, device = self.running, self.engine.device
         lengths, last = [r.length for r in rows], [r.last_token for r in rows]
-        shape = self.graphs.shape_for(len(rows), max(lengths) + 1) if self.graphs is not None else None
-        if shape is not None and blocks_needed(*shape) > self.capacity_blocks:
-            shape = None  # the padded bucket would not fit the cache's budget: the exact shape, eagerly
-        self.cache.reserve(*(shape or (len(rows), max(lengths) + 1)))
-        logits = self.graphs.run_decode(last, lengths) if shape is not None else None
+        needed = max(lengths) + 1  # positions, with the new token's
+        logits = None
+        if self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
+            logits = self.graphs.run_decode(last, lengths)
+        elif self.traces is not None:  # cpu: one trace per span, any number of rows
+            span = self.cache.span_for(len(rows), needed)
+            self.cache.reserve(len(rows), span)
+            logits = self.traces.run(torch.tensor(last), torch.tensor(lengths), span)
         if logits is None:  # eager, at the exact batch; the span rounded up to limit distinct shapes
-            span = min(-(-(max(lengths) + 1) // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
+            self.cache.reserve(len(rows), needed)
+            span = min(-(-needed // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
         tokens, failed = self._choose(logits, rows)
         for r in rows:

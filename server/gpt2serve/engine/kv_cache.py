@@ -83,6 +83,15 @@ class KVCache:
             length = min(BLOCK * blocks_for(length), self.config.n_ctx)
         self._resize(slots, length)
 
+    def span_for(self, sequences: int, needed: int) -> int:
+        """Positions a decode step of `sequences` attends over, `needed` of them in use: a power of
+        two of blocks where the capacity allows (few distinct shapes, see engine.traced_decode),
+        else `needed` rounded up to a block."""
+        span = min(BLOCK * _power_of_two_at_least(blocks_for(needed)), self.config.n_ctx)
+        if blocks_needed(sequences, span) > self.capacity_blocks:
+            span = min(BLOCK * blocks_for(needed), self.config.n_ctx)
+        return span
+
     def fit(self, sequences: int, length: int) -> None:
         """Shrink once the tensors are more than twice what `sequences` x `length` needs."""
         if not self.grow:
@@ -102,7 +111,6 @@ class KVCache:
             keys[:, :kept_slots, :, :kept_length] = self.keys[:, :kept_slots, :, :kept_length]
             values[:, :kept_slots, :, :kept_length] = self.values[:, :kept_slots, :, :kept_length]
         self.keys, self.values, self.slots, self.length = keys, values, slots, length
-        self._rows = torch.arange(slots, device=self.device)  # (S,)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Slot `source`'s first `length` positions into slot `target` (compaction)."""
@@ -147,7 +155,7 @@ class DecodeStore:
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B = k.shape[0]  # k, v: (B, nh, 1, hs)
-        rows = self.cache._rows[:B]
+        rows = torch.arange(B, device=k.device)  # (B,): built from k's size, so a trace keeps B variable
         # Advanced indices on dims 0 and 2 around a slice: the target is (B, nh, hs).
         self.cache.keys[layer, rows, :, self.positions] = k[:, :, 0]
         self.cache.values[layer, rows, :, self.positions] = v[:, :, 0]
