@@ -4,8 +4,11 @@ The scheduler (scheduling.continuous_batcher) decides who runs; this module runs
 thread, in two kinds of step:
 - prefill: new sequences' prompts, right-padded into one forward that fills their cache slots
   and gives each its first token;
-- decode: one token for every running sequence, each fed its last token at its own position.
-Sequences leave between steps; their slots are refilled by compaction (engine.kv_cache).
+- decode: one token for every running sequence, each fed its last token at its own position;
+  replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
+  (engine.traced_decode).
+Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
+shrinks with what they hold (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids].
 """
@@ -68,7 +71,7 @@ class Generator:
         """`slots`: sequences at most; `capacity_blocks`: KV-cache blocks that may be held (see
         engine.kv_cache; default: every slot at full context). `graphs`: decode steps from bucketed
         buffers, replayed as CUDA graphs on cuda (with --cuda-graphs) or run as TorchScript traces on
-        a CPU (engine.decode_graphs), the default; False: eager, at the exact shape."""
+        a CPU (engine.traced_decode), the default; False: eager, at the exact shape."""
         self.engine = engine
         self.model = engine.model
         self.slots = slots
