@@ -20,6 +20,7 @@ from test_generation import GREEDY, LIVELY, PROMPTS, run_joining
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
+from gpt2serve.engine import sampling
 from gpt2serve.engine.sampling import FINITE, LOGPROB, TOKEN, choose
 from gpt2serve.protocol import GREEDY_TEMPERATURE, SamplingParams
 from gpt2serve.errors import NonFiniteOutput
@@ -178,3 +179,28 @@ async def run_with_failure(generator, requests, bad_request):
         return good, error, bad_tokens
     finally:
         await scheduler.stop()
+
+
+def test_top_p_from_the_best_candidates_picks_what_the_whole_sorted_vocabulary_picks(monkeypatch):
+    """engine.sampling looks for a top-p nucleus among the best TOP_P_CANDIDATES first: the token
+    must be the one the full sort gives, for rows whose nucleus lies inside them and rows whose
+    nucleus does not (those sort their whole vocabulary), both in one batch."""
+    generator = torch.Generator().manual_seed(11)
+    peaked = torch.randn(6, 50257, generator=generator) * 4  # a nucleus of tens of tokens
+    flat = torch.randn(3, 50257, generator=generator) * 0.2  # a nucleus of thousands
+    logits = torch.cat((peaked, flat))
+    params = [SamplingParams(temperature=t, top_p=p) for t, p in
+              [(1.0, 0.9), (0.7, 0.5), (1.3, 0.95), (1.0, 1e-6), (2.0, 0.999), (1.0, 0.8),
+               (1.0, 0.9), (1.0, 0.99), (0.5, 0.3)]]
+    draws = [i / 9 + 0.05 for i in range(9)]
+    fast = choose(logits, params, draws)
+    candidates = sampling.TOP_P_CANDIDATES
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 50257)  # every row sorts its whole vocabulary
+    full = choose(logits, params, draws)
+    assert torch.equal(fast[:, TOKEN], full[:, TOKEN])
+    widths = (torch.softmax(logits / torch.tensor([p.temperature for p in params])[:, None], -1)
+              .sort(-1, descending=True).values.cumsum(-1) < torch.tensor([p.top_p for p in params])[:, None]).sum(-1)
+    assert (widths < candidates).sum() >= 4 and (widths >= candidates).sum() >= 3  # both paths ran, in one batch
+    for row in range(len(params)):  # a row alone picks what it picked beside the others
+        assert torch.equal(choose(logits[row:row + 1], params[row:row + 1], draws[row:row + 1])[0, TOKEN],
+                           fast[row, TOKEN])
