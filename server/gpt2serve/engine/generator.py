@@ -26,10 +26,9 @@ from .decode_graphs import DecodeGraphs
 from .traced_decode import TracedDecode
 from ..protocol import SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
-from .kv_cache import KVCache, blocks_needed
+from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
-SPAN_ROUNDING = 64  # decode attends over a multiple of this many positions: fewer distinct shapes
 
 
 @dataclass(frozen=True)
@@ -163,9 +162,9 @@ class Generator:
             span = self.cache.span_for(len(rows), needed)
             self.cache.reserve(len(rows), span)
             logits = self.traces.run(torch.tensor(last), torch.tensor(lengths), span)
-        if logits is None:  # eager, at the exact batch; the span rounded up to limit distinct shapes
+        if logits is None:  # eager, at the exact batch; the span whole blocks, for fewer distinct shapes
             self.cache.reserve(len(rows), needed)
-            span = min(-(-needed // SPAN_ROUNDING) * SPAN_ROUNDING, self.cache.length)
+            span = min(BLOCK * blocks_for(needed), self.cache.length)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
         tokens, failed = self._choose(logits, rows)
         for r in rows:

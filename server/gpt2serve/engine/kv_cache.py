@@ -75,29 +75,34 @@ class KVCache:
             return
         assert self.grow, f"{sequences} x {length} positions do not fit a cache of {self.slots} x {self.length}"
         slots, length = max(sequences, self.slots), max(length, self.length)
-        rounded_slots = min(_power_of_two_at_least(slots), self.max_slots)
-        rounded_length = min(BLOCK * _power_of_two_at_least(blocks_for(length)), self.config.n_ctx)
+        rounded_slots, rounded_length = min(_power_of_two_at_least(slots), self.max_slots), self._rounded(length)
         if blocks_needed(rounded_slots, rounded_length) <= self.capacity_blocks:
             slots, length = rounded_slots, rounded_length
         else:
-            length = min(BLOCK * blocks_for(length), self.config.n_ctx)
+            length = self._whole_blocks(length)
         self._resize(slots, length)
+
+    def _rounded(self, length: int) -> int:
+        """`length` positions rounded up to a power of two of blocks (at most the context)."""
+        return min(BLOCK * _power_of_two_at_least(blocks_for(length)), self.config.n_ctx)
+
+    def _whole_blocks(self, length: int) -> int:
+        """`length` positions rounded up to whole blocks (at most the context)."""
+        return min(BLOCK * blocks_for(length), self.config.n_ctx)
 
     def span_for(self, sequences: int, needed: int) -> int:
         """Positions a decode step of `sequences` attends over, `needed` of them in use: a power of
         two of blocks where the capacity allows (few distinct shapes, see engine.traced_decode),
         else `needed` rounded up to a block."""
-        span = min(BLOCK * _power_of_two_at_least(blocks_for(needed)), self.config.n_ctx)
-        if blocks_needed(sequences, span) > self.capacity_blocks:
-            span = min(BLOCK * blocks_for(needed), self.config.n_ctx)
-        return span
+        span = self._rounded(needed)
+        return span if blocks_needed(sequences, span) <= self.capacity_blocks else self._whole_blocks(needed)
 
     def fit(self, sequences: int, length: int) -> None:
         """Shrink once the tensors are more than twice what `sequences` x `length` needs."""
         if not self.grow:
             return
         slots = max(_power_of_two_at_least(sequences), 1)
-        length = min(BLOCK * _power_of_two_at_least(blocks_for(max(length, 1))), self.config.n_ctx)
+        length = self._rounded(max(length, 1))
         if self.slots >= 2 * slots or self.length >= 2 * length:
             self._resize(min(slots, self.slots), min(length, self.length))
 

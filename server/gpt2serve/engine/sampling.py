@@ -78,21 +78,20 @@ def _sample_top_p(scaled: torch.Tensor, params: list[SamplingParams], uniform: l
     same candidates, in the same order, as the others' best TOP_P_CANDIDATES."""
     log_total = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (S, 1): finite, some entry is 0
     best, best_ids = torch.topk(scaled, min(TOP_P_CANDIDATES, scaled.shape[1]), dim=-1)  # (S, K), best first
+    best_probs = (best - log_total).exp()  # (S, K): over the whole vocabulary
     top_p = torch.tensor([p.top_p for p in params], device=scaled.device)  # (S,)
-    enough = (best - log_total).exp().sum(dim=-1) >= top_p  # (S,): the nucleus ends within the K best
-    if bool(enough.all()):
-        return _pick((best - log_total).exp(), best_ids, params, uniform, cut=True)
+    enough = best_probs.sum(dim=-1) >= top_p  # (S,): the nucleus ends within the K best
     tokens = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)  # (S,)
     for rows, short in ((enough.nonzero()[:, 0], True), ((~enough).nonzero()[:, 0], False)):
         if len(rows) == 0:
             continue
         chosen = rows.tolist()
         if short:
-            candidates, ids = best[rows], best_ids[rows]  # (R, K)
+            probs, ids = best_probs[rows], best_ids[rows]  # (R, K)
         else:
             candidates, ids = torch.sort(scaled[rows], dim=-1, descending=True)  # (R, V)
-        tokens[rows] = _pick((candidates - log_total[rows]).exp(), ids, [params[r] for r in chosen],
-                             [uniform[r] for r in chosen], cut=True)
+            probs = (candidates - log_total[rows]).exp()
+        tokens[rows] = _pick(probs, ids, [params[r] for r in chosen], [uniform[r] for r in chosen], cut=True)
     return tokens
 
 

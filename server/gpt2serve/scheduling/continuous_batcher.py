@@ -108,16 +108,18 @@ class ContinuousBatcher:
         (a leaving one's are already free for the next admission, which the same engine call
         frees them for)."""
         staying = self._staying()
-        return self._blocks(len(staying), staying) / self.capacity_blocks if self.capacity_blocks else 0.0
+        return self._blocks(staying) / self.capacity_blocks if self.capacity_blocks else 0.0
 
     def _staying(self) -> list[_Sequence]:
         return [s for s in self._running.values() if s.seq_id not in self._leaving]
 
-    def _longest(self, seq: _Sequence) -> int:
-        return min(len(seq.request.prompt) + seq.request.max_tokens, self.n_ctx)
+    def _longest(self, request: GenerateRequest) -> int:
+        """The most positions the sequence may hold: its prompt and all its new tokens."""
+        return min(len(request.prompt) + request.max_tokens, self.n_ctx)
 
-    def _blocks(self, rows: int, members: list[_Sequence]) -> int:
-        return blocks_needed(rows, max((self._longest(s) for s in members), default=0))
+    def _blocks(self, members: list[_Sequence]) -> int:
+        """What these sequences take in the dense cache, each slot as long as the longest may grow."""
+        return blocks_needed(len(members), max((self._longest(s.request) for s in members), default=0))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="generation")
@@ -134,7 +136,7 @@ class ContinuousBatcher:
         Refusals raise here: the loop is not running, or the queue is full."""
         if self._task is None or self._task.done():
             raise Unavailable("the generation loop is not running")
-        longest = min(len(request.prompt) + request.max_tokens, self.n_ctx)
+        longest = self._longest(request)
         if blocks_for(longest) > self.capacity_blocks:
             raise InvalidArgument(f"the prompt plus max_tokens needs {longest} tokens of KV cache, and it holds "
                                   f"{self.capacity_blocks * BLOCK} (--kv-cache-mb); lower max_tokens")
@@ -204,7 +206,7 @@ class ContinuousBatcher:
             if admitted and tokens + len(seq.request.prompt) > self.max_prefill_tokens:
                 break
             members = staying + admitted + [seq]
-            if self._blocks(len(members), members) > self.capacity_blocks:
+            if self._blocks(members) > self.capacity_blocks:
                 break  # oldest first: a long one is not passed by shorter ones behind it
             self._waiting.pop(0)
             seq.expiry.cancel()
