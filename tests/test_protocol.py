@@ -21,7 +21,7 @@ from gpt2serve.ipc.zmq_client import ZmqEngineClient
 from gpt2serve.protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Result, SampledToken, SamplingParams, Step, Submit,
                                 TokenEvent, TokenScore, TraceContext)
-from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown,
+from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 
 TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", True, True, False, True, False)
@@ -40,7 +40,8 @@ SAMPLES = [
     Generate(10, GenerateRequest([1], SamplingParams(), 1)),
     Cancel(9),
     Result(7, [NextTokenOutput([TokenScore(262, -1.5), TokenScore(11, -2.0)], 0.001, 0.02, 2, 10**18, 10**18 + 5,
-                               [LAYER]), NextTokenOutput([TokenScore(0, -0.5)], 0.0, 0.02, 2, 1, 2)]),
+                               [LAYER], [ShapeStep("block", "Q per head", "data", [2, 4, 5, 16], "split")]),
+               NextTokenOutput([TokenScore(0, -0.5)], 0.0, 0.02, 2, 1, 2)]),
     Step(9, TokenEvent(SampledToken(262, -0.25, [TokenScore(262, -0.25), TokenScore(11, -3.0)]), "", 0.003, 0.01, 4)),
     Step(9, TokenEvent(SampledToken(50256, -0.5), "eos", 0.0, 0.01, 3)),
     Failed(10, "RESOURCE_EXHAUSTED", "queue full"),

@@ -133,6 +133,32 @@ class LayerReport:
 
 
 @dataclass(frozen=True)
+class ShapeStep:
+    """One matrix of the shape walk-through: data the forward computed or a weight ("kind"), with
+    its real shape (weights as [in, out]); "stage" is input, block (every block alike) or output."""
+
+    stage: str
+    name: str
+    kind: str
+    shape: list[int]
+    note: str = ""
+
+    def to_proto(self) -> pb.ShapeStep:
+        return pb.ShapeStep(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: pb.ShapeStep) -> ShapeStep:
+        return cls(stage=msg.stage, name=msg.name, kind=msg.kind, shape=list(msg.shape), note=msg.note)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShapeStep:
+        return cls(**{**data, "shape": list(data["shape"])})
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class NextTokenResult:
     """The most likely next token (`token`, `token_id`, `logprob`) and the top-k list."""
 
@@ -146,6 +172,7 @@ class NextTokenResult:
     batch_size: int = 1
     layers: list[LayerReport] = field(default_factory=list)
     prompt_tokens: list[str] = field(default_factory=list)  # with the layers: each prompt token as text
+    walkthrough: list[ShapeStep] = field(default_factory=list)  # with the layers: the forward's shapes
 
     def to_proto(self) -> pb.NextTokenResponse:
         return pb.NextTokenResponse(
@@ -153,6 +180,7 @@ class NextTokenResult:
             top=[t.to_proto() for t in self.top], prompt_token_ids=self.prompt_token_ids,
             timings=self.timings.to_proto(), trace_id=self.trace_id, batch_size=self.batch_size,
             layers=[layer.to_proto() for layer in self.layers], prompt_tokens=self.prompt_tokens,
+            walkthrough=[step.to_proto() for step in self.walkthrough],
         )
 
     @classmethod
@@ -163,6 +191,7 @@ class NextTokenResult:
             prompt_token_ids=list(msg.prompt_token_ids), timings=Timings.from_proto(msg.timings),
             trace_id=msg.trace_id, batch_size=msg.batch_size,
             layers=[LayerReport.from_proto(layer) for layer in msg.layers], prompt_tokens=list(msg.prompt_tokens),
+            walkthrough=[ShapeStep.from_proto(step) for step in msg.walkthrough],
         )
 
     @classmethod
@@ -175,6 +204,7 @@ class NextTokenResult:
             trace_id=data.get("trace_id", ""), batch_size=data.get("batch_size", 1),
             layers=[LayerReport.from_dict(layer) for layer in data.get("layers") or []],
             prompt_tokens=list(data.get("prompt_tokens") or []),
+            walkthrough=[ShapeStep.from_dict(step) for step in data.get("walkthrough") or []],
         )
 
 

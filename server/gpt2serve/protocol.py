@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 
 import msgpack
 
-from gpt2serve_client.types import LayerReport, ModelInfo
+from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 # Engine-side messages -----------------------------------------------------------------------------
 
@@ -64,6 +64,7 @@ class NextTokenOutput:
     enqueued_ns: int  # wall clock, for the queue span
     batch_started_ns: int
     layers: list[LayerReport] | None = None  # when its trace asked for them
+    walkthrough: list[ShapeStep] | None = None  # with the layers: the forward's shapes
 
 
 # Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.
@@ -271,13 +272,20 @@ def _layers(x: Any) -> list[LayerReport] | None:
 
 def _pack_output(o: NextTokenOutput) -> list:
     return [_pack_scores(o.top), o.queue_s, o.forward_s, o.batch_size, o.enqueued_ns, o.batch_started_ns,
-            None if o.layers is None else [asdict(r) for r in o.layers]]
+            None if o.layers is None else [asdict(r) for r in o.layers],
+            None if o.walkthrough is None else [asdict(s) for s in o.walkthrough]]
+
+
+def _walkthrough(x: Any) -> list[ShapeStep] | None:
+    if x is None:
+        return None
+    return _from_dicts("walk-through", lambda: [ShapeStep.from_dict(step) for step in x])
 
 
 def _output(x: Any) -> NextTokenOutput:
-    top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers = _fields(x, 7)
+    top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough = _fields(x, 8)
     return NextTokenOutput(_scores(top), _float(queue_s), _float(forward_s), _int(batch_size), _int(enqueued_ns),
-                           _int(started_ns), _layers(layers))
+                           _int(started_ns), _layers(layers), _walkthrough(walkthrough))
 
 
 def _pack_generate(r: GenerateRequest) -> list:

@@ -64,7 +64,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class NextTokenResponse(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens")
+    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens", "walkthrough")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class NextTokenResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WALKTHROUGH_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
@@ -85,7 +86,22 @@ class NextTokenResponse(_message.Message):
     batch_size: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerReport]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    walkthrough: _containers.RepeatedCompositeFieldContainer[ShapeStep]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ...) -> None: ...
+
+class ShapeStep(_message.Message):
+    __slots__ = ("stage", "name", "kind", "shape", "note")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    name: str
+    kind: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    note: str
+    def __init__(self, stage: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class LayerReport(_message.Message):
     __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms", "attention", "logit_lens_positions")

@@ -22,10 +22,11 @@ from typing import Sequence
 
 import torch
 
-from gpt2serve_client.types import LayerReport
+from gpt2serve_client.types import LayerReport, ShapeStep
 
 from ..protocol import TokenScore
 from ..introspection.probe import LayerProbe
+from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
 from .loading import LoadedModel
@@ -79,6 +80,7 @@ class BatchOutput:
     ended_ns: int
     cuda_graph: bool = False  # replayed from a captured graph (padded_len is then the bucket's)
     layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> one report per block
+    walkthrough: list[ShapeStep] = field(default_factory=list)  # with layers: the forward's shapes
     # Rows whose log-probs were not finite (a numerical overflow, e.g. fp16): their `top` is
     # meaningless, and the scheduler fails them alone.
     failed_rows: frozenset[int] = frozenset()
@@ -182,7 +184,10 @@ class Engine:
         if probe is not None:
             probe.start()
         hidden = self.model.hidden_states(input_ids, position_ids, valid, probe)  # (B, T, C)
-        logits = self.unembed(self.model.ln_f(hidden[:, -1, :]))  # (B, V): only the last position is decoded
+        last = hidden[:, -1, :]  # (B, C)
+        logits = self.unembed(self.model.ln_f(last))  # (B, V): only the last position is decoded
+        if probe is not None:
+            probe.unembedded(last, logits)
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
 
     @staticmethod
@@ -202,7 +207,9 @@ class Engine:
         """The traced rows' per-layer reports, logit lens decoded here: called after the answers
         went out, since decoding every block costs about one more unembedding of n_layer rows."""
         per_row, timeline = output.probe.reports(self.unembed)
-        return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None)
+        walkthrough = traced_walkthrough(output.probe, self.model, output.probe.input_ids.shape)
+        return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None,
+                       walkthrough=walkthrough)
 
     def unembed(self, rows: torch.Tensor) -> torch.Tensor:
         """lm_head over (N, d_model) rows -> (N, vocab). On a CPU it has no cliff at a few rows

@@ -47,9 +47,14 @@ class GPT2Config:
 class ForwardTaps(Protocol):
     """What introspection sees of a forward (see introspection.probe)."""
 
-    def embedded(self) -> None: ...
+    def embedded(self, x: torch.Tensor) -> None: ...  # (B, T, C): token + position embeddings
 
     def qkv(self, layer: int, qkv: torch.Tensor) -> None: ...  # (B, T, 3C), the fused projection
+
+    def heads(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> None: ...
+    # q (B, nh, T, hs); k, v (B, nh, S, hs) as attended over; y (B, nh, T, hs) the weighted values
+
+    def mlp_hidden(self, layer: int, hidden: torch.Tensor) -> None: ...  # (B, T, d_mlp), after the GELU
 
     def block(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor, hidden: torch.Tensor) -> None: ...
     # each (B, T, C): attention output, MLP output, residual stream after the block
@@ -108,6 +113,8 @@ class CausalSelfAttention(nn.Module):
             k, v = kv.attend(layer, k, v)  # (B, nh, S, hs): with the keys of earlier steps; mask (B, 1, T, S)
         # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        if taps is not None:
+            taps.heads(layer, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.proj(y)  # (B, T, C)
 
@@ -119,8 +126,11 @@ class MLP(nn.Module):
         self.proj = Linear(config.d_mlp, config.d_model)
         self.approximate = config.gelu_approximate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))  # (B, T, C) via (B, T, d_mlp)
+    def forward(self, x: torch.Tensor, taps: ForwardTaps | None = None, layer: int = 0) -> torch.Tensor:
+        hidden = F.gelu(self.fc(x), approximate=self.approximate)  # (B, T, d_mlp)
+        if taps is not None:
+            taps.mlp_hidden(layer, hidden)
+        return self.proj(hidden)  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -135,7 +145,7 @@ class Block(nn.Module):
                 kv: KeyValueStore | None = None) -> torch.Tensor:
         attn_out = self.attn(self.ln_1(x), mask, taps, layer, kv)  # (B, T, C)
         x = x + attn_out
-        mlp_out = self.mlp(self.ln_2(x))  # (B, T, C)
+        mlp_out = self.mlp(self.ln_2(x), taps, layer)  # (B, T, C)
         x = x + mlp_out
         if taps is not None:
             taps.block(layer, attn_out, mlp_out, x)
@@ -167,7 +177,7 @@ class GPT2(nn.Module):
             mask = attention_mask(valid)  # (B, 1, T, T), shared by every block
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
         if taps is not None:
-            taps.embedded()
+            taps.embedded(x)
         for layer, block in enumerate(self.blocks):
             x = block(x, mask, taps, layer, kv)  # (B, T, C)
         return x

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 RANDOM_PREFIX = "random:"
 # Shapes of the GPT-2 family (params.PRESETS); all share GPT-2's 50257-token vocabulary.
-ARCHITECTURES: dict[str, GPT2Config] = {name: GPT2Config(**PRESETS[name]) for name in SERVABLE}
+ARCHITECTURES: dict[str, GPT2Config] = {
+    name: GPT2Config(n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, d_mlp=a.d_mlp, n_ctx=a.n_ctx,
+                     vocab_size=a.vocab_size) for name, a in ((name, PRESETS[name]) for name in SERVABLE)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HUB_PROBE_TIMEOUT_S = 3.0
 

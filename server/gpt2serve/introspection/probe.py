@@ -25,6 +25,7 @@ import torch
 from gpt2serve_client.types import HeadSummary, LayerReport, TokenProb
 
 from ..telemetry.records import ForwardTimeline
+from .walkthrough import ShapeRecorder
 
 
 
@@ -63,12 +64,13 @@ class _Clock:
         return [end_ns - round(mark.elapsed_time(last) * 1e6) for mark in self.marks]
 
 
-class LayerProbe:
+class LayerProbe(ShapeRecorder):
     """The taps of one forward (engine.gpt2.ForwardTaps); `reports()` afterwards gives per-row
-    layer summaries and the timeline."""
+    layer summaries and the timeline, and the recorded shapes give the walk-through."""
 
     def __init__(self, model: TappedModel, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
                  token_text: Callable[[int], str], mapped_rows: Sequence[int] = ()):
+        super().__init__()
         self.model = model
         self.token_text = token_text
         self.rows = list(rows)
@@ -90,13 +92,16 @@ class LayerProbe:
     def start(self) -> None:
         self.clock.mark()  # forward start
 
-    def embedded(self) -> None:
+    def embedded(self, x: torch.Tensor) -> None:
+        super().embedded(x)
         self.clock.mark()  # embedding end
 
     def qkv(self, layer: int, qkv: torch.Tensor) -> None:
+        super().qkv(layer, qkv)
         self._qkv.append([qkv[row, -length:] for row, length in zip(self.rows, self.lengths)])  # (L, 3d) each
 
     def block(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor, hidden: torch.Tensor) -> None:
+        super().block(layer, attn_out, mlp_out, hidden)
         self._attn_last.append(attn_out[self.rows, -1])  # (R, d)
         self._mlp_last.append(mlp_out[self.rows, -1])  # (R, d)
         self._hidden_last.append(hidden[self.rows, -1])  # (R, d)

@@ -155,7 +155,7 @@ class Batcher:
                 continue
             item.future.set_result(NextTokenOutput(
                 top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
-                started_ns, output.layers.get(row),
+                started_ns, output.layers.get(row), output.walkthrough if row in output.layers else None,
             ))
 
     def _fail(self, batch: list[_Pending], stage: str, exc: Exception, error: ServeError | None = None) -> None:

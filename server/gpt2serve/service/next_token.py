@@ -60,4 +60,5 @@ def build_result(service: CallContext, prompt_token_ids: list[int], out: NextTok
         trace_id=trace_id, batch_size=out.batch_size,
         layers=(out.layers or []) if include_layers else [],
         prompt_tokens=[token_text(t) for t in prompt_token_ids] if include_layers else [],
+        walkthrough=(out.walkthrough or []) if include_layers else [],
     )
