@@ -224,3 +224,30 @@ def test_generate_trace_has_its_steps_and_the_prompts_layers(traced_server, rece
     assert all(prefill.end_ns <= d.start_ns for d in decodes)
     for layer in LAYER_SPANS:
         assert named[layer][0].start_ns <= prefill.start_ns  # the prompt's layers, before generating
+
+
+def test_traced_steps_are_spans_of_the_generation(traced_server, receiver, client_tracer, tiny_model):
+    """trace_steps in a traced request: a span per step, from the token before to its own, with
+    what the step's trace says (its token, cache, lens, top tokens)."""
+    with client_tracer.start_as_current_span("caller") as caller, Client(traced_server.grpc_target) as client:
+        result = client.generate(PROMPT, max_tokens=4, temperature=0, ignore_eos=True, trace_steps=True)
+    trace_id = format_trace_id(caller.get_span_context().trace_id)
+    name = "gpt2serve.v1.Gpt2Serve/Generate"
+    step_names = {f"generation step {i}" for i in range(4)}
+    named = by_name(receiver.wait_for(trace_id, {name} | step_names))
+    (request,) = named[name]
+    cfg = tiny_model.model.config
+    previous_end = request.start_ns
+    for i, step in enumerate(result.steps):
+        (span,) = named[f"generation step {i}"]
+        attrs = span.attributes
+        assert span.parent_span_id == request.span_id
+        assert previous_end <= span.start_ns <= span.end_ns  # one after the other
+        previous_end = span.end_ns
+        assert attrs["gpt2serve.step.kind"] == ("prefill" if i == 0 else "decode")
+        assert attrs["gpt2serve.step.context_tokens"] == len(PROMPT) + i
+        assert attrs["gpt2serve.step.token_id"] == result.tokens[i].token_id == step.token_id
+        assert attrs["gpt2.shape.kv_cache_per_layer"] == [cfg.n_head, len(PROMPT) + i, cfg.d_head]
+        assert attrs["gpt2serve.step.top.token"] == [t.token for t in step.top]
+        assert attrs["gpt2.logit_lens.token"] == [t.token for t in step.logit_lens]
+        assert len(attrs["gpt2.attention.focus_position"]) == cfg.n_layer

@@ -84,11 +84,11 @@ def next_token_batch_json(
 def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float | None, top_k: int | None,
                     top_p: float | None, seed: int | None, stop: str | Sequence[str] | None,
                     stop_token_ids: Sequence[int] | None, logprobs: int, ignore_eos: bool,
-                    trace_layers: bool) -> dict[str, Any]:
+                    trace_layers: bool, trace_steps: bool = False) -> dict[str, Any]:
     """A generate call's fields, the same for the proto and the JSON body (unset ones left out)."""
     fields = {**prompt_fields(prompt), "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
               "top_p": top_p, "seed": seed, "logprobs": logprobs, "ignore_eos": ignore_eos,
-              "trace_layers": trace_layers,
+              "trace_layers": trace_layers, "trace_steps": trace_steps or None,
               "stop": [stop] if isinstance(stop, str) else list(stop or ()),
               "stop_token_ids": [int(t) for t in stop_token_ids or ()]}
     return {name: value for name, value in fields.items() if value is not None}

@@ -124,14 +124,14 @@ class Client:
                         top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                         logprobs: int = 0, ignore_eos: bool = False, trace_layers: bool = False,
-                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+                        trace_steps: bool = False, timeout: float | None = None) -> Iterator[GenerateChunk]:
         """The generation as it goes: a GenerateChunk per token, then a closing one with the
         finish reason and usage. temperature 0 is greedy; the same seed, the same text.
         Breaking out of the loop (or closing it) cancels the generation on the server."""
         request = _requests.generate_proto(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
-            trace_layers=trace_layers)
+            trace_layers=trace_layers, trace_steps=trace_steps)
         call = self._stub.Generate(request, timeout=self.timeout if timeout is None else timeout,
                                    metadata=self._metadata())
         try:
@@ -211,12 +211,13 @@ class AsyncClient:
                               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                               seed: int | None = None, stop: str | Sequence[str] | None = None,
                               stop_token_ids: Sequence[int] | None = None, logprobs: int = 0, ignore_eos: bool = False,
-                              trace_layers: bool = False, timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
+                              trace_layers: bool = False, trace_steps: bool = False,
+                              timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
         """As `Client.generate_stream`, asynchronously."""
         request = _requests.generate_proto(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
-            trace_layers=trace_layers)
+            trace_layers=trace_layers, trace_steps=trace_steps)
         call = self._stub.Generate(request, timeout=self.timeout if timeout is None else timeout,
                                    metadata=self._metadata())
         try:

@@ -111,13 +111,13 @@ class RestClient:
                         top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                         logprobs: int = 0, ignore_eos: bool = False, trace_layers: bool = False,
-                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+                        trace_steps: bool = False, timeout: float | None = None) -> Iterator[GenerateChunk]:
         """As the gRPC `Client.generate_stream`, over server-sent events (not retried once the
         stream has begun). Closing the iterator closes the connection, which cancels the generation."""
         body = _requests.generate_fields(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
-            trace_layers=trace_layers)
+            trace_layers=trace_layers, trace_steps=trace_steps)
         timeout = self.timeout if timeout is None else timeout
         try:
             with self._http.stream("POST", "/v1/generate", json={**body, "stream": True}, timeout=timeout,

@@ -244,7 +244,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., weights: _Optional[str] = ..., weights_source: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[_Union[Architecture, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBreakdown, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., quantize: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers", "trace_steps")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     TRACE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -269,7 +270,40 @@ class GenerateRequest(_message.Message):
     logprobs: int
     ignore_eos: bool
     trace_layers: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ...) -> None: ...
+    trace_steps: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ..., trace_steps: _Optional[bool] = ...) -> None: ...
+
+class GenerationStep(_message.Message):
+    __slots__ = ("index", "position", "context_tokens", "new_row_shape", "kv_cache_shape", "attention", "logit_lens", "top", "walkthrough", "n_layer", "n_head", "token_id", "token", "new_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_ROW_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    WALKTHROUGH_FIELD_NUMBER: _ClassVar[int]
+    N_LAYER_FIELD_NUMBER: _ClassVar[int]
+    N_HEAD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    position: int
+    context_tokens: int
+    new_row_shape: _containers.RepeatedScalarFieldContainer[int]
+    kv_cache_shape: _containers.RepeatedScalarFieldContainer[int]
+    attention: _containers.RepeatedScalarFieldContainer[float]
+    logit_lens: _containers.RepeatedCompositeFieldContainer[TokenProb]
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    walkthrough: _containers.RepeatedCompositeFieldContainer[ShapeStep]
+    n_layer: int
+    n_head: int
+    token_id: int
+    token: str
+    new_tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., position: _Optional[int] = ..., context_tokens: _Optional[int] = ..., new_row_shape: _Optional[_Iterable[int]] = ..., kv_cache_shape: _Optional[_Iterable[int]] = ..., attention: _Optional[_Iterable[float]] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ..., n_layer: _Optional[int] = ..., n_head: _Optional[int] = ..., token_id: _Optional[int] = ..., token: _Optional[str] = ..., new_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "top")
@@ -306,7 +340,7 @@ class GenerateTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., time_per_output_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token", "finish_reason", "usage", "timings", "trace_id", "prompt_token_ids")
+    __slots__ = ("text", "token", "finish_reason", "usage", "timings", "trace_id", "prompt_token_ids", "step")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +348,7 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     text: str
     token: GeneratedToken
     finish_reason: str
@@ -321,4 +356,5 @@ class GenerateResponse(_message.Message):
     timings: GenerateTimings
     trace_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[GenerateTimings, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    step: GenerationStep
+    def __init__(self, text: _Optional[str] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[GenerateTimings, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., step: _Optional[_Union[GenerationStep, _Mapping]] = ...) -> None: ...

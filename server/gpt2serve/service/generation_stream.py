@@ -25,8 +25,9 @@ from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent
 from ..telemetry.records import FirstToken, RequestOptions
 from ..telemetry.spans import RequestTelemetry
-from .detokenizer import Detokenizer
 from .context import CallContext
+from .detokenizer import Detokenizer
+from .step_trace import StepTracer
 from .validation import GenerateSettings, PromptInput
 
 
@@ -46,12 +47,16 @@ class GenerationStream:
         self._request: RequestTelemetry | None = None
         self._done = False
         self.token_ids: list[int] = []  # the prompt, once checked
+        self._steps: StepTracer | None = None  # with trace_steps
+        self._sampled: list[int] = []  # every token sampled so far (with trace_steps)
 
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         await self._start()
         try:
             while True:
                 item = await self._queue.get()
+                if isinstance(item, asyncio.Future):  # a chunk whose step is being traced
+                    item = await item
                 if type(item) is _End:
                     if item.error is not None:
                         raise item.error
@@ -72,6 +77,9 @@ class GenerationStream:
             prompt = self.token_ids = await validator.prompt(self.prompt, "prompt")
             trace = validator.trace(request, options)
             generate = self.settings.request(prompt, validator.n_ctx, validator.vocab_size, options.deadline, trace)
+            if options.trace_steps:  # checked before any work
+                self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
+                                         request, validator.tokenizer.token_text)
             span = request.span
             for name, value in (("max_tokens", generate.max_tokens), ("temperature", generate.params.temperature),
                                 ("top_p", generate.params.top_p), ("top_k", generate.params.top_k)):
@@ -101,7 +109,12 @@ class GenerationStream:
             return self._close(finish)
         clock.tokens += 1
         token = event.token
-        self._queue.put_nowait(GenerateChunk(self.text.add(token.token_id), generated_token(self.tokenizer, token)))
+        chunk = GenerateChunk(self.text.add(token.token_id), generated_token(self.tokenizer, token))
+        if self._steps is not None:
+            self._queue.put_nowait(self._steps.trace_step(clock.steps - 1, self.token_ids + self._sampled, chunk))
+            self._sampled.append(token.token_id)
+        else:
+            self._queue.put_nowait(chunk)
         if self.text.stopped:
             self._close("stop")
         elif finish:
@@ -131,6 +144,8 @@ class GenerationStream:
             return
         self._done = True
         self._cancel()
+        if self._steps is not None and error is not None:
+            self._steps.cancel()
         clock = self.clock
         if self._request is not None:
             self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,

@@ -136,6 +136,17 @@ class Validator:
                 f"{where}: {n_tokens} tokens exceed the limit of {self.max_prompt_tokens} (--max-prompt-tokens)"
             )
 
+    def step_trace(self, request: RequestTelemetry, prompt_tokens: int, max_tokens: int) -> TraceContext:
+        """What each traced generation step asks of its forward (service.step_trace): the layer
+        reports with attention maps, in the response only (no spans of its own)."""
+        if self.trace_layers_mode == "never":
+            raise FailedPrecondition("trace_steps: per-layer reports are off on this server (--trace-layers never)")
+        if prompt_tokens + max_tokens > MAX_ATTENTION_MAP_TOKENS:
+            raise InvalidArgument(f"trace_steps: the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} "
+                                  f"exceed the {MAX_ATTENTION_MAP_TOKENS} tokens a traced generation may hold")
+        return TraceContext(traceparent(request.span), layers_wanted=True, layers_in_response=True,
+                            attention_maps=True)
+
     def trace(self, request: RequestTelemetry, options: RequestOptions) -> TraceContext:
         """What the engine side is to record for this request (per-layer reports, spans)."""
         in_response = options.layers_in_response

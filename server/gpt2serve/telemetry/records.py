@@ -29,6 +29,7 @@ class RequestOptions:
     trace_layers: bool = False
     include_layers: bool = False
     attention_maps: bool = False  # full attention maps and all-position logit lens (implies include_layers)
+    trace_steps: bool = False  # generation: how each token was chosen (service.step_trace)
     deadline: float | None = None  # time.monotonic() by which the caller gives up (gRPC deadline)
 
     @property

@@ -33,7 +33,7 @@ from opentelemetry.trace import (
     Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags, format_trace_id,
 )
 
-from gpt2serve_client.types import LayerReport
+from gpt2serve_client.types import GenerationStep, LayerReport
 
 from ..protocol import TraceContext
 from .metrics import Metrics
@@ -98,6 +98,27 @@ def layer_attributes(report: LayerReport, row: int) -> dict:
     }
 
 
+def step_attributes(step: GenerationStep) -> dict:
+    """A traced generation step as plain attributes (top tokens, logit lens, where attention went)."""
+    length, n_head = step.context_tokens, step.n_head
+    focus = []  # per layer: the cache position the heads' mean attention weighs most
+    for layer in range(step.n_layer):
+        rows = [step.attention_row(layer, head) for head in range(n_head)]
+        mean = [sum(column) / n_head for column in zip(*rows)]
+        focus.append(max(range(length), key=mean.__getitem__))
+    return {
+        "gpt2serve.step.index": step.index, "gpt2serve.step.kind": "prefill" if step.index == 0 else "decode",
+        "gpt2serve.step.position": step.position, "gpt2serve.step.context_tokens": length,
+        "gpt2serve.step.token_id": step.token_id, "gpt2serve.step.token": step.token,
+        "gpt2.shape.new_rows": step.new_row_shape, "gpt2.shape.kv_cache_per_layer": step.kv_cache_shape,
+        "gpt2serve.step.top.token": [t.token for t in step.top],
+        "gpt2serve.step.top.logprob": [t.logprob for t in step.top],
+        "gpt2.logit_lens.token": [t.token for t in step.logit_lens],
+        "gpt2.logit_lens.prob": [t.prob for t in step.logit_lens],
+        "gpt2.attention.focus_position": focus,
+    }
+
+
 class RequestTelemetry:
     """One request in flight: its server span, open until `finish`."""
 
@@ -137,6 +158,15 @@ class RequestTelemetry:
         self.telemetry.metrics.request_done(RequestDone(
             self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
             prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
+
+
+    def step_span(self, step: GenerationStep, start_ns: int, end_ns: int) -> None:
+        """A traced generation step (trace_steps), from the previous token to this one. Steps are
+        traced beside the generation, so the last may end after the request span did."""
+        if self.trace_id:  # recorded and sampled (is_recording() turns false once the span ends)
+            self.telemetry.tracer.start_span(
+                f"generation step {step.index}", context=trace.set_span_in_context(self.span), start_time=start_ns,
+                attributes=step_attributes(step)).end(end_time=end_ns)
 
 
 class Telemetry:

@@ -18,7 +18,7 @@ import grpc
 
 from ..errors import PayloadTooLarge, Unauthenticated
 from .http_errors import HttpErrors
-from .ui import PAGE_PATHS
+from .ui import PAGE_PATHS, PAGE_PREFIXES
 
 OPEN_HTTP_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json"}) | PAGE_PATHS
 OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
@@ -84,7 +84,8 @@ class HttpGuard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or ())
-        if self.key is not None and path not in self.open_paths and not self.key.accepts(headers.get(b"authorization")):
+        open_path = path in self.open_paths or path.startswith(PAGE_PREFIXES)
+        if self.key is not None and not open_path and not self.key.accepts(headers.get(b"authorization")):
             return await self.errors.send(scope, send, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"),
                                           [(b"www-authenticate", b"Bearer")])
         try:

@@ -104,6 +104,9 @@ class GenerateBody(Body):
     logprobs: StrictInt = Field(0, description="Top alternatives returned with each token (0..20)")
     ignore_eos: StrictBool = False
     trace_layers: StrictBool = False
+    trace_steps: StrictBool = Field(False, description="Each token comes with how the model chose it (`step`: "
+                                    "attention over the KV cache, logit lens, top tokens, shapes); prompt and "
+                                    "max_tokens within 128 tokens")
     stream: StrictBool = Field(False, description="Server-sent events: one per token, then a closing one")
 
     def settings(self) -> GenerateSettings:
@@ -299,7 +302,8 @@ class InferenceRoutes:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
         token (text, token), then a closing chunk (finish_reason, usage, timings); an error
         after the stream began comes as an `event: error` with the usual error body."""
-        options = http_options(request, "/v1/generate", "Generate", trace_layers=body.trace_layers)
+        options = http_options(request, "/v1/generate", "Generate", trace_layers=body.trace_layers,
+                               trace_steps=body.trace_steps)
         chunks = self.service.generate(PromptInput(text=body.prompt, token_ids=body.prompt_token_ids),
                                        body.settings(), options)
         if not body.stream:

@@ -1,48 +1,24 @@
-// The layer viewer: one request with attention_maps, drawn as tables and SVG. No framework.
-// Deep link: /ui?prompt=...&layer=...&head=... renders at once. The API key, when the server
-// wants one, lives in this tab's sessionStorage and travels only as an Authorization header.
+// The viewer's entry and its "Next token" view: one request with attention_maps, drawn as the
+// shape walk-through, tables and SVG. Deep links render at once:
+//   /ui?prompt=...&layer=...&head=...&click=STEP        (next token)
+//   /ui?view=generate&prompt=...&max_tokens=8&step=3   (generate.js)
+//   /ui?view=shapes&preset=llama-3-8b&tokens=5         (shapes.js)
 "use strict";
 
-const $ = (id) => document.getElementById(id);
-const SVG = "http://www.w3.org/2000/svg";
-const state = { config: null, result: null, layer: 0, head: 0 };
-
-function visible(token) {  // GPT-2's leading space, shown
-  return token.replace(/ /g, "␣").replace(/\n/g, "\\n").replace(/\t/g, "\\t");
-}
-
-function el(tag, attrs = {}, ...children) {
-  const node = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
-  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
-  for (const child of children) node.append(child);
-  return node;
-}
-
-function shade(value, max) {  // 0..max -> white..blue
-  const t = max > 0 ? Math.max(0, Math.min(1, value / max)) : 0;
-  return `rgb(${Math.round(255 - 205 * t)},${Math.round(255 - 160 * t)},255)`;
-}
-
-function show(id, text) {
-  $(id).textContent = text;
-  $(id).hidden = !text;
-}
-
-function headers() {
-  const h = { "content-type": "application/json" };
-  const key = sessionStorage.getItem("gpt2serve-key");
-  if (key) h.authorization = `Bearer ${key}`;
-  return h;
-}
+const state = { config: null, model: null, result: null, layer: 0, head: 0, view: "next" };
 
 async function start() {
   state.config = await (await fetch("/ui/config.json")).json();
-  if (state.config.trace_layers === "never") {
+  const params = new URLSearchParams(location.search);
+  state.view = ["generate", "shapes"].includes(params.get("view")) ? params.get("view") : "next";
+  showView(state.view);
+  if (state.config.trace_layers === "never" && state.view !== "shapes") {
     show("notice", "Layer data is off on this server (--trace-layers never): only the answer can be shown.");
   }
+  if (state.view === "shapes") return startShapes(params);  // no model data: no key needed
   if (state.config.api_key_required && !sessionStorage.getItem("gpt2serve-key")) $("key-form").hidden = false;
   else await loadModel();
-  const params = new URLSearchParams(location.search);
+  if (state.view === "generate") return startGenerate(params);
   state.layer = Number(params.get("layer") || 0);
   state.head = Number(params.get("head") || 0);
   if (params.get("prompt")) {
@@ -52,12 +28,28 @@ async function start() {
   }
 }
 
+function showView(view) {
+  for (const node of document.querySelectorAll("[data-view]")) {
+    if (node.tagName === "A") node.classList.toggle("current", node.dataset.view === view);
+    else if (node.tagName !== "MAIN") node.hidden = node.dataset.view !== view;
+  }
+}
+
+function keyMissing() {
+  if (state.config.api_key_required && !sessionStorage.getItem("gpt2serve-key")) {
+    $("key-form").hidden = false;
+    show("error", "Enter the API key first.");
+    return true;
+  }
+  return false;
+}
+
 async function loadModel() {
   const response = await fetch("/v1/model", { headers: headers() });
   if (!response.ok) return;
-  const info = await response.json();
+  const info = state.model = await response.json();
   $("model").textContent = `${info.model} (${info.weights} weights, ${info.dtype} on ${info.device})`;
-  renderParams(info);
+  if (state.view === "next") renderParams(info);
 }
 
 function renderParams(info) {
@@ -77,34 +69,26 @@ function renderParams(info) {
 
 async function run() {
   show("error", "");
-  if (state.config.api_key_required && !sessionStorage.getItem("gpt2serve-key")) {
-    $("key-form").hidden = false;
-    show("error", "Enter the API key first.");
-    return;
-  }
+  if (keyMissing()) return;
   const layersOn = state.config.trace_layers !== "never";
   const body = { prompt: $("prompt").value, top_k: Number($("top-k").value) || 5,
                  attention_maps: layersOn, trace_layers: layersOn && Boolean(state.config.trace_ui_url) };
-  const response = await fetch("/v1/next-token", { method: "POST", headers: headers(), body: JSON.stringify(body) });
-  const data = await response.json();
-  if (!response.ok) {
-    if (response.status === 401) { sessionStorage.removeItem("gpt2serve-key"); $("key-form").hidden = false; }
-    show("error", `${data.error.code}: ${data.error.message}`);
-    $("results").hidden = true;
-    return;
-  }
+  const data = await post("/v1/next-token", body);
+  if (!data) { $("results").hidden = true; return; }
   state.result = data;
   state.layer = Math.min(state.layer, Math.max(data.layers.length - 1, 0));
   render();
+  clickRequested($("walkthrough"));
 }
 
 function render() {
   const r = state.result;
   $("results").hidden = false;
   renderAnswer(r);
-  for (const id of ["heads", "heatmaps", "lens", "layers"]) $(id).replaceChildren();
+  for (const id of ["heads", "heatmaps", "lens", "layers", "walkthrough"]) $(id).replaceChildren();
   $("layer-index").textContent = "";
   if (!r.layers.length) return;
+  renderWalk(r);
   renderHeads(r);
   renderHeatmaps(r);
   renderLens(r);
@@ -112,17 +96,70 @@ function render() {
 }
 
 function renderAnswer(r) {
-  const rows = r.top.map((t, i) => el("tr", {}, el("td", {}, String(i + 1)), el("td", { class: "tok" }, visible(t.token)),
-    el("td", {}, Math.exp(t.logprob).toFixed(4)), el("td", {}, t.logprob.toFixed(3)), el("td", {}, String(t.token_id))));
-  const table = el("table", { id: "top" }, el("tr", {}, ...["rank", "token", "prob", "logprob", "id"].map((h) => el("th", {}, h))), ...rows);
   const answer = el("p", {}, "Next token: ", el("strong", { class: "tok", id: "next-token" }, visible(r.token)),
     ` (p = ${Math.exp(r.logprob).toFixed(4)}), ${r.prompt_token_ids.length} prompt tokens, forward ${r.timings.forward_ms.toFixed(1)} ms`);
-  const parts = [answer, table];
+  const parts = [answer, tokenTable("top", r.top, r.token_id)];
   if (r.trace_id && state.config.trace_ui_url) {
     parts.push(el("p", {}, el("a", { id: "trace-link", href: state.config.trace_ui_url.replace("{trace_id}", r.trace_id), target: "_blank" },
       `This request's trace (${r.trace_id})`)));
   }
   $("answer").replaceChildren(...parts);
+}
+
+// The walk-through of this forward, and what the seeds' explainers round or simplify.
+function renderWalk(r) {
+  const steps = r.walkthrough, byName = Object.fromEntries(steps.map((s) => [s.name, s.shape]));
+  const vocab = byName.logits[byName.logits.length - 1], [batch, length] = byName["token ids"];
+  $("seeds-note").textContent = `Where this differs from the seeds' pictures: GPT-2's vocabulary is ${vocab.toLocaleString("en")} tokens, ` +
+    `not 50,000, so the embedding is [${vocab}, ${byName["token embedding"][1]}] and the logits end in ${vocab}; and nothing is padded ` +
+    `to 1024: this forward ran at ${length} positions (the prompt's own length; a batch is left-padded only to its longest prompt). ` +
+    (batch > 1 ? `It shared its forward with ${batch - 1} other prompt(s): the first dimension is the batch.` : "The first dimension is the batch: 1 here.");
+  $("walk-layer").replaceChildren(...r.layers.map((l) => el("option", { value: l.index }, String(l.index))));
+  $("walk-layer").value = String(state.layer);
+  $("walk-layer-label").hidden = false;
+  drawWalkthrough($("walkthrough"), steps, { repeat: r.layers.length, onSelect: (step, index) => selectStep(step, index) });
+}
+
+function selectStep(step, index) {
+  state.selected = index;
+  for (const f of $("walkthrough").querySelectorAll("figure.shape-block")) f.classList.toggle("selected", Number(f.dataset.index) === index);
+  $("shape-detail").replaceChildren(...stepHeader(step), stepNumbers(step));
+  $("shape-detail").hidden = false;
+}
+
+// What the trace has for a step: its numbers for the chosen block, or why there are none.
+function stepNumbers(step) {
+  const r = state.result, layer = r.layers[state.layer], name = step.name;
+  if (step.kind === "weight") {
+    return el("p", {}, `A weight: ${elements(step.shape).toLocaleString("en")} parameters (${step.shape.join(" × ")}), the same for ` +
+      "every prompt; a bias, where there is one, is not drawn.");
+  }
+  if (name === "token ids") {
+    return el("table", { class: "numbers" }, el("tr", {}, el("th", {}, "token"), ...r.prompt_tokens.map((t) => el("td", { class: "tok" }, visible(t)))),
+      el("tr", {}, el("th", {}, "id"), ...r.prompt_token_ids.map((i) => el("td", {}, String(i)))));
+  }
+  if (name.startsWith("QKᵀ") || name.startsWith("softmax")) {
+    return el("div", { class: "numbers heatmaps" }, ...layer.heads.map((h, head) => el("figure", { class: "head" },
+      heatmap(layer, head, r.prompt_tokens), el("figcaption", {}, `block ${layer.index}, head ${head}`))));
+  }
+  if (name.endsWith("per head") || name === "weights × V") {
+    return numbersTable(["head", "entropy", "max weight", "looks at", "previous-token"], layer.heads.map((h, i) =>
+      [i, h.entropy.toFixed(3), h.max_weight.toFixed(3), visible(h.top_token), h.previous_token_score.toFixed(3)]));
+  }
+  const perLayer = (label, key) => numbersTable(["block", label], r.layers.map((l) => [l.index, l[key].toFixed(2)]));
+  if (name === "attention output" || name === "residual + attention") return perLayer("attention output norm (last position)", "attn_output_norm");
+  if (name.startsWith("MLP")) return perLayer("MLP output norm (last position)", "mlp_output_norm");
+  if (name === "residual + MLP" || name === "last row" || name.startsWith("normalised")) {
+    return numbersTable(["block", "residual norm", "logit lens (top token, p)"], r.layers.map((l) =>
+      [l.index, l.residual_norm.toFixed(2), `${visible(l.logit_lens[0].token)} ${l.logit_lens[0].prob.toFixed(3)}`]));
+  }
+  if (name === "logits" || name === "chosen token") return tokenTable("detail-top", r.top, r.token_id);
+  return el("p", {}, "The trace keeps no numbers for this matrix; its shape is the real forward's.");
+}
+
+function numbersTable(head, rows) {
+  return el("table", { class: "numbers" }, el("tr", {}, ...head.map((h) => el("th", {}, h))),
+    ...rows.map((row) => el("tr", {}, ...row.map((v) => el("td", {}, String(v))))));
 }
 
 function renderHeads(r) {
@@ -191,10 +228,9 @@ function renderLens(r) {
 function renderLayers(r) {
   const head = el("tr", {}, ...["layer", "hidden (batch)", "attention (batch)", "hidden (prompt)", "attention (prompt)", "MLP (prompt)",
     "residual norm", "ms"].map((h) => el("th", {}, h)));
-  const shape = (s) => `[${s.join(", ")}]`;
-  const rows = r.layers.map((l) => el("tr", { class: "layer-row" }, el("td", {}, String(l.index)), el("td", {}, shape(l.batch_hidden_shape)),
-    el("td", {}, shape(l.batch_attn_shape)), el("td", {}, shape(l.hidden_shape)), el("td", {}, shape(l.attn_shape)),
-    el("td", {}, shape(l.mlp_shape)), el("td", {}, l.residual_norm.toFixed(1)), el("td", {}, l.duration_ms.toFixed(2))));
+  const rows = r.layers.map((l) => el("tr", { class: "layer-row" }, el("td", {}, String(l.index)), el("td", {}, shapeText(l.batch_hidden_shape)),
+    el("td", {}, shapeText(l.batch_attn_shape)), el("td", {}, shapeText(l.hidden_shape)), el("td", {}, shapeText(l.attn_shape)),
+    el("td", {}, shapeText(l.mlp_shape)), el("td", {}, l.residual_norm.toFixed(1)), el("td", {}, l.duration_ms.toFixed(2))));
   $("layers").replaceChildren(head, ...rows);
 }
 
@@ -208,4 +244,9 @@ $("key-form").addEventListener("submit", (event) => {
   loadModel();
 });
 $("summary").addEventListener("change", () => state.result && render());
+$("walk-layer").addEventListener("change", () => {
+  state.layer = Number($("walk-layer").value);
+  render();
+  if (state.selected !== undefined) selectStep(state.result.walkthrough[state.selected], state.selected);
+});
 start().catch((error) => show("error", `The page could not start: ${error}`));
