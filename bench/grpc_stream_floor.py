@@ -16,7 +16,7 @@ import time
 import grpc
 
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
-from gpt2serve_client.types import GeneratedToken, GenerateChunk
+from gpt2serve_client.generation import GeneratedToken, GenerateChunk
 
 MESSAGES, STREAMS, CALLS = 64, 64, 5
 TOKEN = GenerateChunk(" the", GeneratedToken(262, " the", -0.5)).to_proto()

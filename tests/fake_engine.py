@@ -18,7 +18,8 @@ class FakeEngine:
         self.batch_sizes: list[int] = []
 
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = ()) -> BatchOutput:
+                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
+                   last_row_rows: Sequence[int] = ()) -> BatchOutput:
         if self.oom_above is not None and len(prompts) > self.oom_above:
             raise OutOfMemory(f"fake: {len(prompts)} > {self.oom_above}")
         self.batch_sizes.append(len(prompts))

@@ -24,7 +24,7 @@ from gpt2serve.protocol import (BadFrame, Cancel, EngineReady, Failed, Generate,
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 
-TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", True, True, False, True, False)
+TRACE = TraceContext("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", True, True, False, True, False, True)
 LAYER = LayerReport(0, [2, 5, 8], [2, 5, 24], [2, 2, 5, 5], [2, 5, 32], [5, 8], [5, 24], [2, 5, 5], [5, 32],
                     [HeadSummary(1.5, 0.5, 3, 464, "The", 0.25, 0.1)] * 2, 3.5, 1.25, 2.0,
                     [TokenProb(262, " the", 0.125)], 0.5, [0.5] * 4, [TokenProb(11, ",", 0.25)])

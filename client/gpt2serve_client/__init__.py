@@ -6,23 +6,20 @@ Needs neither torch nor transformers.
 from .errors import Gpt2ServeError
 from .grpc_client import AsyncClient, Client
 from .rest_client import RestClient
+from .generation import GenerateChunk, GenerateResult, GenerateTimings, GeneratedToken, GenerationStep, Usage
 from .types import (
     Architecture,
-    GenerateChunk,
-    GenerateResult,
-    GenerateTimings,
-    GeneratedToken,
     HealthStatus,
     ModelInfo,
     NextTokenResult,
     ParameterBreakdown,
+    ShapeStep,
     Timings,
     TokenLogprob,
-    Usage,
 )
 
 __all__ = [
     "Architecture", "AsyncClient", "Client", "GenerateChunk", "GenerateResult", "GenerateTimings",
-    "GeneratedToken", "Gpt2ServeError", "HealthStatus", "ModelInfo",
-    "NextTokenResult", "ParameterBreakdown", "RestClient", "Timings", "TokenLogprob", "Usage",
+    "GeneratedToken", "GenerationStep", "Gpt2ServeError", "HealthStatus", "ModelInfo",
+    "NextTokenResult", "ParameterBreakdown", "RestClient", "ShapeStep", "Timings", "TokenLogprob", "Usage",
 ]

@@ -13,7 +13,8 @@ from . import _requests
 from ._proto import gpt2serve_pb2 as pb
 from ._proto import gpt2serve_pb2_grpc as pb_grpc
 from .errors import Gpt2ServeError
-from .types import GenerateChunk, GenerateResult, HealthStatus, ModelInfo, NextTokenResult
+from .generation import GenerateChunk, GenerateResult
+from .types import HealthStatus, ModelInfo, NextTokenResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # include_layers on a big batch of a big model is large

@@ -14,7 +14,8 @@ import httpx
 from . import _requests
 from .errors import Gpt2ServeError
 from .status import ERROR_STATUSES, code_for_http
-from .types import GenerateChunk, GenerateResult, HealthStatus, ModelInfo, NextTokenResult
+from .generation import GenerateChunk, GenerateResult
+from .types import HealthStatus, ModelInfo, NextTokenResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_BACKOFF_S = 2.0

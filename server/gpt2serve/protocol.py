@@ -44,6 +44,9 @@ class TraceContext:
     layer_spans: bool = False  # export per-layer spans
     layers_in_response: bool = False  # the answer waits for the reports (include_layers)
     attention_maps: bool = False  # the reports carry full attention maps and the all-position lens
+    # With attention_maps: only each map's last query row, and no all-position lens (a traced
+    # generation step: the new row over the cache; service.step_trace).
+    last_row_maps: bool = False
 
 
 @dataclass(frozen=True)
@@ -246,13 +249,13 @@ def _scores(x: Any) -> list[TokenScore]:
 
 def _pack_trace(t: TraceContext | None) -> list | None:
     return None if t is None else [t.traceparent, t.sampled, t.layers_wanted, t.layer_spans, t.layers_in_response,
-                                   t.attention_maps]
+                                   t.attention_maps, t.last_row_maps]
 
 
 def _trace(x: Any) -> TraceContext | None:
     if x is None:
         return None
-    traceparent, *flags = _fields(x, 6)
+    traceparent, *flags = _fields(x, 7)
     return TraceContext(_str(traceparent), *map(_bool, flags))
 
 

@@ -150,20 +150,23 @@ class Engine:
     @oom_as_out_of_memory
     @torch.inference_mode()
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = ()) -> BatchOutput:
+                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
+                   last_row_rows: Sequence[int] = ()) -> BatchOutput:
         """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection);
-        `mapped_rows`, among them, those that also want full attention maps and logit lens."""
+        `mapped_rows`, among them, those that also want full attention maps and logit lens;
+        `last_row_rows`, among those, the ones that want only each map's last query row."""
         started, started_ns = time.perf_counter(), time.time_ns()
         replayed = self.graphs.run(prompts) if self.graphs is not None and not traced_rows else None
         if replayed is None:
-            return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows)
+            return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows)
         logprobs, (_, length) = replayed
         top, failed = self._top(logprobs, top_ks)
         return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(), cuda_graph=True,
                            failed_rows=failed)
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
-               started: float, started_ns: int, mapped_rows: Sequence[int] = ()) -> BatchOutput:
+               started: float, started_ns: int, mapped_rows: Sequence[int] = (),
+               last_row_rows: Sequence[int] = ()) -> BatchOutput:
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
         if self.device.type == "cuda":
             batch = batch.pin_memory()
@@ -171,7 +174,7 @@ class Engine:
         probe = None
         if traced_rows:
             probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
-                               self.loaded.tokenizer.token_text, mapped_rows)
+                               self.loaded.tokenizer.token_text, mapped_rows, last_row_rows)
         top, failed = self._top(self.last_logprobs(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe), top_ks)
         if probe:
             probe.finish()

@@ -69,13 +69,14 @@ class LayerProbe(ShapeRecorder):
     layer summaries and the timeline, and the recorded shapes give the walk-through."""
 
     def __init__(self, model: TappedModel, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
-                 token_text: Callable[[int], str], mapped_rows: Sequence[int] = ()):
+                 token_text: Callable[[int], str], mapped_rows: Sequence[int] = (), last_row_rows: Sequence[int] = ()):
         super().__init__()
         self.model = model
         self.token_text = token_text
         self.rows = list(rows)
         self.lengths = list(lengths)  # real (unpadded) length of each traced row
         self.mapped_rows = set(mapped_rows)  # traced rows that also want full attention maps and lens
+        self.last_row_rows = set(last_row_rows)  # of those, rows that want each map's last query row alone
         self.input_ids = input_ids  # (B, T)
         self.n_head = model.config.n_head
         self.clock = _Clock(input_ids.device)
@@ -84,7 +85,8 @@ class LayerProbe(ShapeRecorder):
         self._hidden_last: list[torch.Tensor] = []  # per block: (R, d) residual after the block
         self._attn_last: list[torch.Tensor] = []  # per block: (R, d)
         self._mlp_last: list[torch.Tensor] = []  # per block: (R, d)
-        self._hidden_all: dict[int, list[torch.Tensor]] = {row: [] for row in self.mapped_rows}  # (L, d) per block
+        self._hidden_all: dict[int, list[torch.Tensor]] = {  # (L, d) per block: the all-position lens
+            row: [] for row in self.mapped_rows - self.last_row_rows}
         self._end_ns = 0
 
     # Taps: slices of what the block computed, for the traced rows ----------------------------------
@@ -146,7 +148,9 @@ class LayerProbe(ShapeRecorder):
     def _maps(self, r: int, attention: torch.Tensor, unembed: Callable[[torch.Tensor], torch.Tensor]) -> list[dict]:
         """Per block, for row r: its attention maps [H*L*L] and the logit lens at every position.
         One unembedding a block (all blocks at once would hold n_layer * L * V logits), then one
-        host copy per statistic."""
+        host copy per statistic. A last-row row: each map's last query row [H*L], no lens."""
+        if self.rows[r] in self.last_row_rows:
+            return [{"attention": row} for row in attention[..., -1, :].flatten(1).tolist()]  # (n_layer, H*L)
         best = [unembed(self.model.ln_f(hidden)).float().softmax(dim=-1).max(dim=-1)  # (L,) probs and ids
                 for hidden in self._hidden_all[self.rows[r]]]  # (L, d) per block
         probs = torch.stack([p for p, _ in best]).tolist()  # (n_layer, L)

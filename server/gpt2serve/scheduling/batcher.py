@@ -39,7 +39,8 @@ class BatchEngine(Protocol):
     fixed_cost_tokens: float  # a forward's fixed cost in padded tokens (see scheduling.grouping)
 
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = ()) -> BatchOutput: ...
+                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
+                   last_row_rows: Sequence[int] = ()) -> BatchOutput: ...
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
 
@@ -210,10 +211,11 @@ class Batcher:
         traces = [p.trace for p in batch]
         traced_rows = [row for row, t in enumerate(traces) if t is not None and t.layers_wanted]
         mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
+        last_row_rows = [row for row, t in enumerate(traces) if t is not None and t.last_row_maps]
         try:
             output = await loop.run_in_executor(
                 self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],
-                traced_rows, mapped_rows,
+                traced_rows, mapped_rows, last_row_rows,
             )
         except OutOfMemory as exc:
             if len(batch) == 1:

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from gpt2serve_client.types import GeneratedToken, GenerateChunk, GenerateTimings, TokenLogprob, Usage
+from gpt2serve_client.generation import GeneratedToken, GenerateChunk, GenerateTimings, Usage
+from gpt2serve_client.types import TokenLogprob
 
 from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent

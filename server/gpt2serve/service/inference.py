@@ -12,7 +12,8 @@ import asyncio
 from dataclasses import replace
 from typing import AsyncIterator, Sequence
 
-from gpt2serve_client.types import GenerateChunk, ModelInfo, NextTokenResult
+from gpt2serve_client.generation import GenerateChunk
+from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from ..config import ServeConfig
 from ..engine.tokenizer import Tokenizer

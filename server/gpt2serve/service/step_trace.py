@@ -19,7 +19,8 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from gpt2serve_client.types import GenerateChunk, GenerationStep, ShapeStep, TokenLogprob
+from gpt2serve_client.generation import GenerateChunk, GenerationStep
+from gpt2serve_client.types import ShapeStep, TokenLogprob
 
 from ..protocol import NextTokenOutput, NextTokenRequest, TraceContext
 from ..telemetry.spans import RequestTelemetry
@@ -59,11 +60,8 @@ def build_step(index: int, sequence: list[int], out: NextTokenOutput, token_id: 
     """Step `index` from the traced forward over `sequence` (its reports carry attention maps)."""
     layers, length = out.layers or [], len(sequence)
     n_head = layers[0].attn_shape[0]
-    attention: list[float] = []
-    for report in layers:  # the last query row of each head's [L, L] map: the new row over the cache
-        for head in range(n_head):
-            start = (head * length + length - 1) * length
-            attention.extend(report.attention[start:start + length])
+    # Each report's `attention` is its maps' last query rows (last_row_maps), [H * L]: the new row over the cache.
+    attention = [weight for report in layers for weight in report.attention]  # (n_layer * H * L)
     shapes = {step.name: step.shape for step in out.walkthrough or []}
     d_model, (_, _, _, d_head) = shapes["token + position embeddings"][-1], shapes["Q per head"]
     rows = length if index == 0 else 1

@@ -145,7 +145,7 @@ class Validator:
             raise InvalidArgument(f"trace_steps: the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} "
                                   f"exceed the {MAX_ATTENTION_MAP_TOKENS} tokens a traced generation may hold")
         return TraceContext(traceparent(request.span), layers_wanted=True, layers_in_response=True,
-                            attention_maps=True)
+                            attention_maps=True, last_row_maps=True)
 
     def trace(self, request: RequestTelemetry, options: RequestOptions) -> TraceContext:
         """What the engine side is to record for this request (per-layer reports, spans)."""

@@ -33,7 +33,8 @@ from opentelemetry.trace import (
     Link, NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags, format_trace_id,
 )
 
-from gpt2serve_client.types import GenerationStep, LayerReport
+from gpt2serve_client.generation import GenerationStep
+from gpt2serve_client.types import LayerReport
 
 from ..protocol import TraceContext
 from .metrics import Metrics

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from gpt2serve_client.types import GeneratedToken, GenerateResult, Usage
+from gpt2serve_client.generation import GeneratedToken, GenerateResult, Usage
 
 from ..errors import InvalidArgument, ModelNotFound, ServeError
 from ..service import GenerateSettings, InferenceService, PromptInput

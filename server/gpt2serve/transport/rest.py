@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpt2serve_client.status import ERROR_STATUSES
-from gpt2serve_client.types import GenerateResult, ModelInfo, NextTokenResult
+from gpt2serve_client.generation import GenerateResult
+from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from .. import __version__
 from ..config import ServeConfig
