@@ -27,13 +27,13 @@ real_choose = generator_module.Generator._choose
 poisoned_sequences: set[int] = set()
 
 
-def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=()):
+def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=()):
     if any(FAIL_TOKEN in p for p in prompts):
         raise RuntimeError("injected fault in the forward pass")
     if len(prompts) > 1 and any(OOM_TOKEN in p for p in prompts):
         print(f"injected OOM for a batch of {len(prompts)}", flush=True)
         raise engine_module.OutOfMemory("CUDA out of memory (injected)")
-    return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows)
+    return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows)
 
 
 def last_logprobs(self, input_ids, position_ids, valid, probe=None):

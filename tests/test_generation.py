@@ -179,8 +179,8 @@ def test_a_decode_trace_serves_any_number_of_rows_exactly(saved):
     generator.prefill([NewSequence(i, PROMPTS[i + 2], GREEDY, i) for i in range(7)])
     traces = TracedDecode(generator._decode_logits, generator.model, generator.cache)
 
-    def step_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.arange(rows) + 500, torch.tensor([len(PROMPTS[i + 2]) for i in range(rows)])
+    def step_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:  # other tokens for each row count, so each
+        return torch.arange(rows) + 500 + 10 * rows, torch.tensor([len(PROMPTS[i + 2]) for i in range(rows)])  # writes anew
 
     with torch.inference_mode():
         traces.run(*step_inputs(2), 64)  # traced here

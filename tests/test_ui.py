@@ -111,6 +111,7 @@ def test_the_walk_through_is_drawn_with_the_forwards_shapes(server, tmp_path, ti
     assert "Each block (× 2, the same shapes in every block)" in html
     note = texts(html, r'id="seeds-note">([^<]*)<')[0]
     assert "50,257 tokens, not 50,000" in note and "nothing is padded to 1024" in note and "ran at 5 positions" in note
+    assert "the logits are [1, 50257], not [1, 5, 50257]" in note
 
 
 @pytest.mark.parametrize("click, shown", [

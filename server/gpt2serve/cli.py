@@ -181,7 +181,8 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     add_generate_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
-    params = sub.add_parser("params", help="where the parameters of a GPT-2-shaped model live, counted from its shape")
+    params = sub.add_parser("params", help="where the parameters of a model live (GPT, Llama, Qwen, DeepSeek presets or a "
+                                           "config.json), or its shapes, counted from its config")
     add_params_arguments(params)
     params.set_defaults(func=cmd_params)
     return parser

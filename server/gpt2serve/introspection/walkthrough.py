@@ -83,7 +83,7 @@ def traced_walkthrough(recorder: ShapeRecorder, model: Any, input_shape: Sequenc
     """What a real forward computed (shapes from `recorder`) with the model's weights (engine.gpt2.GPT2)."""
     s, block, config = recorder.shapes, model.blocks[0], model.config
     B, T = input_shape
-    wte = [config.vocab_size, config.d_model] if model.wte.weight is None else list(model.wte.weight.shape)
+    wte = list((model.wte.table if model.wte.weight is None else model.wte.weight).shape)  # quantized: its table
     merged = [s["weighted_v"][0], s["weighted_v"][2], s["weighted_v"][1] * s["weighted_v"][3]]
     tied = "tied: the token embedding, transposed" if config.tie_lm_head else "untied"
     steps = [
