@@ -40,7 +40,7 @@ def traced_on_meta(name: str, B: int, T: int):
         hidden = model.hidden_states(ids, torch.arange(T).expand(B, T), torch.ones(B, T, dtype=torch.bool), recorder)
         last = hidden[:, -1]
         recorder.unembedded(last, model.lm_head(model.ln_f(last)))
-    return traced_walkthrough(recorder, model, ids.shape), recorder
+    return traced_walkthrough(recorder, model), recorder
 
 
 @pytest.mark.parametrize("name", ["tiny", "gpt2", "gpt2-xl"])

@@ -154,9 +154,6 @@ class ShapeStep:
     def from_dict(cls, data: dict[str, Any]) -> ShapeStep:
         return cls(**{**data, "shape": list(data["shape"])})
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class NextTokenResult:

@@ -210,7 +210,7 @@ class Engine:
         """The traced rows' per-layer reports, logit lens decoded here: called after the answers
         went out, since decoding every block costs about one more unembedding of n_layer rows."""
         per_row, timeline = output.probe.reports(self.unembed)
-        walkthrough = traced_walkthrough(output.probe, self.model, output.probe.input_ids.shape)
+        walkthrough = traced_walkthrough(output.probe, self.model)
         return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None,
                        walkthrough=walkthrough)
 

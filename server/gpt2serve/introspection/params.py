@@ -10,7 +10,7 @@ No torch here: the command starts at once.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .architectures import (PRESETS, SERVABLE, Architecture, ConfigError, as_dict, from_hf_config,
@@ -241,7 +241,7 @@ def run_params(args) -> int:
         return 2
     if args.shapes:
         steps = preset_walkthrough(arch, batch=max(args.batch, 1), tokens=max(args.tokens, 1))
-        print(json.dumps([step.as_dict() for step in steps], indent=1) if args.json else format_shapes(name, steps))
+        print(json.dumps([asdict(step) for step in steps], indent=1) if args.json else format_shapes(name, steps))
         return 0
     breakdown = count(arch)
     print(as_json(name, breakdown) if args.json else format_table(name, breakdown))

@@ -160,7 +160,6 @@ class RequestTelemetry:
             self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
             prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
 
-
     def step_span(self, step: GenerationStep, start_ns: int, end_ns: int) -> None:
         """A traced generation step (trace_steps), from the previous token to this one. Steps are
         traced beside the generation, so the last may end after the request span did."""

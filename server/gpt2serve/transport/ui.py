@@ -17,6 +17,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from ..config import ServeConfig
+from ..errors import InvalidArgument, NotFound
 from ..introspection.architectures import PRESETS, published_summary
 from ..introspection.params import count
 from ..introspection.walkthrough import preset_walkthrough
@@ -78,19 +79,14 @@ def add_ui_routes(app: FastAPI, config: ServeConfig) -> None:
 
     @app.get(PRESET_PREFIX + "{name}.json", include_in_schema=False)
     def ui_preset(name: str, tokens: int = 5, batch: int = 1) -> JSONResponse:
-        if name not in PRESETS:
-            return error_json(404, "NOT_FOUND", f"no preset {name!r}; {PRESETS_PATH} lists them")
+        if name not in PRESETS:  # rendered by the app's ServeError handler, like every HTTP error
+            raise NotFound(f"no preset {name!r}; {PRESETS_PATH} lists them")
         if not (1 <= tokens <= MAX_PRESET_TOKENS and 1 <= batch <= MAX_PRESET_BATCH):
-            return error_json(400, "INVALID_ARGUMENT", f"tokens must be within 1..{MAX_PRESET_TOKENS} and batch "
-                                                       f"within 1..{MAX_PRESET_BATCH}")
+            raise InvalidArgument(f"tokens must be within 1..{MAX_PRESET_TOKENS} and batch within 1..{MAX_PRESET_BATCH}")
         arch = PRESETS[name]
         breakdown = count(arch)
         return JSONResponse({
             "name": name, "description": arch.describe(), "published": published_summary(arch),
-            "walkthrough": [step.as_dict() for step in preset_walkthrough(arch, batch, tokens)],
+            "walkthrough": [asdict(step) for step in preset_walkthrough(arch, batch, tokens)],
             "parameters": {"lines": [asdict(line) for line in breakdown.lines], "total": breakdown.total,
                            "active": breakdown.active, "n_layer": arch.n_layer}})
-
-
-def error_json(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
