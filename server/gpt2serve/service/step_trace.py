@@ -22,6 +22,7 @@ from typing import Callable
 from gpt2serve_client.generation import GenerateChunk, GenerationStep
 from gpt2serve_client.types import ShapeStep, TokenLogprob
 
+from ..introspection.walkthrough import data_step as data
 from ..protocol import NextTokenOutput, NextTokenRequest, TraceContext
 from ..telemetry.spans import RequestTelemetry
 
@@ -70,34 +71,38 @@ def build_step(index: int, sequence: list[int], out: NextTokenOutput, token_id: 
         kv_cache_shape=[n_head, length, d_head], attention=attention,
         logit_lens=[report.logit_lens[0] for report in layers],
         top=[TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in out.top],
-        walkthrough=list(out.walkthrough or []) if index == 0 else decode_walkthrough(shapes, length),
+        walkthrough=step_walkthrough(shapes, length, rows),
         n_layer=len(layers), n_head=n_head, token_id=token_id, token=token_text(token_id),
         new_tokens=[token_text(t) for t in sequence[-rows:]],
     )
 
 
-def decode_walkthrough(shapes: dict[str, list[int]], length: int) -> list[ShapeStep]:
-    """A decode step's shapes: one new row, over a cache of `length` keys and values per head.
-    `shapes` are the traced forward's over the whole sequence (batch 1); its last row is this step."""
+def step_walkthrough(shapes: dict[str, list[int]], length: int, new: int) -> list[ShapeStep]:
+    """One step's shapes for this sequence alone: `new` rows (the prompt's at the prefill, then
+    one) over a cache of `length` keys and values per head. The model's widths come from the
+    traced forward's `shapes`; its batch and padded length do not (the traced forward may have
+    shared a batch with other requests, as the generation's own prefill may)."""
     _, n_head, _, d_head = shapes["Q per head"]
     d_model, d_mlp, vocab = shapes["heads merged"][-1], shapes["MLP hidden, GELU"][-1], shapes["logits"][-1]
-
-    def data(stage: str, name: str, shape: list[int], note: str = "") -> ShapeStep:
-        return ShapeStep(stage, name, "data", shape, note)
-
+    prefill = new == length
     return [
-        data("input", "new token id", [1, 1], "the token the previous step chose"),
-        data("input", "new row: token + position embedding", [1, 1, d_model], f"at position {length - 1}"),
-        data("block", "Q per head", [1, n_head, 1, d_head], "the new row's query only"),
+        data("input", "new token ids" if prefill else "new token id", [1, new],
+             "the prompt" if prefill else "the token the previous step chose"),
+        data("input", "new rows: token + position embeddings" if prefill else "new row: token + position embedding",
+             [1, new, d_model], f"positions 0..{length - 1}" if prefill else f"at position {length - 1}"),
+        data("block", "Q per head", [1, n_head, new, d_head], "every prompt row's query" if prefill
+             else "the new row's query only"),
         data("block", "K cache per head", [1, n_head, length, d_head],
-             "every position's keys so far: the cache grew by this row's"),
+             "the prompt's keys: the cache starts with them" if prefill
+             else "every position's keys so far: the cache grew by this row's"),
         data("block", "V cache per head", [1, n_head, length, d_head]),
-        data("block", "attention row: softmax(QKᵀ / √d_head)", [1, n_head, 1, length],
-             "no mask: the cache holds only this and earlier positions"),
-        data("block", "weights × V", [1, n_head, 1, d_head]),
-        data("block", "heads merged", [1, 1, d_model]),
-        data("block", "MLP hidden, GELU", [1, 1, d_mlp]),
-        data("block", "residual + MLP", [1, 1, d_model]),
-        data("output", "logits", [1, vocab]),
+        data("block", "attention row: softmax(QKᵀ / √d_head)", [1, n_head, new, length],
+             "masked: each row sees its own and earlier positions" if prefill
+             else "no mask: the cache holds only this and earlier positions"),
+        data("block", "weights × V", [1, n_head, new, d_head]),
+        data("block", "heads merged", [1, new, d_model]),
+        data("block", "MLP hidden, GELU", [1, new, d_mlp]),
+        data("block", "residual + MLP", [1, new, d_model]),
+        data("output", "logits", [1, vocab], "the last row's only"),
         data("output", "chosen token", [1]),
     ]
