@@ -16,30 +16,31 @@ import torch
 from gpt2serve.cli import main
 from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
+from gpt2serve.engine import gpt2 as gpt2_module
 
 FAIL_TOKEN = 40000
 OOM_TOKEN = 40001
 NAN_TOKEN = 40002
 real_next_token = engine_module.Engine.next_token
-real_last_logprobs = engine_module.Engine.last_logprobs
+real_hidden_states = gpt2_module.GPT2.hidden_states
 real_prefill = generator_module.Generator.prefill
 real_choose = generator_module.Generator._choose
 poisoned_sequences: set[int] = set()
 
 
-def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=()):
+def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None):
     if any(FAIL_TOKEN in p for p in prompts):
         raise RuntimeError("injected fault in the forward pass")
     if len(prompts) > 1 and any(OOM_TOKEN in p for p in prompts):
         print(f"injected OOM for a batch of {len(prompts)}", flush=True)
         raise engine_module.OutOfMemory("CUDA out of memory (injected)")
-    return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows)
+    return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows)
 
 
-def last_logprobs(self, input_ids, position_ids, valid, probe=None):
-    logprobs = real_last_logprobs(self, input_ids, position_ids, valid, probe)
+def hidden_states(self, input_ids, *args, **kwargs):
+    hidden = real_hidden_states(self, input_ids, *args, **kwargs)  # (B, T, C)
     poisoned = (input_ids == NAN_TOKEN).any(dim=-1)  # (B,)
-    return torch.where(poisoned[:, None], float("nan"), logprobs)
+    return torch.where(poisoned[:, None, None], float("nan"), hidden)
 
 
 def prefill(self, sequences):
@@ -53,7 +54,7 @@ def choose(self, logits, rows):
 
 
 engine_module.Engine.next_token = next_token
-engine_module.Engine.last_logprobs = last_logprobs
+gpt2_module.GPT2.hidden_states = hidden_states
 generator_module.Generator.prefill = prefill
 generator_module.Generator._choose = choose
 

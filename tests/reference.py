@@ -126,3 +126,30 @@ def reference_maps(model, token_ids: list[int]) -> list[dict]:
         probs, ids = logits.float().softmax(-1).max(-1)  # (L,)
         maps.append({"attention": attn[0].float(), "lens_ids": ids.tolist(), "lens_probs": probs.tolist()})
     return maps
+
+
+@torch.inference_mode()
+def reference_prompt_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """Every position's log-probabilities, the prompt alone: (T, vocab); row i predicts token i+1."""
+    logits = as_transformers(model)(input_ids=torch.tensor([token_ids])).logits  # (1, T, vocab)
+    return torch.log_softmax(logits[0].float(), dim=-1)
+
+
+def assert_prompt_scores_match(model, token_ids: list[int], token_logprobs, ranks, top_ids, top_logprobs) -> None:
+    """Scores of positions 1..T-1 (token logprob, rank, top-k) against transformers' forward."""
+    ref = reference_prompt_logprobs(model, token_ids)[:-1]  # (T-1, vocab): the last row predicts no prompt token
+    targets = torch.tensor(token_ids[1:])
+    want = ref.gather(1, targets[:, None])[:, 0]  # (T-1,)
+    assert len(token_logprobs) == len(token_ids) - 1
+    got = torch.tensor(token_logprobs, dtype=torch.float64)
+    assert torch.allclose(got, want.double(), atol=TOLERANCE, rtol=0), (got - want).abs().max()
+    for i, (rank, ids, values) in enumerate(zip(ranks, top_ids, top_logprobs)):
+        row = ref[i]
+        # Ranks are counts of strictly better tokens: exact unless a near-tie sits within tolerance.
+        lo = int((row > want[i] + TOLERANCE).sum()) + 1
+        hi = int((row > want[i] - TOLERANCE).sum()) + 1
+        assert lo <= rank <= hi, (i, rank, lo, hi)
+        best = torch.topk(row, len(ids)).values.tolist()
+        for got_value, want_value, token in zip(values, best, ids):
+            assert abs(got_value - want_value) <= TOLERANCE
+            assert abs(row[token].item() - got_value) <= TOLERANCE

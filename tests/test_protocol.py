@@ -14,12 +14,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gpt2serve import protocol
+from gpt2serve.ipc import codec
+from gpt2serve.ipc.codec import BadFrame
 from gpt2serve.errors import ResourceExhausted
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.zmq_client import ZmqEngineClient
-from gpt2serve.protocol import (BadFrame, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
-                                NextTokenOutput, NextTokenRequest, Result, SampledToken, SamplingParams, Step, Submit,
+from gpt2serve.protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
+                                NextTokenOutput, NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit,
                                 TokenEvent, TokenScore, TraceContext)
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
@@ -45,21 +46,27 @@ SAMPLES = [
     Step(9, TokenEvent(SampledToken(262, -0.25, [TokenScore(262, -0.25), TokenScore(11, -3.0)]), "", 0.003, 0.01, 4)),
     Step(9, TokenEvent(SampledToken(50256, -0.5), "eos", 0.0, 0.01, 3)),
     Failed(10, "RESOURCE_EXHAUSTED", "queue full"),
+    Submit(11, NextTokenRequest([[464, 3139, 286]], 2, None, 3)),
+    Generate(12, GenerateRequest([1, 2], SamplingParams(), 1, prompt_logprobs=0)),
+    Result(11, [NextTokenOutput([TokenScore(262, -1.5)], 0.0, 0.02, 1, 1, 2,
+                                prompt_logprobs=PromptScores([-3.5, -0.25], [7, 1], [[11, 3139], [286, 11]],
+                                                             [[-1.0, -3.5], [-0.25, -2.0]]))]),
+    Step(12, TokenEvent(SampledToken(262, -0.25), "", 0.003, 0.01, 1, PromptScores([-2.0], [3], [[]], [[]]))),
 ]
 
 
 def test_every_message_kind_has_a_sample():
-    assert {type(m) for m in SAMPLES} == set(protocol.MESSAGE_TYPES)
+    assert {type(m) for m in SAMPLES} == set(codec.MESSAGE_TYPES)
 
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: type(m).__name__)
 def test_each_message_round_trips_unchanged(message):
-    (decoded,) = protocol.decode(protocol.encode([message]))
+    (decoded,) = codec.decode(codec.encode([message]))
     assert decoded == message and type(decoded) is type(message)
 
 
 def test_a_frame_keeps_its_messages_in_order():
-    assert protocol.decode(protocol.encode(SAMPLES)) == SAMPLES
+    assert codec.decode(codec.encode(SAMPLES)) == SAMPLES
 
 
 def _frame(*messages: list) -> bytes:
@@ -67,7 +74,7 @@ def _frame(*messages: list) -> bytes:
 
 
 def _wire(message) -> list:
-    return msgpack.unpackb(protocol.encode([message]))[0]
+    return msgpack.unpackb(codec.encode([message]))[0]
 
 
 def _with(message, index: int, value) -> bytes:
@@ -79,7 +86,7 @@ def _with(message, index: int, value) -> bytes:
 
 BAD_FRAMES = {
     "not msgpack": b"\xc1\xc1\xc1",
-    "truncated": protocol.encode([SAMPLES[2]])[:-3],
+    "truncated": codec.encode([SAMPLES[2]])[:-3],
     "not a list": msgpack.packb({"kind": 2}),
     "empty message": _frame([]),
     "unknown tag": _frame([99, 1]),
@@ -97,13 +104,19 @@ BAD_FRAMES = {
     "layer report missing fields": _with(SAMPLES[7], 2, [[[[1], [-0.5]], 0.0, 0.0, 1, 1, 2, [{"index": 0}]]]),
     "model info missing fields": _with(SAMPLES[1], 1, {"model": "x"}),
     "error message not a string": _with(Failed(1, "INTERNAL", "x"), 3, None),
+    "prompt scores of unequal columns": _with(SAMPLES[-1], 2, [262, -0.25, [[], []], "", 0.0, 0.0, 1,
+                                                               [[-2.0, -1.0], [3], [[]], [[]]]]),
+    "prompt score top of unequal length": _with(SAMPLES[-2], 2, [[[[262], [-1.5]], 0.0, 0.02, 1, 1, 2, None, None,
+                                                                 [[-3.5], [7], [[11, 3]], [[-1.0]]]]]),
+    "prompt score rank not an integer": _with(SAMPLES[-1], 2, [262, -0.25, [[], []], "", 0.0, 0.0, 1,
+                                                               [[-2.0], [3.5], [[]], [[]]]]),
 }
 
 
 @pytest.mark.parametrize("frame", BAD_FRAMES.values(), ids=BAD_FRAMES.keys())
 def test_a_bad_frame_is_a_bad_frame_error(frame):
     with pytest.raises(BadFrame):
-        protocol.decode(frame)
+        codec.decode(frame)
 
 
 # Over a real socket ------------------------------------------------------------------------------------
@@ -159,8 +172,8 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
         try:
             for frame in (b"garbage", _frame([99]), _with(Cancel(1), 1, "x")):
                 await raw.send(frame)
-            await raw.send(protocol.encode([Hello(0)]))  # pid 0 cannot be watched: logged, still answered
-            (ready,) = protocol.decode(await asyncio.wait_for(raw.recv(), 5))
+            await raw.send(codec.encode([Hello(0)]))  # pid 0 cannot be watched: logged, still answered
+            (ready,) = codec.decode(await asyncio.wait_for(raw.recv(), 5))
             assert ready == EngineReady(INFO, "bundled", 8)
             client = ZmqEngineClient(address)
             await asyncio.wait_for(client.connect(), 5)
@@ -183,9 +196,9 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
             client = ZmqEngineClient(f"ipc://{tmp_path}/raw.sock")
             connecting = asyncio.create_task(client.connect())
             peer, hello = await asyncio.wait_for(router.recv_multipart(), 5)
-            assert protocol.decode(hello) == [Hello(os.getpid())]
+            assert codec.decode(hello) == [Hello(os.getpid())]
             await router.send_multipart([peer, b"\x00not a frame"])
-            await router.send_multipart([peer, protocol.encode([EngineReady(INFO, "bundled", 8)])])
+            await router.send_multipart([peer, codec.encode([EngineReady(INFO, "bundled", 8)])])
             await asyncio.wait_for(connecting, 5)
             assert client.model_info == INFO and client.max_batch_size == 8
             await client.close()

@@ -13,13 +13,15 @@ from .types import (
     ModelInfo,
     NextTokenResult,
     ParameterBreakdown,
+    PromptTokenLogprob,
     ShapeStep,
     Timings,
     TokenLogprob,
+    perplexity,
 )
 
 __all__ = [
     "Architecture", "AsyncClient", "Client", "GenerateChunk", "GenerateResult", "GenerateTimings",
     "GeneratedToken", "GenerationStep", "Gpt2ServeError", "HealthStatus", "ModelInfo",
-    "NextTokenResult", "ParameterBreakdown", "RestClient", "ShapeStep", "Timings", "TokenLogprob", "Usage",
+    "NextTokenResult", "ParameterBreakdown", "PromptTokenLogprob", "RestClient", "ShapeStep", "Timings", "TokenLogprob", "Usage", "perplexity",
 ]

@@ -52,33 +52,37 @@ def prompt_fields(prompt: Prompt) -> dict[str, Any]:
 
 
 def next_token_proto(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
-                     attention_maps: bool = False) -> pb.NextTokenRequest:
+                     attention_maps: bool = False, prompt_logprobs: int | None = None) -> pb.NextTokenRequest:
     return pb.NextTokenRequest(
         **prompt_fields(prompt), top_k=top_k, trace_layers=trace_layers, include_layers=include_layers,
-        attention_maps=attention_maps,
+        attention_maps=attention_maps, prompt_logprobs=prompt_logprobs,
     )
 
 
 def next_token_batch_proto(
-    prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool
+    prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool,
+    prompt_logprobs: int | None = None,
 ) -> pb.NextTokenBatchRequest:
     return pb.NextTokenBatchRequest(
         prompts=[pb.Prompt(**prompt_fields(p)) for p in prompts],
-        top_k=top_k, trace_layers=trace_layers, include_layers=include_layers,
+        top_k=top_k, trace_layers=trace_layers, include_layers=include_layers, prompt_logprobs=prompt_logprobs,
     )
 
 
 def next_token_json(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
-                    attention_maps: bool = False) -> dict[str, Any]:
-    return {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers,
+                    attention_maps: bool = False, prompt_logprobs: int | None = None) -> dict[str, Any]:
+    body = {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers,
             "attention_maps": attention_maps}
+    return body if prompt_logprobs is None else {**body, "prompt_logprobs": prompt_logprobs}
 
 
 def next_token_batch_json(
-    prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool
+    prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool,
+    prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
     items = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
-    return {"prompts": items, "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers}
+    body = {"prompts": items, "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers}
+    return body if prompt_logprobs is None else {**body, "prompt_logprobs": prompt_logprobs}
 
 
 def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float | None, top_k: int | None,

@@ -111,13 +111,16 @@ class Client:
                     raise error from None
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
-                   include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
-        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps)
+                   include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
+                   prompt_logprobs: int | None = None) -> NextTokenResult:
+        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps,
+                                             prompt_logprobs)
         return NextTokenResult.from_proto(self._call(self._stub.NextToken, request, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,
-                         include_layers: bool = False, timeout: float | None = None) -> list[NextTokenResult]:
-        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers)
+                         include_layers: bool = False, timeout: float | None = None,
+                         prompt_logprobs: int | None = None) -> list[NextTokenResult]:
+        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers, prompt_logprobs)
         response = self._call(self._stub.NextTokenBatch, request, timeout)
         return [NextTokenResult.from_proto(r) for r in response.results]
 
@@ -197,14 +200,17 @@ class AsyncClient:
                     raise error from None
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
-                         include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
-        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps)
+                         include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
+                         prompt_logprobs: int | None = None) -> NextTokenResult:
+        request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps,
+                                             prompt_logprobs)
         return NextTokenResult.from_proto(await self._call(self._stub.NextToken, request, timeout))
 
     async def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5,
                                trace_layers: bool = False, include_layers: bool = False,
-                               timeout: float | None = None) -> list[NextTokenResult]:
-        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers)
+                               timeout: float | None = None, prompt_logprobs: int | None = None
+                               ) -> list[NextTokenResult]:
+        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers, prompt_logprobs)
         response = await self._call(self._stub.NextTokenBatch, request, timeout)
         return [NextTokenResult.from_proto(r) for r in response.results]
 

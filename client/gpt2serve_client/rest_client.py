@@ -98,13 +98,15 @@ class RestClient:
         raise error
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
-                   include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None) -> NextTokenResult:
-        body = _requests.next_token_json(prompt, top_k, trace_layers, include_layers, attention_maps)
+                   include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
+                   prompt_logprobs: int | None = None) -> NextTokenResult:
+        body = _requests.next_token_json(prompt, top_k, trace_layers, include_layers, attention_maps, prompt_logprobs)
         return NextTokenResult.from_dict(self._request("POST", "/v1/next-token", body, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,
-                         include_layers: bool = False, timeout: float | None = None) -> list[NextTokenResult]:
-        body = _requests.next_token_batch_json(prompts, top_k, trace_layers, include_layers)
+                         include_layers: bool = False, timeout: float | None = None,
+                         prompt_logprobs: int | None = None) -> list[NextTokenResult]:
+        body = _requests.next_token_batch_json(prompts, top_k, trace_layers, include_layers, prompt_logprobs)
         data = self._request("POST", "/v1/next-token/batch", body, timeout)
         return [NextTokenResult.from_dict(r) for r in data["results"]]
 

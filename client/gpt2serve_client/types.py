@@ -6,6 +6,7 @@ fields that mirror the proto).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,6 +157,40 @@ class ShapeStep:
 
 
 @dataclass(frozen=True)
+class PromptTokenLogprob:
+    """One prompt token, scored: how likely the model found it after the tokens before it.
+    The first token has nothing before it: `logprob` and `rank` are None."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None  # 1 + the tokens the model found more likely (1: its top choice)
+    top: list[TokenLogprob] = field(default_factory=list)  # most likely first
+
+    def to_proto(self) -> pb.PromptTokenLogprob:
+        return pb.PromptTokenLogprob(token_id=self.token_id, token=self.token, logprob=self.logprob, rank=self.rank,
+                                     top=[t.to_proto() for t in self.top])
+
+    @classmethod
+    def from_proto(cls, msg: pb.PromptTokenLogprob) -> PromptTokenLogprob:
+        return cls(token_id=msg.token_id, token=msg.token,
+                   logprob=msg.logprob if msg.HasField("logprob") else None,
+                   rank=msg.rank if msg.HasField("rank") else None,
+                   top=[TokenLogprob.from_proto(t) for t in msg.top])
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PromptTokenLogprob:
+        return cls(token_id=data["token_id"], token=data["token"], logprob=data.get("logprob"),
+                   rank=data.get("rank"), top=[TokenLogprob.from_dict(t) for t in data.get("top") or []])
+
+
+def perplexity(prompt_logprobs: list[PromptTokenLogprob]) -> float:
+    """exp of the mean negative log-probability over the scored tokens (every one but the first)."""
+    scored = [p.logprob for p in prompt_logprobs if p.logprob is not None]
+    return math.exp(-sum(scored) / len(scored)) if scored else float("nan")
+
+
+@dataclass(frozen=True)
 class NextTokenResult:
     """The most likely next token (`token`, `token_id`, `logprob`) and the top-k list."""
 
@@ -170,6 +205,8 @@ class NextTokenResult:
     layers: list[LayerReport] = field(default_factory=list)
     prompt_tokens: list[str] = field(default_factory=list)  # with the layers: each prompt token as text
     walkthrough: list[ShapeStep] = field(default_factory=list)  # with the layers: the forward's shapes
+    # With prompt_logprobs: one entry per prompt token (the first has no logprob).
+    prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
 
     def to_proto(self) -> pb.NextTokenResponse:
         return pb.NextTokenResponse(
@@ -178,6 +215,7 @@ class NextTokenResult:
             timings=self.timings.to_proto(), trace_id=self.trace_id, batch_size=self.batch_size,
             layers=[layer.to_proto() for layer in self.layers], prompt_tokens=self.prompt_tokens,
             walkthrough=[step.to_proto() for step in self.walkthrough],
+            prompt_logprobs=[p.to_proto() for p in self.prompt_logprobs],
         )
 
     @classmethod
@@ -189,6 +227,7 @@ class NextTokenResult:
             trace_id=msg.trace_id, batch_size=msg.batch_size,
             layers=[LayerReport.from_proto(layer) for layer in msg.layers], prompt_tokens=list(msg.prompt_tokens),
             walkthrough=[ShapeStep.from_proto(step) for step in msg.walkthrough],
+            prompt_logprobs=[PromptTokenLogprob.from_proto(p) for p in msg.prompt_logprobs],
         )
 
     @classmethod
@@ -202,6 +241,7 @@ class NextTokenResult:
             layers=[LayerReport.from_dict(layer) for layer in data.get("layers") or []],
             prompt_tokens=list(data.get("prompt_tokens") or []),
             walkthrough=[ShapeStep.from_dict(step) for step in data.get("walkthrough") or []],
+            prompt_logprobs=[PromptTokenLogprob.from_dict(p) for p in data.get("prompt_logprobs") or []],
         )
 
 

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextTokenRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps")
+    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps", "prompt_logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TRACE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MAPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k: int
     trace_layers: bool
     include_layers: bool
     attention_maps: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids")
@@ -32,16 +34,32 @@ class Prompt(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NextTokenBatchRequest(_message.Message):
-    __slots__ = ("prompts", "top_k", "trace_layers", "include_layers")
+    __slots__ = ("prompts", "top_k", "trace_layers", "include_layers", "prompt_logprobs")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TRACE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     top_k: int
     trace_layers: bool
     include_layers: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class PromptTokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "rank", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")
@@ -64,7 +82,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class NextTokenResponse(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens", "walkthrough")
+    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens", "walkthrough", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +94,7 @@ class NextTokenResponse(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WALKTHROUGH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
@@ -87,7 +106,8 @@ class NextTokenResponse(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[LayerReport]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[str]
     walkthrough: _containers.RepeatedCompositeFieldContainer[ShapeStep]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ShapeStep(_message.Message):
     __slots__ = ("stage", "name", "kind", "shape", "note")

@@ -24,11 +24,12 @@ import torch
 
 from gpt2serve_client.types import LayerReport, ShapeStep
 
-from ..protocol import TokenScore
+from ..protocol import PromptScores, TokenScore
 from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
+from .head import ScoredSpan, score_prompts
 from .loading import LoadedModel
 from .padding import IDS, POSITIONS, VALID, Buckets, left_pad
 
@@ -84,6 +85,7 @@ class BatchOutput:
     # Rows whose log-probs were not finite (a numerical overflow, e.g. fp16): their `top` is
     # meaningless, and the scheduler fails them alone.
     failed_rows: frozenset[int] = frozenset()
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # scored row -> its positions 1..L-1
     timeline: ForwardTimeline | None = None  # stage times, when any row was traced
     probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
 
@@ -151,14 +153,18 @@ class Engine:
     @torch.inference_mode()
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
                    traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
-                   last_row_rows: Sequence[int] = ()) -> BatchOutput:
+                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None) -> BatchOutput:
         """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection);
         `mapped_rows`, among them, those that also want full attention maps and logit lens;
-        `last_row_rows`, among those, the ones that want only each map's last query row."""
+        `last_row_rows`, among those, the ones that want only each map's last query row.
+        `scored_rows`: row -> top-k alternatives, for prompts whose every position is scored
+        (engine.head); they take the eager path, since a graph keeps only the last position."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        replayed = self.graphs.run(prompts) if self.graphs is not None and not traced_rows else None
+        eager = traced_rows or scored_rows
+        replayed = self.graphs.run(prompts) if self.graphs is not None and not eager else None
         if replayed is None:
-            return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows)
+            return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
+                               scored_rows or {})
         logprobs, (_, length) = replayed
         top, failed = self._top(logprobs, top_ks)
         return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(), cuda_graph=True,
@@ -166,7 +172,7 @@ class Engine:
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = (),
-               last_row_rows: Sequence[int] = ()) -> BatchOutput:
+               last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None) -> BatchOutput:
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
         if self.device.type == "cuda":
             batch = batch.pin_memory()
@@ -175,18 +181,27 @@ class Engine:
         if traced_rows:
             probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
                                self.loaded.tokenizer.token_text, mapped_rows, last_row_rows)
-        top, failed = self._top(self.last_logprobs(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe), top_ks)
+        if probe is not None:
+            probe.start()
+        hidden = self.model.hidden_states(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe)  # (B, T, C)
+        top, failed = self._top(self.last_from_hidden(hidden, probe), top_ks)
+        scores = {}
+        if scored_rows:  # left-padded: a prompt of L tokens fills the last L columns
+            T = batch.shape[2]
+            spans = [ScoredSpan(row, T - len(prompts[row]), len(prompts[row]), k) for row, k in scored_rows.items()]
+            scores = dict(zip(scored_rows, score_prompts(hidden, batch[IDS], spans, self.head,
+                                                         self.model.config.vocab_size)))
         if probe:
             probe.finish()
         return BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
-                           probe=probe, failed_rows=failed)
+                           probe=probe, failed_rows=failed, prompt_scores=scores)
 
-    def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
-                      probe: LayerProbe | None = None) -> torch.Tensor:
+    def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
-        if probe is not None:
-            probe.start()
-        hidden = self.model.hidden_states(input_ids, position_ids, valid, probe)  # (B, T, C)
+        return self.last_from_hidden(self.model.hidden_states(input_ids, position_ids, valid))  # (B, V)
+
+    def last_from_hidden(self, hidden: torch.Tensor, probe: LayerProbe | None = None) -> torch.Tensor:
+        """(B, T, C) residual stream after the last block -> (B, V) fp32 log-probs after the last column."""
         last = hidden[:, -1, :]  # (B, C)
         logits = self.unembed(self.model.ln_f(last))  # (B, V): only the last position is decoded
         if probe is not None:
@@ -213,6 +228,10 @@ class Engine:
         walkthrough = traced_walkthrough(output.probe, self.model)
         return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None,
                        walkthrough=walkthrough)
+
+    def head(self, rows: torch.Tensor) -> torch.Tensor:
+        """(N, C) residual-stream rows -> (N, V) logits: ln_f, then lm_head."""
+        return self.unembed(self.model.ln_f(rows))
 
     def unembed(self, rows: torch.Tensor) -> torch.Tensor:
         """lm_head over (N, d_model) rows -> (N, vocab). On a CPU it has no cliff at a few rows

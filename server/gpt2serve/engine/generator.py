@@ -24,8 +24,9 @@ import torch
 
 from .decode_graphs import DecodeGraphs
 from .traced_decode import TracedDecode
-from ..protocol import SampledToken, TokenScore
+from ..protocol import PromptScores, SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
+from .head import ScoredSpan, score_prompts
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
@@ -37,6 +38,7 @@ class NewSequence:
     prompt: list[int]
     params: SamplingParams
     seed: int  # of the sequence's own generator: the same seed, the same draws
+    prompt_logprobs: int | None = None  # score the prompt's positions too, with this many alternatives
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class StepOutput:
     # Sequences whose logits were not finite (a numerical overflow): no token; the scheduler
     # fails them alone, and frees their slots at the next step.
     failed: frozenset[int] = frozenset()
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
 
 
 @dataclass
@@ -142,10 +145,14 @@ class Generator:
         last = hidden[torch.arange(len(sequences), device=device), torch.tensor(lengths, device=device) - 1]  # (k, C)
         added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
                  for s in sequences]
-        tokens, failed = self._choose(self.engine.unembed(self.model.ln_f(last)), added)
+        tokens, failed = self._choose(self.engine.head(last), added)
         self.running.extend(added)
+        scored = [ScoredSpan(row, 0, len(s.prompt), s.prompt_logprobs)  # right-padded: prompts start at column 0
+                  for row, s in enumerate(sequences) if s.prompt_logprobs is not None]
+        scores = score_prompts(hidden, ids, scored, self.engine.head, self.model.config.vocab_size) if scored else []
         return StepOutput(tokens, "prefill", len(sequences), sum(lengths), time.perf_counter() - started,
-                          started_ns, time.time_ns(), failed)
+                          started_ns, time.time_ns(), failed,
+                          {sequences[span.row].seq_id: score for span, score in zip(scored, scores)})
 
     @oom_as_out_of_memory
     @torch.inference_mode()

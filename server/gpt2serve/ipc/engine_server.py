@@ -102,7 +102,8 @@ class EngineServer:
 
     async def _submit(self, key: Key, request: NextTokenRequest) -> None:
         try:
-            outputs = await self._batcher.submit(request.prompts, request.top_k, request.trace)
+            outputs = await self._batcher.submit(request.prompts, request.top_k, request.trace,
+                                                    request.prompt_logprobs)
             self._outbox.put(key[0], Result(key[1], outputs))
         except asyncio.CancelledError:
             pass  # the front end's caller went away: nobody to answer

@@ -9,8 +9,8 @@ import asyncio
 import logging
 from typing import Any, Callable, Hashable
 
-from .. import protocol
-from ..protocol import BadFrame
+from . import codec
+from .codec import BadFrame
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +28,13 @@ class Outbox:
     def _flush(self) -> None:
         messages, self._messages = self._messages, {}
         for peer, batch in messages.items():
-            self._send(peer, protocol.encode(batch))
+            self._send(peer, codec.encode(batch))
 
 
 def deliver(frame: bytes, handle: Callable[[Any], None], sender: str) -> None:
     """Each message of `frame` to `handle`, in order (`sender` names the other end in the log)."""
     try:
-        messages = protocol.decode(frame)
+        messages = codec.decode(frame)
     except BadFrame as exc:
         log.error("dropped a frame from %s that does not decode: %s", sender, exc)
         return

@@ -21,7 +21,8 @@ class InprocEngineClient:
         self.max_batch_size = batcher.max_batch_size
 
     async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
-        return await self._batcher.submit(request.prompts, request.top_k, request.trace)
+        return await self._batcher.submit(request.prompts, request.top_k, request.trace,
+                                                    request.prompt_logprobs)
 
     def generate(self, request: GenerateRequest, sink: TokenSink) -> Callable[[], None]:
         return functools.partial(self._continuous.abort, self._continuous.add(request, sink))

@@ -4,7 +4,7 @@
     front end: service -> ZmqEngineClient (DEALER) ─┼─ ipc:// ─> EngineServer (ROUTER) -> schedulers
                                                     ┘
 
-Messages are protocol's dataclasses, a frame one protocol.encode of those sent in one loop tick.
+Messages are protocol's dataclasses, a frame one codec.encode of those sent in one loop tick.
 A generation's Step messages go straight to its sink (the service's GenerationStream) from the
 receive loop: no queue of their own. A frame that does not decode is logged and dropped.
 """

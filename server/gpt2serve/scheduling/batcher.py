@@ -40,7 +40,7 @@ class BatchEngine(Protocol):
 
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
                    traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
-                   last_row_rows: Sequence[int] = ()) -> BatchOutput: ...
+                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None) -> BatchOutput: ...
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
 
@@ -57,6 +57,7 @@ class _Pending:
     top_k: int
     future: asyncio.Future
     trace: TraceContext | None = None  # handed to the observer; `layers_wanted` marks traced rows
+    prompt_logprobs: int | None = None  # score every position too, with this many alternatives
     enqueued_at: float = field(default_factory=time.perf_counter)
     enqueued_ns: int = field(default_factory=time.time_ns)
     waiting: bool = True  # Counted in the queue depth until taken into a batch or abandoned.
@@ -122,8 +123,8 @@ class Batcher:
                 pending.future.set_exception(ShuttingDown("server is shutting down"))
         self._executor.shutdown(wait=True)
 
-    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None = None
-                     ) -> list[NextTokenOutput]:
+    async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None = None,
+                     prompt_logprobs: int | None = None) -> list[NextTokenOutput]:
         """Queue all prompts of one request together (or none of them) and await their answers."""
         if self._task is None or self._task.done():
             raise Unavailable("the model worker is not running")
@@ -133,7 +134,7 @@ class Batcher:
         if self._waiting + len(prompts) > self.max_queue:
             raise ResourceExhausted(f"queue full ({self._waiting} of {self.max_queue} waiting); retry later")
         loop = asyncio.get_running_loop()
-        pending = [_Pending(list(p), top_k, loop.create_future(), trace) for p in prompts]
+        pending = [_Pending(list(p), top_k, loop.create_future(), trace, prompt_logprobs) for p in prompts]
         for item in pending:
             item.future.add_done_callback(lambda _, item=item: self._stop_waiting(item))
             self._queue.put_nowait(item)
@@ -157,6 +158,7 @@ class Batcher:
             item.future.set_result(NextTokenOutput(
                 top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
                 started_ns, output.layers.get(row), output.walkthrough if row in output.layers else None,
+                output.prompt_scores.get(row),
             ))
 
     def _fail(self, batch: list[_Pending], stage: str, exc: Exception, error: ServeError | None = None) -> None:
@@ -212,10 +214,11 @@ class Batcher:
         traced_rows = [row for row, t in enumerate(traces) if t is not None and t.layers_wanted]
         mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
         last_row_rows = [row for row, t in enumerate(traces) if t is not None and t.last_row_maps]
+        scored_rows = {row: p.prompt_logprobs for row, p in enumerate(batch) if p.prompt_logprobs is not None}
         try:
             output = await loop.run_in_executor(
                 self._executor, self.engine.next_token, [p.token_ids for p in batch], [p.top_k for p in batch],
-                traced_rows, mapped_rows, last_row_rows,
+                traced_rows, mapped_rows, last_row_rows, scored_rows,
             )
         except OutOfMemory as exc:
             if len(batch) == 1:

@@ -223,7 +223,8 @@ class ContinuousBatcher:
         if admitted:
             kind, members = "prefill", admitted
             sequences = [NewSequence(s.seq_id, s.request.prompt, s.request.params,
-                                     s.request.seed if s.request.seed is not None else self._seeds.getrandbits(63))
+                                     s.request.seed if s.request.seed is not None else self._seeds.getrandbits(63),
+                                     s.request.prompt_logprobs)
                          for s in admitted]
             for seq in admitted:
                 seq.state = "running"
@@ -286,7 +287,8 @@ class ContinuousBatcher:
         if finish:
             self._end(seq, None)
         try:
-            seq.sink.put(TokenEvent(token, finish, queue_s, output.forward_s, output.rows))
+            seq.sink.put(TokenEvent(token, finish, queue_s, output.forward_s, output.rows,
+                                    output.prompt_scores.get(seq.seq_id)))
         except Exception:  # A sink's failure is its own request's; the loop goes on.
             log.exception("generation %d: its sink failed; stopping it", seq.seq_id)
             self._end(seq, None)

@@ -85,14 +85,17 @@ class InferenceService:
         return self.require_model()[1]
 
     async def next_token(self, prompt: PromptInput, top_k: int | None = None,
-                         options: RequestOptions = RequestOptions()) -> NextTokenResult:
-        return (await self.next_token_batch([prompt], top_k, options))[0]
+                         options: RequestOptions = RequestOptions(),
+                         prompt_logprobs: int | None = None) -> NextTokenResult:
+        return (await self.next_token_batch([prompt], top_k, options, prompt_logprobs))[0]
 
     async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None,
-                               options: RequestOptions = RequestOptions()) -> list[NextTokenResult]:
+                               options: RequestOptions = RequestOptions(),
+                               prompt_logprobs: int | None = None) -> list[NextTokenResult]:
+        """`prompt_logprobs`: also score every prompt token, with that many alternatives each."""
         self.started()
         try:
-            return await next_token_batch(self, prompts, top_k, options)
+            return await next_token_batch(self, prompts, top_k, options, prompt_logprobs)
         finally:
             self.finished()
 

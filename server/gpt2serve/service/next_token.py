@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from gpt2serve_client.types import NextTokenResult, Timings, TokenLogprob
+from gpt2serve_client.types import NextTokenResult, PromptTokenLogprob, Timings, TokenLogprob
 
 from ..errors import InvalidArgument
-from ..protocol import NextTokenOutput, NextTokenRequest
+from ..protocol import NextTokenOutput, NextTokenRequest, PromptScores
 from ..telemetry.records import RequestOptions
 from .context import CallContext
 from .validation import MAX_ATTENTION_MAP_TOKENS, PromptInput
@@ -17,7 +17,7 @@ from .validation import MAX_ATTENTION_MAP_TOKENS, PromptInput
 
 
 async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput], top_k: int | None,
-                           options: RequestOptions) -> list[NextTokenResult]:
+                           options: RequestOptions, prompt_logprobs: int | None = None) -> list[NextTokenResult]:
     received = time.perf_counter()
     with service.telemetry.request_span(options) as request:
         engine, _ = service.require_model()
@@ -28,6 +28,7 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
             raise InvalidArgument(f"prompts: {len(prompts)} prompts exceed the limit of {service.max_batch_size} "
                                   f"per call")
         k = validator.top_k(top_k)
+        scored_k = validator.prompt_logprobs(prompt_logprobs)
         token_ids = [await validator.prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                      for i, p in enumerate(prompts)]
         longest = max(map(len, token_ids))
@@ -40,7 +41,9 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
         span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", len(token_ids))
         span.set_attribute("gen_ai.request.top_k", k)
-        outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace))
+        outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace, scored_k))
+        if scored_k is not None:
+            summarize_scores(span, [o.prompt_logprobs for o in outputs])
         for out in outputs[:1]:  # The prompts of one call enter the queue together.
             service.telemetry.queue_span(span, out.enqueued_ns, out.batch_started_ns)
         request.finish(prompt_tokens=prompt_tokens, output_tokens=len(token_ids), queue_s=[o.queue_s for o in outputs])
@@ -61,4 +64,29 @@ def build_result(service: CallContext, prompt_token_ids: list[int], out: NextTok
         layers=(out.layers or []) if include_layers else [],
         prompt_tokens=[token_text(t) for t in prompt_token_ids] if include_layers else [],
         walkthrough=(out.walkthrough or []) if include_layers else [],
+        prompt_logprobs=prompt_token_logprobs(token_text, prompt_token_ids, out.prompt_logprobs),
     )
+
+
+def prompt_token_logprobs(token_text, token_ids: list[int], scores: PromptScores | None) -> list[PromptTokenLogprob]:
+    """One entry per prompt token; the first has nothing before it, so no logprob or rank."""
+    if scores is None:
+        return []
+    first = PromptTokenLogprob(token_ids[0], token_text(token_ids[0]), None, None, [])
+    return [first] + [
+        PromptTokenLogprob(token, token_text(token), logprob, rank,
+                           [TokenLogprob(i, token_text(i), v) for i, v in zip(ids, values)])
+        for token, logprob, rank, ids, values in zip(token_ids[1:], scores.token_logprobs, scores.ranks,
+                                                     scores.top_ids, scores.top_logprobs)]
+
+
+def summarize_scores(span, scores: list[PromptScores | None]) -> None:
+    """A scored request's span carries a summary per prompt, not the table: the mean
+    log-probability, and the least likely token's position (in the prompt) and log-probability."""
+    scored = [s for s in scores if s is not None and len(s)]
+    if not scored:
+        return
+    worst = [min(range(len(s)), key=s.token_logprobs.__getitem__) for s in scored]
+    span.set_attribute("gpt2serve.prompt_logprobs.mean", [sum(s.token_logprobs) / len(s) for s in scored])
+    span.set_attribute("gpt2serve.prompt_logprobs.worst_position", [w + 1 for w in worst])
+    span.set_attribute("gpt2serve.prompt_logprobs.worst_logprob", [s.token_logprobs[w] for s, w in zip(scored, worst)])

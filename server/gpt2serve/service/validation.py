@@ -98,6 +98,13 @@ class Validator:
             raise InvalidArgument(f"top_k: {top_k} is outside 1..{self.vocab_size}")
         return top_k
 
+    @staticmethod
+    def prompt_logprobs(k: int | None, where: str = "prompt_logprobs") -> int | None:
+        """Alternatives per scored prompt position (None: the prompt is not scored)."""
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise InvalidArgument(f"{where}: {k} is outside 0..{MAX_LOGPROBS}")
+        return k
+
     async def prompt(self, prompt: PromptInput, where: str) -> list[int]:
         if prompt.text and prompt.token_ids:
             raise InvalidArgument(f"{where}: give prompt text or prompt_token_ids, not both")

@@ -143,14 +143,17 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
     async def NextToken(self, request: pb.NextTokenRequest, context) -> pb.NextTokenResponse:
         top_k = request.top_k if request.HasField("top_k") else None
         options = request_options("NextToken", request, context)
-        result = await self.service.next_token(prompt_input(request), top_k, options)
+        scored = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        result = await self.service.next_token(prompt_input(request), top_k, options, scored)
         return result.to_proto()
 
     @status_errors
     async def NextTokenBatch(self, request: pb.NextTokenBatchRequest, context) -> pb.NextTokenBatchResponse:
         top_k = request.top_k if request.HasField("top_k") else None
         options = request_options("NextTokenBatch", request, context)
-        results = await self.service.next_token_batch([prompt_input(p) for p in request.prompts], top_k, options)
+        scored = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        results = await self.service.next_token_batch([prompt_input(p) for p in request.prompts], top_k, options,
+                                                      scored)
         return pb.NextTokenBatchResponse(results=[r.to_proto() for r in results])
 
     @status_errors

@@ -73,6 +73,10 @@ class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+PROMPT_LOGPROBS_FIELD = Field(None, description="Also score the prompt: each token's log-probability given the "
+                                                "ones before it, its rank, and this many alternatives (0..20)")
+
+
 class NextTokenBody(Body):
     prompt: StrictStr | None = Field(None, description="Prompt text", examples=["The capital of France is"])
     prompt_token_ids: list[StrictInt] | None = Field(None, description="Prompt as GPT-2 token ids, instead of text")
@@ -81,6 +85,7 @@ class NextTokenBody(Body):
     include_layers: StrictBool = False
     attention_maps: StrictBool = Field(False, description="Also every head's attention pattern and the logit "
                                                           "lens at every position, per layer (at most 128 tokens)")
+    prompt_logprobs: StrictInt | None = PROMPT_LOGPROBS_FIELD
 
 
 class NextTokenBatchBody(Body):
@@ -90,6 +95,7 @@ class NextTokenBatchBody(Body):
     top_k: StrictInt | None = None
     trace_layers: StrictBool = False
     include_layers: StrictBool = False
+    prompt_logprobs: StrictInt | None = PROMPT_LOGPROBS_FIELD
 
 
 class GenerateBody(Body):
@@ -289,14 +295,16 @@ class InferenceRoutes:
         """The next token of one prompt, with its top-k (and per-layer reports when asked)."""
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
         options = request_options(request, "/v1/next-token", "NextToken", body)
-        result = await unless_disconnected(request, self.service.next_token(prompt, body.top_k, options))
+        scoring = self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs)
+        result = await unless_disconnected(request, scoring)
         return json_response(asdict(result))
 
     async def next_token_batch(self, request: Request, body: NextTokenBatchBody) -> Response:
         """The next token of each prompt, in order (`{"results": [...]}`)."""
         prompts = [batch_prompt(p) for p in body.prompts]
         options = request_options(request, "/v1/next-token/batch", "NextTokenBatch", body)
-        results = await unless_disconnected(request, self.service.next_token_batch(prompts, body.top_k, options))
+        results = await unless_disconnected(request, self.service.next_token_batch(
+            prompts, body.top_k, options, body.prompt_logprobs))
         return json_response({"results": [asdict(r) for r in results]})
 
     async def generate(self, request: Request, body: GenerateBody) -> Response:
