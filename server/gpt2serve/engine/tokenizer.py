@@ -33,8 +33,29 @@ class Tokenizer:
         """The text one token decodes to (" Paris"); partial UTF-8 bytes decode to U+FFFD."""
         return self._tok.decode([token_id])
 
+    @functools.lru_cache(maxsize=65536)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (byte-level BPE: whole UTF-8 or not)."""
+        if token_id in self._tok.all_special_ids:  # <|endoftext|>: its text is its bytes
+            return self.token_text(token_id).encode("utf-8")
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        decoder = _byte_decoder()
+        if any(c not in decoder for c in piece):  # an added token
+            return self.token_text(token_id).encode("utf-8")
+        return bytes(decoder[c] for c in piece)
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's vocabulary character -> the byte it stands for. GPT-2 writes each byte as
+    one printable character: printable Latin-1 bytes as themselves, the other 68 as U+0100 onwards,
+    in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def bundled_gpt2_tokenizer() -> Tokenizer:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from gpt2serve_client.generation import GeneratedToken, GenerateChunk, GenerateTimings, Usage
-from gpt2serve_client.types import TokenLogprob
+from gpt2serve_client.types import PromptTokenLogprob, TokenLogprob
 
 from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent
@@ -28,6 +28,7 @@ from ..telemetry.records import FirstToken, RequestOptions
 from ..telemetry.spans import RequestTelemetry
 from .context import CallContext
 from .detokenizer import Detokenizer
+from .next_token import prompt_token_logprobs
 from .step_trace import StepTracer
 from .validation import GenerateSettings, PromptInput
 
@@ -50,6 +51,8 @@ class GenerationStream:
         self.token_ids: list[int] = []  # the prompt, once checked
         self._steps: StepTracer | None = None  # with trace_steps
         self._sampled: list[int] = []  # every token sampled so far (with trace_steps)
+        self.prompt_logprobs: list[PromptTokenLogprob] = []  # with settings.prompt_logprobs, once the prefill ran
+        self.end_token: GeneratedToken | None = None  # the end-of-text or stop token that finished it, if one did
 
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         await self._start()
@@ -101,12 +104,15 @@ class GenerationStream:
     def put(self, event: TokenEvent) -> None:
         if self._done:
             return
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_token_logprobs(self.tokenizer.token_text, self.token_ids, event.prompt_logprobs)
         clock = self.clock
         if clock.step(event.queue_s):
             self.service.telemetry.first_token(FirstToken(self.options.api, self.options.method,
                                                           clock.time_to_first_token_s, self._request.trace_id))
         finish = event.finish_reason
         if finish in ("eos", "stop"):  # the end token is not part of the output
+            self.end_token = generated_token(self.tokenizer, event.token)
             return self._close(finish)
         clock.tokens += 1
         token = event.token

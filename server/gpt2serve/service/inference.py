@@ -104,6 +104,11 @@ class InferenceService:
         """The generation's chunks as they come, the closing one last (see generation_stream)."""
         return GenerationStream(self, prompt, settings, options).chunks()
 
+    def generation_stream(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
+                          options: RequestOptions = GENERATE) -> GenerationStream:
+        """The stream object itself: its chunks(), and what it learns besides (the scored prompt)."""
+        return GenerationStream(self, prompt, settings, options)
+
     async def generation_request(self, prompt: PromptInput, settings: GenerateSettings) -> GenerateRequest:
         """The prompt tokenized and the settings checked: what `generate` raises for bad input.
         Alone, it refuses a request of several generations whole, before any of them starts."""

@@ -40,6 +40,7 @@ class GenerateSettings:
     stop_token_ids: Sequence[int] = ()
     logprobs: int = 0
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None  # also score the prompt in the prefill, with this many alternatives
 
     def request(self, prompt: list[int], n_ctx: int, vocab_size: int, deadline: float | None = None,
                 trace: TraceContext | None = None) -> GenerateRequest:
@@ -61,6 +62,7 @@ class GenerateSettings:
             raise InvalidArgument(f"top_p: {top_p} must be within (0, 1]")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs: {self.logprobs} is outside 0..{MAX_LOGPROBS}")
+        Validator.prompt_logprobs(self.prompt_logprobs)
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} strings, none empty")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -69,7 +71,8 @@ class GenerateSettings:
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise InvalidArgument("seed: must fit in 64 bits")
         return GenerateRequest(prompt, SamplingParams(temperature, top_k, top_p, self.logprobs), max_tokens,
-                               frozenset(self.stop_token_ids), self.ignore_eos, self.seed, deadline, trace)
+                               frozenset(self.stop_token_ids), self.ignore_eos, self.seed, deadline, trace,
+                               self.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,18 @@
 Translation only, like the other transports: OpenAI's fields become service generate calls, one
 per prompt (a list of prompts runs them all at once, in the running batch, as choices 0..n-1),
 and their chunks become OpenAI's JSON. GPT-2 has no chat template, so there is no chat endpoint.
+
+`echo` returns the prompt before the completion; with `logprobs` the prompt is scored too (its
+first token's entries null), in the generation's own prefill, or, with `max_tokens: 0`, as one
+next-token call of every prompt (scoring only: lm-evaluation-harness' loglikelihood, perplexity).
+Token strings and offsets: transport.openai_logprobs.
 Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -19,10 +25,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.generation import GeneratedToken, GenerateResult, Usage
+from gpt2serve_client.types import PromptTokenLogprob
 
 from ..errors import InvalidArgument, ModelNotFound, ServeError
 from ..service import GenerateSettings, InferenceService, PromptInput
+from ..service.validation import Validator
 from .http_shared import http_options, unless_disconnected
+from .openai_logprobs import echo_logprobs, openai_token
 from .sse import first_and_rest, sse_event
 
 ROUTE = "/v1/completions"
@@ -78,26 +87,35 @@ class CompletionBody(BaseModel):
 
     def settings(self) -> GenerateSettings:
         unsupported = [name for name, ok in (
-            ("n", self.n in (None, 1)), ("best_of", self.best_of in (None, 1)), ("echo", not self.echo),
+            ("n", self.n in (None, 1)), ("best_of", self.best_of in (None, 1)),
+            ("echo", not (self.echo and self.stream)),
             ("suffix", self.suffix is None), ("logit_bias", not self.logit_bias),
             ("presence_penalty", not self.presence_penalty), ("frequency_penalty", not self.frequency_penalty),
         ) if not ok]
+        if unsupported == ["echo"]:
+            raise InvalidArgument("echo: not supported with stream by gpt2serve; send the request without stream",
+                                  param="echo")
         if unsupported:
             raise InvalidArgument(f"{unsupported[0]}: not supported by gpt2serve (only its default)")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidArgument("max_tokens: 0 generates nothing; with echo (and logprobs) it scores the prompt",
+                                  param="max_tokens")
         return GenerateSettings(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-            logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos)
+            logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
 
 
-def logprobs_json(tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
-    """OpenAI's legacy completions logprobs: per token its text, logprob, top alternatives, offset."""
+def logprobs_json(name: Callable[[int], str], tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
+    """OpenAI's legacy completions logprobs: per token its string (`name`, see openai_logprobs),
+    logprob, top alternatives and offset."""
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
+    return {"tokens": [name(t.token_id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{name(a.token_id): a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
 
 
 class OpenAIRoutes:
@@ -125,6 +143,12 @@ class OpenAIRoutes:
         options = http_options(request, ROUTE, "Completions", api="openai")
         settings = body.settings()
         prompts = body.prompt_inputs(service.max_batch_size)
+        tokenizer = service.validator.tokenizer
+        name = functools.partial(openai_token, tokenizer)
+        completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                      "model": model}
+        if body.echo and body.max_tokens == 0:
+            return await self.score(request, body, prompts, options, completion)
         if len(prompts) > 1:  # one bad prompt refuses the request whole, before any generation starts
             for index, prompt in enumerate(prompts):
                 try:
@@ -136,22 +160,51 @@ class OpenAIRoutes:
         # this request's own ends, so none of them waits behind its siblings into a 429.
         slots = max(info.max_running_sequences, 1)
         turns = asyncio.Semaphore(slots)
-        generations = [in_turn(turns, service.generate(prompt, settings, options)) for prompt in prompts]
-        completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                      "model": model}
+        streams = [service.generation_stream(prompt, settings, options) for prompt in prompts]
+        generations = [in_turn(turns, stream.chunks()) for stream in streams]
         if body.stream:
             started = min(len(generations), slots)  # errors of these raise before the 200
-            streams = await unless_disconnected(request, first_chunks(generations[:started]))
-            streams += generations[started:]
+            firsts = await unless_disconnected(request, first_chunks(generations[:started]))
+            firsts += generations[started:]
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = stream_events(completion, interleave(streams), include_usage, body.logprobs, self.error_body)
+            events = stream_events(completion, interleave(firsts), include_usage, body.logprobs, self.error_body, name)
             return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         results = await unless_disconnected(request, collect_all(generations))
-        choices = [{"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
-                    "logprobs": logprobs_json(result.tokens, [t.token for t in result.tokens], 0)
-                    if body.logprobs is not None else None}
-                   for index, result in enumerate(results)]
+        choices = []
+        for index, (result, stream) in enumerate(zip(results, streams)):
+            choice = {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
+                      "logprobs": logprobs_json(name, result.tokens, [t.token for t in result.tokens], 0)
+                      if body.logprobs is not None else None}
+            if body.echo:  # the prompt first; the end token too, as vLLM lists it (lm-eval drops the last entry)
+                prompt_text = tokenizer.decode(stream.token_ids)
+                generated = result.tokens + ([stream.end_token] if stream.end_token else [])
+                entries = stream.prompt_logprobs or [PromptTokenLogprob(t, "", None, None) for t in stream.token_ids]
+                choice.update(text=prompt_text + result.text, logprobs=echo_logprobs(
+                    tokenizer, entries, generated, scored=True) if body.logprobs is not None else None)
+            choices.append(choice)
         return JSONResponse({**completion, "choices": choices, "usage": usage_json([r.usage for r in results])})
+
+    async def score(self, request: Request, body: CompletionBody, prompts: list[PromptInput], options,
+                    completion: dict) -> Response:
+        """echo with max_tokens 0: every prompt scored in one next-token call, nothing generated."""
+        service = self.service
+        tokenizer = service.validator.tokenizer
+        try:
+            scored = Validator.prompt_logprobs(body.logprobs, "logprobs")
+        except InvalidArgument as exc:
+            raise InvalidArgument(exc.message, param="logprobs") from None
+        try:
+            results = await unless_disconnected(request, service.next_token_batch(prompts, 1, options, scored))
+        except InvalidArgument as exc:
+            raise InvalidArgument(exc.message, param=exc.param or "prompt") from None
+        choices = []
+        for index, result in enumerate(results):
+            entries = result.prompt_logprobs or [PromptTokenLogprob(t, "", None, None) for t in result.prompt_token_ids]
+            choices.append({"index": index, "text": tokenizer.decode(result.prompt_token_ids), "finish_reason": "length",
+                            "logprobs": echo_logprobs(tokenizer, entries, [], scored=True)
+                            if body.logprobs is not None else None})
+        usage = [Usage(len(r.prompt_token_ids), 0, len(r.prompt_token_ids)) for r in results]
+        return JSONResponse({**completion, "choices": choices, "usage": usage_json(usage)})
 
 
 async def in_turn(turns: asyncio.Semaphore, chunks: AsyncIterator) -> AsyncIterator:
@@ -230,7 +283,7 @@ async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, A
 
 
 async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
-                        logprobs: int | None, error_body: Callable[[ServeError], dict]):
+                        logprobs: int | None, error_body: Callable[[ServeError], dict], name: Callable[[int], str]):
     """OpenAI's stream: a chunk per token (text delta) with its choice's index, each choice's last
     with its finish_reason; when asked for, the usage of all choices in a chunk of its own after
     the last; then `data: [DONE]`."""
@@ -241,7 +294,7 @@ async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]]
             tokens = [chunk.token] if chunk.token else []
             offset = offsets.get(index, 0)
             choice = {"index": index, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
-                      "logprobs": logprobs_json(tokens, [chunk.text], offset) if logprobs is not None else None}
+                      "logprobs": logprobs_json(name, tokens, [chunk.text], offset) if logprobs is not None else None}
             offsets[index] = offset + len(chunk.text)
             yield sse_event({**completion, "choices": [choice]})
             if chunk.finish_reason:
