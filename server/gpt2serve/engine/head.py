@@ -48,9 +48,11 @@ class ScoredSpan:
 
 
 def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence[ScoredSpan],
-                  head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int) -> list[PromptScores]:
+                  head: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                  chunk: int | None = None) -> list[PromptScores]:
     """hidden (B, T, C) residual stream after the last block (before ln_f), input_ids (B, T) ->
-    one PromptScores per span. `head` maps (N, C) rows to (N, V) logits (ln_f + lm_head)."""
+    one PromptScores per span. `head` maps (N, C) rows to (N, V) logits (ln_f + lm_head);
+    `chunk`: positions per head call (default: chunk_rows)."""
     device = hidden.device
     lengths = torch.tensor([s.length - 1 for s in spans])  # (P,) scored positions per prompt
     rows = torch.repeat_interleave(torch.tensor([s.row for s in spans]), lengths)  # (N,)
@@ -60,7 +62,7 @@ def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence
     rows, positions = rows.to(device), positions.to(device)
     targets = input_ids[rows, positions + 1]  # (N,)
     k = max((s.top_k for s in spans), default=0)
-    n, step = rows.numel(), chunk_rows(vocab_size)
+    n, step = rows.numel(), chunk or chunk_rows(vocab_size)
     out = torch.empty(n, 2 + 2 * k, dtype=torch.float32, device=device)  # (N, 2 + 2k) what the host gets
     for first in range(0, n, step):
         part = slice(first, min(first + step, n))
