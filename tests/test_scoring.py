@@ -249,3 +249,35 @@ def test_an_empty_or_too_long_echo_prompt_is_refused(oai):
         with pytest.raises(openai.BadRequestError) as refused:
             oai.completions.create(model="random:tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
         assert words in refused.value.body["message"]
+
+
+# gpt2serve score ----------------------------------------------------------------------------------------
+
+def test_score_prints_each_token_its_logprob_rank_and_the_perplexity(server, tiny_model, tokenizer, tmp_path):
+    import math
+    import re
+    import subprocess
+    import sys
+
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    out = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "score", "--file", str(path), "--target",
+                          server.grpc_target], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    ids = tokenizer.encode(TEXT)
+    ref = reference_prompt_logprobs(tiny_model.model, ids)
+    lines = out.stdout.splitlines()
+    rows = [line.split() for line in lines[2:2 + len(ids)]]
+    assert [int(r[0]) for r in rows] == list(range(len(ids)))
+    assert rows[0][2:] == ["-", "-", "-", "-"]
+    for position, row in enumerate(rows[1:], 1):
+        want = ref[position - 1, ids[position]].item()
+        assert abs(float(row[2]) - want) < 1e-3
+        assert int(row[3]) == int((ref[position - 1] > want).sum()) + 1
+        assert abs(float(row[5]) - ref[position - 1].max().item()) < 1e-3
+    mean = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+    scored, shown = re.fullmatch(r"(\d+) tokens scored, perplexity ([\d.]+)", lines[-1]).groups()
+    assert int(scored) == len(ids) - 1 and float(shown) == pytest.approx(math.exp(-mean), rel=1e-5)
+    refused = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "score", "", "--target", server.grpc_target],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "TEXT or --file" in refused.stderr

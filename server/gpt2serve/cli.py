@@ -1,6 +1,8 @@
-"""The `gpt2serve` command: `serve` runs the server, `next` asks one for a next token.
+"""The `gpt2serve` command: `serve` runs the server, `next` asks one for a next token, `score`
+for every prompt token's log-probability.
 
-`next` uses only the client package, so it starts fast and needs neither torch nor transformers.
+`next` and `score` use only the client package, so they start fast and need neither torch nor
+transformers.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import sys
 from typing import Sequence
 
-from gpt2serve_client import Client, Gpt2ServeError
+from gpt2serve_client import Client, Gpt2ServeError, perplexity
 
 from .benchmarks.generate_load import add_generate_bench_arguments, run_generate_bench
 from .benchmarks.serving_load import add_bench_arguments, add_engine_bench_arguments, run_bench
@@ -91,6 +93,42 @@ def cmd_next(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_scores(result) -> str:
+    """One row per prompt token: its log-probability and rank after the tokens before it, and
+    what the model would have put there; then the text's perplexity."""
+    rows = [("pos", "token", "logprob", "rank", "model's choice", "its logprob")]
+    for position, entry in enumerate(result.prompt_logprobs):
+        token = repr(visible(entry.token))[1:-1]
+        if entry.logprob is None:
+            rows.append((str(position), token, "-", "-", "-", "-"))
+            continue
+        best = entry.top[0] if entry.top else None
+        rows.append((str(position), token, f"{entry.logprob:.4f}", str(entry.rank),
+                     repr(visible(best.token))[1:-1] if best else "", f"{best.logprob:.4f}" if best else ""))
+    scored = len(result.prompt_logprobs) - 1
+    lines = table(rows, "><>><>")
+    lines += ["", f"{scored} tokens scored, perplexity {perplexity(result.prompt_logprobs):.4f}" if scored
+              else "one token: nothing before it to score it against"]
+    return "\n".join(lines)
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    text = args.text
+    if args.file is not None:
+        text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+    if not text:
+        print("error: give TEXT or --file", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            result = client.next_token(text, top_k=1, prompt_logprobs=max(args.top_k, 1))
+    except Gpt2ServeError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    print(format_scores(result))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Print the text as it comes, then (on stderr) why it ended and what it cost."""
     try:
@@ -160,6 +198,16 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
     nxt.add_argument("--trace", action="store_true", help="trace this request's layers: print a per-layer table and the trace id")
     nxt.set_defaults(func=cmd_next)
+
+    score = sub.add_parser("score", help="score a text: each token's log-probability and rank, the model's choice "
+                                         "there, and the perplexity")
+    score.add_argument("text", nargs="?", default="")
+    score.add_argument("--file", help="read the text from this file ('-': standard input)")
+    env = EnvDefaults(score, environ, prefix="GPT2SERVE_SCORE_")
+    env.add("--top-k", type=int, default=1, help="alternatives the server returns per position (the first is shown)")
+    env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
+    env.add("--timeout", type=float, default=60.0, help="deadline in seconds")
+    score.set_defaults(func=cmd_score)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, printed as it comes")
     gen.add_argument("prompt")
