@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 import httpx
 import pytest
 from conftest import launch_server
@@ -251,3 +253,21 @@ def test_traced_steps_are_spans_of_the_generation(traced_server, receiver, clien
         assert attrs["gpt2serve.step.top.token"] == [t.token for t in step.top]
         assert attrs["gpt2.logit_lens.token"] == [t.token for t in step.logit_lens]
         assert len(attrs["gpt2.attention.focus_position"]) == cfg.n_layer
+
+
+def test_a_scored_request_carries_a_summary_of_its_prompt_not_the_table(traced_server, receiver, tiny_model):
+    from reference import reference_prompt_logprobs
+
+    prompts = [PROMPT, LONG[:40]]
+    with Client(traced_server.grpc_target) as client:
+        results = client.next_token_batch(prompts, trace_layers=True, prompt_logprobs=2)
+    spans = receiver.wait_for(results[0].trace_id, {"gpt2serve.v1.Gpt2Serve/NextTokenBatch"})
+    (request,) = by_name(spans)["gpt2serve.v1.Gpt2Serve/NextTokenBatch"]
+    attributes = request.attributes
+    for i, prompt in enumerate(prompts):
+        ref = reference_prompt_logprobs(tiny_model.model, prompt)[:-1]
+        actual = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]  # (T-1,)
+        assert attributes["gpt2serve.prompt_logprobs.mean"][i] == pytest.approx(actual.mean().item(), abs=1e-4)
+        assert attributes["gpt2serve.prompt_logprobs.worst_position"][i] == int(actual.argmin()) + 1
+        assert attributes["gpt2serve.prompt_logprobs.worst_logprob"][i] == pytest.approx(actual.min().item(), abs=1e-4)
+    assert len(attributes) < 40  # a summary: no per-position attribute
