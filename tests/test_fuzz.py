@@ -40,13 +40,14 @@ prompt_values = st.one_of(texts, token_ids, json_values)
 top_ks = st.one_of(st.none(), st.integers(-10, 60000), st.integers(), json_values)
 flags = st.one_of(st.booleans(), json_values)
 
+prompt_logprobs = st.one_of(st.none(), st.integers(-5, 25), st.integers(), json_values)
 rest_bodies = st.fixed_dictionaries({}, optional={
     "prompt": prompt_values, "prompt_token_ids": prompt_values, "top_k": top_ks,
-    "trace_layers": flags, "include_layers": flags, "unknown": json_values,
+    "trace_layers": flags, "include_layers": flags, "unknown": json_values, "prompt_logprobs": prompt_logprobs,
 })
 rest_batch_bodies = st.fixed_dictionaries({}, optional={
     "prompts": st.one_of(st.lists(st.one_of(texts, token_ids, json_values), max_size=70), json_values),
-    "top_k": top_ks, "include_layers": flags,
+    "top_k": top_ks, "include_layers": flags, "prompt_logprobs": prompt_logprobs,
 })
 
 
@@ -112,17 +113,19 @@ grpc_prompts = st.builds(pb.Prompt, prompt=texts, prompt_token_ids=st.lists(INT3
 
 @FUZZ
 @given(prompt=texts, ids=st.lists(INT32, max_size=400), top_k=st.one_of(st.none(), INT32),
-       trace=st.booleans(), include=st.booleans())
-def test_grpc_next_token_messages(raw_grpc, prompt, ids, top_k, trace, include):
+       trace=st.booleans(), include=st.booleans(), scored=st.one_of(st.none(), st.integers(-3, 25), INT32))
+def test_grpc_next_token_messages(raw_grpc, prompt, ids, top_k, trace, include, scored):
     request = pb.NextTokenRequest(prompt=prompt, prompt_token_ids=ids, top_k=top_k, trace_layers=trace,
-                                  include_layers=include)
+                                  include_layers=include, prompt_logprobs=scored)
     call(raw_grpc, "NextToken", request.SerializeToString())
 
 
 @settings(FUZZ, max_examples=300)
-@given(prompts=st.lists(grpc_prompts, max_size=70), top_k=st.one_of(st.none(), INT32))
-def test_grpc_batch_messages(raw_grpc, prompts, top_k):
-    call(raw_grpc, "NextTokenBatch", pb.NextTokenBatchRequest(prompts=prompts, top_k=top_k).SerializeToString())
+@given(prompts=st.lists(grpc_prompts, max_size=70), top_k=st.one_of(st.none(), INT32),
+       scored=st.one_of(st.none(), st.integers(-3, 25), INT32))
+def test_grpc_batch_messages(raw_grpc, prompts, top_k, scored):
+    call(raw_grpc, "NextTokenBatch", pb.NextTokenBatchRequest(prompts=prompts, top_k=top_k,
+                                                              prompt_logprobs=scored).SerializeToString())
 
 
 @settings(FUZZ, max_examples=300)

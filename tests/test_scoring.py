@@ -281,3 +281,64 @@ def test_score_prints_each_token_its_logprob_rank_and_the_perplexity(server, tin
     refused = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "score", "", "--target", server.grpc_target],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "TEXT or --file" in refused.stderr
+
+
+# Fuzz: the scoring fields, with an oracle ---------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SCORING_FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+fuzz_prompts = st.one_of(st.lists(st.integers(0, 50256), min_size=1, max_size=40),
+                         st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=80),
+                         st.lists(st.lists(st.integers(0, 50256), min_size=1, max_size=12), min_size=1, max_size=4))
+
+
+def encodes_to_tokens(prompt, tokenizer) -> bool:
+    texts = [prompt] if isinstance(prompt, str) else []
+    return all(tokenizer.encode(t) for t in texts)
+
+
+@SCORING_FUZZ
+@given(prompt=fuzz_prompts, echo=st.booleans(), max_tokens=st.integers(-1, 3),
+       logprobs=st.one_of(st.none(), st.integers(-2, 24)), stream=st.booleans())
+def test_completions_scoring_fields_answered_or_refused_as_documented(server, tokenizer, prompt, echo, max_tokens,
+                                                                       logprobs, stream):
+    body = {"model": "random:tiny", "prompt": prompt, "echo": echo, "max_tokens": max_tokens, "stream": stream,
+            "temperature": 0}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    valid = (encodes_to_tokens(prompt, tokenizer) and max_tokens >= 0 and not (max_tokens == 0 and not echo)
+             and not (echo and stream) and (logprobs is None or 0 <= logprobs <= 20))
+    response = httpx.post(f"{server.http_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == (200 if valid else 400), (body, response.text[:300])
+    if not valid:
+        assert response.json()["error"]["message"]
+    elif not stream:
+        prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], list) else [prompt]
+        choices = response.json()["choices"]
+        assert len(choices) == len(prompts)
+        for item, choice in zip(prompts, choices):
+            ids = tokenizer.encode(item) if isinstance(item, str) else item
+            if echo and logprobs is not None:
+                lp = choice["logprobs"]
+                assert lp["token_logprobs"][0] is None and len(lp["tokens"]) >= len(ids)
+                assert all(v <= 0 for v in lp["token_logprobs"][1:len(ids)])
+
+
+@SCORING_FUZZ
+@given(prompt=st.one_of(st.lists(st.integers(0, 50256), min_size=1, max_size=40),
+                        st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=80)),
+       k=st.integers(-3, 24), top_k=st.integers(1, 30))
+def test_rest_prompt_logprobs_answered_or_refused_as_documented(server, tokenizer, prompt, k, top_k):
+    field = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    response = httpx.post(f"{server.http_url}/v1/next-token", json={**field, "prompt_logprobs": k, "top_k": top_k},
+                          timeout=60)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    valid = bool(ids) and 0 <= k <= 20
+    assert response.status_code == (200 if valid else 400), response.text[:300]
+    if valid:
+        entries = response.json()["prompt_logprobs"]
+        assert [e["token_id"] for e in entries] == ids
+        assert entries[0]["logprob"] is None and all(len(e["top"]) == k and e["rank"] >= 1 for e in entries[1:])
