@@ -2,7 +2,7 @@
 # The README's /ui captures: the walk-through, the generate mode and a preset's shapes, taken by
 # headless Chromium from a random:gpt2 server on loopback (random weights: the patterns are noise,
 # the shapes are GPT-2 small's). Writes docs/ui.png, docs/ui-walkthrough.png, docs/ui-generate.png,
-# docs/ui-shapes.png.
+# docs/ui-shapes.png, docs/ui-score.png.
 #   scripts/ui_screenshots.sh [MODEL]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +23,5 @@ shot ui.png "/ui?prompt=$prompt&layer=5&head=3" 1500
 shot ui-walkthrough.png "/ui?prompt=$prompt&layer=5&click=softmax:%20attention%20weights" 1450
 shot ui-generate.png "/ui?view=generate&prompt=$prompt&max_tokens=8&temperature=0&step=4" 1300
 shot ui-shapes.png "/ui?view=shapes&preset=llama-3-8b&tokens=5" 1250
+shot ui-score.png "/ui?view=score&text=The%20capital%20of%20France%20is%20Paris%2C%20and%20it%20is%20lovely.&top_k=5" 1150
 ls -l docs/ui*.png

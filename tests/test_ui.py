@@ -83,7 +83,8 @@ def test_the_servers_error_message_is_shown(server, tmp_path):
     assert re.search(r'<main id="results"[^>]*hidden', html) or 'class="layer-row"' not in html
 
 
-@pytest.mark.parametrize("view", ["", "&view=generate&max_tokens=6&step=3", "&view=shapes&preset=llama-3-8b"])
+@pytest.mark.parametrize("view", ["", "&view=generate&max_tokens=6&step=3", "&view=shapes&preset=llama-3-8b",
+                                  "&view=score&text=The%20capital%20of%20France%20is%20Paris."])
 def test_a_screenshot_of_each_view(server, tmp_path, view):
     png = tmp_path / "ui.png"
     chromium(tmp_path, deep_link(server) + view, f"--screenshot={png}", "--window-size=1300,1500")
@@ -156,6 +157,37 @@ def test_generate_mode_walks_the_steps(server, tmp_path, tiny_model, tokenizer):
     prefill = dom(tmp_path, f"{server.http_url}/ui?view=generate&prompt={quote(PROMPT)}&max_tokens=5&temperature=0&step=0")
     assert drawn(prefill, "step-walkthrough")["Q per head"][1] == [1, cfg.n_head, len(ids), cfg.d_head]
     assert re.search(r'data-columns="5" data-new="5"', prefill)  # the prefill fills the cache at once
+
+
+def test_the_score_view_draws_every_position_as_the_model_scored_it(server, tmp_path, tiny_model, tokenizer):
+    """Each token's surprisal and rank, the [tokens, vocab] rows with one marker per scored
+    position at its rank, and the table's top-k: all against transformers' forward."""
+    import math
+
+    import torch
+    from reference import reference_prompt_logprobs
+
+    text = "The capital of France is Paris, and \u2603 is a snowman."
+    ids = tokenizer.encode(text)
+    html = dom(tmp_path, f"{server.http_url}/ui?view=score&text={quote(text)}&top_k=3")
+    ref = reference_prompt_logprobs(tiny_model.model, ids)
+    tokens = re.findall(r'<span class="score-token" data-position="(\d+)" data-rank="(\d*)" data-surprisal="([^"]*)"', html)
+    assert [int(p) for p, _, _ in tokens] == list(range(len(ids)))
+    assert tokens[0][1:] == ("", "")  # the first token: nothing before it
+    for position, rank, surprisal in tokens[1:]:
+        want = ref[int(position) - 1, ids[int(position)]].item()
+        assert float(surprisal) == pytest.approx(-want / math.log(2), abs=1e-3)
+        assert int(rank) == int((ref[int(position) - 1] > want).sum()) + 1
+    svg = re.search(r'<svg id="score-vocab"[^>]*data-rows="(\d+)" data-vocab="(\d+)"', html)
+    assert svg.groups() == (str(len(ids)), "50257")
+    assert [int(r) for r in re.findall(r'<circle [^>]*class="actual" data-rank="(\d+)"', html)] == [int(r) for _, r, _ in tokens[1:]]
+    assert len(re.findall(r'class="top-tick"', html)) == 3 * (len(ids) - 1)
+    rows = re.findall(r'<tr class="score-row">(.*?)</tr>', html)
+    assert len(rows) == len(ids)
+    best = torch.topk(ref[0], 3)
+    cells = re.findall(r'<td class="tok[^"]*" title="p ([\d.e+-]+)">', rows[1])
+    assert [float(p) for p in cells] == pytest.approx([math.exp(v) for v in best.values.tolist()], rel=1e-3)
+    assert "perplexity" in re.search(r'<p id="score-summary">([^<]*)<', html).group(1)
 
 
 @pytest.mark.parametrize("preset", ["llama-3-8b", "gpt2-xl", "deepseek-v3"])

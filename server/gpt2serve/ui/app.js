@@ -3,6 +3,7 @@
 //   /ui?prompt=...&layer=...&head=...&click=STEP        (next token)
 //   /ui?view=generate&prompt=...&max_tokens=8&step=3   (generate.js)
 //   /ui?view=shapes&preset=llama-3-8b&tokens=5         (shapes.js)
+//   /ui?view=score&text=...&top_k=5                     (score.js)
 "use strict";
 
 const state = { config: null, model: null, result: null, layer: 0, head: 0, view: "next" };
@@ -10,7 +11,7 @@ const state = { config: null, model: null, result: null, layer: 0, head: 0, view
 async function start() {
   state.config = await (await fetch("/ui/config.json")).json();
   const params = new URLSearchParams(location.search);
-  state.view = ["generate", "shapes"].includes(params.get("view")) ? params.get("view") : "next";
+  state.view = ["generate", "shapes", "score"].includes(params.get("view")) ? params.get("view") : "next";
   showView(state.view);
   if (state.config.trace_layers === "never" && state.view !== "shapes") {
     show("notice", "Layer data is off on this server (--trace-layers never): only the answer can be shown.");
@@ -19,6 +20,7 @@ async function start() {
   if (state.config.api_key_required && !sessionStorage.getItem("gpt2serve-key")) $("key-form").hidden = false;
   else await loadModel();
   if (state.view === "generate") return startGenerate(params);
+  if (state.view === "score") return startScore(params);
   state.layer = Number(params.get("layer") || 0);
   state.head = Number(params.get("head") || 0);
   if (params.get("prompt")) {
