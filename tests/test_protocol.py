@@ -124,7 +124,7 @@ def test_a_bad_frame_is_a_bad_frame_error(frame):
 class FakeBatcher:
     max_batch_size = 8
 
-    async def submit(self, prompts, top_k, trace=None):
+    async def submit(self, prompts, top_k, trace=None, prompt_logprobs=None):
         return [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
 
 
