@@ -7,8 +7,9 @@ and the extra peak memory of scoring a batch.
 2. Served: `--clients` concurrent gRPC clients (AsyncClient, one process), each scoring random
    prompts of the same length one at a time (prompt_logprobs=1) for `--seconds`: prompt tokens
    per second, and the mean batch the server formed. Ratio = served / in-process.
-3. Memory: the peak RSS growth while the engine scores `--memory-batch` prompts of the full context,
-   against the same batch unscored (the hidden states are there either way), in a fresh process each.
+3. Memory: the peak RSS growth while the head scores `--memory-batch` prompts of the full context
+   (top 5 each), the forward's hidden states already there: chunked as the engine does, and
+   whole, (B, T, V) logits at once, as a naive server would; a fresh process each.
 
     .venv/bin/python bench/scoring.py [--model random:gpt2] [--tokens 128] [--clients 16 64]
 """
@@ -20,7 +21,6 @@ import asyncio
 import json
 import multiprocessing
 import random
-import resource
 import time
 
 from gpt2serve_client import AsyncClient
@@ -70,22 +70,45 @@ async def served(target: str, clients: int, tokens: int, seconds: float) -> tupl
     return scored / (time.perf_counter() - started), sum(batches) / max(len(batches), 1)
 
 
-def _peak_rss_growth(model: str, batch: int, scored: bool, out) -> None:
+def _rss_kib(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _scoring_peak(model: str, batch: int, chunked: bool, out) -> None:
+    """The forward first; then the peak RSS reset (/proc/self/clear_refs) and the head over every
+    position: chunked (engine.head), or whole as a naive server would, (B, T, V) at once."""
+    import torch
+
     from gpt2serve.engine.engine import Engine
+    from gpt2serve.engine.head import ScoredSpan, score_prompts
     from gpt2serve.engine.loading import load_model
+    from gpt2serve.engine.padding import IDS, POSITIONS, VALID, left_pad
 
     engine = Engine(load_model(model, "cpu", "float32", seed=0))
-    n_ctx = engine.model.config.n_ctx
-    work = prompts(batch, n_ctx, 2)
-    engine.next_token(work[:1], [1], scored_rows={0: 1} if scored else None)  # first-call allocations
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    engine.next_token(work, [1] * batch, scored_rows={r: 5 for r in range(batch)} if scored else None)
-    out.put((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)  # MiB
+    n_ctx, vocab = engine.model.config.n_ctx, engine.model.config.vocab_size
+    padded = left_pad(prompts(batch, n_ctx, 2), 0)
+    with torch.inference_mode():
+        hidden = engine.model.hidden_states(padded[IDS], padded[POSITIONS], padded[VALID].bool())  # (B, T, C)
+        spans = [ScoredSpan(row, 0, n_ctx, 5) for row in range(batch)]
+        score_prompts(hidden[:1, :64], padded[IDS][:1, :64], [ScoredSpan(0, 0, 64, 5)], engine.head, vocab)  # warm
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = _rss_kib("VmRSS")
+        if chunked:
+            score_prompts(hidden, padded[IDS], spans, engine.head, vocab)
+        else:
+            logprobs = torch.log_softmax(engine.head(hidden[:, :-1]).float(), dim=-1)  # (B, T-1, V)
+            logprobs.gather(2, padded[IDS][:, 1:, None])
+    out.put((_rss_kib("VmHWM") - before) / 1024)  # MiB
 
 
-def peak_rss_growth_mib(model: str, batch: int, scored: bool) -> float:
-    queue = multiprocessing.get_context("spawn").Queue()
-    process = multiprocessing.get_context("spawn").Process(target=_peak_rss_growth, args=(model, batch, scored, queue))
+def scoring_peak_mib(model: str, batch: int, chunked: bool) -> float:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_scoring_peak, args=(model, batch, chunked, queue))
     process.start()
     value = queue.get()
     process.join()
@@ -102,9 +125,10 @@ def main() -> None:
     parser.add_argument("--memory-batch", type=int, default=8)
     args = parser.parse_args()
     report = {"model": args.model, "tokens": args.tokens}
-    report["memory_mib"] = {"unscored": peak_rss_growth_mib(args.model, args.memory_batch, False),
-                            "scored": peak_rss_growth_mib(args.model, args.memory_batch, True),
-                            "batch": args.memory_batch}
+    report["scoring_peak_mib"] = {"batch": args.memory_batch,
+                                  "chunked": round(scoring_peak_mib(args.model, args.memory_batch, True)),
+                                  "whole": round(scoring_peak_mib(args.model, args.memory_batch, False))}
+    print(json.dumps(report), flush=True)
     proc, target, _ = launch(args.model, None, "--device", "cpu", "--dtype", "float32")
     try:
         for clients in args.clients:
