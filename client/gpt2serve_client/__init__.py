@@ -23,5 +23,6 @@ from .types import (
 __all__ = [
     "Architecture", "AsyncClient", "Client", "GenerateChunk", "GenerateResult", "GenerateTimings",
     "GeneratedToken", "GenerationStep", "Gpt2ServeError", "HealthStatus", "ModelInfo",
-    "NextTokenResult", "ParameterBreakdown", "PromptTokenLogprob", "RestClient", "ShapeStep", "Timings", "TokenLogprob", "Usage", "perplexity",
+    "NextTokenResult", "ParameterBreakdown", "PromptTokenLogprob", "RestClient", "ShapeStep", "Timings",
+    "TokenLogprob", "Usage", "perplexity",
 ]

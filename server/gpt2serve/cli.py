@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from gpt2serve_client import Client, Gpt2ServeError, perplexity
@@ -115,7 +116,7 @@ def format_scores(result) -> str:
 def cmd_score(args: argparse.Namespace) -> int:
     text = args.text
     if args.file is not None:
-        text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
     if not text:
         print("error: give TEXT or --file", file=sys.stderr)
         return 2

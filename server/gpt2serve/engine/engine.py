@@ -181,7 +181,6 @@ class Engine:
         if traced_rows:
             probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
                                self.loaded.tokenizer.token_text, mapped_rows, last_row_rows)
-        if probe is not None:
             probe.start()
         hidden = self.model.hidden_states(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe)  # (B, T, C)
         top, failed = self._top(self.last_from_hidden(hidden, probe), top_ks)
@@ -203,7 +202,7 @@ class Engine:
     def last_from_hidden(self, hidden: torch.Tensor, probe: LayerProbe | None = None) -> torch.Tensor:
         """(B, T, C) residual stream after the last block -> (B, V) fp32 log-probs after the last column."""
         last = hidden[:, -1, :]  # (B, C)
-        logits = self.unembed(self.model.ln_f(last))  # (B, V): only the last position is decoded
+        logits = self.head(last)  # (B, V): only the last position is decoded
         if probe is not None:
             probe.unembedded(last, logits)
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype

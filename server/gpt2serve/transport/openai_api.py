@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.generation import GeneratedToken, GenerateResult, Usage
-from gpt2serve_client.types import PromptTokenLogprob
 
 from ..errors import InvalidArgument, ModelNotFound, ServeError
 from ..service import GenerateSettings, InferenceService, PromptInput
@@ -176,11 +175,9 @@ class OpenAIRoutes:
                       "logprobs": logprobs_json(name, result.tokens, [t.token for t in result.tokens], 0)
                       if body.logprobs is not None else None}
             if body.echo:  # the prompt first; the end token too, as vLLM lists it (lm-eval drops the last entry)
-                prompt_text = tokenizer.decode(stream.token_ids)
                 generated = result.tokens + ([stream.end_token] if stream.end_token else [])
-                entries = stream.prompt_logprobs or [PromptTokenLogprob(t, "", None, None) for t in stream.token_ids]
-                choice.update(text=prompt_text + result.text, logprobs=echo_logprobs(
-                    tokenizer, entries, generated, scored=True) if body.logprobs is not None else None)
+                choice.update(text=tokenizer.decode(stream.token_ids) + result.text, logprobs=echo_logprobs(
+                    tokenizer, stream.prompt_logprobs, generated) if body.logprobs is not None else None)
             choices.append(choice)
         return JSONResponse({**completion, "choices": choices, "usage": usage_json([r.usage for r in results])})
 
@@ -199,9 +196,8 @@ class OpenAIRoutes:
             raise InvalidArgument(exc.message, param=exc.param or "prompt") from None
         choices = []
         for index, result in enumerate(results):
-            entries = result.prompt_logprobs or [PromptTokenLogprob(t, "", None, None) for t in result.prompt_token_ids]
             choices.append({"index": index, "text": tokenizer.decode(result.prompt_token_ids), "finish_reason": "length",
-                            "logprobs": echo_logprobs(tokenizer, entries, [], scored=True)
+                            "logprobs": echo_logprobs(tokenizer, result.prompt_logprobs, [])
                             if body.logprobs is not None else None})
         usage = [Usage(len(r.prompt_token_ids), 0, len(r.prompt_token_ids)) for r in results]
         return JSONResponse({**completion, "choices": choices, "usage": usage_json(usage)})

@@ -33,34 +33,25 @@ def openai_token(tokenizer: Tokenizer, token_id: int) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int], start: int = 0) -> list[int]:
-    """Each token's character offset in the text the tokens decode to, from `start`."""
+def text_offsets(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[int]:
+    """Each token's character offset in the text the tokens decode to."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    offsets, offset = [], start
+    offsets, offset = [], 0
     for token_id in token_ids:
         offsets.append(offset)
         offset += len(decoder.decode(tokenizer.token_bytes(token_id)))
     return offsets
 
 
-def echo_logprobs(tokenizer: Tokenizer, prompt: list[PromptTokenLogprob], generated: Sequence[GeneratedToken],
-                  scored: bool) -> dict:
-    """The prompt's entries (the first with null logprob and null top) then the generated ones.
-    `scored`: the prompt was scored (logprobs asked); else its entries carry only tokens and offsets."""
+def echo_logprobs(tokenizer: Tokenizer, prompt: list[PromptTokenLogprob], generated: Sequence[GeneratedToken]) -> dict:
+    """The scored prompt's entries (the first with null logprob and null top), then the generated ones."""
     ids = [p.token_id for p in prompt] + [g.token_id for g in generated]
-    token_logprobs: list[float | None] = [p.logprob for p in prompt] if scored else [None] * len(prompt)
-    top: list[dict | None] = ([None] + [{openai_token(tokenizer, t.token_id): t.logprob for t in p.top}
-                                        for p in prompt[1:]]) if scored else [None] * len(prompt)
+    token_logprobs: list[float | None] = [p.logprob for p in prompt]
+    top: list[dict | None] = [None] + [{openai_token(tokenizer, t.token_id): t.logprob for t in p.top}
+                                       for p in prompt[1:]]
     for g in generated:
         token_logprobs.append(g.logprob)
         top.append({openai_token(tokenizer, t.token_id): t.logprob for t in g.top})
     return {"tokens": [openai_token(tokenizer, i) for i in ids], "token_logprobs": token_logprobs,
             "top_logprobs": top, "text_offset": text_offsets(tokenizer, ids)}
 
-
-def generated_logprobs(tokenizer: Tokenizer, tokens: Sequence[GeneratedToken], offset: int) -> dict:
-    """Generated tokens only, their offsets from `offset` (the text before them)."""
-    return {"tokens": [openai_token(tokenizer, t.token_id) for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{openai_token(tokenizer, a.token_id): a.logprob for a in t.top} for t in tokens],
-            "text_offset": text_offsets(tokenizer, [t.token_id for t in tokens], offset)}
