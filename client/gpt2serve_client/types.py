@@ -281,6 +281,8 @@ class ModelInfo:
     max_batch_size: int
     max_running_sequences: int = 0  # generations decoded together at most (KV-cache slots)
     quantize: str = "none"  # weight storage when smaller than dtype: "int8" or "fp16" (--quantize)
+    prefix_cache_tokens: int = 0  # prompt tokens the prefix cache can hold (--prefix-cache-mb); 0: off
+    prefix_cache_bytes: int = 0  # its memory: claimed at start on cuda, the most it grows to on a CPU
 
     def to_proto(self) -> pb.ModelInfo:
         data = asdict(self)

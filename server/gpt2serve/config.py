@@ -79,6 +79,9 @@ class ServeConfig:
     # Most memory the KV cache may hold; None: auto (40% of free device memory on cuda, claimed at
     # start; 25% of what this process may use on a CPU, allocated as used; launch.engine_host).
     kv_cache_mb: float | None = None
+    # Most memory the prefix cache may hold (0: off); None: auto (10% of free device memory on cuda,
+    # claimed at start; 10% of what this process may use on a CPU, touched as used; launch.engine_host).
+    prefix_cache_mb: float | None = None
     # A generation that has found no room in the KV cache by then gets RESOURCE_EXHAUSTED (unless its
     # own deadline, e.g. gRPC's, comes first).
     max_queue_wait_s: float = 30.0
@@ -227,6 +230,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="most memory the KV cache may hold; a generation is admitted when it fits at prompt + max_tokens "
                  "(auto: 40%% of free device memory on cuda, claimed at start; 25%% of the memory this process "
                  "may use on a CPU, allocated as used)")
+    env.add("--prefix-cache-mb", type=auto_float, default="auto",
+            help="most memory the prefix cache may hold: prompts' keys and values kept in blocks of 16 tokens, so "
+                 "a prompt that starts like an earlier one computes only the rest; least recently used blocks go "
+                 "first; 0: off (auto: 10%% of free device memory on cuda, claimed at start; 10%% of the memory "
+                 "this process may use on a CPU, touched as used)")
     env.add("--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
             help="a generation waiting this long for a KV-cache slot gets RESOURCE_EXHAUSTED / 429")
     env.add("--metrics-compat", default=d.metrics_compat, choices=METRICS_COMPAT_CHOICES,
@@ -255,6 +263,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--max-running-sequences must be >= 1 (or auto)")
     if config.kv_cache_mb is not None and config.kv_cache_mb <= 0:
         problems.append("--kv-cache-mb must be > 0 (or auto)")
+    if config.prefix_cache_mb is not None and config.prefix_cache_mb < 0:
+        problems.append("--prefix-cache-mb must be >= 0 (0: off; or auto)")
     if config.max_queue_wait_s < 0:
         problems.append("--max-queue-wait-s must be >= 0")
     if config.max_batch_delay_ms < 0:

@@ -82,6 +82,7 @@ class NextTokenOutput:
     layers: list[LayerReport] | None = None  # when its trace asked for them
     walkthrough: list[ShapeStep] | None = None  # with the layers: the forward's shapes
     prompt_logprobs: PromptScores | None = None  # when the request asked for them
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
 
 
 # Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.
@@ -133,6 +134,7 @@ class TokenEvent:
     forward_s: float = 0.0  # the step's forward
     batch_size: int = 0  # sequences in that forward
     prompt_logprobs: PromptScores | None = None  # first event only, when the request asked for them
+    cached_tokens: int = 0  # first event only: prompt tokens read from the prefix cache
 
 
 class TokenSink(Protocol):

@@ -9,6 +9,11 @@ Three ways through the model, the same numbers from each:
 - CUDA graphs (on cuda, `--cuda-graphs on`): the batch padded up to a captured bucket shape;
 - eager: other shapes, the CPU, and traced batches (introspection taps run Python per block);
 - either way the answer reaches the host in one copy.
+
+With the prefix cache (engine.prefix_cache), a batch where some prompt starts with cached blocks
+runs only what follows them, right-padded (engine.prefix_forward); other batches run as above
+and leave their full blocks in the cache. On cuda a batch with a block to keep or reuse runs
+eagerly, since a graph keeps nothing but the last position.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
 from .head import ScoredSpan, score_prompts
 from .loading import LoadedModel
+from .prefix_cache import PrefixCache, RowPlan
+from .prefix_forward import BlockWriter, PrefixStore, prefix_batch
 from .padding import IDS, POSITIONS, VALID, Buckets, left_pad
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,7 @@ class BatchOutput:
     # meaningless, and the scheduler fails them alone.
     failed_rows: frozenset[int] = frozenset()
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # scored row -> its positions 1..L-1
+    cached_tokens: list[int] = field(default_factory=list)  # per row, prompt tokens read from the prefix cache
     timeline: ForwardTimeline | None = None  # stage times, when any row was traced
     probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
 
@@ -106,6 +114,12 @@ class Engine:
         self.graphs: BucketedForward | None = None
         if self.device.type == "cuda" and options.cuda_graphs:
             self.graphs = self.bucketed(capture=True)
+        self.prefix_cache: PrefixCache | None = None  # attach_prefix_cache()
+
+    def attach_prefix_cache(self, capacity_blocks: int) -> None:
+        """Keep prompts' blocks from now on (after warm-up, so it starts empty); 0: off."""
+        self.prefix_cache = None if capacity_blocks <= 0 else PrefixCache(
+            self.model.config, capacity_blocks, self.device, self.loaded.dtype)
 
     def bucketed(self, capture: bool) -> BucketedForward:
         """The bucketed forward (without capture: the same padding and buffers, run eagerly)."""
@@ -158,21 +172,59 @@ class Engine:
         `mapped_rows`, among them, those that also want full attention maps and logit lens;
         `last_row_rows`, among those, the ones that want only each map's last query row.
         `scored_rows`: row -> top-k alternatives, for prompts whose every position is scored
-        (engine.head); they take the eager path, since a graph keeps only the last position."""
+        (engine.head); they take the eager path, since a graph keeps only the last position.
+        A traced batch computes every prompt whole (its reports cover every position), and
+        still leaves its blocks in the prefix cache."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        eager = traced_rows or scored_rows
+        cache = self.prefix_cache
+        plans = cache.plan(prompts, use_hits=not traced_rows) if cache is not None else None
+        try:
+            output = self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows or {},
+                                      plans, started, started_ns)
+        except BaseException:  # nothing half-written is ever indexed
+            if plans is not None:
+                cache.release([block for plan in plans for block in plan.new])
+            raise
+        if plans is not None:
+            cache.commit(plans, output.failed_rows)
+            output = replace(output, cached_tokens=[plan.cached_tokens for plan in plans])
+        return output
+
+    def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
+                    plans: list[RowPlan] | None, started: float, started_ns: int) -> BatchOutput:
+        hits = plans is not None and any(plan.hit for plan in plans)
+        if hits:
+            return self._after_prefix(prompts, top_ks, plans, scored_rows, started, started_ns)
+        writes = plans is not None and any(plan.new for plan in plans)
+        eager = traced_rows or scored_rows or writes
         replayed = self.graphs.run(prompts) if self.graphs is not None and not eager else None
         if replayed is None:
             return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
-                               scored_rows or {})
+                               scored_rows, plans if writes else None)
         logprobs, (_, length) = replayed
         top, failed = self._top(logprobs, top_ks)
         return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(), cuda_graph=True,
                            failed_rows=failed)
 
+    def _after_prefix(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan],
+                      scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
+        """Each prompt's tokens after its cached blocks, right-padded, attending over those blocks."""
+        batch = prefix_batch(prompts, plans, self.pad_token_id, self.device)
+        writer = BlockWriter.for_rows(self.prefix_cache, plans, [0] * len(prompts))  # new blocks start the row
+        store = PrefixStore(self.prefix_cache, batch, writer)
+        hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (B, T, C)
+        writer.write_hidden(hidden)
+        logits = self.head(store.last_hidden(hidden))  # (B, V)
+        top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
+        scores = store.scores(hidden, prompts, scored_rows, self.head, self.model.config.vocab_size)
+        return BatchOutput(top, time.perf_counter() - started, batch.ids.shape[1], started_ns, time.time_ns(),
+                           failed_rows=failed, prompt_scores=scores)
+
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = (),
-               last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None) -> BatchOutput:
+               last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
+               plans: list[RowPlan] | None = None) -> BatchOutput:
+        """Every prompt whole, left-padded; with `plans`, its full blocks go into the prefix cache."""
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
         if self.device.type == "cuda":
             batch = batch.pin_memory()
@@ -182,11 +234,17 @@ class Engine:
             probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
                                self.loaded.tokenizer.token_text, mapped_rows, last_row_rows)
             probe.start()
-        hidden = self.model.hidden_states(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe)  # (B, T, C)
+        T = batch.shape[2]
+        writer = None
+        if plans is not None:  # left-padded: a prompt of L tokens starts at column T - L
+            writer = BlockWriter.for_rows(self.prefix_cache, plans, [T - len(p) for p in prompts])
+        hidden = self.model.hidden_states(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe,
+                                          kv=writer)  # (B, T, C)
+        if writer is not None:
+            writer.write_hidden(hidden)
         top, failed = self._top(self.last_from_hidden(hidden, probe), top_ks)
         scores = {}
         if scored_rows:  # left-padded: a prompt of L tokens fills the last L columns
-            T = batch.shape[2]
             spans = [ScoredSpan(row, T - len(prompts[row]), len(prompts[row]), k) for row, k in scored_rows.items()]
             scores = dict(zip(scored_rows, score_prompts(hidden, batch[IDS], spans, self.head,
                                                          self.model.config.vocab_size)))

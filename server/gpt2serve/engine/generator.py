@@ -3,7 +3,8 @@
 The scheduler (scheduling.continuous_batcher) decides who runs; this module runs them, in the engine
 thread, in two kinds of step:
 - prefill: new sequences' prompts, right-padded into one forward that fills their cache slots
-  and gives each its first token;
+  and gives each its first token; a prompt that starts with blocks in the prefix cache
+  (engine.prefix_cache) computes only what follows them, and its slot gets those blocks copied;
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
   (engine.traced_decode).
@@ -26,8 +27,9 @@ from .decode_graphs import DecodeGraphs
 from .traced_decode import TracedDecode
 from ..protocol import PromptScores, SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
-from .head import ScoredSpan, score_prompts
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
+from .prefix_cache import RowPlan
+from .prefix_forward import BlockWriter, PrefixStore, prefix_batch
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
 
@@ -54,6 +56,7 @@ class StepOutput:
     # fails them alone, and frees their slots at the next step.
     failed: frozenset[int] = frozenset()
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prefill: seq_id -> prompt tokens from the prefix cache
 
 
 @dataclass
@@ -128,31 +131,44 @@ class Generator:
     def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:
         """Prompts into slots n..n+k-1, and each one's first token."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        cache = self.allocate()
+        self.allocate()
         first = len(self.running)
         if first + len(sequences) > self.slots:
             raise ValueError(f"{first + len(sequences)} sequences for {self.slots} cache slots")
-        lengths = [len(s.prompt) for s in sequences]
-        T, device = max(lengths), self.engine.device
-        cache.reserve(first + len(sequences), T)
-        ids = torch.full((len(sequences), T), self.engine.pad_token_id, dtype=torch.long)  # (k, T), right-padded
-        for row, s in enumerate(sequences):
-            ids[row, :len(s.prompt)] = torch.tensor(s.prompt)
-        valid = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # (k, T)
-        positions = torch.arange(T).expand(len(sequences), T)  # (k, T)
-        ids, valid, positions = ids.to(device), valid.to(device), positions.to(device)
-        hidden = self.model.hidden_states(ids, positions, valid, kv=cache.prefill(first))  # (k, T, C)
-        last = hidden[torch.arange(len(sequences), device=device), torch.tensor(lengths, device=device) - 1]  # (k, C)
+        prompts = [s.prompt for s in sequences]
+        pool = self.engine.prefix_cache
+        plans = pool.plan(prompts) if pool is not None else [RowPlan(p, []) for p in prompts]
+        try:
+            output = self._prefill(sequences, plans, first, started, started_ns)
+        except BaseException:  # nothing half-written is ever indexed
+            if pool is not None:
+                pool.release([block for plan in plans for block in plan.new])
+            raise
+        if pool is not None:
+            pool.commit(plans, [row for row, s in enumerate(sequences) if s.seq_id in output.failed])
+        return output
+
+    def _prefill(self, sequences: Sequence[NewSequence], plans: list[RowPlan], first: int, started: float,
+                 started_ns: int) -> StepOutput:
+        prompts = [s.prompt for s in sequences]
+        pool = self.engine.prefix_cache
+        self.cache.reserve(first + len(sequences), max(len(p) for p in prompts))
+        batch = prefix_batch(prompts, plans, self.engine.pad_token_id, self.engine.device)  # (k, T): after the cached
+        writer = BlockWriter.for_rows(pool, plans, [0] * len(plans)) if pool is not None else None
+        store = PrefixStore(pool, batch, writer, slots=self.cache, first_slot=first)
+        hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (k, T, C)
+        if writer is not None:
+            writer.write_hidden(hidden)
         added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
                  for s in sequences]
-        tokens, failed = self._choose(self.engine.head(last), added)
+        tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added)
         self.running.extend(added)
-        scored = [ScoredSpan(row, 0, len(s.prompt), s.prompt_logprobs)  # right-padded: prompts start at column 0
-                  for row, s in enumerate(sequences) if s.prompt_logprobs is not None]
-        scores = score_prompts(hidden, ids, scored, self.engine.head, self.model.config.vocab_size) if scored else []
-        return StepOutput(tokens, "prefill", len(sequences), sum(lengths), time.perf_counter() - started,
+        scored = {row: s.prompt_logprobs for row, s in enumerate(sequences) if s.prompt_logprobs is not None}
+        scores = store.scores(hidden, prompts, scored, self.engine.head, self.model.config.vocab_size)
+        return StepOutput(tokens, "prefill", len(sequences), sum(batch.new_lengths), time.perf_counter() - started,
                           started_ns, time.time_ns(), failed,
-                          {sequences[span.row].seq_id: score for span, score in zip(scored, scores)})
+                          {sequences[row].seq_id: score for row, score in scores.items()},
+                          {s.seq_id: cached for s, cached in zip(sequences, batch.cached)})
 
     @oom_as_out_of_memory
     @torch.inference_mode()

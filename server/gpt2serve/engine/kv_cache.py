@@ -122,27 +122,8 @@ class KVCache:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
-    def prefill(self, first_slot: int) -> PrefillStore:
-        return PrefillStore(self, first_slot)
-
     def decode(self, positions: torch.Tensor, span: int) -> DecodeStore:
         return DecodeStore(self, positions, span)
-
-
-class PrefillStore:
-    """Prompts right-padded into (B, T), written to slots first_slot..first_slot+B-1 at positions
-    0..T-1; attention stays within the prompt (the mask hides the padding, which sits after
-    every real token, so no real query sees it)."""
-
-    def __init__(self, cache: KVCache, first_slot: int):
-        self.cache, self.first_slot = cache, first_slot
-
-    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, _, T, _ = k.shape  # (B, nh, T, hs)
-        slots = slice(self.first_slot, self.first_slot + B)
-        self.cache.keys[layer, slots, :, :T] = k
-        self.cache.values[layer, slots, :, :T] = v
-        return k, v
 
 
 class DecodeStore:

@@ -123,7 +123,8 @@ def _layers(x: Any) -> list[LayerReport] | None:
 def _pack_output(o: NextTokenOutput) -> list:
     return [_pack_scores(o.top), o.queue_s, o.forward_s, o.batch_size, o.enqueued_ns, o.batch_started_ns,
             None if o.layers is None else [asdict(r) for r in o.layers],
-            None if o.walkthrough is None else [asdict(s) for s in o.walkthrough], _pack_prompt_scores(o.prompt_logprobs)]
+            None if o.walkthrough is None else [asdict(s) for s in o.walkthrough], _pack_prompt_scores(o.prompt_logprobs),
+            o.cached_tokens]
 
 
 def _walkthrough(x: Any) -> list[ShapeStep] | None:
@@ -133,9 +134,10 @@ def _walkthrough(x: Any) -> list[ShapeStep] | None:
 
 
 def _output(x: Any) -> NextTokenOutput:
-    top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough, scores = _fields(x, 9)
+    top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough, scores, cached = _fields(x, 10)
     return NextTokenOutput(_scores(top), _float(queue_s), _float(forward_s), _int(batch_size), _int(enqueued_ns),
-                           _int(started_ns), _layers(layers), _walkthrough(walkthrough), _prompt_scores(scores))
+                           _int(started_ns), _layers(layers), _walkthrough(walkthrough), _prompt_scores(scores),
+                           _int(cached))
 
 
 def _pack_generate(r: GenerateRequest) -> list:
@@ -155,13 +157,13 @@ def _generate(x: Any) -> GenerateRequest:
 def _pack_event(e: TokenEvent) -> list:
     t = e.token
     return [t.token_id, t.logprob, _pack_scores(t.top), e.finish_reason, e.queue_s, e.forward_s, e.batch_size,
-            _pack_prompt_scores(e.prompt_logprobs)]
+            _pack_prompt_scores(e.prompt_logprobs), e.cached_tokens]
 
 
 def _event(x: Any) -> TokenEvent:
-    token_id, logprob, top, finish, queue_s, forward_s, batch_size, scores = _fields(x, 8)
+    token_id, logprob, top, finish, queue_s, forward_s, batch_size, scores, cached = _fields(x, 9)
     return TokenEvent(SampledToken(_int(token_id), _float(logprob), _scores(top)), _str(finish), _float(queue_s),
-                      _float(forward_s), _int(batch_size), _prompt_scores(scores))
+                      _float(forward_s), _int(batch_size), _prompt_scores(scores), _int(cached))
 
 
 def _model_info(x: Any) -> ModelInfo:

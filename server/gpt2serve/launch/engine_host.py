@@ -25,6 +25,7 @@ from ..engine.engine import Engine, EngineOptions
 from ..engine.generator import Generator
 from ..engine.kv_cache import BLOCK, KVCache, blocks_for
 from ..engine.loading import LoadedModel, load_model
+from ..engine.prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache
 from ..engine.model_info import architecture
 from ..errors import ModelLoadError
 from ..ipc.engine_server import EngineServer
@@ -93,6 +94,27 @@ def kv_cache_size(config: ServeConfig, engine: Engine) -> tuple[int, int]:
     return slots, min(blocks, slots * full)
 
 
+PREFIX_CACHE_SHARE = 0.10  # --prefix-cache-mb auto: of free device memory (cuda) or of the process's (CPU)
+
+
+def prefix_cache_blocks(config: ServeConfig, engine: Engine) -> int:
+    """Blocks the prefix cache may hold: --prefix-cache-mb, or by default 10% of the free device
+    memory on cuda (claimed at start, after the KV cache) and 10% of the memory this process may
+    use on a CPU (its pages touched only as blocks are written). 0: off."""
+    if config.prefix_cache_mb is not None:
+        budget = config.prefix_cache_mb * 2**20
+    elif engine.device.type == "cuda":
+        budget = PREFIX_CACHE_SHARE * torch.cuda.mem_get_info(engine.device)[0]
+    else:
+        budget = PREFIX_CACHE_SHARE * available_memory_bytes()
+    return int(budget // PrefixCache.bytes_per_block(engine.model.config, engine.loaded.dtype))
+
+
+def prefix_cache_bytes(engine: Engine) -> int:
+    cache = engine.prefix_cache
+    return 0 if cache is None else cache.capacity_blocks * PrefixCache.bytes_per_block(cache.config, cache.dtype)
+
+
 def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
     cpus = available_cpus()
@@ -113,6 +135,12 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
              generator.capacity_blocks * BLOCK,
              generator.capacity_blocks * BLOCK * KVCache.bytes_per_token(loaded.model.config, loaded.dtype) / 2**20,
              "claimed now" if loaded.device.type == "cuda" else "allocated as used")
+    engine.attach_prefix_cache(prefix_cache_blocks(config, engine))  # after warm-up: it starts empty
+    if engine.prefix_cache is None:
+        log.info("prefix cache: off (--prefix-cache-mb 0)")
+    else:
+        log.info("prefix cache: up to %d tokens (%.0f MiB), %s", engine.prefix_cache.capacity_blocks * PREFIX_BLOCK,
+                 prefix_cache_bytes(engine) / 2**20, "claimed now" if loaded.device.type == "cuda" else "touched as used")
     return engine, generator
 
 
@@ -140,7 +168,10 @@ class EngineHost:
         self.continuous.start()
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
-        self.info = replace(describe_model(loaded), max_running_sequences=generator.slots)
+        prefix = engine.prefix_cache
+        self.info = replace(describe_model(loaded), max_running_sequences=generator.slots,
+                            prefix_cache_tokens=prefix.capacity_blocks * PREFIX_BLOCK if prefix else 0,
+                            prefix_cache_bytes=prefix_cache_bytes(engine))
         info = self.info
         telemetry.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
                                            info.architecture.vocab_size),

@@ -25,7 +25,7 @@ from ..engine.engine import BatchOutput, OutOfMemory
 from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown,
                       Unavailable)
 from ..protocol import NextTokenOutput, TraceContext
-from ..telemetry.records import BatchDone
+from ..telemetry.records import BatchDone, PrefixCacheUse
 from .grouping import plan_batch
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ class Batcher:
             item.future.set_result(NextTokenOutput(
                 top, started - item.enqueued_at, output.forward_s, len(batch), item.enqueued_ns,
                 started_ns, output.layers.get(row), output.walkthrough if row in output.layers else None,
-                output.prompt_scores.get(row),
+                output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
             ))
 
     def _fail(self, batch: list[_Pending], stage: str, exc: Exception, error: ServeError | None = None) -> None:
@@ -168,10 +168,13 @@ class Batcher:
             if not item.future.done():
                 item.future.set_exception(error or EngineFailure(f"the {stage} failed; {INTERNAL_MESSAGE}"))
 
-    def _observe(self, traces: list[TraceContext | None], output: BatchOutput, started_ns: int) -> None:
+    def _observe(self, batch: list[_Pending], output: BatchOutput, started_ns: int) -> None:
+        prefix = None
+        if output.cached_tokens:  # the prefix cache is on
+            prefix = PrefixCacheUse(sum(len(p.token_ids) for p in batch), sum(output.cached_tokens))
         try:
-            self.observer.record_batch(BatchDone(traces, output.padded_len, output.forward_s, started_ns,
-                                                 output.ended_ns, output.timeline, output.layers))
+            self.observer.record_batch(BatchDone([p.trace for p in batch], output.padded_len, output.forward_s,
+                                                 started_ns, output.ended_ns, output.timeline, output.layers, prefix))
         except Exception:  # Telemetry must never fail a request or the scheduler.
             log.exception("batch observer failed")
 
@@ -250,7 +253,7 @@ class Batcher:
         self._answer(batch, output, started, started_ns, needs_layers=True)
         self._last_answered = loop.time()
         if self.observer is not None:  # After the answers: spans are not on anyone's critical path.
-            loop.call_soon(self._observe, traces, output, started_ns)
+            loop.call_soon(self._observe, batch, output, started_ns)
         # Let the answered handlers run (encode, send) before the next batch's wait starts:
         # its clock is for callers coming back, not for our own responses going out.
         await asyncio.sleep(0)

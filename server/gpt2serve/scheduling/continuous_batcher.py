@@ -30,7 +30,7 @@ from typing import Protocol, Sequence
 
 from ..errors import INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, SampledToken, TokenEvent, TokenSink
-from ..telemetry.records import StepDone
+from ..telemetry.records import PrefixCacheUse, StepDone
 
 from ..engine.engine import OutOfMemory
 from ..engine.generator import NewSequence, StepOutput
@@ -264,10 +264,13 @@ class ContinuousBatcher:
             self._fail([s for s in members if s.seq_id in output.failed], NonFiniteOutput(
                 "the model's output for this sequence was not finite (a numerical overflow); it was stopped"))
         if self.observer is not None:
+            prefix = None
+            if output.cached_tokens:  # a prefill with the prefix cache on
+                prefix = PrefixCacheUse(sum(len(s.request.prompt) for s in members), sum(output.cached_tokens.values()))
             try:
                 self.observer.record_step(StepDone(output.kind, [s.request.trace for s in members], output.rows,
                                                    output.tokens_in, output.forward_s, output.started_ns,
-                                                   output.ended_ns))
+                                                   output.ended_ns, prefix))
             except Exception:  # Telemetry must never fail a request or the loop.
                 log.exception("step observer failed")
         return True
@@ -288,7 +291,7 @@ class ContinuousBatcher:
             self._end(seq, None)
         try:
             seq.sink.put(TokenEvent(token, finish, queue_s, output.forward_s, output.rows,
-                                    output.prompt_scores.get(seq.seq_id)))
+                                    output.prompt_scores.get(seq.seq_id), output.cached_tokens.get(seq.seq_id, 0)))
         except Exception:  # A sink's failure is its own request's; the loop goes on.
             log.exception("generation %d: its sink failed; stopping it", seq.seq_id)
             self._end(seq, None)

@@ -104,6 +104,8 @@ class GenerationStream:
     def put(self, event: TokenEvent) -> None:
         if self._done:
             return
+        if self.clock.steps == 0 and self._request is not None:  # the first event: the prefill's
+            self._request.span.set_attribute("gpt2serve.prefix_cache.hit_tokens", event.cached_tokens)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = prompt_token_logprobs(self.tokenizer.token_text, self.token_ids, event.prompt_logprobs)
         clock = self.clock

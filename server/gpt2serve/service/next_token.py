@@ -42,6 +42,7 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
         span.set_attribute("gen_ai.usage.output_tokens", len(token_ids))
         span.set_attribute("gen_ai.request.top_k", k)
         outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace, scored_k))
+        span.set_attribute("gpt2serve.prefix_cache.hit_tokens", sum(o.cached_tokens for o in outputs))
         if scored_k is not None:
             summarize_scores(span, [o.prompt_logprobs for o in outputs])
         for out in outputs[:1]:  # The prompts of one call enter the queue together.

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from .records import FirstToken, ModelLoaded, RequestDone, RequestRefused, SchedulerStats
+from .records import FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestRefused, SchedulerStats
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -43,6 +43,10 @@ GENERATING_METHODS = ("Generate", "Completions")  # their first token is not the
 METRICS_COMPAT = {
     "vllm": {"requests_waiting": "vllm:num_requests_waiting", "requests_running": "vllm:num_requests_running",
              "kv_cache_usage": "vllm:kv_cache_usage_perc"},
+}
+# --metrics-compat: the prefix cache's counters under other servers' names (vLLM counts tokens too).
+COUNTERS_COMPAT = {
+    "vllm": {"prefix_cache_queries": "vllm:prefix_cache_queries", "prefix_cache_hits": "vllm:prefix_cache_hits"},
 }
 
 
@@ -71,6 +75,11 @@ class Metrics:
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("gpt2serve_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
         self.generated_tokens = Counter("gpt2serve_generated_tokens", "Tokens generated", ["api"], registry=r)
+        self.prefix_cache_queries = Counter("gpt2serve_prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("gpt2serve_prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache, so not computed again", registry=r)
+        self._compat_counters: list[tuple[Counter, Counter]] = []  # (ours, under another server's name)
         live_sum = dict(multiprocess_mode="livesum")  # across the processes alive (multiprocess mode)
         self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r, **live_sum)
         self.queue_depth = Gauge("gpt2serve_queue_depth", "Prompts waiting for a batch", registry=r, **live_sum)
@@ -120,6 +129,11 @@ class Metrics:
                 gauge = Gauge(their_name, f"{ours.name} under its --metrics-compat {compat} name: {ours.documentation}",
                               ["model_name", "engine"], registry=self.registry, multiprocess_mode="livesum")
                 gauges.append((gauge.labels(model_name=model.model, engine="0"), router[name]))
+            for name, their_name in COUNTERS_COMPAT[compat].items():
+                (ours,) = getattr(self, name).describe()
+                counter = Counter(their_name, f"{ours.name} under its --metrics-compat {compat} name: {ours.documentation}",
+                                  ["model_name", "engine"], registry=self.registry)
+                self._compat_counters.append((getattr(self, name), counter.labels(model_name=model.model, engine="0")))
         if self.multiprocess_dir:
             self.model_gauge.labels(**labels).set(1)
             self._gauges, self._stats = gauges, stats
@@ -163,6 +177,13 @@ class Metrics:
     def batch(self, size: int, forward_s: float) -> None:
         self.batch_size.observe(size)
         self.forward_duration.observe(forward_s)
+
+    def prefix_cache(self, use: PrefixCacheUse) -> None:
+        counts = {self.prefix_cache_queries: use.queried_tokens, self.prefix_cache_hits: use.hit_tokens}
+        for counter, value in counts.items():
+            counter.inc(value)
+        for ours, theirs in self._compat_counters:
+            theirs.inc(counts[ours])
 
     def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
         """The scrape body and its content type (OpenMetrics, with exemplars, when asked for)."""

@@ -101,6 +101,14 @@ class ForwardTimeline:
 
 
 @dataclass(frozen=True)
+class PrefixCacheUse:
+    """A forward's prompt tokens looked up in the prefix cache, and those found there."""
+
+    queried_tokens: int
+    hit_tokens: int
+
+
+@dataclass(frozen=True)
 class BatchDone:
     """One next-token forward, with each row's trace in row order."""
 
@@ -111,6 +119,7 @@ class BatchDone:
     ended_ns: int
     timeline: ForwardTimeline | None = None  # when a row was traced
     layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> a report per block
+    prefix_cache: PrefixCacheUse | None = None  # when the prefix cache is on
 
 
 @dataclass(frozen=True)
@@ -124,3 +133,4 @@ class StepDone:
     forward_s: float
     started_ns: int
     ended_ns: int
+    prefix_cache: PrefixCacheUse | None = None  # prefill, when the prefix cache is on

@@ -38,7 +38,7 @@ from gpt2serve_client.types import LayerReport
 
 from ..protocol import TraceContext
 from .metrics import Metrics
-from .records import (BatchDone, FirstToken, ModelLoaded, RequestDone, RequestOptions, RequestRefused,
+from .records import (BatchDone, FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestOptions, RequestRefused,
                       SchedulerStats, StepDone)
 from .tracing import TRACE_LAYERS_ATTRIBUTE
 
@@ -213,6 +213,8 @@ class Telemetry:
         """Called once per batch with each row's trace (row order)."""
         traces = record.traces
         self.metrics.batch(len(traces), record.forward_s)
+        if record.prefix_cache is not None:
+            self.metrics.prefix_cache(record.prefix_cache)
         sampled = [(row, t) for row, t in enumerate(traces) if t is not None and t.sampled]
         if not sampled:
             return
@@ -221,7 +223,8 @@ class Telemetry:
             "batch", context=_context_of(owner), start_time=record.started_ns,
             links=[Link(span_context(t.traceparent)) for _, t in sampled],
             attributes={"gpt2serve.batch.size": len(traces), "gpt2serve.batch.padded_length": record.padded_len,
-                        "gpt2serve.batch.sampled_requests": len(sampled)},
+                        "gpt2serve.batch.sampled_requests": len(sampled),
+                        **_prefix_attributes(record.prefix_cache)},
         )
         batch_link = Link(batch.get_span_context())
         self._forward(trace.set_span_in_context(batch), record, owner_row if owner.layer_spans else None, ())
@@ -233,6 +236,8 @@ class Telemetry:
     def record_step(self, record: StepDone) -> None:
         """One span per generation step (prefill or decode) with a sampled sequence in it: a
         child of the first such sequence's request span, linked to the others'."""
+        if record.prefix_cache is not None:
+            self.metrics.prefix_cache(record.prefix_cache)
         sampled = [t for t in record.traces if t is not None and t.sampled]
         if not sampled:
             return
@@ -240,7 +245,8 @@ class Telemetry:
             record.kind, context=_context_of(sampled[0]), start_time=record.started_ns,
             links=[Link(span_context(t.traceparent)) for t in sampled[1:]],
             attributes={"gpt2serve.step.sequences": record.rows, "gpt2serve.step.tokens_in": record.tokens_in,
-                        "gpt2serve.step.sampled_requests": len(sampled), "gpt2serve.forward.ms": record.forward_s * 1000},
+                        "gpt2serve.step.sampled_requests": len(sampled), "gpt2serve.forward.ms": record.forward_s * 1000,
+                        **_prefix_attributes(record.prefix_cache)},
         ).end(end_time=record.ended_ns)
 
     def _forward(self, context: Context, output: BatchDone, row: int | None, links: Sequence[Link]) -> None:
@@ -261,6 +267,12 @@ class Telemetry:
 
     def _child(self, name: str, context: Context, times: tuple[int, int], attributes: dict) -> None:
         self.tracer.start_span(name, context=context, start_time=times[0], attributes=attributes).end(end_time=times[1])
+
+
+def _prefix_attributes(use: PrefixCacheUse | None) -> dict[str, int]:
+    if use is None:
+        return {}
+    return {"gpt2serve.prefix_cache.queried_tokens": use.queried_tokens, "gpt2serve.prefix_cache.hit_tokens": use.hit_tokens}
 
 
 def _context_of(t: TraceContext) -> Context:
