@@ -102,7 +102,14 @@ def test_every_dashboard_query_returns_data(stack):
             async def generator(i):
                 while time.monotonic() < stop_at:
                     await client.generate([i + 1, 5], max_tokens=8, temperature=0.7)
-            await asyncio.gather(*(worker(i) for i in range(6)), *(generator(i) for i in range(3)))
+
+            async def shared_prefix(i):  # 48 shared tokens, then its own: the prefix cache's work
+                n = 0
+                while time.monotonic() < stop_at:
+                    n += 1
+                    await client.next_token(list(range(100, 148)) + [i + 1, n])
+            await asyncio.gather(*(worker(i) for i in range(6)), *(generator(i) for i in range(3)),
+                                 *(shared_prefix(i) for i in range(2)))
 
     with Client(srv.grpc_target) as client:
         client.next_token([1])  # every series exists before the load, so rates see it grow
@@ -115,7 +122,7 @@ def test_every_dashboard_query_returns_data(stack):
     expressions = dashboard_expressions()
     assert len(expressions) >= 10
     for metric in ("time_to_first_token", "time_per_output_token", "running_sequences", "waiting_sequences",
-                   "kv_cache_usage", "generated_tokens"):
+                   "kv_cache_usage", "generated_tokens", "prefix_cache_hits"):
         assert any(metric in expr for expr in expressions), f"no panel shows gpt2serve_{metric}"
     empty = []
     for expr in expressions:
@@ -124,3 +131,6 @@ def test_every_dashboard_query_returns_data(stack):
         if not any(v == v for v in values):  # no series, or only NaN
             empty.append(expr)
     assert not empty, f"dashboard queries without data: {empty}"
+    (hit_rate,) = [expr for expr in expressions if "prefix_cache_hits" in expr]
+    rate = float(query(url, hit_rate.replace("$__rate_interval", "30s"))[0]["value"][1])
+    assert 0 < rate < 1, f"the prefix cache's hit rate panel shows {rate}"
