@@ -18,8 +18,10 @@ LONG_PROMPT = [(i * 7919) % 50000 for i in range(700)]
 def small_queue_server(tmp_path_factory):
     # The length-grouping cost is pinned (near what warm-up measures for GPT-2 small on a CPU): a
     # cost measured on a busy machine can come out anywhere and change which prompts share a batch.
+    # No prefix cache: these tests hold the engine with the same long prompt again and again,
+    # which the cache would answer in a fraction of the time.
     srv = launch_server(tmp_path_factory.mktemp("sched"), "--model", "random:gpt2", "--max-queue", "4",
-                        "--fixed-cost-tokens", "40")
+                        "--fixed-cost-tokens", "40", "--prefix-cache-mb", "0")
     yield srv
     srv.stop()
 

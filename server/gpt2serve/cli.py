@@ -17,6 +17,7 @@ from typing import Sequence
 from gpt2serve_client import Client, Gpt2ServeError, perplexity
 
 from .benchmarks.generate_load import add_generate_bench_arguments, run_generate_bench
+from .benchmarks.prefix_load import add_prefix_bench_arguments, run_prefix_bench
 from .benchmarks.serving_load import add_bench_arguments, add_engine_bench_arguments, run_bench
 from .config import ENV_ERRORS, EnvDefaults, add_serve_arguments, config_from_args
 from .errors import ModelLoadError
@@ -174,6 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .benchmarks.engine_limit import run_engine_bench  # lazy: torch, for the in-process limit
 
         return run_engine_bench(args)
+    if args.shared_prefix:
+        return run_prefix_bench(args)
     if args.generate:
         return run_generate_bench(args)
     return run_bench(args)
@@ -228,6 +231,7 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     add_engine_bench_arguments(bench)
     add_generate_bench_arguments(bench)
+    add_prefix_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
 
     params = sub.add_parser("params", help="where the parameters of a model live (GPT, Llama, Qwen, DeepSeek presets or a "

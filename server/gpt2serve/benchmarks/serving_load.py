@@ -346,6 +346,6 @@ def add_engine_bench_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default="1,8,64,256", help="--in-process: comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=None,
                         help="alternating rounds: per batch size with --in-process (default 5), "
-                             "per stream count with --generate (default 3)")
+                             "per stream count with --generate (default 3), per workload with --shared-prefix (default 3)")
     parser.add_argument("--per-round", type=int, default=10, help="--in-process: batches per side and round")
     parser.add_argument("--cuda-graphs", type=parse_bool, default=True, help="--in-process: on cuda")

@@ -210,7 +210,7 @@ class Engine:
                       scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
         """Each prompt's tokens after its cached blocks, right-padded, attending over those blocks."""
         batch = prefix_batch(prompts, plans, self.pad_token_id, self.device)
-        writer = BlockWriter.for_rows(self.prefix_cache, plans, [0] * len(prompts))  # new blocks start the row
+        writer = BlockWriter.for_rows(self.prefix_cache, plans, batch.starts, batch.rows)  # new blocks start each prompt's part
         store = PrefixStore(self.prefix_cache, batch, writer)
         hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (B, T, C)
         writer.write_hidden(hidden)

@@ -154,7 +154,7 @@ class Generator:
         pool = self.engine.prefix_cache
         self.cache.reserve(first + len(sequences), max(len(p) for p in prompts))
         batch = prefix_batch(prompts, plans, self.engine.pad_token_id, self.engine.device)  # (k, T): after the cached
-        writer = BlockWriter.for_rows(pool, plans, [0] * len(plans)) if pool is not None else None
+        writer = BlockWriter.for_rows(pool, plans, batch.starts, batch.rows) if pool is not None else None
         store = PrefixStore(pool, batch, writer, slots=self.cache, first_slot=first)
         hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (k, T, C)
         if writer is not None:

@@ -4,14 +4,21 @@
 - BlockWriter, for a forward that computes every prompt whole (left-padded next-token batches):
   each layer's new keys and values of the full blocks go into their pool blocks as they are
   made, and the attention is the forward's own.
-- PrefixStore, for a forward of what follows each prompt's cached blocks (right-padded): each
-  layer attends over the cached blocks, gathered from the pool, then its new tokens. It fills new
-  blocks the same way, and with `slots` also writes the whole prompt into the generation's KV
-  cache (engine.kv_cache), which then decodes as if it had prefilled every token.
+- PrefixStore, for a forward of what follows each prompt's cached blocks: each layer attends over
+  the cached blocks, gathered from the pool, then the new tokens. It fills new blocks the same
+  way, and with `slots` also writes the whole prompt into the generation's KV cache
+  (engine.kv_cache), which then decodes as if it had prefilled every token.
 
-The pool's blocks are copied into each forward (a gather per layer), not read in place: torch
-has no CPU attention kernel over scattered blocks, and the gather costs about as much memory
-traffic as the attention's own reads of those keys (measured in bench/prefix_cache.py).
+Two layouts for the second (PrefixBatch):
+- packed: every prompt's new tokens side by side in one row, after the distinct cached blocks of
+  the whole batch, gathered once; the mask gives each token its own prompt's blocks and its own
+  earlier tokens. Sixteen prompts behind one 800-token prefix gather it once, not sixteen times,
+  and nothing is padded. Used while its attention (all new tokens x all keys) costs at most
+  PACK_FACTOR times the rows layout's.
+- rows: a row per prompt, right-padded, each gathering its own cached blocks (prompts with
+  different long prefixes, or long new parts).
+The pool is gathered, not read in place: torch has no CPU attention kernel over scattered
+blocks. bench/prefix_cache.py measures the layouts.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from .head import ScoredSpan, score_prompts
 from .kv_cache import KVCache
 from .prefix_cache import BLOCK, NULL_BLOCK, PrefixCache, RowPlan
 
+PACK_FACTOR = 2.0  # packed attention may compute this many times the rows layout's query-key pairs
+
 
 @dataclass
 class BlockWriter:
@@ -37,12 +46,14 @@ class BlockWriter:
     positions: torch.Tensor
 
     @classmethod
-    def for_rows(cls, pool: PrefixCache, plans: Sequence[RowPlan], first_cols: Sequence[int]) -> BlockWriter:
-        """`first_cols[r]`: the column of row r's first new block's first token."""
+    def for_rows(cls, pool: PrefixCache, plans: Sequence[RowPlan], first_cols: Sequence[int],
+                 rows_of: Sequence[int] | None = None) -> BlockWriter:
+        """`first_cols[i]`: the column of prompt i's first new block's first token, in row
+        `rows_of[i]` of the forward (default: row i)."""
         rows, cols, positions = [], [], []
-        for r, (plan, first) in enumerate(zip(plans, first_cols)):
+        for i, (plan, first) in enumerate(zip(plans, first_cols)):
             n = len(plan.new) * BLOCK
-            rows += [r] * n
+            rows += [i if rows_of is None else rows_of[i]] * n
             cols += range(first, first + n)
             positions += PrefixCache.positions(plan.new)
         device = pool.device
@@ -73,14 +84,19 @@ class BlockWriter:
 
 @dataclass
 class PrefixBatch:
-    """A right-padded forward of each prompt's uncached tokens, with what it needs around it."""
+    """A forward of each prompt's uncached tokens (prompt i: `new_lengths[i]` tokens from column
+    `starts[i]` of row `rows[i]`), with the keys and mask around them."""
 
-    ids: torch.Tensor  # (B, T) new tokens, right-padded
-    positions: torch.Tensor  # (B, T) their positions in the prompt (padding: its last one)
-    mask: torch.Tensor  # (B, 1, T, P + T) bool: cached positions, then the new tokens causally
-    new_lengths: list[int]  # S_b: uncached tokens per row
-    cached: list[int]  # P_b: cached tokens per row
-    reads: torch.Tensor  # (B, P) pool positions of each row's cached tokens (null-block padded)
+    ids: torch.Tensor  # (R, T) new tokens
+    positions: torch.Tensor  # (R, T) their positions in their prompts (padding: its prompt's last)
+    mask: torch.Tensor  # (R, 1, T, P + T) bool: which cached keys, then which new ones, each query sees
+    reads: torch.Tensor  # (R, P) pool positions of the cached keys in front of row r (null-block padded)
+    cached: list[int]  # per prompt: tokens read from the cache
+    new_lengths: list[int]  # per prompt: tokens computed
+    rows: list[int]
+    starts: list[int]
+    hit_positions: list[torch.Tensor]  # per prompt: pool positions of its cached tokens, in order
+    packed: bool
 
 
 def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad_id: int,
@@ -88,7 +104,24 @@ def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad
     cached = [plan.cached_tokens for plan in plans]
     new = [list(p[c:]) for p, c in zip(prompts, cached)]
     lengths = [len(n) for n in new]
-    B, T, P = len(prompts), max(lengths), max(cached)
+    distinct = list(dict.fromkeys(block for plan in plans for block in plan.hit))  # the batch's cached blocks
+    tokens, shared = sum(lengths), len(distinct) * BLOCK
+    rows_pairs = sum(n * (c + n) for n, c in zip(lengths, cached))
+    hits = [torch.tensor(PrefixCache.positions(plan.hit), dtype=torch.long) for plan in plans]
+    if len(prompts) > 1 and tokens * (shared + tokens) <= PACK_FACTOR * rows_pairs:
+        batch = _packed(new, cached, plans, distinct, hits)
+    else:
+        batch = _rows(new, cached, hits, pad_id)
+    for name in ("ids", "positions", "mask", "reads"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    batch.hit_positions = [h.to(device) for h in batch.hit_positions]
+    return batch
+
+
+def _rows(new: list[list[int]], cached: list[int], hits: list[torch.Tensor], pad_id: int) -> PrefixBatch:
+    """A row per prompt, right-padded; each row's cached keys first, left-aligned."""
+    lengths = [len(n) for n in new]
+    B, T, P = len(new), max(lengths), max(cached)
     ids = torch.full((B, T), pad_id, dtype=torch.long)  # (B, T)
     for row, tokens in enumerate(new):
         ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -101,76 +134,103 @@ def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad
     seen_new = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (B, T, T)
     mask = torch.cat([seen_cached, seen_new], dim=2)[:, None]  # (B, 1, T, P + T)
     reads = torch.full((B, P), NULL_BLOCK * BLOCK, dtype=torch.long)  # (B, P)
-    for row, plan in enumerate(plans):
-        reads[row, :plan.cached_tokens] = torch.tensor(PrefixCache.positions(plan.hit), dtype=torch.long)
-    return PrefixBatch(ids.to(device), positions.to(device), mask.to(device), lengths, cached, reads.to(device))
+    for row, positions_of_row in enumerate(hits):
+        reads[row, :len(positions_of_row)] = positions_of_row
+    return PrefixBatch(ids, positions, mask, reads, cached, lengths, list(range(B)), [0] * B, hits, packed=False)
+
+
+def _packed(new: list[list[int]], cached: list[int], plans: Sequence[RowPlan], distinct: list[int],
+            hits: list[torch.Tensor]) -> PrefixBatch:
+    """One row: the batch's distinct cached blocks, then every prompt's new tokens back to back."""
+    lengths = [len(n) for n in new]
+    N, U = sum(lengths), len(distinct)
+    owner = torch.repeat_interleave(torch.arange(len(new)), torch.tensor(lengths))  # (N,) each token's prompt
+    starts = [sum(lengths[:i]) for i in range(len(new))]
+    within = torch.arange(N) - torch.tensor(starts)[owner]  # (N,) index within its prompt's new tokens
+    ids = torch.tensor([t for tokens in new for t in tokens], dtype=torch.long)[None]  # (1, N)
+    positions = (torch.tensor(cached)[owner] + within)[None]  # (1, N)
+    column = {block: i for i, block in enumerate(distinct)}
+    holds = torch.zeros(len(new), U, dtype=torch.bool)  # (B, U): prompt b's cached blocks among the distinct
+    for b, plan in enumerate(plans):
+        holds[b, [column[block] for block in plan.hit]] = True
+    seen_cached = holds.repeat_interleave(BLOCK, dim=1)[owner]  # (N, U * BLOCK)
+    seen_new = (owner[None, :] == owner[:, None]) & (within[None, :] <= within[:, None])  # (N, N): own, causal
+    mask = torch.cat([seen_cached, seen_new], dim=1)[None, None]  # (1, 1, N, U * BLOCK + N)
+    reads = torch.tensor(PrefixCache.positions(distinct), dtype=torch.long)[None]  # (1, U * BLOCK)
+    return PrefixBatch(ids, positions, mask, reads, cached, lengths, [0] * len(new), starts, hits, packed=True)
 
 
 class PrefixStore:
-    """Attends each row over its cached tokens (gathered from the pool) and its new ones; fills
-    the new full blocks (`writer`) and, with `slots`, the rows' KV-cache slots first, first+1, ..."""
+    """Attends over the cached keys (gathered from the pool) and the new ones; fills the new full
+    blocks (`writer`) and, with `slots`, prompt i's KV-cache slot first + i."""
 
     def __init__(self, pool: PrefixCache | None, batch: PrefixBatch, writer: BlockWriter | None,
                  slots: KVCache | None = None, first_slot: int = 0):
         self.pool, self.batch, self.writer = pool, batch, writer
         self.slots, self.first_slot = slots, first_slot
+        if slots is not None:
+            self._fill_cached_slots()
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, nh, T, hs = k.shape  # (B, nh, T, hs): the new tokens'
+        R, nh, T, hs = k.shape  # (R, nh, T, hs): the new tokens'
         if self.writer is not None:
             self.writer.write(layer, k, v)
-        P = self.batch.reads.shape[1]
-        if P:
-            flat = self.batch.reads.reshape(-1)  # (B * P,)
-            cached_k = self.pool.keys[layer].index_select(0, flat).view(B, P, nh, hs).transpose(1, 2)  # (B, nh, P, hs)
-            cached_v = self.pool.values[layer].index_select(0, flat).view(B, P, nh, hs).transpose(1, 2)
-            k_all, v_all = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)  # (B, nh, P + T, hs)
-        else:
-            k_all, v_all = k, v
         if self.slots is not None:
-            self._fill_slots(layer, k_all, v_all, P)
-        return k_all, v_all
+            self._fill_new_slots(layer, k, v)
+        P = self.batch.reads.shape[1]
+        if not P:
+            return k, v
+        flat = self.batch.reads.reshape(-1)  # (R * P,)
+        cached_k = self.pool.keys[layer].index_select(0, flat).view(R, P, nh, hs).transpose(1, 2)  # (R, nh, P, hs)
+        cached_v = self.pool.values[layer].index_select(0, flat).view(R, P, nh, hs).transpose(1, 2)
+        return torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)  # (R, nh, P + T, hs)
 
-    def _fill_slots(self, layer: int, k_all: torch.Tensor, v_all: torch.Tensor, P: int) -> None:
-        """Row b's prompt, cached then new, into its slot's positions 0..L_b-1."""
-        keys, values = self.slots.keys[layer], self.slots.values[layer]  # (S, nh, L, hs)
-        same_prefix = all(c == P for c in self.batch.cached)
-        if same_prefix:  # the common case: one copy for the whole batch
-            slots = slice(self.first_slot, self.first_slot + k_all.shape[0])
-            keys[slots, :, :k_all.shape[2]] = k_all
-            values[slots, :, :v_all.shape[2]] = v_all
+    def _fill_cached_slots(self) -> None:
+        """Each prompt's cached positions into its slot, every layer at once, before the forward."""
+        for i, positions in enumerate(self.batch.hit_positions):
+            if len(positions):
+                slot, c = self.first_slot + i, len(positions)
+                self.slots.keys[:, slot, :, :c] = self.pool.keys[:, positions].transpose(1, 2)  # (n_layer, nh, c, hs)
+                self.slots.values[:, slot, :, :c] = self.pool.values[:, positions].transpose(1, 2)
+
+    def _fill_new_slots(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Each prompt's new keys and values into its slot, after its cached ones."""
+        keys, values, batch = self.slots.keys[layer], self.slots.values[layer], self.batch  # (S, nh, L, hs)
+        if not batch.packed and len(set(batch.cached)) == 1:  # one copy for the whole batch
+            c, slots = batch.cached[0], slice(self.first_slot, self.first_slot + k.shape[0])
+            keys[slots, :, c:c + k.shape[2]] = k
+            values[slots, :, c:c + v.shape[2]] = v
             return
-        for row, (c, n) in enumerate(zip(self.batch.cached, self.batch.new_lengths)):
-            slot = self.first_slot + row
-            keys[slot, :, :c] = k_all[row, :, :c]
-            values[slot, :, :c] = v_all[row, :, :c]
-            keys[slot, :, c:c + n] = k_all[row, :, P:P + n]
-            values[slot, :, c:c + n] = v_all[row, :, P:P + n]
+        for i, (c, n, row, start) in enumerate(zip(batch.cached, batch.new_lengths, batch.rows, batch.starts)):
+            keys[self.first_slot + i, :, c:c + n] = k[row, :, start:start + n]
+            values[self.first_slot + i, :, c:c + n] = v[row, :, start:start + n]
 
-    def full_hidden(self, hidden: torch.Tensor, row: int) -> torch.Tensor:
-        """Row `row`'s residual stream over its whole prompt (L, C): cached rows from the pool,
-        then this forward's (B, T, C)."""
-        c, n = self.batch.cached[row], self.batch.new_lengths[row]
-        cached = self.pool.hidden.index_select(0, self.batch.reads[row, :c]) if c else hidden[row, :0]
-        return torch.cat([cached, hidden[row, :n]])  # (L, C)
+    def full_hidden(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
+        """Prompt i's residual stream over its whole prompt (L, C): cached positions from the
+        pool, then this forward's (R, T, C)."""
+        b = self.batch
+        row, start, n = b.rows[i], b.starts[i], b.new_lengths[i]
+        cached = self.pool.hidden.index_select(0, b.hit_positions[i]) if b.cached[i] else hidden[row, :0]
+        return torch.cat([cached, hidden[row, start:start + n]])  # (L, C)
 
     def scores(self, hidden: torch.Tensor, prompts: Sequence[Sequence[int]], scored_rows: dict[int, int],
                head, vocab_size: int) -> dict[int, PromptScores]:
-        """Every position of the scored rows' prompts (engine.head), cached ones included."""
+        """Every position of the scored prompts (engine.head), cached ones included."""
         if not scored_rows:
             return {}
-        if not any(self.batch.cached[row] for row in scored_rows):  # prompts start at column 0
-            spans = [ScoredSpan(row, 0, len(prompts[row]), k) for row, k in scored_rows.items()]
+        if not self.batch.packed and not any(self.batch.cached[i] for i in scored_rows):  # each from column 0
+            spans = [ScoredSpan(i, 0, len(prompts[i]), k) for i, k in scored_rows.items()]
             return dict(zip(scored_rows, score_prompts(hidden, self.batch.ids, spans, head, vocab_size)))
         out = {}
-        for row, k in scored_rows.items():  # one at a time: each with its cached rows in front
-            ids = torch.tensor(prompts[row], dtype=torch.long, device=hidden.device)[None]  # (1, L)
-            full = self.full_hidden(hidden, row)[None]  # (1, L, C)
-            out[row] = score_prompts(full, ids, [ScoredSpan(0, 0, len(prompts[row]), k)], head, vocab_size)[0]
+        for i, k in scored_rows.items():  # one at a time: each with its cached positions in front
+            ids = torch.tensor(prompts[i], dtype=torch.long, device=hidden.device)[None]  # (1, L)
+            full = self.full_hidden(hidden, i)[None]  # (1, L, C)
+            out[i] = score_prompts(full, ids, [ScoredSpan(0, 0, len(prompts[i]), k)], head, vocab_size)[0]
         return out
 
     def last_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> (B, C): each row at its last real token."""
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        last = torch.tensor(self.batch.new_lengths, device=hidden.device) - 1
+        """(R, T, C) -> (B, C): each prompt at its last token."""
+        b, device = self.batch, hidden.device
+        rows = torch.tensor(b.rows, device=device)
+        last = torch.tensor([s + n - 1 for s, n in zip(b.starts, b.new_lengths)], device=device)
         return hidden[rows, last]
