@@ -37,7 +37,7 @@ def fill(cache: PrefixCache, prompts, failed=()):
 
 
 def test_a_prompt_hits_the_blocks_an_earlier_one_filled_and_leaves_its_last_token():
-    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32, doorkeeper=False)
     first = tokens(3 * BLOCK, 1)
     (plan,) = fill(cache, [first])
     assert plan.hit == [] and len(plan.new) == 3 and cache.cached_blocks == 3
@@ -50,7 +50,7 @@ def test_a_prompt_hits_the_blocks_an_earlier_one_filled_and_leaves_its_last_toke
 
 
 def test_blocks_are_keyed_by_their_tokens_and_the_whole_prefix_before_them():
-    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32, doorkeeper=False)
     a, b, tail = tokens(BLOCK, 1), tokens(BLOCK, 2), tokens(BLOCK, 3)
     fill(cache, [a + tail, b + tail])
     assert cache.cached_blocks == 4  # `tail` after `a` is not `tail` after `b`
@@ -59,7 +59,7 @@ def test_blocks_are_keyed_by_their_tokens_and_the_whole_prefix_before_them():
 
 
 def test_the_same_new_block_twice_in_one_batch_is_kept_once():
-    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32, doorkeeper=False)
     prompt = tokens(2 * BLOCK + 3, 4)
     fill(cache, [prompt, prompt, prompt[:BLOCK + 1]])
     assert cache.cached_blocks == 2
@@ -67,7 +67,7 @@ def test_the_same_new_block_twice_in_one_batch_is_kept_once():
 
 
 def test_least_recently_used_leaves_go_first_and_the_capacity_holds():
-    cache = PrefixCache(TINY, 4, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 4, torch.device("cpu"), torch.float32, doorkeeper=False)
     shared = tokens(BLOCK, 5)
     a, b = shared + tokens(BLOCK, 6), shared + tokens(BLOCK, 7)
     fill(cache, [a, b])  # shared, a's block, b's block
@@ -80,7 +80,7 @@ def test_least_recently_used_leaves_go_first_and_the_capacity_holds():
 
 
 def test_blocks_pinned_by_the_forward_under_way_are_not_evicted():
-    cache = PrefixCache(TINY, 2, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 2, torch.device("cpu"), torch.float32, doorkeeper=False)
     held = tokens(2 * BLOCK, 9)
     fill(cache, [held])
     plans = cache.plan([held + [1], tokens(2 * BLOCK, 10)])  # the second finds no room: the first's blocks are in use
@@ -90,7 +90,7 @@ def test_blocks_pinned_by_the_forward_under_way_are_not_evicted():
 
 
 def test_a_failed_or_non_finite_forward_indexes_nothing():
-    cache = PrefixCache(TINY, 10, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 10, torch.device("cpu"), torch.float32, doorkeeper=False)
     prompt = tokens(2 * BLOCK + 1, 11)
     plans = cache.plan([prompt])
     cache.release(plans[0].new)  # the forward raised
@@ -102,7 +102,7 @@ def test_a_failed_or_non_finite_forward_indexes_nothing():
 def test_random_traffic_keeps_the_tree_whole_and_within_capacity():
     """Prompts from a few shared prefixes, against a capacity that forces eviction: every cached
     block's parent is cached, only leaves were evicted, and every hit is a true prefix."""
-    cache = PrefixCache(TINY, 12, torch.device("cpu"), torch.float32)
+    cache = PrefixCache(TINY, 12, torch.device("cpu"), torch.float32, doorkeeper=False)
     rng = random.Random(12)
     stems = [tokens(rng.randint(1, 4) * BLOCK, s) for s in range(5)]
     for _ in range(300):
@@ -119,6 +119,24 @@ def test_random_traffic_keeps_the_tree_whole_and_within_capacity():
             assert entry.children == sum(e.parent == block for e in cache._entries.values())
 
 
+def test_the_doorkeeper_keeps_a_block_the_second_time_its_prefix_is_seen():
+    cache = PrefixCache(TINY, 100, torch.device("cpu"), torch.float32)
+    shared, other = tokens(2 * BLOCK, 13), tokens(3 * BLOCK, 14)
+    fill(cache, [shared + [1]])
+    assert cache.cached_blocks == 0  # seen once: nothing written
+    fill(cache, [shared + [2]])
+    assert cache.cached_blocks == 2 and len(cache.match(shared + [3])) == 2  # seen twice: kept
+    fill(cache, [other + [1]])
+    assert cache.cached_blocks == 2
+    fill(cache, [other[:BLOCK] + tokens(2 * BLOCK, 15)])  # `other`'s first block again, then unseen ones
+    assert cache.cached_blocks == 3
+    (plan,) = cache.plan([other + [2]])  # its first block hit, the next two seen once before: kept
+    assert len(plan.hit) == 1 and len(plan.new) == 2
+    cache.commit([plan])
+    twice = tokens(BLOCK, 17) * 2 + [1]
+    assert [len(p.new) for p in cache.plan([twice, twice])] == [0, 2]  # the second row sees the first's
+
+
 # Served from the cache, against transformers -------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -126,12 +144,13 @@ def hf():
     return transformers_random_model(seed=21, n_positions=1024)
 
 
-def engine_for(hf, capacity_blocks: int) -> Engine:
+def engine_for(hf, capacity_blocks: int, doorkeeper: bool = False) -> Engine:
+    """Without the doorkeeper unless asked: a prompt's blocks are kept the first time it is seen."""
     model = from_transformers(hf)
     loaded = LoadedModel(model, bundled_gpt2_tokenizer(), "test", "random", "test", torch.device("cpu"),
                          torch.float32, parameter_breakdown(model))
     engine = Engine(loaded)
-    engine.attach_prefix_cache(capacity_blocks)
+    engine.attach_prefix_cache(capacity_blocks, doorkeeper)
     return engine
 
 
@@ -165,6 +184,17 @@ def test_next_tokens_from_cached_prefixes_match_transformers(hf):
     out = engine.next_token([longer], [5])
     assert out.cached_tokens == [len(grown) // BLOCK * BLOCK]
     assert_next_tokens_match(hf, [longer], out)
+
+
+def test_with_the_doorkeeper_unique_prompts_write_nothing_and_a_third_sighting_hits(hf):
+    engine = engine_for(hf, 200, doorkeeper=True)
+    for seed in range(4):
+        engine.next_token([tokens(70, 150 + seed)], [1])
+    assert engine.prefix_cache.cached_blocks == 0
+    shared = tokens(70, 160)
+    outs = [engine.next_token([shared + [i]], [5]) for i in range(3)]
+    assert [o.cached_tokens for o in outs] == [[0], [0], [64]]
+    assert_next_tokens_match(hf, [shared + [2]], outs[2])
 
 
 def test_evictions_keep_answers_exact(hf):

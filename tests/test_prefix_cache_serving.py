@@ -57,8 +57,9 @@ def test_hits_over_both_apis_answer_as_without_the_cache_and_are_counted(servers
     queried, hit = hits(cached)
     first = PREFIX + [1, 2, 3]
     with Client(cached.grpc_target) as c, Client(plain.grpc_target) as p:
-        assert_same_answer(c.next_token(first, top_k=5), p.next_token(first, top_k=5))
-        wait_for(lambda: hits(cached)[0] >= queried + len(first), what="the first prompt counted")
+        for _ in range(2):  # seen, then kept (the doorkeeper: engine.prefix_cache)
+            assert_same_answer(c.next_token(first, top_k=5), p.next_token(first, top_k=5))
+        wait_for(lambda: hits(cached)[0] >= queried + 2 * len(first), what="the first prompts counted")
         assert hits(cached)[1] == hit  # nothing cached yet
         batch = [PREFIX + [9], PREFIX[:50] + [4, 5], [7] * 20]
         for a, b in zip(c.next_token_batch(batch, top_k=5), p.next_token_batch(batch, top_k=5)):
@@ -71,7 +72,7 @@ def test_hits_over_both_apis_answer_as_without_the_cache_and_are_counted(servers
     assert_same_answer(rest, RestClient(plain.http_url).next_token(PREFIX + [6], top_k=5))
     # 112 of 120 shared tokens are whole blocks; the 50-token prompt shares 3 blocks; [7] * 20 none.
     want_hits = 112 + 48 + 0 + 112 + 112
-    want_queries = len(first) + sum(map(len, batch)) + len(PREFIX) + 2 + len(PREFIX) + 1
+    want_queries = 2 * len(first) + sum(map(len, batch)) + len(PREFIX) + 2 + len(PREFIX) + 1
     wait_for(lambda: hits(cached) == (queried + want_queries, hit + want_hits), timeout=10,
              what=f"counters at {(queried + want_queries, hit + want_hits)}, have {hits(cached)}")
     assert hits(plain) == (0.0, 0.0)
@@ -84,22 +85,23 @@ def test_generations_through_openai_hit_the_cache_with_the_same_tokens(servers):
     cached, plain = servers
     text = "The quick brown fox jumps over the lazy dog. " * 12
     answers = []
-    for srv in (cached, plain, cached):
+    for srv in (cached, plain, cached, cached):  # the third sighting hits (the doorkeeper)
         client = openai.OpenAI(base_url=f"{srv.http_url}/v1", api_key="none")
         answers.append(client.completions.create(model="random:tiny", prompt=text, max_tokens=6, temperature=0,
                                                  logprobs=2))
     _, hit = hits(cached)
     assert hit > 0
     tokens = [a.choices[0].logprobs.tokens for a in answers]
-    assert tokens[0] == tokens[1] == tokens[2]
-    for x, y in zip(answers[2].choices[0].logprobs.token_logprobs, answers[1].choices[0].logprobs.token_logprobs):
+    assert tokens[0] == tokens[1] == tokens[2] == tokens[3]
+    for x, y in zip(answers[3].choices[0].logprobs.token_logprobs, answers[1].choices[0].logprobs.token_logprobs):
         assert abs(x - y) <= 1e-4
 
 
 def test_a_traced_request_says_how_many_prompt_tokens_came_from_the_cache(servers, receiver):
     cached, _ = servers
     with Client(cached.grpc_target) as c:
-        c.next_token(PREFIX + [11])
+        c.next_token(PREFIX + [10])
+        c.next_token(PREFIX + [11])  # seen twice: PREFIX's blocks are kept
         result = c.next_token(PREFIX + [12])
         streamed = c.generate(PREFIX + [13, 14], max_tokens=2, temperature=0)
     (span,) = [s for s in receiver.wait_for(result.trace_id, {"gpt2serve.v1.Gpt2Serve/NextToken", "batch"})
@@ -137,6 +139,7 @@ def test_a_front_end_killed_mid_request_leaves_the_engine_and_its_cache_serving(
         assert {f.result() for f in futures} <= {200, None}
     cached.wait_for_line(r"front-end-\d exited")
     with Client(cached.grpc_target) as c, Client(plain.grpc_target) as p:
+        c.next_token(long_prefix + [97])  # seen at least once already; this one keeps it
         c.next_token(long_prefix + [98])
         _, hit = hits(cached)
         assert_same_answer(c.next_token(long_prefix + [99], top_k=5), p.next_token(long_prefix + [99], top_k=5))

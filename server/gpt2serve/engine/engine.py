@@ -116,10 +116,11 @@ class Engine:
             self.graphs = self.bucketed(capture=True)
         self.prefix_cache: PrefixCache | None = None  # attach_prefix_cache()
 
-    def attach_prefix_cache(self, capacity_blocks: int) -> None:
-        """Keep prompts' blocks from now on (after warm-up, so it starts empty); 0: off."""
+    def attach_prefix_cache(self, capacity_blocks: int, doorkeeper: bool = True) -> None:
+        """Keep prompts' blocks from now on (after warm-up, so it starts empty); 0: off.
+        `doorkeeper`: a block is kept the second time its prefix is seen (engine.prefix_cache)."""
         self.prefix_cache = None if capacity_blocks <= 0 else PrefixCache(
-            self.model.config, capacity_blocks, self.device, self.loaded.dtype)
+            self.model.config, capacity_blocks, self.device, self.loaded.dtype, doorkeeper)
 
     def bucketed(self, capture: bool) -> BucketedForward:
         """The bucketed forward (without capture: the same padding and buffers, run eagerly)."""

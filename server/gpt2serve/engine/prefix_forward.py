@@ -66,11 +66,16 @@ class BlockWriter:
         return self.positions.numel() == 0
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool."""
+        """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool.
+        Gathered by token: k.transpose(1, 2) is a view of the fused QKV output, so each token's
+        (nh, hs) is contiguous there, where indexing (row, :, col) of k itself gathers element by
+        element (3% of a 16 x 64-token forward on a CPU; this way about a third of that)."""
         if self.empty:
             return
-        self.pool.keys[layer].index_copy_(0, self.positions, k[self.rows, :, self.cols])  # (N, nh, hs)
-        self.pool.values[layer].index_copy_(0, self.positions, v[self.rows, :, self.cols])
+        B, nh, T, hs = k.shape
+        flat = self.rows * T + self.cols  # (N,) token index in (B * T)
+        for pool, x in ((self.pool.keys[layer], k), (self.pool.values[layer], v)):
+            pool.index_copy_(0, self.positions, x.transpose(1, 2).reshape(B * T, nh, hs).index_select(0, flat))
 
     def write_hidden(self, hidden: torch.Tensor) -> None:
         """(B, T, C) residual stream after the last block -> the new blocks' rows of the pool."""
