@@ -15,7 +15,7 @@ def launch(model: str, env: dict[str, str] | None = None, *extra: str) -> tuple[
     proc = subprocess.Popen(
         [sys.executable, "-m", "gpt2serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
          "--grpc-port", "0", "--http-port", "0", *extra],
-        stdout=log, stderr=subprocess.STDOUT, env=env)
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # no signal of the bench's group
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         text = open(log.name).read()

@@ -2,7 +2,9 @@
 with `--prefix-cache-mb 0` (--baseline-target), in one run.
 
 Three workloads, each measured on both servers back to back, for --rounds rounds (the order
-alternating), so drift in a shared machine's speed hits both sides alike:
+alternating, with a pause before each), so drift in a shared machine's speed hits both sides
+alike; with an even number of rounds the geometric mean of the ratios cancels any advantage of
+going first or second:
 - shared next-token: --concurrency closed-loop clients, each request --prefix-tokens shared tokens
   then --suffix-tokens of its own (fresh random ones every request): requests / s;
 - shared generation: the same prompts as streamed generations of --gen-tokens tokens: time to
@@ -110,18 +112,21 @@ def run_prefix_bench(args) -> int:
     prefix = fresh(rng, args.prefix_tokens, vocab)
     shared = lambda: prefix + fresh(rng, args.suffix_tokens, vocab)  # noqa: E731
     unshared = lambda: fresh(rng, args.unshared_tokens, vocab)  # noqa: E731
-    workloads = {
-        "shared next-token": ("req/s", lambda t: next_token_load(t, shared, args.concurrency, args.duration)),
-        "shared generation TTFT": ("ms", lambda t: generation_load(t, shared, args.concurrency, args.duration,
-                                                                   args.gen_tokens)),
-        "unshared next-token": ("req/s", lambda t: next_token_load(t, unshared, args.concurrency, args.duration)),
+    workloads = {  # key: (name, unit, load)
+        "shared": ("shared next-token", "req/s", lambda t: next_token_load(t, shared, args.concurrency, args.duration)),
+        "generation": ("shared generation TTFT", "ms", lambda t: generation_load(t, shared, args.concurrency,
+                                                                                 args.duration, args.gen_tokens)),
+        "unshared": ("unshared next-token", "req/s",
+                     lambda t: next_token_load(t, unshared, args.concurrency, args.duration)),
     }
+    workloads = {name: (unit, load) for key, (name, unit, load) in workloads.items() if key in args.workloads.split(",")}
     results = [Comparison(name, unit, [], []) for name, (unit, _) in workloads.items()]
     args.rounds = args.rounds or 3
     for round_ in range(args.rounds):
         for comparison, (_, load) in zip(results, workloads.values()):
             sides = [("cached", args.target), ("baseline", args.baseline_target)]
             for side, target in sides if round_ % 2 == 0 else reversed(sides):
+                time.sleep(args.settle_s)  # the other server's last work (and the OS's) settles first
                 asyncio.run(warm(target, prefix + [0]))
                 measured = asyncio.run(load(target))
                 getattr(comparison, side).append(measured)
@@ -142,11 +147,13 @@ def format_prefix_report(info, args, results: list[Comparison]) -> str:
     lines = [f"model {info.model}, {info.dtype} on {info.device}; {args.concurrency} clients, prefix "
              f"{args.prefix_tokens} + {args.suffix_tokens} own tokens (unshared: {args.unshared_tokens}); "
              f"{args.rounds} rounds of {args.duration:.0f} s a side",
-             "| workload | with the cache | --prefix-cache-mb 0 | ratio (median) | rounds |", "|---|---|---|---|---|"]
+             "| workload | with the cache | --prefix-cache-mb 0 | ratio (median) | geometric mean | rounds |",
+             "|---|---|---|---|---|---|"]
     for c in results:
         med = lambda side: statistics.median(m.value for m in side)  # noqa: E731
         lines.append(f"| {c.workload} | {med(c.cached):.2f} {c.unit} | {med(c.baseline):.2f} {c.unit} | "
-                     f"**{statistics.median(c.ratios):.2f}x** | {', '.join(f'{r:.2f}' for r in c.ratios)} |")
+                     f"**{statistics.median(c.ratios):.2f}x** | {statistics.geometric_mean(c.ratios):.2f}x | "
+                     f"{', '.join(f'{r:.2f}' for r in c.ratios)} |")
     return "\n".join(lines)
 
 
@@ -160,3 +167,6 @@ def add_prefix_bench_arguments(parser) -> None:
     parser.add_argument("--suffix-tokens", type=int, default=8, help="--shared-prefix: each prompt's own tokens after it")
     parser.add_argument("--unshared-tokens", type=int, default=64, help="--shared-prefix: length of the unshared prompts")
     parser.add_argument("--gen-tokens", type=int, default=4, help="--shared-prefix: tokens per generation")
+    parser.add_argument("--workloads", default="shared,generation,unshared",
+                        help="--shared-prefix: which to run, of shared (next-token), generation (TTFT), unshared")
+    parser.add_argument("--settle-s", type=float, default=5.0, help="--shared-prefix: pause before each measurement")

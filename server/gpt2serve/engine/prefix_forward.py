@@ -66,10 +66,10 @@ class BlockWriter:
         return self.positions.numel() == 0
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool.
-        Gathered by token: k.transpose(1, 2) is a view of the fused QKV output, so each token's
-        (nh, hs) is contiguous there, where indexing (row, :, col) of k itself gathers element by
-        element (3% of a 16 x 64-token forward on a CPU; this way about a third of that)."""
+        """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool,
+        gathered a token's (nh, hs) at a time. This copy is about 3% of a 16 x 64-token forward
+        on a 2-core CPU (bench/prefix_cache.py), which is why the doorkeeper keeps blocks only
+        of prefixes seen before (engine.prefix_cache)."""
         if self.empty:
             return
         B, nh, T, hs = k.shape
