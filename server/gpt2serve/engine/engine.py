@@ -177,19 +177,14 @@ class Engine:
         A traced batch computes every prompt whole (its reports cover every position), and
         still leaves its blocks in the prefix cache."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        cache = self.prefix_cache
-        plans = cache.plan(prompts, use_hits=not traced_rows) if cache is not None else None
-        try:
-            output = self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows or {},
-                                      plans, started, started_ns)
-        except BaseException:  # nothing half-written is ever indexed
-            if plans is not None:
-                cache.release([block for plan in plans for block in plan.new])
-            raise
-        if plans is not None:
-            cache.commit(plans, output.failed_rows)
-            output = replace(output, cached_tokens=[plan.cached_tokens for plan in plans])
-        return output
+
+        def forward(plans: list[RowPlan] | None) -> BatchOutput:
+            return self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows or {},
+                                    plans, started, started_ns)
+
+        if self.prefix_cache is None:
+            return forward(None)
+        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced_rows)
 
     def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
                     plans: list[RowPlan] | None, started: float, started_ns: int) -> BatchOutput:
@@ -200,12 +195,14 @@ class Engine:
         eager = traced_rows or scored_rows or writes
         replayed = self.graphs.run(prompts) if self.graphs is not None and not eager else None
         if replayed is None:
-            return self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
-                               scored_rows, plans if writes else None)
-        logprobs, (_, length) = replayed
-        top, failed = self._top(logprobs, top_ks)
-        return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(), cuda_graph=True,
-                           failed_rows=failed)
+            output = self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
+                                 scored_rows, plans if writes else None)
+        else:
+            logprobs, (_, length) = replayed
+            top, failed = self._top(logprobs, top_ks)
+            output = BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(),
+                                 cuda_graph=True, failed_rows=failed)
+        return output if plans is None else replace(output, cached_tokens=[0] * len(prompts))  # looked up, no hit
 
     def _after_prefix(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan],
                       scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
@@ -219,7 +216,7 @@ class Engine:
         top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
         scores = store.scores(hidden, prompts, scored_rows, self.head, self.model.config.vocab_size)
         return BatchOutput(top, time.perf_counter() - started, batch.ids.shape[1], started_ns, time.time_ns(),
-                           failed_rows=failed, prompt_scores=scores)
+                           failed_rows=failed, prompt_scores=scores, cached_tokens=batch.cached)
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = (),

@@ -136,21 +136,18 @@ class Generator:
         if first + len(sequences) > self.slots:
             raise ValueError(f"{first + len(sequences)} sequences for {self.slots} cache slots")
         prompts = [s.prompt for s in sequences]
-        pool = self.engine.prefix_cache
-        plans = pool.plan(prompts) if pool is not None else [RowPlan(p, []) for p in prompts]
-        try:
-            output = self._prefill(sequences, plans, first, started, started_ns)
-        except BaseException:  # nothing half-written is ever indexed
-            if pool is not None:
-                pool.release([block for plan in plans for block in plan.new])
-            raise
-        if pool is not None:
-            pool.commit(plans, [row for row, s in enumerate(sequences) if s.seq_id in output.failed])
-        return output
 
-    def _prefill(self, sequences: Sequence[NewSequence], plans: list[RowPlan], first: int, started: float,
-                 started_ns: int) -> StepOutput:
-        prompts = [s.prompt for s in sequences]
+        def forward(plans: list[RowPlan]) -> StepOutput:
+            return self._prefill(sequences, prompts, plans, first, started, started_ns)
+
+        pool = self.engine.prefix_cache
+        if pool is None:
+            return forward([RowPlan(p, []) for p in prompts])
+        return pool.run(prompts, forward, lambda output: [row for row, s in enumerate(sequences)
+                                                          if s.seq_id in output.failed])
+
+    def _prefill(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
+                 first: int, started: float, started_ns: int) -> StepOutput:
         pool = self.engine.prefix_cache
         self.cache.reserve(first + len(sequences), max(len(p) for p in prompts))
         batch = prefix_batch(prompts, plans, self.engine.pad_token_id, self.engine.device)  # (k, T): after the cached

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence, TypeVar
 
 import torch
 
@@ -49,6 +49,7 @@ BLOCK = 16  # tokens: vLLM's default block; 800 shared tokens then leave at most
 NULL_BLOCK = 0
 ROOT = -1  # the parent of a prompt's first block
 DOORKEEPER_PER_BLOCK = 4  # digests remembered per block of capacity
+Output = TypeVar("Output")
 
 
 def full_blocks(length: int) -> int:
@@ -123,6 +124,19 @@ class PrefixCache:
             parent = block
         self._touch(chain)
         return chain
+
+    def run(self, prompts: Sequence[Sequence[int]], forward: Callable[[list[RowPlan]], Output],
+            failed_rows: Callable[[Output], Collection[int]], use_hits: bool = True) -> Output:
+        """Plan the prompts, run `forward` on the plans, then index what it wrote, less the rows
+        `failed_rows(output)` names; when `forward` raises, its blocks go back free, unindexed."""
+        plans = self.plan(prompts, use_hits)
+        try:
+            output = forward(plans)
+        except BaseException:
+            self.release([block for plan in plans for block in plan.new])
+            raise
+        self.commit(plans, failed_rows(output))
+        return output
 
     def plan(self, prompts: Sequence[Sequence[int]], use_hits: bool = True) -> list[RowPlan]:
         """Each prompt's hit (none when not `use_hits`) and new blocks for its full blocks past it,
