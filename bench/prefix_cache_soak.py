@@ -12,34 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import time
 
 import httpx
+from first_generation import rss_mib
+from generate_host_cost import family
 from local_server import launch
 
 from gpt2serve_client import AsyncClient
 
 
 def tree_rss_mib(pid: int) -> float:
-    """Resident memory of `pid` and its children (the --workers processes, if any)."""
-    pids, total = [pid], 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/statm") as statm:
-                total += int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:
-            pass
-    return total / 2**20
+    """Resident memory of `pid` and its descendants (the --workers processes, if any)."""
+    return sum(rss_mib(p) for p in family(pid))
 
 
 def counters(http: str) -> tuple[float, float]:

@@ -84,6 +84,11 @@ def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, 
     return server
 
 
+def pids(server: ServerProcess, role: str) -> list[int]:
+    """Process ids from the children's log lines ("front-end[123] ..." / "engine[123] ...")."""
+    return sorted({int(p) for p in re.findall(rf"\b{role}\[(\d+)\]", server.log())})
+
+
 def free_ports(count: int = 1, host: str = "127.0.0.1") -> list[int]:
     """Ports free on `host` now, all different (held open together while they are picked)."""
     sockets = [socket.socket() for _ in range(count)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import launch_server, metric_value, wait_for
+from conftest import launch_server, metric_value, pids, wait_for
 
 from gpt2serve_client import Client, RestClient
 
@@ -122,7 +121,7 @@ def test_a_front_end_killed_mid_request_leaves_the_engine_and_its_cache_serving(
     the prefix is cached and hit through the front ends serving after it."""
     cached, plain = servers
     cached.wait_for_line(r"front-end\[\d+\].*front end listening(.|\n)*front-end\[\d+\].*front end listening")
-    victim = sorted({int(p) for p in re.findall(r"\bfront-end\[(\d+)\]", cached.log())})[0]
+    victim = pids(cached, "front-end")[0]
     long_prefix = random.Random(5).choices(range(50257), k=200)
 
     def send(n):

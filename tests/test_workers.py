@@ -12,18 +12,13 @@ import time
 
 import httpx
 import pytest
-from conftest import launch_server, metric_value, requests_total
+from conftest import launch_server, metric_value, pids, requests_total
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import format_span_id, format_trace_id
 from reference import assert_matches_reference
 from test_tracing import LAYER_SPANS, PROMPT, assert_layer_trace
 
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, NextTokenResult, RestClient
-
-
-def pids(server, role: str) -> list[int]:
-    """Process ids from the children's log lines ("front-end[123] ..." / "engine[123] ...")."""
-    return sorted({int(p) for p in re.findall(rf"\b{role}\[(\d+)\]", server.log())})
 
 
 def alive(pid: int) -> bool:
