@@ -62,6 +62,15 @@ def test_every_valid_setting_gives_a_valid_token(rows, scale, seed):
     assert torch.isfinite(out).all()
 
 
+def test_a_draw_near_one_never_lands_on_a_token_of_probability_zero():
+    """Found by the test above: temperature 1e-5 over logits of 3e38 and a draw of 1 - 2e-16 fell
+    past the end of the CDF onto the vocabulary's last token, whose probability is 0."""
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)).clamp(-1, 1) * 3e38
+    for params in (SamplingParams(temperature=GREEDY_TEMPERATURE), SamplingParams(temperature=1.0, top_k=5)):
+        out = choose(logits, [params], [0.9999999999999998])
+        assert torch.isfinite(out[0, LOGPROB]) and logits[0, int(out[0, TOKEN])] == logits[0].max()
+
+
 def test_a_tiny_temperature_is_greedy_not_end_of_text():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(5)) * 8
     for temperature in (1e-45, 1e-38, 1e-20, GREEDY_TEMPERATURE / 2, GREEDY_TEMPERATURE * 1.01):

@@ -100,7 +100,6 @@ def _pick(probs: torch.Tensor, ids: torch.Tensor | None, params: list[SamplingPa
     """(S, C) probabilities of each row's candidates, best first when `cut` (then top-k and top-p
     keep a prefix) -> (S,) token ids, by inverse CDF at each row's uniform draw."""
     device = probs.device
-    last = torch.full((probs.shape[0],), probs.shape[1] - 1, device=device)  # (S,): last candidate kept
     if cut:
         rank = torch.arange(probs.shape[1], device=device)  # (C,)
         top_k = torch.tensor([p.top_k or probs.shape[1] for p in params], device=device)  # (S,)
@@ -109,7 +108,11 @@ def _pick(probs: torch.Tensor, ids: torch.Tensor | None, params: list[SamplingPa
         keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])  # the best one always
         keep[:, 0] = True  # (even if rounding made mass_before[0] a hair above 0 and top_p is tiny)
         probs = probs * keep
-        last = keep.sum(dim=-1) - 1  # the kept candidates are a prefix of the order
+    # The last candidate a draw may land on: the last with any probability. A draw near 1 times a
+    # total that rounds to the total itself falls past the CDF's end, onto a token of probability
+    # 0 (logprob -inf) unless clamped here (temperature 1e-5 over logits of 3e38 did that).
+    positive = (probs > 0).flip(-1).int()  # (S, C): the best candidate always has some
+    last = probs.shape[1] - 1 - positive.argmax(dim=-1)  # (S,)
     cdf = probs.cumsum(dim=-1)  # (S, C)
     target = torch.tensor(uniform, device=device, dtype=cdf.dtype) * cdf[:, -1]  # (S,)
     picked = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True), last[:, None])  # (S, 1)
