@@ -1,11 +1,13 @@
-"""A generation fuzz over the wire: 2,100 requests from hypothesis over REST, gRPC and the OpenAI
-route (valid and invalid parameters, raw junk bodies, streams hung up after the first chunk),
-while greedy neighbour streams run beside them.
+"""A generation fuzz over the wire: 2,100 requests from hypothesis over REST, gRPC and the two
+OpenAI routes, completions and chat (valid and invalid parameters, raw junk bodies, streams hung
+up after the first chunk), while greedy neighbour streams run beside them.
 
 An oracle written from the documented rules (README "Generation") says whether each request is
 valid: a valid one must be answered (200 / OK, never a 5xx or a 429 on this idle-enough
 server), an invalid one must get the documented 4xx (REST 400 or 422, OpenAI 400, gRPC
-INVALID_ARGUMENT). The neighbours' texts must equal what they give alone, before the fuzz.
+INVALID_ARGUMENT). The neighbours' texts must equal what they give alone, before the fuzz. Chat
+turns the prompt into messages (token ids as a text part of their decoded text; bad ids as an
+image part, which chat refuses) and judges lengths on the prompt the repository's template gives.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 
 import httpx
 import pytest
+from pathlib import Path
+
 from conftest import launch_server, metric_value
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,7 +30,9 @@ from gpt2serve_client import Client, Gpt2ServeError
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 
 VOCAB, N_CTX = 50257, 256  # random:tiny
-EXAMPLES = 2160  # a third per API
+EXAMPLES = 2160  # a quarter per API
+APIS = ("rest", "grpc", "openai", "chat")
+CHAT_TEMPLATE = Path(__file__).resolve().parents[1] / "examples" / "chat-templates" / "chatml.jinja"
 NEIGHBOURS = ["The river", [464, 3139, 286, 4881], "Once upon a time there"]
 NEIGHBOUR_SETTINGS = dict(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -34,7 +40,7 @@ NEIGHBOUR_SETTINGS = dict(max_tokens=24, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
     srv = launch_server(tmp_path_factory.mktemp("fuzz"), "--model", "random:tiny", "--max-running-sequences", "32",
-                        "--max-queue-wait-s", "120")
+                        "--max-queue-wait-s", "120", "--chat-template", str(CHAT_TEMPLATE))
     yield srv
     srv.stop()
 
@@ -89,15 +95,36 @@ def requests(draw, api: str) -> dict:
     return r
 
 
+def chat_messages(prompt: str | list[int], tok) -> list[dict]:
+    """A chat request's messages for a fuzzed prompt (see the module doc)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not prompt:
+        return []
+    if any(not 0 <= t < VOCAB for t in prompt):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    return [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": tok.decode(prompt)}]}]
+
+
 def is_valid(r: dict, tok) -> bool:
     """The documented rules (README "Generation", generating.GenerateSettings.request)."""
     if r["junk"] is not None and r["api"] != "grpc":
         return False
     prompt = r["prompt"]
-    ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+    if r["api"] == "chat":
+        messages = chat_messages(prompt, tok)
+        if not messages or any(isinstance(m["content"], list) and m["content"][0]["type"] != "text"
+                               for m in messages):
+            return False
+        plain = [{**m, "content": m["content"] if isinstance(m["content"], str)  # text parts join with newlines
+                  else "\n".join(part["text"] for part in m["content"])} for m in messages]
+        ids = tok.apply_chat_template(plain, CHAT_TEMPLATE.read_text(), True, False, {})
+    else:
+        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
     if not ids or any(not 0 <= t < VOCAB for t in ids):
         return False
-    max_tokens = 16 if r["max_tokens"] is None else r["max_tokens"]
+    max_tokens = (N_CTX - len(ids) if r["api"] == "chat" else 16) if r["max_tokens"] is None else r["max_tokens"]
     if max_tokens < 1 or len(ids) + max_tokens > N_CTX:
         return False
     f = float32 if r["api"] == "grpc" else float  # gRPC carries them as float32
@@ -120,12 +147,17 @@ def fields(r: dict) -> dict:
 
 # Sending one request, and what came back --------------------------------------------------------
 
-def via_http(http: httpx.Client, r: dict) -> int:
+def via_http(http: httpx.Client, r: dict, tok) -> int:
     """The status; a stream is read to its end (or hung up on after its first event)."""
     if r["api"] == "openai":
         body = {"model": "random:tiny", "prompt": r["prompt"]}
         body.update({k: v for k, v in fields(r).items() if k not in ("prompt", "prompt_token_ids")})
         route = "/v1/completions"
+    elif r["api"] == "chat":
+        body = {"model": "random:tiny", "messages": chat_messages(r["prompt"], tok)}
+        body.update({k: v for k, v in fields(r).items() if k not in ("prompt", "prompt_token_ids", "logprobs")})
+        body.update(logprobs=True, top_logprobs=r["logprobs"])
+        route = "/v1/chat/completions"
     else:
         body, route = fields(r), "/v1/generate"
     body["stream"] = r["stream"]
@@ -205,15 +237,15 @@ def test_generation_fuzz_valid_answered_invalid_refused_neighbours_untouched(fuz
             Client(fuzz_server.grpc_target, timeout=120, retries=0) as client, \
             Neighbours(fuzz_server.grpc_target, alone) as neighbours:
 
-        for api in ("rest", "grpc", "openai"):  # EXAMPLES / 3 each
+        for api in APIS:  # EXAMPLES / 4 each
 
-            @settings(max_examples=EXAMPLES // 3, deadline=None, database=None, derandomize=True,
+            @settings(max_examples=EXAMPLES // len(APIS), deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             @given(r=requests(api))
             def one_request(r):
                 nonlocal sent
                 valid = is_valid(r, tok)
-                got = via_grpc(client, r) if r["api"] == "grpc" else via_http(http, r)
+                got = via_grpc(client, r) if r["api"] == "grpc" else via_http(http, r, tok)
                 if got == "UNSENDABLE":
                     return
                 sent += 1
@@ -224,7 +256,7 @@ def test_generation_fuzz_valid_answered_invalid_refused_neighbours_untouched(fuz
                     assert got in (200, "OK"), (r, got)
                 elif r["api"] == "grpc":
                     assert got == "INVALID_ARGUMENT", (r, got)
-                elif r["api"] == "openai":
+                elif r["api"] in ("openai", "chat"):
                     assert got == 400, (r, got)
                 else:
                     assert got in (400, 415, 422), (r, got)
@@ -234,7 +266,7 @@ def test_generation_fuzz_valid_answered_invalid_refused_neighbours_untouched(fuz
             time.sleep(0.1)
     assert sent >= 2000, sent
     assert not neighbours.problems, neighbours.problems[:5]
-    for api in ("rest", "grpc", "openai"):  # every kind was exercised, valid and invalid
+    for api in APIS:  # every kind was exercised, valid and invalid
         assert outcomes.get((api, True)) and outcomes.get((api, False)), outcomes
     deadline = time.monotonic() + 10  # every hung-up stream gave its slot back
     while metric_value(fuzz_server.http_url, "gpt2serve_running_sequences") != 0 and time.monotonic() < deadline:

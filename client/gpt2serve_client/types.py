@@ -283,6 +283,8 @@ class ModelInfo:
     quantize: str = "none"  # weight storage when smaller than dtype: "int8" or "fp16" (--quantize)
     prefix_cache_tokens: int = 0  # prompt tokens the prefix cache can hold (--prefix-cache-mb); 0: off
     prefix_cache_bytes: int = 0  # its memory: claimed at start on cuda, the most it grows to on a CPU
+    chat_completions: bool = False  # /v1/chat/completions has a chat template to form prompts with
+    chat_template_source: str = ""  # where that template came from (--chat-template, or the checkpoint's own)
 
     def to_proto(self) -> pb.ModelInfo:
         data = asdict(self)

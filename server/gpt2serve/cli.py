@@ -154,6 +154,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        if config.chat_template:  # a template that does not parse stops the server here, not at a request
+            from .service.chat_template import template_from_flag  # lazy: transformers, which serving needs
+
+            template_from_flag(config.chat_template)
     except ValueError as exc:
         print(f"gpt2serve serve: {exc}", file=sys.stderr)
         return 2

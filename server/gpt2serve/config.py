@@ -92,6 +92,8 @@ class ServeConfig:
     # gRPC connections are closed (gracefully, GOAWAY) after this many seconds, so long-lived
     # clients re-resolve and reach replicas added since; 0: never.
     grpc_max_connection_age_s: float = 0.0
+    # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
+    chat_template: str | None = None
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
@@ -243,6 +245,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-max-connection-age-s", type=float, default=d.grpc_max_connection_age_s,
             help="close each gRPC connection after this long (GOAWAY; in-flight calls finish), so clients "
                  "re-resolve and spread over new replicas; 0: never")
+    env.add("--chat-template", default=d.chat_template,
+            help="Jinja chat template for /v1/chat/completions: a file, or the template inline (rendered as "
+                 "transformers' apply_chat_template renders it); default: the checkpoint's own "
+                 "(tokenizer_config.json or chat_template.jinja); with neither, chat answers 400")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process), about min(cores - 2, 8) on a GPU")

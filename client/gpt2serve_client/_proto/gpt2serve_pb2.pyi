@@ -238,7 +238,7 @@ class ParameterBreakdown(_message.Message):
     def __init__(self, token_embedding: _Optional[int] = ..., position_embedding: _Optional[int] = ..., attention_qkv: _Optional[int] = ..., attention_output: _Optional[int] = ..., mlp: _Optional[int] = ..., layer_norm: _Optional[int] = ..., lm_head: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "weights", "weights_source", "dtype", "device", "architecture", "parameters", "max_prompt_tokens", "max_batch_size", "max_running_sequences", "quantize", "prefix_cache_tokens", "prefix_cache_bytes")
+    __slots__ = ("model", "weights", "weights_source", "dtype", "device", "architecture", "parameters", "max_prompt_tokens", "max_batch_size", "max_running_sequences", "quantize", "prefix_cache_tokens", "prefix_cache_bytes", "chat_completions", "chat_template_source")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,8 @@ class ModelInfo(_message.Message):
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     weights: str
     weights_source: str
@@ -265,7 +267,9 @@ class ModelInfo(_message.Message):
     quantize: str
     prefix_cache_tokens: int
     prefix_cache_bytes: int
-    def __init__(self, model: _Optional[str] = ..., weights: _Optional[str] = ..., weights_source: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[_Union[Architecture, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBreakdown, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., quantize: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ...) -> None: ...
+    chat_completions: bool
+    chat_template_source: str
+    def __init__(self, model: _Optional[str] = ..., weights: _Optional[str] = ..., weights_source: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[_Union[Architecture, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBreakdown, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., quantize: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., chat_completions: _Optional[bool] = ..., chat_template_source: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers", "trace_steps")

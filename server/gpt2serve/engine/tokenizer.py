@@ -47,6 +47,24 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids)
 
+    def own_chat_template(self) -> str | None:
+        """The checkpoint's chat template (tokenizer_config.json's `chat_template`, or
+        chat_template.jinja), if it ships one; a set of named ones gives its "default"."""
+        if self._tok.chat_template is None:
+            return None
+        try:
+            return self._tok.get_chat_template()
+        except ValueError:  # named templates and no "default" among them
+            return None
+
+    def apply_chat_template(self, messages: list[dict], template: str, add_generation_prompt: bool,
+                            continue_final_message: bool, template_kwargs: dict) -> list[int]:
+        """The messages rendered by transformers' own apply_chat_template (its sandboxed Jinja,
+        the special tokens as variables) and tokenized as it tokenizes them."""
+        return self._tok.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False, **template_kwargs)
+
 
 @functools.cache
 def _byte_decoder() -> dict[str, int]:

@@ -17,10 +17,11 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from ..config import ServeConfig
 from ..engine.tokenizer import Tokenizer
-from ..errors import ShuttingDown, Unavailable
+from ..errors import InvalidArgument, ShuttingDown, Unavailable
 from ..protocol import EngineClient, GenerateRequest
 from ..telemetry.records import RequestOptions, RequestRefused
 from ..telemetry.spans import Telemetry
+from .chat_template import ChatPrompts, resolve_chat_template
 from .generation_stream import GenerationStream
 from .next_token import next_token_batch
 from .validation import GenerateSettings, PromptInput, Validator
@@ -42,6 +43,7 @@ class InferenceService:
         self._idle.set()
         self._attached: tuple[EngineClient, ModelInfo] | None = None
         self.validator: Validator | None = None
+        self.chat: ChatPrompts | None = None
 
     def attach(self, tokenizer: Tokenizer, info: ModelInfo, engine: EngineClient) -> None:
         """Ready to serve: `info` describes the model (launch.engine_host.describe_model) and
@@ -49,7 +51,9 @@ class InferenceService:
         n_ctx, vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
         self.max_batch_size = engine.max_batch_size
         self.validator = Validator(tokenizer, n_ctx, vocab_size, self.config.max_prompt_tokens, self.config.trace_layers)
-        info = replace(info, max_prompt_tokens=self.validator.max_prompt_tokens, max_batch_size=self.max_batch_size)
+        self.chat = ChatPrompts(tokenizer, resolve_chat_template(self.config.chat_template, tokenizer))
+        info = replace(info, max_prompt_tokens=self.validator.max_prompt_tokens, max_batch_size=self.max_batch_size,
+                       chat_completions=self.chat.template is not None, chat_template_source=self.chat.source)
         self._attached = (engine, info)
         self.telemetry.model_name, self.telemetry.vocab_size = info.model, vocab_size
 
@@ -108,6 +112,19 @@ class InferenceService:
                           options: RequestOptions = GENERATE) -> GenerationStream:
         """The stream object itself: its chunks(), and what it learns besides (the scored prompt)."""
         return GenerationStream(self, prompt, settings, options)
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                          continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """A conversation's prompt tokens, through the chat template (service.chat_template)."""
+        self.require_model()
+        token_ids = await self.chat.prompt(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        if not token_ids:
+            raise InvalidArgument("messages: the chat template rendered them to no tokens", param="messages")
+        try:
+            self.validator.check_length(len(token_ids), "messages")
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{exc.message} once rendered by the chat template", param="messages") from None
+        return token_ids
 
     async def generation_request(self, prompt: PromptInput, settings: GenerateSettings) -> GenerateRequest:
         """The prompt tokenized and the settings checked: what `generate` raises for bad input.

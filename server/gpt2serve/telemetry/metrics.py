@@ -37,7 +37,7 @@ QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # gen_ai.server.time_per_output_token buckets, with finer ones below 10 ms for GPUs.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-GENERATING_METHODS = ("Generate", "Completions")  # their first token is not their answer
+GENERATING_METHODS = ("Generate", "Completions", "ChatCompletions")  # their first token is not their answer
 # --metrics-compat: other servers' names for the router gauges (ours -> theirs). vLLM's carry
 # the labels model_name and engine; its kv_cache_usage_perc is a ratio too (1 = 100%).
 METRICS_COMPAT = {

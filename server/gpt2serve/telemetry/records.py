@@ -22,7 +22,7 @@ class RequestOptions:
     span and metrics take it whole."""
 
     api: str = "internal"  # "grpc", "rest" or "openai": the metrics label
-    method: str = "NextToken"  # "NextToken", "NextTokenBatch", "Generate" or "Completions"
+    method: str = "NextToken"  # "NextToken", "NextTokenBatch", "Generate", "Completions" or "ChatCompletions"
     span_name: str = "next_token"  # "gpt2serve.v1.Gpt2Serve/NextToken", "POST /v1/next-token"
     parent: Context | None = None  # W3C trace context from gRPC metadata or HTTP headers
     attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes

@@ -12,12 +12,14 @@ from opentelemetry import propagate
 from ..service import RequestOptions
 
 T = TypeVar("T")
-def http_options(request: Request, route: str, method: str, api: str = "rest", **asked: bool) -> RequestOptions:
-    """Span name and attributes, the caller's W3C trace context (headers), and what it asked
-    to see (`asked`: trace_layers, include_layers, attention_maps)."""
+def http_options(request: Request, route: str, method: str, api: str = "rest", attributes: dict | None = None,
+                 **asked: bool) -> RequestOptions:
+    """Span name and attributes (the route's own `attributes` too), the caller's W3C trace context
+    (headers), and what it asked to see (`asked`: trace_layers, include_layers, attention_maps)."""
     return RequestOptions(
         api=api, method=method, span_name=f"POST {route}", parent=propagate.extract(request.headers),
-        attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme}, **asked)
+        attributes={"http.request.method": "POST", "http.route": route, "url.scheme": request.url.scheme,
+                    **(attributes or {})}, **asked)
 
 
 class ClientDisconnected(Exception):

@@ -1,6 +1,6 @@
 """The REST transport (FastAPI): JSON bodies mirroring the proto, OpenAPI at /docs.
 
-The POST routes (next-token, batch, generate, and OpenAI's completions) are served by
+The POST routes (next-token, batch, generate, and OpenAI's completions and chat) are served by
 InferenceRoutes in front of FastAPI: each body is read one way (http_errors.read_body) and every
 error is rendered and counted one way (http_errors.HttpErrors, statuses from
 gpt2serve_client.status). FastAPI serves the rest and documents all of them, from the same table.
@@ -30,16 +30,17 @@ from ..service import GenerateSettings, InferenceService, PromptInput, RequestOp
 from .guard import BearerKey, HttpGuard
 from .http_errors import HttpErrors, describe_validation_errors, read_body
 from .http_shared import ClientDisconnected, http_options, unless_disconnected
-from .openai_api import PATHS as OPENAI_PATHS
-from .openai_api import ROUTE as COMPLETIONS_ROUTE
-from .openai_api import CompletionBody, OpenAIErrorBody, OpenAIRoutes
+from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
+from .openai import PATHS as OPENAI_PATHS
+from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
 # The metrics method label of each path: the gRPC method it mirrors (a fixed set, whatever path a client sends).
 METHODS = {"/v1/next-token": "NextToken", "/v1/next-token/batch": "NextTokenBatch", "/v1/generate": "Generate",
-           COMPLETIONS_ROUTE: "Completions", "/v1/model": "GetModelInfo", "/v1/models": "ListModels"}
+           COMPLETIONS_ROUTE: "Completions", CHAT_ROUTE: "ChatCompletions", "/v1/model": "GetModelInfo",
+           MODELS_ROUTE: "ListModels"}
 
 
 def method_of(path: str) -> str:
@@ -201,7 +202,7 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: H
     async def model_info() -> ModelInfo:
         return service.model_info()
 
-    @app.get("/v1/models", responses=error_responses(True, ("unauthenticated", "unavailable", "internal")))
+    @app.get(MODELS_ROUTE, responses=error_responses(True, ("unauthenticated", "unavailable", "internal")))
     async def list_models() -> dict:
         """OpenAI's model list: the one model this server serves."""
         return await routes.openai.list_models()
@@ -288,7 +289,9 @@ class InferenceRoutes:
             "/v1/next-token/batch": Route(NextTokenBatchBody, self.next_token_batch, BatchResults,
                                           "Next token of many prompts, in order"),
             "/v1/generate": Route(GenerateBody, self.generate, GenerateResult, "Generate text", SSE),
-            COMPLETIONS_ROUTE: Route(CompletionBody, self.openai.completions, None, "OpenAI completions", SSE),
+            COMPLETIONS_ROUTE: Route(CompletionBody, self.openai.completions.completions, None, "OpenAI completions",
+                                     SSE),
+            CHAT_ROUTE: Route(ChatCompletionBody, self.openai.chat.completions, None, "OpenAI chat completions", SSE),
         }
 
     async def next_token(self, request: Request, body: NextTokenBody) -> Response:

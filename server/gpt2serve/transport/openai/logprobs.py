@@ -1,5 +1,7 @@
-"""OpenAI's legacy completions `logprobs` object, for generated tokens and for an echoed prompt:
-`tokens`, `token_logprobs`, `top_logprobs` (a dict per token) and `text_offset`, lists in step.
+"""OpenAI's two logprobs shapes. Legacy completions: `tokens`, `token_logprobs`, `top_logprobs` (a
+dict per token) and `text_offset`, lists in step, for generated tokens and an echoed prompt. Chat:
+`content`, one entry per token with its `token`, `logprob`, `bytes` and `top_logprobs` (a list of
+the same without their own).
 
 Token strings follow OpenAI's own rule for byte-level pieces: a token whose bytes are whole
 UTF-8 is its text (" Paris"); one that holds part of a character is written `bytes:` and its
@@ -19,9 +21,9 @@ import codecs
 from typing import Sequence
 
 from gpt2serve_client.generation import GeneratedToken
-from gpt2serve_client.types import PromptTokenLogprob
+from gpt2serve_client.types import PromptTokenLogprob, TokenLogprob
 
-from ..engine.tokenizer import Tokenizer
+from ...engine.tokenizer import Tokenizer
 
 
 def openai_token(tokenizer: Tokenizer, token_id: int) -> str:
@@ -55,3 +57,13 @@ def echo_logprobs(tokenizer: Tokenizer, prompt: list[PromptTokenLogprob], genera
     return {"tokens": [openai_token(tokenizer, i) for i in ids], "token_logprobs": token_logprobs,
             "top_logprobs": top, "text_offset": text_offsets(tokenizer, ids)}
 
+
+
+def chat_logprob(tokenizer: Tokenizer, token: GeneratedToken | TokenLogprob, top: bool = True) -> dict:
+    """One entry of chat's `logprobs.content`: the token's string (the rule above), its logprob,
+    its UTF-8 bytes (so a client can join characters split over tokens) and its alternatives."""
+    entry = {"token": openai_token(tokenizer, token.token_id), "logprob": token.logprob,
+             "bytes": list(tokenizer.token_bytes(token.token_id))}
+    if top:
+        entry["top_logprobs"] = [chat_logprob(tokenizer, alt, top=False) for alt in token.top]
+    return entry

@@ -1,20 +1,18 @@
-"""OpenAI-compatible completions: `POST /v1/completions` and `GET /v1/models`, so the official
-`openai` client (and tools built on it) can talk to gpt2serve.
+"""OpenAI's legacy completions, `POST /v1/completions`, for the official `openai` client,
+lm-evaluation-harness and the tools built on them.
 
 Translation only, like the other transports: OpenAI's fields become service generate calls, one
-per prompt (a list of prompts runs them all at once, in the running batch, as choices 0..n-1),
-and their chunks become OpenAI's JSON. GPT-2 has no chat template, so there is no chat endpoint.
+per prompt (a list of prompts runs them all at once, in the running batch, as choices 0..n-1:
+common.Choices), and their chunks become OpenAI's JSON.
 
 `echo` returns the prompt before the completion; with `logprobs` the prompt is scored too (its
 first token's entries null), in the generation's own prefill, or, with `max_tokens: 0`, as one
 next-token call of every prompt (scoring only: lm-evaluation-harness' loglikelihood, perplexity).
-Token strings and offsets: transport.openai_logprobs.
-Errors use OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+Token strings and offsets: logprobs.py. Errors use OpenAI's shape (common.OpenAIErrorBody).
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 import uuid
@@ -24,29 +22,17 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from gpt2serve_client.generation import GeneratedToken, GenerateResult, Usage
+from gpt2serve_client.generation import GeneratedToken, Usage
 
-from ..errors import InvalidArgument, ModelNotFound, ServeError
-from ..service import GenerateSettings, InferenceService, PromptInput
-from ..service.validation import Validator
-from .http_shared import http_options, unless_disconnected
-from .openai_logprobs import echo_logprobs, openai_token
-from .sse import first_and_rest, sse_event
+from ...errors import InvalidArgument, ServeError
+from ...service import GenerateSettings, InferenceService, PromptInput
+from ...service.validation import Validator
+from ..http_shared import http_options, unless_disconnected
+from ..sse import sse_event
+from .common import Choices, check_model, finish_reason, usage_json
+from .logprobs import echo_logprobs, openai_token
 
 ROUTE = "/v1/completions"
-PATHS = (ROUTE, "/v1/models")
-
-
-class OpenAIError(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class OpenAIErrorBody(BaseModel):
-    """OpenAI's error object, as every OpenAI-compatible route answers errors."""
-    error: OpenAIError
 
 
 class CompletionBody(BaseModel):
@@ -107,7 +93,7 @@ class CompletionBody(BaseModel):
 
 
 def logprobs_json(name: Callable[[int], str], tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
-    """OpenAI's legacy completions logprobs: per token its string (`name`, see openai_logprobs),
+    """OpenAI's legacy completions logprobs: per token its string (`name`, see logprobs.py),
     logprob, top alternatives and offset."""
     offsets = []
     for text in texts:
@@ -117,28 +103,20 @@ def logprobs_json(name: Callable[[int], str], tokens: list[GeneratedToken], text
             "top_logprobs": [{name(a.token_id): a.logprob for a in t.top} for t in tokens], "text_offset": offsets}
 
 
-class OpenAIRoutes:
-    """The OpenAI-compatible routes over the service (see the module doc)."""
+class Completions:
+    """The route's handler (see the module doc)."""
 
     def __init__(self, service: InferenceService, error_body: Callable[[ServeError], dict]):
         """`error_body`: an error as OpenAI's error object (transport.http_errors renders it)."""
         self.service = service
         self.error_body = error_body
 
-    async def list_models(self) -> dict:
-        """OpenAI's model list: the one model this server serves."""
-        info = self.service.model_info()
-        return {"object": "list", "data": [{"id": info.model, "object": "model", "created": 0,
-                                            "owned_by": "gpt2serve"}]}
-
     async def completions(self, request: Request, body: CompletionBody) -> Response:
         """OpenAI's completions API: a prompt (text or token ids) or a list of them, one choice
         each; `stream` for server-sent chunks then `[DONE]`. Errors in OpenAI's shape."""
         service = self.service
-        info = service.model_info()
-        model = info.model
-        if body.model != model:
-            raise ModelNotFound(f"The model '{body.model}' does not exist; this server serves '{model}'", param="model")
+        model = service.model_info().model
+        check_model(body.model, model)
         options = http_options(request, ROUTE, "Completions", api="openai")
         settings = body.settings()
         prompts = body.prompt_inputs(service.max_batch_size)
@@ -155,22 +133,15 @@ class OpenAIRoutes:
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"prompt[{index}]: {exc.message}", param="prompt") from None
                 prompts[index] = PromptInput(token_ids=checked.prompt)  # tokenized once
-        # A list longer than the KV cache has slots runs in turns: a choice starts when one of
-        # this request's own ends, so none of them waits behind its siblings into a 429.
-        slots = max(info.max_running_sequences, 1)
-        turns = asyncio.Semaphore(slots)
-        streams = [service.generation_stream(prompt, settings, options) for prompt in prompts]
-        generations = [in_turn(turns, stream.chunks()) for stream in streams]
+        choices = Choices(service, [(prompt, settings) for prompt in prompts], options)
         if body.stream:
-            started = min(len(generations), slots)  # errors of these raise before the 200
-            firsts = await unless_disconnected(request, first_chunks(generations[:started]))
-            firsts += generations[started:]
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = stream_events(completion, interleave(firsts), include_usage, body.logprobs, self.error_body, name)
+            events = stream_events(completion, await choices.chunks(request), include_usage, body.logprobs,
+                                   self.error_body, name)
             return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        results = await unless_disconnected(request, collect_all(generations))
-        choices = []
-        for index, (result, stream) in enumerate(zip(results, streams)):
+        results = await choices.results(request)
+        answers = []
+        for index, (result, stream) in enumerate(zip(results, choices.streams)):
             choice = {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
                       "logprobs": logprobs_json(name, result.tokens, [t.token for t in result.tokens], 0)
                       if body.logprobs is not None else None}
@@ -178,8 +149,8 @@ class OpenAIRoutes:
                 generated = result.tokens + ([stream.end_token] if stream.end_token else [])
                 choice.update(text=tokenizer.decode(stream.token_ids) + result.text, logprobs=echo_logprobs(
                     tokenizer, stream.prompt_logprobs, generated) if body.logprobs is not None else None)
-            choices.append(choice)
-        return JSONResponse({**completion, "choices": choices, "usage": usage_json([r.usage for r in results])})
+            answers.append(choice)
+        return JSONResponse({**completion, "choices": answers, "usage": usage_json([r.usage for r in results])})
 
     async def score(self, request: Request, body: CompletionBody, prompts: list[PromptInput], options,
                     completion: dict) -> Response:
@@ -201,81 +172,6 @@ class OpenAIRoutes:
                             if body.logprobs is not None else None})
         usage = [Usage(len(r.prompt_token_ids), 0, len(r.prompt_token_ids)) for r in results]
         return JSONResponse({**completion, "choices": choices, "usage": usage_json(usage)})
-
-
-async def in_turn(turns: asyncio.Semaphore, chunks: AsyncIterator) -> AsyncIterator:
-    """`chunks`, started only once a turn is free; the turn is given back at its end."""
-    async with turns:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            await chunks.aclose()
-
-
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The ServeError that failed a group of generations (what the caller is told), else the first."""
-    errors = group.exceptions
-    return next((e for e in errors if isinstance(e, ServeError)), errors[0])
-
-
-async def collect_all(generations: list[AsyncIterator]) -> list[GenerateResult]:
-    """Every generation to its end, all at once (they share the running batch); the first error
-    cancels the others (and so frees their slots)."""
-    async def collect(chunks: AsyncIterator) -> GenerateResult:
-        return GenerateResult.from_chunks([chunk async for chunk in chunks])
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(collect(chunks)) for chunks in generations]
-    except BaseExceptionGroup as failed:
-        raise first_error(failed) from None
-    return [task.result() for task in tasks]
-
-
-async def first_chunks(generations: list[AsyncIterator]) -> list[AsyncIterator]:
-    """Wait for every generation's first chunk, all at once (a request's errors raise here);
-    on an error, the others are closed."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(first_and_rest(chunks)) for chunks in generations]
-    except BaseExceptionGroup as failed:
-        await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
-        raise first_error(failed) from None
-    return [task.result() for task in tasks]
-
-
-_END = object()
-
-
-async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
-    """(stream index, item) as items come from any stream. An error in one ends them all: it
-    raises here, and the others are cancelled (as they are when the caller stops iterating)."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator) -> None:
-        try:
-            async for item in stream:
-                queue.put_nowait((index, item))
-            queue.put_nowait((index, _END))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            index, item = await queue.get()
-            if item is _END:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
@@ -300,14 +196,3 @@ async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]]
     except ServeError as exc:  # after the 200: the error as one more event, in OpenAI's shape
         yield sse_event(error_body(exc))
     yield sse_event("[DONE]")
-
-
-def finish_reason(reason: str) -> str:
-    """OpenAI has "stop" and "length"; the end-of-text token is a stop there."""
-    return "stop" if reason == "eos" else reason
-
-
-def usage_json(usages: list[Usage]) -> dict:
-    """All choices together, as OpenAI counts them."""
-    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

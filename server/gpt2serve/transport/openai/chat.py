@@ -1,0 +1,224 @@
+"""OpenAI's chat completions, `POST /v1/chat/completions`, for the `openai` SDK's
+`chat.completions`, LangChain's ChatOpenAI, LiteLLM, chat UIs and agent frameworks.
+
+A translation onto the generation streams completions use (common.Choices), not a path of its
+own: the messages become one prompt through the chat template (service.chat_template: the
+--chat-template file, or the checkpoint's own; none is a 400 naming the flag), the fields become
+GenerateSettings, the n choices run together in the running batch, and their chunks become
+`chat.completion` objects or `chat.completion.chunk` events (each choice's first carries the
+role, its last the finish_reason). Scheduler, KV and prefix caches, metrics (api "openai",
+method "ChatCompletions"), errors, tracing, drain and hang-ups are the generation's own.
+
+As vLLM does: `max_completion_tokens` (or `max_tokens`) defaults to what the context has left;
+choice i of a seeded request draws with seed + i; text parts of a message's content are joined
+with newlines; `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` go to
+the template. Tools, functions, response formats other than text, non-text content, the
+penalties, `logit_bias` and a request's own template are refused with a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from gpt2serve_client.generation import GenerateChunk
+
+from ...engine.tokenizer import Tokenizer
+from ...errors import InvalidArgument, ServeError
+from ...service import GenerateSettings, InferenceService, PromptInput
+from ..http_shared import http_options
+from ..sse import sse_event
+from .common import Choices, check_model, finish_reason, refuse
+from .logprobs import chat_logprob
+
+ROUTE = "/v1/chat/completions"
+ROLES = ("system", "user", "assistant")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def plain(self, index: int) -> dict:
+        """What the template sees: {role, content (text), name if given}."""
+        where = f"messages[{index}]"
+        if self.role not in ROLES:
+            raise InvalidArgument(f"{where}.role: {self.role!r} is not supported; gpt2serve takes "
+                                  f"{', '.join(ROLES)} messages (no tools)", param="messages")
+        if self.tool_calls or self.function_call:
+            raise InvalidArgument(f"{where}: tool and function calls are not supported by gpt2serve", param="messages")
+        if self.content is None:
+            raise InvalidArgument(f"{where}.content: required (text, or a list of text parts)", param="messages")
+        if isinstance(self.content, str):
+            text = self.content
+        else:
+            texts = []
+            for j, part in enumerate(self.content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidArgument(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) "
+                                          f"are supported by this text-only model, not {part.get('type')!r}",
+                                          param="messages")
+                texts.append(part["text"])
+            text = "\n".join(texts)
+        return {"role": self.role, "content": text, **({"name": self.name} if self.name is not None else {})}
+
+
+class ChatCompletionBody(BaseModel):
+    # Unknown fields are ignored, as OpenAI's own server does; those it knows and we do not do are refused.
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = Field(None, description="Default: what the context has left")
+    max_tokens: StrictInt | None = Field(None, description="The older name of max_completion_tokens")
+    temperature: StrictFloat | StrictInt | None = None
+    top_p: StrictFloat | StrictInt | None = None
+    n: StrictInt = 1
+    stream: StrictBool | None = False
+    stream_options: dict[str, Any] | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    user: StrictStr | None = None
+    # Refused unless left at their defaults (see `refusals`).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    presence_penalty: StrictFloat | StrictInt | None = 0
+    frequency_penalty: StrictFloat | StrictInt | None = 0
+    logit_bias: dict[str, Any] | None = None
+    # Not OpenAI's, but vLLM's (passed as extra_body).
+    top_k: StrictInt | None = Field(None, description="gpt2serve extension: sample among the k most likely")
+    ignore_eos: StrictBool = Field(False, description="gpt2serve extension: generate past the end-of-text token")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template")
+    add_generation_prompt: StrictBool = Field(True, description="End the prompt with the assistant's turn opening")
+    continue_final_message: StrictBool = Field(False, description="Continue the last (assistant) message instead")
+    chat_template: StrictStr | None = Field(None, description="Refused: the server's template is the one used")
+
+    def check(self, max_choices: int) -> None:
+        no_tools = "gpt2serve does no tool or function calling"
+        refuse([("tools", not self.tools, no_tools), ("tool_choice", self.tool_choice in (None, "none"), no_tools),
+                ("functions", not self.functions, no_tools),
+                ("function_call", self.function_call in (None, "none"), no_tools),
+                ("response_format", (self.response_format or {}).get("type", "text") == "text",
+                 "only {'type': 'text'}: gpt2serve has no JSON mode or schema-constrained output"),
+                ("presence_penalty", not self.presence_penalty, ""), ("frequency_penalty", not self.frequency_penalty, ""),
+                ("logit_bias", not self.logit_bias, ""),
+                ("chat_template", self.chat_template is None,
+                 "a request cannot bring its own template; the server's (--chat-template, or the checkpoint's) is used")])
+        if not self.messages:
+            raise InvalidArgument("messages: at least one message is needed", param="messages")
+        if not 1 <= self.n <= max_choices:
+            raise InvalidArgument(f"n: {self.n} is outside 1..{max_choices} (this server's --max-batch-size)",
+                                  param="n")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options: only with stream: true", param="stream_options")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidArgument("top_logprobs: needs logprobs: true", param="top_logprobs")
+
+    def settings(self, max_tokens: int, choice: int) -> GenerateSettings:
+        seed = self.seed if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
+        return GenerateSettings(
+            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
+            logprobs=(self.top_logprobs or 0) if self.logprobs else 0, ignore_eos=self.ignore_eos)
+
+
+class ChatCompletions:
+    """The route's handler (see the module doc)."""
+
+    def __init__(self, service: InferenceService, error_body: Callable[[ServeError], dict]):
+        self.service = service
+        self.error_body = error_body
+
+    async def completions(self, request: Request, body: ChatCompletionBody) -> Response:
+        """OpenAI's chat completions: messages through the chat template, `n` choices; `stream`
+        for `chat.completion.chunk` events then `[DONE]`. Errors in OpenAI's shape."""
+        service = self.service
+        info = service.model_info()
+        check_model(body.model, info.model)
+        body.check(service.max_batch_size)
+        messages = [message.plain(index) for index, message in enumerate(body.messages)]
+        prompt = await service.chat_prompt(messages, body.add_generation_prompt, body.continue_final_message,
+                                           body.chat_template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:
+            max_tokens = info.architecture.n_ctx - len(prompt)
+            if max_tokens < 1:
+                raise InvalidArgument(f"messages: the prompt's {len(prompt)} tokens fill the model's context of "
+                                      f"{info.architecture.n_ctx}; nothing is left to generate", param="messages")
+        try:  # checked once for all choices, before any of them starts
+            await service.generation_request(PromptInput(token_ids=prompt), body.settings(max_tokens, 0))
+        except InvalidArgument as exc:  # named as chat names the field
+            field, _, why = exc.message.partition(": ")
+            field = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                     "logprobs": "top_logprobs"}.get(field, field)
+            raise InvalidArgument(f"{field}: {why}", param=field if field in ChatCompletionBody.model_fields else None) from None
+        options = http_options(request, ROUTE, "ChatCompletions", api="openai", attributes={
+            "gpt2serve.chat.template": service.chat.source, "gpt2serve.chat.messages": len(messages),
+            "gpt2serve.chat.prompt_tokens": len(prompt)})
+        choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i))
+                                    for i in range(body.n)], options)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model}
+        tokenizer = service.validator.tokenizer
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            events = chunk_events(head, await choices.chunks(request), body.n, len(prompt), include_usage,
+                                  tokenizer if body.logprobs else None, self.error_body)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        results = await choices.results(request)
+        answers = [{"index": index, "message": {"role": "assistant", "content": result.text},
+                    "logprobs": {"content": [chat_logprob(tokenizer, token) for token in result.tokens]}
+                    if body.logprobs else None, "finish_reason": finish_reason(result.finish_reason)}
+                   for index, result in enumerate(results)]
+        usage = chat_usage(len(prompt), sum(result.usage.completion_tokens for result in results))
+        return JSONResponse({**head, "object": "chat.completion", "choices": answers, "usage": usage})
+
+
+def chat_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The prompt counts once, however many choices share it (as OpenAI and vLLM count)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def chunk_events(head: dict, chunks: AsyncIterator[tuple[int, GenerateChunk]], n: int, prompt_tokens: int,
+                       include_usage: bool, tokenizer: Tokenizer | None, error_body: Callable[[ServeError], dict]):
+    """Chat's stream: each choice's role first, then a content delta per token (with its logprobs
+    entry when asked: `tokenizer` set), each choice's last with its finish_reason; with
+    include_usage every chunk has `usage: null` and a last one the usage; then `data: [DONE]`."""
+    head = {**head, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
+
+    def event(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> bytes:
+        return sse_event({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                               "finish_reason": finish}]})
+
+    completion_tokens = 0
+    try:
+        for index in range(n):
+            yield event(index, {"role": "assistant", "content": ""})
+        async for index, chunk in chunks:
+            if chunk.finish_reason:
+                completion_tokens += chunk.usage.completion_tokens if chunk.usage else 0
+                yield event(index, {"content": chunk.text} if chunk.text else {}, None,
+                            finish_reason(chunk.finish_reason))
+            else:
+                logprobs = {"content": [chat_logprob(tokenizer, chunk.token)]} if tokenizer and chunk.token else None
+                yield event(index, {"content": chunk.text}, logprobs)
+        if include_usage:
+            yield sse_event({**head, "choices": [], "usage": chat_usage(prompt_tokens, completion_tokens)})
+    except ServeError as exc:  # after the 200: the error as one more event, in OpenAI's shape
+        yield sse_event(error_body(exc))
+    yield sse_event("[DONE]")
