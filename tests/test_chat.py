@@ -337,6 +337,22 @@ def test_the_checkpoints_own_template_under_two_workers(own_template_server, hf,
         assert answer.usage.prompt_tokens == len(prompt)
 
 
+def test_rest_generate_takes_messages_for_step_traces(chat_server, oai, model):
+    """/v1/generate's `messages`: the chat prompt, so trace_steps (and /ui) can show a chat answer."""
+    messages = CONVERSATIONS[1]
+    chat = oai.chat.completions.create(model=model, messages=messages, max_tokens=4, **GREEDY)
+    with httpx.Client(base_url=chat_server.http_url, timeout=60) as http:
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "trace_steps": True}
+        generated = http.post("/v1/generate", json=body).json()
+        assert generated["text"] == chat.choices[0].message.content
+        assert len(generated["prompt_token_ids"]) == chat.usage.prompt_tokens
+        assert len(generated["steps"][0]["new_tokens"]) == chat.usage.prompt_tokens  # the prefill computed them all
+        both = http.post("/v1/generate", json={**body, "prompt": "Hi"})
+        assert both.status_code == 400 and "one of them" in both.json()["error"]["message"]
+        empty = http.post("/v1/generate", json={**body, "messages": []})
+        assert empty.status_code == 400 and "at least one message" in empty.json()["error"]["message"]
+
+
 # A framework client ----------------------------------------------------------------------------------------
 
 def test_langchain_chat_openai_invokes_and_streams(own_template_server, hf, checkpoint):

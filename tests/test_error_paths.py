@@ -21,7 +21,11 @@ ROUTES = {
     "/v1/next-token/batch": ("rest", "NextTokenBatch", b'{"prompts": ["hi"]}'),
     "/v1/generate": ("rest", "Generate", b'{"prompt": "hi", "max_tokens": 2}'),
     "/v1/completions": ("openai", "Completions", b'{"model": "random:tiny", "prompt": "hi", "max_tokens": 2}'),
+    "/v1/chat/completions": ("openai", "ChatCompletions",
+                             b'{"model": "random:tiny", "messages": [{"role": "user", "content": "hi"}], '
+                             b'"max_tokens": 2}'),
 }
+CHAT_TEMPLATE = Path(__file__).parent.parent / "examples" / "chat-templates" / "chatml.jinja"
 DEEP = b'{"prompt": ' + b"[" * 1500 + b"]" * 1500 + b"}"  # under the limit, past pydantic's depth of 200
 BAD_BODIES = {
     "invalid UTF-8": (b'{"prompt": "caf\xe9 \xff"}', "json", "malformed"),
@@ -36,7 +40,7 @@ BAD_BODIES = {
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     srv = launch_server(tmp_path_factory.mktemp("errors"), "--model", "random:tiny",
-                        "--max-message-bytes", str(LIMIT))
+                        "--max-message-bytes", str(LIMIT), "--chat-template", str(CHAT_TEMPLATE))
     yield srv
     srv.stop()
 

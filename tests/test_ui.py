@@ -52,7 +52,8 @@ def texts(html: str, pattern: str) -> list[str]:
 
 
 def visible(token: str) -> str:
-    return token.replace(" ", "␣")
+    """As the page shows a token (common.js): spaces as ␣, newlines and tabs escaped."""
+    return token.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")
 
 
 def deep_link(server, prompt: str = PROMPT, layer: int = 1, head: int = 2) -> str:
@@ -157,6 +158,31 @@ def test_generate_mode_walks_the_steps(server, tmp_path, tiny_model, tokenizer):
     prefill = dom(tmp_path, f"{server.http_url}/ui?view=generate&prompt={quote(PROMPT)}&max_tokens=5&temperature=0&step=0")
     assert drawn(prefill, "step-walkthrough")["Q per head"][1] == [1, cfg.n_head, len(ids), cfg.d_head]
     assert re.search(r'data-columns="5" data-new="5"', prefill)  # the prefill fills the cache at once
+
+
+def test_generate_mode_takes_a_chat_message_through_the_template(server, tmp_path, tokenizer):
+    """`chat=1`: the text goes as a user message; the prefill's tokens are the template's prompt."""
+    import httpx
+
+    template = Path(__file__).resolve().parents[1] / "examples" / "chat-templates" / "chatml.jinja"
+    srv = launch_server(tmp_path, "--model", "random:tiny", "--chat-template", str(template))
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        ids = tokenizer.apply_chat_template(messages, template.read_text(), True, False, {})
+        reference = httpx.post(f"{srv.http_url}/v1/generate", timeout=60, json={
+            "messages": messages, "max_tokens": 3, "temperature": 0}).json()
+        assert reference["prompt_token_ids"] == ids
+        html = dom(tmp_path, f"{srv.http_url}/ui?view=generate&chat=1&prompt=Hi&max_tokens=3&temperature=0&step=0")
+        assert texts(html, r'<span class="seq-token prompt-token"[^>]*>([^<]*)<') == [
+            visible(tokenizer.token_text(i)) for i in ids]
+        assert texts(html, r'<span class="seq-token gen-token[^"]*"[^>]*>([^<]*)<') == [
+            visible(t["token"]) for t in reference["tokens"]]
+    finally:
+        srv.stop()
+    html = dom(tmp_path, f"{server.http_url}/ui?view=generate&chat=1&prompt=Hi",  # no template there
+               console_allowed=r"Failed to load resource: the server responded with a status of 400")
+    error = texts(html, r'id="error" role="alert">([^<]*)<')
+    assert error and "FAILED_PRECONDITION" in error[0] and "--chat-template" in error[0]
 
 
 def test_the_score_view_draws_every_position_as_the_model_scored_it(server, tmp_path, tiny_model, tokenizer):

@@ -27,7 +27,7 @@ ERROR_STATUSES: tuple[ErrorStatus, ...] = (
                 "a value the server cannot serve: empty prompt, too many tokens, ids outside the vocabulary, "
                 "top_k out of range, prompt + max_tokens past the context, too many prompts"),
     ErrorStatus("failed_precondition", "FAILED_PRECONDITION", 400, 400, "invalid_request_error", False,
-                "switched off on this server (per-layer reports with --trace-layers never)"),
+                "switched off on this server (per-layer reports with --trace-layers never; chat with no template)"),
     ErrorStatus("unauthenticated", "UNAUTHENTICATED", 401, 401, "authentication_error", False,
                 "API key missing or wrong"),
     ErrorStatus("not_found", "NOT_FOUND", 404, 404, "not_found_error", False,

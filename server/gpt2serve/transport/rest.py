@@ -25,7 +25,7 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from .. import __version__
 from ..config import ServeConfig
-from ..errors import MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
+from ..errors import InvalidArgument, MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
 from .http_errors import HttpErrors, describe_validation_errors, read_body
@@ -33,6 +33,7 @@ from .http_shared import ClientDisconnected, http_options, unless_disconnected
 from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
 from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
+from .openai.chat import ChatMessage
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
 
@@ -102,6 +103,9 @@ class NextTokenBatchBody(Body):
 class GenerateBody(Body):
     prompt: StrictStr | None = Field(None, description="Prompt text", examples=["The capital of France is"])
     prompt_token_ids: list[StrictInt] | None = Field(None, description="Prompt as GPT-2 token ids, instead of text")
+    messages: list[ChatMessage] | None = Field(
+        None, description="A conversation instead of a prompt, rendered by the chat template as "
+                          "/v1/chat/completions renders it (so trace_steps can show a chat answer)")
     max_tokens: StrictInt | None = Field(None, description="Tokens to generate at most (default 16)")
     temperature: StrictFloat | StrictInt | None = Field(None, description="0: greedy; default 1")
     top_k: StrictInt | None = Field(None, description="Sample among the k most likely (0: no limit)")
@@ -314,10 +318,10 @@ class InferenceRoutes:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
         token (text, token), then a closing chunk (finish_reason, usage, timings); an error
         after the stream began comes as an `event: error` with the usual error body."""
-        options = http_options(request, "/v1/generate", "Generate", trace_layers=body.trace_layers,
+        prompt, chat = await self.generate_prompt(body)
+        options = http_options(request, "/v1/generate", "Generate", attributes=chat, trace_layers=body.trace_layers,
                                trace_steps=body.trace_steps)
-        chunks = self.service.generate(PromptInput(text=body.prompt, token_ids=body.prompt_token_ids),
-                                       body.settings(), options)
+        chunks = self.service.generate(prompt, body.settings(), options)
         if not body.stream:
             collected = await unless_disconnected(request, collect(chunks))
             return json_response(asdict(GenerateResult.from_chunks(collected)))
@@ -331,6 +335,21 @@ class InferenceRoutes:
                 yield sse_event(self.errors.body("/v1/generate", exc), event="error")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    async def generate_prompt(self, body: GenerateBody) -> tuple[PromptInput, dict]:
+        """The prompt as given, or the conversation's through the chat template (and what the
+        span says of it)."""
+        if body.messages is None:
+            return PromptInput(text=body.prompt, token_ids=body.prompt_token_ids), {}
+        if body.prompt or body.prompt_token_ids:
+            raise InvalidArgument("messages: give prompt, prompt_token_ids or messages, one of them")
+        messages = [message.plain(index) for index, message in enumerate(body.messages)]
+        if not messages:
+            raise InvalidArgument("messages: at least one message is needed")
+        token_ids = await self.service.chat_prompt(messages)
+        return PromptInput(token_ids=token_ids), {"gpt2serve.chat.template": self.service.chat.source,
+                                                  "gpt2serve.chat.messages": len(messages),
+                                                  "gpt2serve.chat.prompt_tokens": len(token_ids)}
 
     def asgi(self, fallback: FastAPI):
         async def app(scope, receive, send) -> None:

@@ -1,7 +1,7 @@
 // The viewer's entry and its "Next token" view: one request with attention_maps, drawn as the
 // shape walk-through, tables and SVG. Deep links render at once:
 //   /ui?prompt=...&layer=...&head=...&click=STEP        (next token)
-//   /ui?view=generate&prompt=...&max_tokens=8&step=3   (generate.js)
+//   /ui?view=generate&prompt=...&max_tokens=8&step=3   (generate.js; &chat=1: as a chat message)
 //   /ui?view=shapes&preset=llama-3-8b&tokens=5         (shapes.js)
 //   /ui?view=score&text=...&top_k=5                     (score.js)
 "use strict";

@@ -8,6 +8,7 @@ const gen = { result: null, step: 0, head: "mean" };
 function startGenerate(params) {
   if (params.get("max_tokens")) $("gen-max").value = params.get("max_tokens");
   if (params.get("temperature")) $("gen-temperature").value = params.get("temperature");
+  $("gen-chat").checked = params.get("chat") === "1";
   gen.step = Number(params.get("step") || 0);
   if (params.get("prompt")) {
     $("gen-prompt").value = params.get("prompt");
@@ -18,7 +19,10 @@ function startGenerate(params) {
 async function generate() {
   show("error", "");
   if (keyMissing()) return;
-  const body = { prompt: $("gen-prompt").value, max_tokens: Number($("gen-max").value) || 8,
+  const text = $("gen-prompt").value;
+  // As a chat message, the server's chat template makes the prompt: the prefill step shows its tokens.
+  const prompt = $("gen-chat").checked ? { messages: [{ role: "user", content: text }] } : { prompt: text };
+  const body = { ...prompt, max_tokens: Number($("gen-max").value) || 8,
                  temperature: Number($("gen-temperature").value), trace_steps: true, logprobs: 5 };
   const data = await post("/v1/generate", body);
   if (!data) { $("generate-view").hidden = true; return; }
