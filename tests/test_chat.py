@@ -20,9 +20,10 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import launch_server, requests_total
+from conftest import launch_server, pids, requests_total
 from reference import transformers_random_model
 from test_generation import LIVELY, transformers_greedy
+from test_workers import mapped_files
 from transformers import AutoTokenizer, GPT2Tokenizer
 
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer, load_tokenizer
@@ -335,6 +336,9 @@ def test_the_checkpoints_own_template_under_two_workers(own_template_server, hf,
         answer = oai.chat.completions.create(model=listed.id, messages=messages, max_tokens=8, **GREEDY)
         assert answer.choices[0].message.content == greedy_text(hf, checkpoint, prompt, 8)
         assert answer.usage.prompt_tokens == len(prompt)
+    front_ends = pids(own_template_server, "front-end")
+    assert len(front_ends) == 2  # rendering a template loaded no torch into a front end
+    assert not [f for pid in front_ends for f in mapped_files(pid) if "libtorch" in f or "/torch/" in f]
 
 
 def test_rest_generate_takes_messages_for_step_traces(chat_server, oai, model):
