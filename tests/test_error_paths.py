@@ -1,6 +1,6 @@
 """One HTTP error path: every POST route reads raw bodies the same way, answers its documented
 status in its family's shape (REST, or OpenAI's error object), counts each refusal once under the
-right labels, and the README's and /docs' status tables agree with gpt2serve_client.status."""
+right labels, and the status tables of docs/api.md and /docs agree with gpt2serve_client.status."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from conftest import launch_server, requests_total
 
 from gpt2serve_client.status import BY_KIND, ERROR_STATUSES
 
-README = Path(__file__).parent.parent / "README.md"
+API_DOC = Path(__file__).parent.parent / "docs" / "api.md"
 LIMIT = 4096
 # route -> (metrics api label, method label, a valid body)
 ROUTES = {
@@ -119,9 +119,9 @@ def test_the_official_client_raises_the_matching_classes(limited):
     assert too_large.value.status_code == 413
 
 
-def test_the_readme_status_table_is_the_clients_table():
-    text = README.read_text()
-    table = text[text.index("<!-- status-table:start -->"):text.index("<!-- status-table:end -->")]
+def test_the_documented_status_table_is_the_clients_table():
+    text = API_DOC.read_text()
+    table = text[text.index("<!-- statuses:start -->"):text.index("<!-- statuses:end -->")]
     rows = [line for line in table.splitlines() if line.startswith("| `")]
     parsed = [[cell.strip().strip("`") for cell in row.strip("|").split("|")] for row in rows]
     expected = [[s.code, str(s.http), str(s.openai_http), s.openai_type, "yes" if s.retry_after else "", s.when]

@@ -2,8 +2,8 @@
 
 A row is one kind of failure: its gRPC status name (also the `code` of a REST error body), its
 HTTP status on the REST routes and on the OpenAI-compatible ones (OpenAI answers 400 where REST
-says 415 or 422), OpenAI's error `type`, and whether the answer says Retry-After. The README's
-error table and the OpenAPI document are checked against it by tests/test_error_paths.py.
+says 415 or 422), OpenAI's error `type`, and whether the answer says Retry-After. docs/api.md's
+error table is generated from it (scripts/gen_docs.py) and the OpenAPI document checked against it.
 """
 
 from __future__ import annotations

@@ -204,6 +204,8 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: H
     @app.get("/v1/model", response_model=ModelInfo,
              responses=error_responses(False, ("unauthenticated", "unavailable", "internal")))
     async def model_info() -> ModelInfo:
+        """The model: architecture, dtype, device, weights and their source, parameters by component,
+        the limits, and whether chat has a template (and where it came from)."""
         return service.model_info()
 
     @app.get(MODELS_ROUTE, responses=error_responses(True, ("unauthenticated", "unavailable", "internal")))
