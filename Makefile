@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 
-.PHONY: serve test test-gpu stack stack-down proto lock clean
+.PHONY: serve test test-fast test-gpu stack stack-down proto docs lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ serve: $(STAMP)
 test: $(STAMP)
 	scripts/debian_test_deps.sh
 	$(BIN)/python -m pytest $(ARGS)
+
+## The quick tiers only (no compose stack, browser, Helm tools, fuzzing, GPU or slow tests).
+test-fast: $(STAMP)
+	scripts/debian_test_deps.sh
+	$(BIN)/python -m pytest -m "not (stack or browser or helm or fuzz or gpu or slow)" $(ARGS)
 
 ## The compose stack with no registry access: installs Docker and compose from Debian when absent,
 ## starts the engine when none runs, builds every image here (no pulls), waits until healthy.
@@ -41,6 +46,10 @@ test-gpu: $(STAMP)
 ## Regenerate the checked-in protobuf/gRPC code after editing proto/.
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
+
+## Rewrite the generated tables in docs/ (flags, metrics, RPCs, routes, statuses).
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_docs.py
 
 ## Re-pin constraints.txt from the current environment.
 lock: $(STAMP)

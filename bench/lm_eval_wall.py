@@ -1,8 +1,8 @@
-"""lm-evaluation-harness' wall time on our local tasks (tests/lm_eval_tasks), two ways on one
+"""lm-evaluation-harness' wall time on our local tasks (tests/support/lm_eval_tasks), two ways on one
 checkpoint, in one run: `local-completions` against a gpt2serve server, and its own `hf` model
 in process. The checkpoint is GPT-2 small's shape with transformers' random initialisation,
 saved here with the GPT-2 tokenizer (no hub). Windows are the same both ways (see
-tests/test_lm_eval.py). Prints the two wall times and their ratio, and the two results tables.
+tests/openai/test_lm_eval.py). Prints the two wall times and their ratio, and the two results tables.
 
     .venv/bin/python bench/lm_eval_wall.py [--concurrent 4] [--batch-size 16]
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from local_server import launch
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS_DIR = ROOT / "tests" / "lm_eval_tasks"
+TASKS_DIR = ROOT / "tests" / "support" / "lm_eval_tasks"
 TASKS = "gpt2serve_cloze,gpt2serve_choice,gpt2serve_rolling"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

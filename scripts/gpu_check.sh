@@ -24,7 +24,7 @@ $python -c "import gpt2serve.launch.single_process, openai, zmq, msgpack, fastap
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 
 echo "== GPU tests"
-$python -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
+$python -m pytest -q -rs tests/gpu/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
 
 echo "== engine bench (bf16, 5-token prompts)"
 : >"$out/bench.md"

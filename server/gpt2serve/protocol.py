@@ -8,7 +8,7 @@ model); ipc.codec puts them on the IPC wire.
 
 What crosses is plain data: token ids, numbers, layer reports, errors as (code, message) and the
 W3C `traceparent` of the request span as a string. No torch and no OpenTelemetry SDK here, so a
-front-end process never imports the model's libraries (tests/test_workers.py checks it).
+front-end process never imports the model's libraries (tests/processes/test_workers.py checks it).
 
 A generation is a stream of TokenEvents; the last one carries its finish_reason. An error ends
 it instead (`TokenSink.fail`). A caller that leaves cancels it through the handle `generate`

@@ -118,7 +118,7 @@ _SAFETENSORS = " (the card says {}; this exact figure is the released weights' c
 _DEEPSEEK_ACTIVE = ("'activated' leaves out the token embedding table (a token reads one row of it), as "
                     "ours does; counting it gives {}")
 # The served GPT-2 family first (SERVABLE), then every family the seeds' appendix tabulates. Each
-# carries its published count and where it is published; tests/test_params.py checks both.
+# carries its published count and where it is published; tests/introspection/test_params.py checks both.
 PRESETS: dict[str, Architecture] = {
     # GPT-2's cards round; the hub's own figure for gpt2 (137M) counts the attention masks stored
     # in its checkpoint as well, which are buffers, not parameters.

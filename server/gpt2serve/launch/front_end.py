@@ -7,7 +7,7 @@
     front_end_main()    --workers N: a FrontEnd over ipc.zmq_client, until SIGTERM
 
 No torch is imported here or below: a front-end process of `--workers N` is the transports,
-the service and the tokenizer (tests/test_workers.py checks it).
+the service and the tokenizer (tests/processes/test_workers.py checks it).
 """
 
 from __future__ import annotations

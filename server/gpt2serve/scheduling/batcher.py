@@ -34,7 +34,7 @@ STREAMING_WAIT_SHARE_OF_FORWARD = 0.5  # see Batcher._wait_until
 
 
 class BatchEngine(Protocol):
-    """What the batcher needs of an engine (engine.Engine; tests/fake_engine.FakeEngine)."""
+    """What the batcher needs of an engine (engine.Engine; tests/support/fake_engine.FakeEngine)."""
 
     fixed_cost_tokens: float  # a forward's fixed cost in padded tokens (see scheduling.grouping)
 

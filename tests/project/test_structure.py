@@ -1,0 +1,58 @@
+"""The package's shape, as the contributing notes describe it: layers that import only downwards
+and no import cycles (import-linter, contracts in pyproject.toml), a small package root, module
+names that say one job each, and modules of a readable size."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "server" / "gpt2serve"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+# Modules allowed past ~400 lines, each with its reason. None today.
+LONG_MODULES: dict[str, str] = {}
+
+
+def lint_imports(pythonpath: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{pythonpath}{os.pathsep}{ROOT / 'client'}"}
+    return subprocess.run([str(LINT_IMPORTS), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_import_contracts_are_kept():
+    result = lint_imports(ROOT / "server")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "3 kept, 0 broken" in result.stdout
+
+
+def test_an_upward_import_breaks_the_layers_contract(tmp_path):
+    """The contract can fail: the engine importing the service (even only for type checking) does."""
+    copy = tmp_path / "gpt2serve"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    kv_cache = copy / "engine" / "kv_cache.py"
+    kv_cache.write_text(kv_cache.read_text() + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                        "    from ..service.inference import InferenceService\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "gpt2serve.engine.kv_cache -> gpt2serve.service.inference" in result.stdout
+
+
+def test_the_package_root_holds_at_most_six_modules():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert modules == ["__init__.py", "__main__.py", "cli.py", "config.py", "errors.py", "protocol.py"]
+
+
+def test_no_two_modules_share_a_name():
+    stems = Counter(p.stem for p in PACKAGE.rglob("*.py") if p.stem != "__init__")
+    assert [stem for stem, n in stems.items() if n > 1] == []
+
+
+def test_modules_stay_readable_in_size():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert set(long) <= set(LONG_MODULES), long

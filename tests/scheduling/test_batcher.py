@@ -1,0 +1,116 @@
+"""The batcher in process, over a fake engine: batch formation, the wait after a pause, and the
+out-of-memory split, in milliseconds (the wire-level behaviour is tested on real servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from support.fake_engine import FakeEngine
+
+from gpt2serve.scheduling.batcher import Batcher
+
+DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
+
+
+def batcher_for(engine: FakeEngine, **limits) -> Batcher:
+    return Batcher(engine, **{"max_batch_size": 64, "max_batch_delay_s": DELAY_S, "max_queue": 1024,
+                              "max_batch_tokens": 10**6, **limits})
+
+
+def test_a_burst_forms_one_batch_and_every_caller_gets_its_own_answer():
+    engine = FakeEngine()
+
+    async def main():
+        batcher = batcher_for(engine)
+        batcher.start()
+        try:
+            return await asyncio.gather(*(batcher.submit([[i, 1]], top_k=2) for i in range(16)))
+        finally:
+            await batcher.stop()
+
+    answers = asyncio.run(main())
+    assert engine.batch_sizes == [16]  # all queued before the batcher looked: one batch
+    for i, (out,) in enumerate(answers):
+        assert [s.token_id for s in out.top] == [i + 1, i + 2]
+
+
+def test_a_lone_request_after_a_burst_and_a_pause_does_not_wait_for_the_burst():
+    """Closed-loop callers come back within the return window; after a pause they are gone,
+    and a lone request must not wait --max-batch-delay-ms for them."""
+    engine = FakeEngine(forward_s=0.005)
+
+    async def main():
+        batcher = batcher_for(engine)
+        batcher.start()
+        try:
+            for _ in range(3):  # a burst of 32 callers, each coming straight back
+                await asyncio.gather(*(batcher.submit([[i]], top_k=1) for i in range(32)))
+            await asyncio.sleep(4 * DELAY_S)  # the callers are gone
+            started = time.perf_counter()
+            (lone,) = await batcher.submit([[7]], top_k=1)
+            return lone, time.perf_counter() - started
+        finally:
+            await batcher.stop()
+
+    lone, took = asyncio.run(main())
+    assert lone.batch_size == 1
+    assert lone.queue_s < DELAY_S / 2 and took < DELAY_S, (lone.queue_s, took)
+
+
+def test_closed_loop_callers_keep_full_batches():
+    engine = FakeEngine(forward_s=0.02)
+
+    async def main():
+        batcher = batcher_for(engine)
+        batcher.start()
+
+        async def caller(i: int) -> None:
+            for _ in range(6):
+                await batcher.submit([[i]], top_k=1)
+
+        try:
+            await asyncio.gather(*(caller(i) for i in range(24)))
+        finally:
+            await batcher.stop()
+
+    asyncio.run(main())
+    assert engine.batch_sizes[-4:] == [24] * 4, engine.batch_sizes
+
+
+def test_out_of_memory_splits_until_the_halves_fit():
+    engine = FakeEngine(oom_above=5)
+
+    async def main():
+        batcher = batcher_for(engine)
+        batcher.start()
+        try:
+            return await batcher.submit([[i] for i in range(20)], top_k=1)
+        finally:
+            await batcher.stop()
+
+    answers = asyncio.run(main())
+    assert engine.batch_sizes == [5, 5, 5, 5]
+    assert [out.top[0].token_id for out in answers] == list(range(20))
+
+
+def test_prompts_count_as_waiting_then_running():
+    """What the router gauges read: ten prompts and batches of four, so while the first forward
+    runs, four are running and six wait; nothing is counted once all are answered."""
+    engine = FakeEngine(forward_s=0.3)
+
+    async def main():
+        batcher = batcher_for(engine, max_batch_size=4)
+        batcher.start()
+        try:
+            answers = asyncio.gather(*(batcher.submit([[i, 1]], top_k=1) for i in range(10)))
+            await asyncio.sleep(0.1)  # inside the first forward
+            during = (batcher.running, batcher.queue_depth)
+            await answers
+            return during, (batcher.running, batcher.queue_depth)
+        finally:
+            await batcher.stop()
+
+    during, after = asyncio.run(main())
+    assert during == (4, 6)
+    assert after == (0, 0)

@@ -1,0 +1,97 @@
+"""Health, readiness, reflection, OpenAPI, and serving a checkpoint directory end to end."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from support.servers import launch_server
+from support.reference import assert_matches_reference, transformers_random_model
+
+from gpt2serve_client import Client, Gpt2ServeError, RestClient
+
+
+def test_reflection_lists_and_describes_the_services(server):
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"gpt2serve.v1.Gpt2Serve", "grpc.health.v1.Health"} <= services
+        method_names = {m.name for m in
+                        db.FindFileContainingSymbol("gpt2serve.v1.Gpt2Serve").service[0].method}
+        assert method_names == {"NextToken", "NextTokenBatch", "GetModelInfo", "Generate"}
+
+
+def test_grpc_health_for_the_named_service(server):
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = stub.Check(health_pb2.HealthCheckRequest(service="gpt2serve.v1.Gpt2Serve"), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_http_probes_and_openapi(server):
+    assert httpx.get(f"{server.http_url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{server.http_url}/readyz")
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+    spec = httpx.get(f"{server.http_url}/openapi.json").json()
+    assert {"/v1/next-token", "/v1/next-token/batch", "/v1/generate", "/v1/completions", "/v1/models", "/v1/model",
+            "/healthz", "/readyz"} <= set(spec["paths"])
+    assert "NextTokenResult" in spec["components"]["schemas"]
+    docs = httpx.get(f"{server.http_url}/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+
+
+@pytest.mark.slow
+def test_not_ready_while_the_model_loads(tmp_path):
+    """Probes answer during loading: alive, not ready; inference says UNAVAILABLE."""
+    srv = launch_server(tmp_path, "--model", "random:gpt2", wait_ready=False)
+    try:
+        seen_loading = False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            alive = httpx.get(f"{srv.http_url}/healthz", timeout=5)
+            ready = httpx.get(f"{srv.http_url}/readyz", timeout=5)
+            assert alive.status_code == 200
+            if ready.status_code == 200:
+                break
+            assert ready.status_code == 503
+            if not seen_loading:
+                seen_loading = True
+                with Client(srv.grpc_target) as client:
+                    assert client.health().status == "NOT_SERVING"
+                    try:
+                        client.next_token("hello")
+                    except Gpt2ServeError as exc:
+                        assert exc.code == "UNAVAILABLE" and "loading" in exc.message
+                with RestClient(srv.http_url) as rest:
+                    assert rest.health().serving is False
+            time.sleep(0.05)
+        assert seen_loading, "never observed the loading state"
+        with Client(srv.grpc_target) as client:
+            assert client.health().serving
+            assert client.model_info().parameters.total == 124_439_808
+    finally:
+        assert srv.stop() == 0
+
+
+def test_serves_a_checkpoint_directory(tmp_path, tokenizer):
+    saved = transformers_random_model(seed=5)
+    saved.save_pretrained(tmp_path / "ckpt")
+    srv = launch_server(tmp_path, "--model", str(tmp_path / "ckpt"))
+    try:
+        with Client(srv.grpc_target) as client:
+            info = client.model_info()
+            assert info.weights == "pretrained" and info.weights_source == str((tmp_path / "ckpt").resolve())
+            prompt = "The capital of France is"
+            assert_matches_reference(saved, client.next_token(prompt, top_k=5), tokenizer.encode(prompt), 5)
+    finally:
+        srv.stop()
+
+
+def test_unloadable_model_exits_with_a_clear_message(tmp_path):
+    srv = launch_server(tmp_path, "--model", str(tmp_path / "missing"), wait_ready=False)
+    assert srv.proc.wait(timeout=60) == 1
+    assert "cannot load model" in srv.log() and "no such checkpoint directory" in srv.log()

@@ -1,0 +1,50 @@
+"""Generation references shared by the engine, serving and GPU tests: lively random weights,
+prompts of 1..46 tokens, transformers' greedy `generate`, and a scheduler run with staggered arrivals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from gpt2serve.engine.generator import Generator
+from gpt2serve.protocol import GenerateRequest, SamplingParams
+from gpt2serve.scheduling.batcher import new_engine_thread
+from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
+
+from .scheduler_events import events
+
+LIVELY = dict(initializer_range=0.5)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+PROMPTS = [[(100 + 37 * i + 11 * j) % 50257 for j in range(1 + 3 * i)] for i in range(16)]
+
+
+def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+async def run_joining(generator: Generator, requests: list[tuple[float, GenerateRequest]]) -> list[list[int]]:
+    """Each request starts after its delay; returns every request's token ids."""
+    scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
+                                    max_prefill_tokens=4096, max_queue_wait_s=60)
+    scheduler.start()
+
+    async def one(delay: float, request: GenerateRequest) -> list[int]:
+        await asyncio.sleep(delay)
+        return [step.token.token_id async for step in events(scheduler, request)]
+
+    try:
+        results = await asyncio.gather(*(one(delay, r) for delay, r in requests))
+        for _ in range(100):  # the last leavers' slots are freed at the next step boundary
+            if not generator.running:
+                break
+            await asyncio.sleep(0.01)
+        return results
+    finally:
+        await scheduler.stop()
