@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill deploy/wheels with the server image's Python packages, built and fetched on this host at
 # the pinned versions (constraints.txt), so `docker build` installs them with `pip --no-index`
-# and never reaches the network. torch==2.13.0 resolves to the local CPU build on our machines.
+# and never reaches the network. torch stays pinned at 2.13.0 (its CPU build).
 # Only wheels go in: no pip configuration, certificates or credentials of this host.
 set -euo pipefail
 cd "$(dirname "$0")/.."

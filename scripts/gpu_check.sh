@@ -6,8 +6,8 @@
 # (default gpu-check/).
 #
 #   make test-gpu                                  # with the project's venv
-#   source .whl/setup.sh && scripts/gpu_check.sh   # on the offline GPU machines (../shared/gpu/),
-#                                                  # .whl/ from: ../shared/gpu/fetch-wheels.sh -r scripts/gpu-wheels.txt
+#   source .whl/setup.sh && scripts/gpu_check.sh   # on a GPU machine with no registry access: a venv
+#                                                  # set up from wheels in .whl/ (scripts/gpu-wheels.txt lists them)
 #
 # SUITE=0 skips the whole suite (the GPU tests and the bench still run).
 set -uo pipefail
@@ -20,7 +20,7 @@ status=0
 
 $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check here')" || exit 1
 $python -c "import gpt2serve.launch.single_process, openai, zmq, msgpack, fastapi_offline" ||
-  { echo "missing packages: on an offline machine, fetch .whl/ with ../shared/gpu/fetch-wheels.sh -r scripts/gpu-wheels.txt"; exit 1; }
+  { echo "missing packages: without registry access, install the wheels listed in scripts/gpu-wheels.txt (pip download them elsewhere)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 
 echo "== GPU tests"
