@@ -92,6 +92,13 @@ class ServeConfig:
     # gRPC connections are closed (gracefully, GOAWAY) after this many seconds, so long-lived
     # clients re-resolve and reach replicas added since; 0: never.
     grpc_max_connection_age_s: float = 0.0
+    # gRPC connections: keepalive pings a client may send (more often gets GOAWAY after 2 strikes),
+    # idle connections closed, and streams at once per connection (more wait their turn).
+    grpc_min_ping_interval_s: float = 10.0
+    grpc_max_connection_idle_s: float = 300.0
+    grpc_max_concurrent_streams: int = 256
+    # REST: an idle keep-alive connection is closed after this many seconds.
+    http_keep_alive_s: float = 5.0
     # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
     chat_template: str | None = None
 
@@ -245,6 +252,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-max-connection-age-s", type=float, default=d.grpc_max_connection_age_s,
             help="close each gRPC connection after this long (GOAWAY; in-flight calls finish), so clients "
                  "re-resolve and spread over new replicas; 0: never")
+    env.add("--grpc-min-ping-interval-s", type=float, default=d.grpc_min_ping_interval_s,
+            help="shortest interval between a gRPC client's keepalive pings, with or without calls; a client "
+                 "pinging more often is sent GOAWAY (too_many_pings) after 2 strikes")
+    env.add("--grpc-max-connection-idle-s", type=float, default=d.grpc_max_connection_idle_s,
+            help="close a gRPC connection that has had no call for this long (GOAWAY; clients reconnect when they "
+                 "next call); 0: never")
+    env.add("--grpc-max-concurrent-streams", type=int, default=d.grpc_max_concurrent_streams,
+            help="calls at once on one gRPC connection; more wait in the client until one ends")
+    env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
+            help="close an idle REST keep-alive connection after this long")
     env.add("--chat-template", default=d.chat_template,
             help="Jinja chat template for /v1/chat/completions: a file, or the template inline (rendered as "
                  "transformers' apply_chat_template renders it); default: the checkpoint's own "
@@ -302,6 +319,11 @@ def validate(config: ServeConfig) -> None:
         problems.append("--workers must be >= 1 (or auto)")
     if config.cuda_graph_memory_mb < 0:
         problems.append("--cuda-graph-memory-mb must be >= 0")
+    if config.grpc_min_ping_interval_s < 0 or config.grpc_max_connection_idle_s < 0 or config.http_keep_alive_s <= 0:
+        problems.append("--grpc-min-ping-interval-s and --grpc-max-connection-idle-s must be >= 0, "
+                        "--http-keep-alive-s > 0")
+    if config.grpc_max_concurrent_streams < 1:
+        problems.append("--grpc-max-concurrent-streams must be >= 1")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.shutdown_grace_s < 0:

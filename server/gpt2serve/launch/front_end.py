@@ -69,7 +69,7 @@ class Transports:
         http_server = uvicorn.Server(uvicorn.Config(
             create_app(service, config), log_level=config.log_level, access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
-            timeout_graceful_shutdown=max(config.shutdown_grace_s, 0.1),
+            timeout_graceful_shutdown=max(config.shutdown_grace_s, 0.1), timeout_keep_alive=config.http_keep_alive_s,
         ))
         await grpc_transport.start()
         await grpc_transport.set_serving(False)

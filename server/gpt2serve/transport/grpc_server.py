@@ -190,7 +190,16 @@ class GrpcTransport:
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", -1),  # Answers are bounded by the request limits.
+            # No client can hold the server: pings at most every --grpc-min-ping-interval-s (idle
+            # clients may keep their channel alive that often; a flood is sent GOAWAY after 2
+            # strikes), idle connections closed, and streams per connection bounded.
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", int(config.grpc_min_ping_interval_s * 1000)),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.max_concurrent_streams", config.grpc_max_concurrent_streams),
         ]
+        if config.grpc_max_connection_idle_s > 0:
+            options.append(("grpc.max_connection_idle_ms", int(config.grpc_max_connection_idle_s * 1000)))
         if config.grpc_max_connection_age_s > 0:
             # GOAWAY after this age; calls under way get the drain grace to finish.
             options += [("grpc.max_connection_age_ms", int(config.grpc_max_connection_age_s * 1000)),

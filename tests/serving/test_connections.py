@@ -1,0 +1,112 @@
+"""No client holds a connection the server did not mean to give: idle gRPC connections are closed,
+a keepalive ping flood is sent away, calls on one gRPC connection are bounded (the rest wait their
+turn in the client), and idle REST keep-alive connections are closed. Each wait is bounded, and
+each test checks an order of events, not a speed."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gpt2serve_client import Client
+from support.servers import launch_server
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory):
+    srv = launch_server(tmp_path_factory.mktemp("connections"), "--model", "random:tiny",
+                        "--grpc-max-connection-idle-s", "1", "--grpc-max-concurrent-streams", "2",
+                        "--grpc-min-ping-interval-s", "5", "--http-keep-alive-s", "1")
+    yield srv
+    srv.stop()
+
+
+def wait_for_state(channel: grpc.Channel, wanted: set, timeout: float) -> bool:
+    """Whether the channel reached one of `wanted` within `timeout` (watched, not polled)."""
+    reached = threading.Event()
+
+    def seen(state):
+        if state in wanted:
+            reached.set()
+
+    channel.subscribe(seen)
+    try:
+        return reached.wait(timeout)
+    finally:
+        channel.unsubscribe(seen)
+
+
+def health(channel: grpc.Channel) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+
+def test_an_idle_grpc_connection_is_closed_and_the_client_reconnects(limited):
+    with grpc.insecure_channel(limited.grpc_target) as channel:
+        assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+        # --grpc-max-connection-idle-s 1: the server sends GOAWAY and the channel falls back to IDLE.
+        assert wait_for_state(channel, {grpc.ChannelConnectivity.IDLE}, timeout=15)
+        assert health(channel) == health_pb2.HealthCheckResponse.SERVING  # a new connection, at the next call
+
+
+@pytest.fixture(scope="module")
+def ping_limited(tmp_path_factory):
+    """Pings enforced, idle connections kept: only a ping flood can close a connection here."""
+    srv = launch_server(tmp_path_factory.mktemp("pings"), "--model", "random:tiny", "--grpc-max-connection-idle-s", "0",
+                        "--grpc-min-ping-interval-s", "5")
+    yield srv
+    srv.stop()
+
+
+def test_a_keepalive_ping_flood_is_sent_away(ping_limited):
+    pinging = [("grpc.keepalive_time_ms", 100), ("grpc.keepalive_timeout_ms", 1000),
+               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    with grpc.insecure_channel(ping_limited.grpc_target, options=pinging) as flooding, \
+            grpc.insecure_channel(ping_limited.grpc_target) as quiet:
+        assert health(flooding) == health(quiet) == health_pb2.HealthCheckResponse.SERVING
+        # Pings every 100 ms against a minimum of 5 s: GOAWAY (too_many_pings) after 2 strikes.
+        assert wait_for_state(flooding, {grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.TRANSIENT_FAILURE},
+                              timeout=15)
+        # The quiet channel, idle as long, keeps its connection: the pings were the reason.
+        assert not wait_for_state(quiet, {grpc.ChannelConnectivity.IDLE, grpc.ChannelConnectivity.TRANSIENT_FAILURE},
+                                  timeout=3)
+
+
+def test_calls_on_one_connection_are_bounded_and_the_rest_wait(limited):
+    """--grpc-max-concurrent-streams 2: of three streams on one channel, the third starts only
+    once one of the first two has ended (it waits in the client, it is not refused)."""
+    events: dict[int, dict[str, float]] = {}
+    with Client(limited.grpc_target, timeout=120) as client:
+        def stream(index: int) -> None:
+            for chunk in client.generate_stream([464, 3139, 286 + index], max_tokens=120, temperature=0,
+                                                ignore_eos=True):
+                events.setdefault(index, {}).setdefault("first", time.monotonic())
+                if chunk.finish_reason:
+                    events[index]["end"] = time.monotonic()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.05)  # the order they open in
+        for thread in threads:
+            thread.join(timeout=120)
+    assert sorted(events) == [0, 1, 2] and all("end" in e for e in events.values())
+    by_start = sorted(events.values(), key=lambda e: e["first"])
+    assert by_start[2]["first"] >= min(by_start[0]["end"], by_start[1]["end"])
+
+
+def test_an_idle_rest_keep_alive_connection_is_closed(limited):
+    host, port = limited.http_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=15) as sock:
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: {host}\r\nConnection: keep-alive\r\n\r\n".encode())
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        rest = b""
+        while chunk := sock.recv(65536):  # the server closes it: recv returns b"" (bounded by the timeout)
+            rest += chunk
+        assert time.monotonic() - start < 15
