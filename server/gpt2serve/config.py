@@ -97,8 +97,11 @@ class ServeConfig:
     grpc_min_ping_interval_s: float = 10.0
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_concurrent_streams: int = 256
-    # REST: an idle keep-alive connection is closed after this many seconds.
+    # REST: an idle keep-alive connection is closed after this many seconds; a request must be read
+    # whole within http_request_timeout_s; connections past http_max_connections are refused at once.
     http_keep_alive_s: float = 5.0
+    http_request_timeout_s: float = 30.0
+    http_max_connections: int = 1024
     # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
     chat_template: str | None = None
 
@@ -262,6 +265,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="calls at once on one gRPC connection; more wait in the client until one ends")
     env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
             help="close an idle REST keep-alive connection after this long")
+    env.add("--http-request-timeout-s", type=float, default=d.http_request_timeout_s,
+            help="a REST request's headers and body must arrive within this long of its first byte (or of the "
+                 "connection's opening); a slower one has its connection closed")
+    env.add("--http-max-connections", type=int, default=d.http_max_connections,
+            help="open REST connections per front end; one past it is closed at once and counted "
+                 "(gpt2serve_connections_refused_total)")
     env.add("--chat-template", default=d.chat_template,
             help="Jinja chat template for /v1/chat/completions: a file, or the template inline (rendered as "
                  "transformers' apply_chat_template renders it); default: the checkpoint's own "
@@ -322,6 +331,8 @@ def validate(config: ServeConfig) -> None:
     if config.grpc_min_ping_interval_s < 0 or config.grpc_max_connection_idle_s < 0 or config.http_keep_alive_s <= 0:
         problems.append("--grpc-min-ping-interval-s and --grpc-max-connection-idle-s must be >= 0, "
                         "--http-keep-alive-s > 0")
+    if config.http_request_timeout_s <= 0 or config.http_max_connections < 1:
+        problems.append("--http-request-timeout-s must be > 0 and --http-max-connections >= 1")
     if config.grpc_max_concurrent_streams < 1:
         problems.append("--grpc-max-concurrent-streams must be >= 1")
     if config.grpc_max_connection_age_s < 0:

@@ -1,27 +1,30 @@
 """No client holds a connection the server did not mean to give: idle gRPC connections are closed,
 a keepalive ping flood is sent away, calls on one gRPC connection are bounded (the rest wait their
-turn in the client), and idle REST keep-alive connections are closed. Each wait is bounded, and
-each test checks an order of events, not a speed."""
+turn in the client), idle REST keep-alive connections are closed, a slowloris is cut off while
+others are answered, and a connection flood is refused at once, counted, and leaves the server's
+descriptors bounded. Each loop is bounded, and each test checks an order of events, not a speed."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpt2serve_client import Client
-from support.servers import launch_server
+from support.servers import launch_server, metric_value
 
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     srv = launch_server(tmp_path_factory.mktemp("connections"), "--model", "random:tiny",
                         "--grpc-max-connection-idle-s", "1", "--grpc-max-concurrent-streams", "2",
-                        "--grpc-min-ping-interval-s", "5", "--http-keep-alive-s", "1")
+                        "--grpc-min-ping-interval-s", "5", "--http-keep-alive-s", "1", "--http-request-timeout-s", "2")
     yield srv
     srv.stop()
 
@@ -110,3 +113,70 @@ def test_an_idle_rest_keep_alive_connection_is_closed(limited):
         while chunk := sock.recv(65536):  # the server closes it: recv returns b"" (bounded by the timeout)
             rest += chunk
         assert time.monotonic() - start < 15
+
+
+def host_port(server) -> tuple[str, int]:
+    host, port = server.http_url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def test_a_slowloris_is_cut_off_while_others_are_answered(limited):
+    """A header line every half second never finishes a request: --http-request-timeout-s 2 closes
+    it, and a well-behaved client is answered all along."""
+    with socket.create_connection(host_port(limited), timeout=15) as slow, httpx.Client(timeout=10) as http:
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        slow.settimeout(0.5)
+        closed = False
+        for line in range(40):  # 20 s of drip at most
+            assert http.get(f"{limited.http_url}/healthz").status_code == 200
+            try:
+                slow.sendall(f"X-Drip-{line}: 1\r\n".encode())
+                closed = slow.recv(1024) == b""
+            except socket.timeout:
+                continue
+            except OSError:  # reset by the server
+                closed = True
+            if closed:
+                break
+        assert closed, "the dripping connection was never closed"
+
+
+@pytest.fixture(scope="module")
+def few_connections(tmp_path_factory):
+    srv = launch_server(tmp_path_factory.mktemp("few-connections"), "--model", "random:tiny",
+                        "--http-max-connections", "20")
+    yield srv
+    srv.stop()
+
+
+def open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_connection_flood_is_refused_at_once_counted_and_released(few_connections):
+    url, pid = few_connections.http_url, few_connections.proc.pid
+    refused_before = metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"})
+    baseline = open_descriptors(pid)
+    flood = [socket.create_connection(host_port(few_connections), timeout=10) for _ in range(60)]
+    try:
+        cut = 0
+        for sock in flood[20:]:  # past the limit: closed by the server without a byte
+            sock.settimeout(10)
+            try:
+                cut += sock.recv(1) == b""
+            except ConnectionResetError:
+                cut += 1
+            except socket.timeout:
+                break  # held open: the limit did not hold
+        assert cut == 40
+        assert open_descriptors(pid) <= baseline + 20 + 2  # the 20 it took, and no more
+    finally:
+        for sock in flood:
+            sock.close()
+    assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"}) == refused_before + 40
+    with Client(few_connections.grpc_target) as client:  # gRPC untouched, REST answering again
+        assert client.health() and httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    deadline = time.monotonic() + 10  # the 20 held ones are released too
+    while open_descriptors(pid) > baseline + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_descriptors(pid) <= baseline + 2

@@ -33,6 +33,7 @@ from ..service import InferenceService
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
 from ..transport.grpc_server import GrpcTransport
+from ..transport.http_connections import bounded_http_protocol
 from ..transport.rest import create_app
 from .process_common import ENGINE_GONE_SIGNAL, child_setup, watch_parent
 
@@ -70,6 +71,8 @@ class Transports:
             create_app(service, config), log_level=config.log_level, access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
             timeout_graceful_shutdown=max(config.shutdown_grace_s, 0.1), timeout_keep_alive=config.http_keep_alive_s,
+            http=bounded_http_protocol(config.http_max_connections, config.http_request_timeout_s,
+                                       lambda: service.telemetry.connection_refused("rest")),
         ))
         await grpc_transport.start()
         await grpc_transport.set_serving(False)

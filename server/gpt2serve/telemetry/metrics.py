@@ -79,6 +79,9 @@ class Metrics:
                                             "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_cache_hits = Counter("gpt2serve_prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache, so not computed again", registry=r)
+        self.connections_refused = Counter("gpt2serve_connections_refused",
+                                           "Connections closed at once: past the front end's connection limit",
+                                           ["api"], registry=r)
         self._compat_counters: list[tuple[Counter, Counter]] = []  # (ours, under another server's name)
         live_sum = dict(multiprocess_mode="livesum")  # across the processes alive (multiprocess mode)
         self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r, **live_sum)

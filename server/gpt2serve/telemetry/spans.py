@@ -204,6 +204,10 @@ class Telemetry:
     def first_token(self, record: FirstToken) -> None:
         self.metrics.first_token(record)
 
+    def connection_refused(self, api: str) -> None:
+        """A connection closed at once, past a front end's connection limit."""
+        self.metrics.connections_refused.labels(api=api).inc()
+
     def queue_span(self, request_span: Span, start_ns: int, end_ns: int) -> None:
         if request_span.is_recording():
             context = trace.set_span_in_context(request_span)
