@@ -8,7 +8,7 @@
 
 Each table sits between `<!-- NAME:start -->` and `<!-- NAME:end -->`; the text around it is
 written by hand. `--check` rewrites nothing and exits 1 naming the stale tables
-(tests/docs/test_docs.py runs it, so a stale doc fails the suite).
+(tests/project/test_docs.py runs it, so a stale doc fails the suite).
 
     .venv/bin/python scripts/gen_docs.py [--check]
 """
