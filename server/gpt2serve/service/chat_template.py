@@ -117,12 +117,14 @@ class ChatPrompts:
         if continue_final_message and messages[-1]["role"] != "assistant":
             raise InvalidArgument("continue_final_message: the last message must be the assistant's to continue",
                                   param="continue_final_message")
-        render = (self.tokenizer.apply_chat_template, messages, self.template.text, add_generation_prompt,
-                  continue_final_message, template_kwargs)
+        def render() -> list[int]:
+            return self.tokenizer.apply_chat_template(messages, self.template.text, add_generation_prompt,
+                                                      continue_final_message, template_kwargs)
+
         try:
             if sum(len(m["content"]) for m in messages) <= RENDER_INLINE_MAX_CHARS:
-                return render[0](*render[1:])
-            return await asyncio.to_thread(*render)
+                return render()
+            return await asyncio.to_thread(render)
         except jinja2.TemplateError as exc:  # raise_exception() in the template lands here too
             raise InvalidArgument(f"messages: the chat template ({self.source}) failed: {exc}",
                                   param="messages") from None

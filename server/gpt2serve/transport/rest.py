@@ -33,7 +33,7 @@ from .http_shared import ClientDisconnected, http_options, unless_disconnected
 from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
 from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
-from .openai.chat import ChatMessage
+from .openai.chat import ChatMessage, conversation_prompt
 from .sse import first_and_rest, sse_event
 from .ui import add_ui_routes
 
@@ -345,13 +345,8 @@ class InferenceRoutes:
             return PromptInput(text=body.prompt, token_ids=body.prompt_token_ids), {}
         if body.prompt or body.prompt_token_ids:
             raise InvalidArgument("messages: give prompt, prompt_token_ids or messages, one of them")
-        messages = [message.plain(index) for index, message in enumerate(body.messages)]
-        if not messages:
-            raise InvalidArgument("messages: at least one message is needed")
-        token_ids = await self.service.chat_prompt(messages)
-        return PromptInput(token_ids=token_ids), {"gpt2serve.chat.template": self.service.chat.source,
-                                                  "gpt2serve.chat.messages": len(messages),
-                                                  "gpt2serve.chat.prompt_tokens": len(token_ids)}
+        token_ids, seen = await conversation_prompt(self.service, body.messages)
+        return PromptInput(token_ids=token_ids), seen
 
     def asgi(self, fallback: FastAPI):
         async def app(scope, receive, send) -> None:

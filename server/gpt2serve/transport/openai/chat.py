@@ -73,6 +73,19 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": text, **({"name": self.name} if self.name is not None else {})}
 
 
+async def conversation_prompt(service: InferenceService, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                              continue_final_message: bool = False,
+                              template_kwargs: dict | None = None) -> tuple[list[int], dict]:
+    """A conversation's prompt tokens through the chat template, and what its request span says
+    of it (shared by this route and /v1/generate's `messages`)."""
+    if not messages:
+        raise InvalidArgument("messages: at least one message is needed", param="messages")
+    plain = [message.plain(index) for index, message in enumerate(messages)]
+    prompt = await service.chat_prompt(plain, add_generation_prompt, continue_final_message, template_kwargs)
+    return prompt, {"gpt2serve.chat.template": service.chat.source, "gpt2serve.chat.messages": len(plain),
+                    "gpt2serve.chat.prompt_tokens": len(prompt)}
+
+
 class ChatCompletionBody(BaseModel):
     # Unknown fields are ignored, as OpenAI's own server does; those it knows and we do not do are refused.
     model_config = ConfigDict(extra="ignore")
@@ -119,8 +132,6 @@ class ChatCompletionBody(BaseModel):
                 ("logit_bias", not self.logit_bias, ""),
                 ("chat_template", self.chat_template is None,
                  "a request cannot bring its own template; the server's (--chat-template, or the checkpoint's) is used")])
-        if not self.messages:
-            raise InvalidArgument("messages: at least one message is needed", param="messages")
         if not 1 <= self.n <= max_choices:
             raise InvalidArgument(f"n: {self.n} is outside 1..{max_choices} (this server's --max-batch-size)",
                                   param="n")
@@ -151,9 +162,8 @@ class ChatCompletions:
         info = service.model_info()
         check_model(body.model, info.model)
         body.check(service.max_batch_size)
-        messages = [message.plain(index) for index, message in enumerate(body.messages)]
-        prompt = await service.chat_prompt(messages, body.add_generation_prompt, body.continue_final_message,
-                                           body.chat_template_kwargs)
+        prompt, seen = await conversation_prompt(service, body.messages, body.add_generation_prompt,
+                                                 body.continue_final_message, body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = info.architecture.n_ctx - len(prompt)
@@ -167,9 +177,7 @@ class ChatCompletions:
             field = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                      "logprobs": "top_logprobs"}.get(field, field)
             raise InvalidArgument(f"{field}: {why}", param=field if field in ChatCompletionBody.model_fields else None) from None
-        options = http_options(request, ROUTE, "ChatCompletions", api="openai", attributes={
-            "gpt2serve.chat.template": service.chat.source, "gpt2serve.chat.messages": len(messages),
-            "gpt2serve.chat.prompt_tokens": len(prompt)})
+        options = http_options(request, ROUTE, "ChatCompletions", api="openai", attributes=seen)
         choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i))
                                     for i in range(body.n)], options)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model}
