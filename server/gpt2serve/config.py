@@ -93,10 +93,12 @@ class ServeConfig:
     # clients re-resolve and reach replicas added since; 0: never.
     grpc_max_connection_age_s: float = 0.0
     # gRPC connections: keepalive pings a client may send (more often gets GOAWAY after 2 strikes),
-    # idle connections closed, and streams at once per connection (more wait their turn).
+    # idle connections closed, streams at once per connection (more wait their turn), and
+    # connections per front end (one past it is closed at once by gRPC's core).
     grpc_min_ping_interval_s: float = 10.0
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_concurrent_streams: int = 256
+    grpc_max_connections: int = 1024
     # REST: an idle keep-alive connection is closed after this many seconds; a request must be read
     # whole within http_request_timeout_s; connections past http_max_connections are refused at once.
     http_keep_alive_s: float = 5.0
@@ -263,6 +265,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "next call); 0: never")
     env.add("--grpc-max-concurrent-streams", type=int, default=d.grpc_max_concurrent_streams,
             help="calls at once on one gRPC connection; more wait in the client until one ends")
+    env.add("--grpc-max-connections", type=int, default=d.grpc_max_connections,
+            help="open gRPC connections per front end; one past it is closed at once, before a byte is read "
+                 "(by gRPC's core, so not counted in gpt2serve_connections_refused_total)")
     env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
             help="close an idle REST keep-alive connection after this long")
     env.add("--http-request-timeout-s", type=float, default=d.http_request_timeout_s,
@@ -333,8 +338,8 @@ def validate(config: ServeConfig) -> None:
                         "--http-keep-alive-s > 0")
     if config.http_request_timeout_s <= 0 or config.http_max_connections < 1:
         problems.append("--http-request-timeout-s must be > 0 and --http-max-connections >= 1")
-    if config.grpc_max_concurrent_streams < 1:
-        problems.append("--grpc-max-concurrent-streams must be >= 1")
+    if config.grpc_max_concurrent_streams < 1 or config.grpc_max_connections < 1:
+        problems.append("--grpc-max-concurrent-streams and --grpc-max-connections must be >= 1")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.shutdown_grace_s < 0:

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "gpt2serve-stacktest"
 MODEL = "random:gpt2"  # not the compose default (gpt2): proves the env chose it
 ENGINE_UNAVAILABLE = 3  # scripts/stack.sh's exit status when dockerd cannot start
+SHUTDOWN_GRACE_S = 240
 LAYER_SPANS = {"embed", *(f"block {i}" for i in range(12)), "ln_f+unembed"}
 
 
@@ -55,8 +56,8 @@ def host_state() -> dict:
     return state
 
 
-def docker(*args: str) -> str:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=120).stdout
+def docker(*args: str, timeout: float = 120) -> str:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True, timeout=timeout).stdout
 
 
 class Stack:
@@ -70,7 +71,10 @@ class Stack:
                     "GPT2SERVE_PUBLISH": "127.0.0.1", "GPT2SERVE_STACK_STATE": str(tmp / "state"),
                     "GPT2SERVE_GRPC_PORT": str(grpc_port), "GPT2SERVE_REST_PORT": str(rest_port),
                     "GPT2SERVE_PROMETHEUS_PORT": str(prometheus_port),
-                    "GPT2SERVE_TRACES_UI_PORT": str(traces_port)}
+                    "GPT2SERVE_TRACES_UI_PORT": str(traces_port),
+                    # Long beside the drain test's work (seconds): its outcome must not hang on the
+                    # machine's speed (a loaded 2-core machine once ran past the 30 s default).
+                    "GPT2SERVE_SHUTDOWN_GRACE_S": str(SHUTDOWN_GRACE_S)}
 
     def script(self, *args: str, timeout: float) -> subprocess.CompletedProcess:
         return subprocess.run(["scripts/stack.sh", *args], cwd=ROOT, env=self.env, capture_output=True,
@@ -211,9 +215,9 @@ def test_docker_stop_drains_in_flight_streams(stack):
         assert event.wait(60)
     server = stack.container("gpt2serve-cpu")
     stop_sent_at.append(time.monotonic())
-    docker("stop", "--time", "45", server)
+    docker("stop", "--time", str(SHUTDOWN_GRACE_S + 30), server, timeout=SHUTDOWN_GRACE_S + 60)
     for thread in threads:
-        thread.join(60)
+        thread.join(SHUTDOWN_GRACE_S)
     for result in results:
         assert isinstance(result, dict), repr(result)
         assert result["finish"] == "length", result
@@ -224,7 +228,9 @@ def test_docker_stop_drains_in_flight_streams(stack):
     logs = logs.stdout + logs.stderr
     in_flight = [int(n) for n in re.findall(r"shutting down: (\d+) request\(s\) in flight", logs)]
     assert in_flight and in_flight[-1] >= 1, logs[-2000:]
-    assert "still in flight are cancelled" not in logs
+    answered = re.findall(r"all (\d+) request\(s\) in flight at the signal were answered in full", logs)
+    assert answered and int(answered[-1]) == in_flight[-1], logs[-2000:]
+    assert "still in flight are cut" not in logs
 
 
 def test_stack_down_leaves_the_machine_as_found(stack, found_state):

@@ -137,7 +137,7 @@ def test_killing_the_engine_gives_unavailable_and_a_nonzero_exit(tmp_path):
 
     outcomes, took = asyncio.run(main())
     assert all(isinstance(o, Gpt2ServeError) and o.code == "UNAVAILABLE" for o in outcomes), outcomes
-    assert took < 5, took
+    assert took < 60, took  # at once: not at the client's 120 s timeout
     assert srv.proc.wait(timeout=15) != 0
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:

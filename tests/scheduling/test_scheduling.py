@@ -7,11 +7,22 @@ import asyncio
 
 import httpx
 import pytest
-from support.servers import launch_server
+from support.servers import launch_server, metric_value, until
 
 from gpt2serve_client import AsyncClient, Gpt2ServeError
 
 LONG_PROMPT = [(i * 7919) % 50000 for i in range(700)]
+
+
+def in_forward(srv, prompts: int):
+    """The server says so: `prompts` in the forward under way and none queued (each test waits
+    for a state, not for a time that a busy machine may not keep)."""
+    return lambda: metric_value(srv.http_url, "gpt2serve_requests_running") == prompts and \
+        metric_value(srv.http_url, "gpt2serve_queue_depth") == 0
+
+
+def queued(srv, prompts: int):
+    return lambda: metric_value(srv.http_url, "gpt2serve_queue_depth") == prompts
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +44,7 @@ def test_busy_server_stays_responsive_refuses_overflow_and_drops_expired(small_q
         # retries=0: this measures how fast the server refuses, not how long a client keeps trying.
         async with AsyncClient(srv.grpc_target, retries=0) as client, httpx.AsyncClient(base_url=srv.http_url) as http:
             big = asyncio.create_task(client.next_token_batch([LONG_PROMPT] * 4, top_k=1, timeout=300))
-            await asyncio.sleep(0.5)  # The big batch is now in the model worker.
+            await until(in_forward(srv, 4), what="the big batch in the forward")
             assert not big.done()
 
             # Probes answer while the forward runs in its own thread (it lasts seconds: they
@@ -46,7 +57,7 @@ def test_busy_server_stays_responsive_refuses_overflow_and_drops_expired(small_q
 
             doomed = asyncio.create_task(client.next_token("too late", timeout=0.3))
             waiting = [asyncio.create_task(client.next_token(f"waiting {i}", top_k=2, timeout=300)) for i in range(3)]
-            await asyncio.sleep(0.1)  # All four are queued: the queue is full.
+            await until(queued(srv, 4), what="all four queued: the queue is full")
 
             with pytest.raises(Gpt2ServeError) as overflow:
                 await client.next_token("one too many")
@@ -92,21 +103,21 @@ def test_a_rest_client_that_hangs_up_leaves_the_queue_at_once(small_queue_server
     async def main():
         async with AsyncClient(srv.grpc_target) as client:
             big = asyncio.create_task(client.next_token_batch([LONG_PROMPT] * 4, top_k=1, timeout=300))
-            await asyncio.sleep(0.5)  # The big batch is in the model worker; the queue is empty.
+            await until(in_forward(srv, 4), what="the big batch in the forward, the queue empty")
             reader, writer = await asyncio.open_connection(host, int(port))
             body = b'{"prompt": "hanging up"}'
             writer.write(b"POST /v1/next-token HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
             waiting = [asyncio.create_task(client.next_token(f"waiting {i}", timeout=300)) for i in range(3)]
-            await asyncio.sleep(0.2)
+            await until(queued(srv, 4), what="the REST caller and 3 queued")
             # REST caller + 3 = the queue of 4 is full, which proves the REST request was queued.
             with pytest.raises(Gpt2ServeError) as full:
                 await client.next_token("no room")
             assert full.value.code == "RESOURCE_EXHAUSTED"
 
             writer.close()
-            await asyncio.sleep(0.3)
+            await until(queued(srv, 3), what="the hung-up caller gone from the queue")
             assert not big.done()
             late = asyncio.create_task(client.next_token("takes the freed slot", timeout=300))
             await big
@@ -122,7 +133,7 @@ def test_a_long_prompt_runs_in_its_own_batch(small_queue_server):
     async def main():
         async with AsyncClient(small_queue_server.grpc_target) as client:
             big = asyncio.create_task(client.next_token_batch([LONG_PROMPT] * 4, top_k=1, timeout=300))
-            await asyncio.sleep(0.5)
+            await until(in_forward(small_queue_server, 4), what="the big batch in the forward")
             short = [asyncio.create_task(client.next_token([464, 3139, 286 + i], timeout=300)) for i in range(3)]
             long = asyncio.create_task(client.next_token(LONG_PROMPT[:300], timeout=300))
             await big

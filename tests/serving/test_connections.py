@@ -144,7 +144,7 @@ def test_a_slowloris_is_cut_off_while_others_are_answered(limited):
 @pytest.fixture(scope="module")
 def few_connections(tmp_path_factory):
     srv = launch_server(tmp_path_factory.mktemp("few-connections"), "--model", "random:tiny",
-                        "--http-max-connections", "20")
+                        "--http-max-connections", "20", "--grpc-max-connections", "20")
     yield srv
     srv.stop()
 
@@ -180,3 +180,37 @@ def test_a_connection_flood_is_refused_at_once_counted_and_released(few_connecti
     while open_descriptors(pid) > baseline + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert open_descriptors(pid) <= baseline + 2
+
+
+def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections):
+    """--grpc-max-connections 20: a client connected before the flood keeps its answers, the flood
+    gets 20 connections and no more (the rest are closed before a byte), and all is released."""
+    target, pid = few_connections.grpc_target, few_connections.proc.pid
+    host, port = target.rsplit(":", 1)
+    with Client(target, retries=0, timeout=30) as client:
+        assert client.health()
+        baseline = open_descriptors(pid)
+        flood = [socket.create_connection((host, int(port)), timeout=10) for _ in range(60)]
+        try:
+            held, cut = 0, 0
+            for sock in flood:
+                sock.settimeout(0.5)
+                try:
+                    taken = sock.recv(1) != b""  # gRPC opens a connection it takes with its SETTINGS
+                except ConnectionResetError:
+                    taken = False
+                except socket.timeout:
+                    taken = True
+                held, cut = held + taken, cut + (not taken)
+            assert (held, cut) == (19, 41)  # the client's own connection is one of the 20
+            assert open_descriptors(pid) <= baseline + 19 + 2
+            assert client.next_token("still answered", top_k=1).top[0].token_id >= 0
+        finally:
+            for sock in flood:
+                sock.close()
+        deadline = time.monotonic() + 10
+        while open_descriptors(pid) > baseline + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert open_descriptors(pid) <= baseline + 2
+    with Client(target, retries=0, timeout=30) as late:  # room again for new clients
+        assert late.health()

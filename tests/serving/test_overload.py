@@ -4,6 +4,7 @@ is answered correctly; SIGTERM drains the requests in flight, refuses new ones, 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -83,7 +84,7 @@ def test_300_concurrent_requests_against_a_queue_of_16(tmp_path, gpt2_reference)
 
 @pytest.mark.slow
 def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_reference):
-    grace_s = 30
+    grace_s = 300  # long beside the work (seconds): the outcome does not hang on the machine's speed
     srv = launch_server(tmp_path, "--model", "random:gpt2", "--max-batch-size", "16",
                         "--shutdown-grace-s", str(grace_s))
 
@@ -132,3 +133,4 @@ def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_referen
         assert_matches_reference(gpt2_reference, result, prompt(i, DRAIN_PROMPT_TOKENS), 3)
     assert exit_code == 0 and exited_after < grace_s, exited_after
     assert "shutdown complete" in srv.log()
+    assert re.search(r"all ([1-9]\d*) request\(s\) in flight at the signal were answered in full", srv.log())

@@ -111,6 +111,19 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "", interval: float =
     raise TimeoutError(what)
 
 
+async def until(predicate, timeout: float = 60.0, what: str = "", interval: float = 0.02):
+    """wait_for inside an event loop: the loop runs (the caller's requests go out) while it polls."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(interval)
+    raise TimeoutError(what)
+
+
 def metric_value(http_url: str, name: str, labels: dict[str, str] | None = None, **get_kwargs) -> float:
     """One sample from the server's /metrics, 0.0 when absent (a counter not yet touched)."""
     text = httpx.get(f"{http_url}/metrics", timeout=10, **get_kwargs).text

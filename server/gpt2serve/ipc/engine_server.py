@@ -131,7 +131,10 @@ class EngineServer:
         keys = [key for key in [*self._submits, *self._generations] if key[0] == peer]
         for key in keys:
             self._cancel(key)  # requests leave the queue; generations free their KV-cache slots
-        log.error("front end %d is gone: cancelled its %d request(s)", pid, len(keys))
+        if keys:
+            log.error("front end %d is gone: cancelled its %d request(s)", pid, len(keys))
+        else:  # it exited with nothing left here: a drain, or a death between requests
+            log.info("front end %d exited with no request in the engine", pid)
 
     def close(self) -> None:
         for key in [*self._submits, *self._generations]:

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from gpt2serve_client.types import ModelInfo
 
-from ..errors import Unavailable, error_from_code
+from ..errors import ShuttingDown, Unavailable, error_from_code
 from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Result, Step, Submit, TokenSink)
 from .framing import Outbox, deliver
@@ -88,14 +88,20 @@ class ZmqEngineClient:
     def engine_gone(self, reason: str) -> None:
         """The engine process died: every waiting request and every new one is UNAVAILABLE at once."""
         self.dead_reason = reason
+        self._fail_all(Unavailable(reason))
+
+    def _fail_all(self, error: Exception) -> None:
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(Unavailable(reason))
+                future.set_exception(error)
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
-            sink.fail(Unavailable(reason))
+            sink.fail(error)
 
     async def close(self) -> None:
+        """Calls still waiting are told the server shut down (the engine frees their slots as
+        this process exits: ipc.engine_server watches it)."""
+        self._fail_all(ShuttingDown("server is shutting down"))
         if self._receiver is not None:
             self._receiver.cancel()
             await asyncio.gather(self._receiver, return_exceptions=True)

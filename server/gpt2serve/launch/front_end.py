@@ -38,6 +38,9 @@ from ..transport.rest import create_app
 from .process_common import ENGINE_GONE_SIGNAL, child_setup, watch_parent
 
 log = logging.getLogger("gpt2serve")
+# Once the drain is over, the transports close within this: the calls it waited for are answered
+# (or were cut and told so); what is left is idle connections and quick GETs (probes, /metrics).
+CLOSE_S = 1.0
 
 
 def bind_http_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -70,7 +73,7 @@ class Transports:
         http_server = uvicorn.Server(uvicorn.Config(
             create_app(service, config), log_level=config.log_level, access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
-            timeout_graceful_shutdown=max(config.shutdown_grace_s, 0.1), timeout_keep_alive=config.http_keep_alive_s,
+            timeout_keep_alive=config.http_keep_alive_s,
             http=bounded_http_protocol(config.http_max_connections, config.http_request_timeout_s,
                                        lambda: service.telemetry.connection_refused("rest")),
         ))
@@ -84,8 +87,10 @@ class Transports:
         return cls(grpc_transport, http_server, http_task, http_socket.getsockname()[1])
 
     async def stop(self, grace_s: float) -> None:
+        """Close within `grace_s`: what is left then is cancelled."""
+        self.http_server.config.timeout_graceful_shutdown = max(grace_s, 0.1)
         self.http_server.should_exit = True
-        await self.grpc.stop(min(grace_s, 1.0))
+        await self.grpc.stop(grace_s)
         await asyncio.wait([self.http_task], timeout=grace_s + 0.5)
 
 
@@ -134,23 +139,34 @@ class FrontEnd:
         answered; then the transports close. A second signal skips the wait.
         """
         config, service, transports = self.config, self.service, self.transports
+        stop.clear()  # before any await: a second signal from here on is heard
+        second_signal = asyncio.create_task(stop.wait())
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.shutdown_grace_s
+        began = loop.time()
+        deadline = began + config.shutdown_grace_s
+        accepted = service.in_flight
         log.info("shutting down: %d request(s) in flight, up to %.1f s to finish them",
-                 service.in_flight, config.shutdown_grace_s)
+                 accepted, config.shutdown_grace_s)
         service.ready = service.accepting = False
         await transports.grpc.set_serving(False)
-        stop.clear()
-        second_signal = asyncio.create_task(stop.wait())
         drained = asyncio.create_task(service.drained(config.shutdown_grace_s))
         await asyncio.wait([drained, second_signal], return_when=asyncio.FIRST_COMPLETED)
         second_signal.cancel()
-        if not (drained.done() and drained.result()):
-            log.warning("shutdown: %d request(s) still in flight are cancelled", service.in_flight)
+        if drained.done() and drained.result():
+            log.info("shutdown: all %d request(s) in flight at the signal were answered in full, in %.1f s",
+                     accepted, loop.time() - began)
+            await transports.stop(min(max(deadline - loop.time(), 0.0), CLOSE_S))
+            if then is not None:
+                await then()
+        else:
+            why = "a second signal" if second_signal.done() and not second_signal.cancelled() else \
+                f"the grace of {config.shutdown_grace_s:.1f} s expired"
+            cut = service.in_flight_calls()
+            log.warning("shutdown: %s; %d request(s) still in flight are cut: %s", why, len(cut), "; ".join(cut))
+            if then is not None:  # the engine side first: each call cut ends with an error its caller reads
+                await then()
+            await transports.stop(CLOSE_S)
         drained.cancel()
-        await transports.stop(max(deadline - loop.time(), 0.0))
-        if then is not None:
-            await then()
         return max(deadline - loop.time(), 0.0)
 
 

@@ -11,7 +11,8 @@ work spreads over the front ends, while batches still form across all of them in
 
 - Ready: the supervisor prints "gpt2serve ready" once the engine and every front end are.
 - Drain (SIGTERM/SIGINT): every front end drains (not ready, new work UNAVAILABLE, accepted work
-  answered); the engine stops last; all within --shutdown-grace-s.
+  answered); the engine stops last; all within --shutdown-grace-s. A second signal is passed on:
+  the front ends cut what is left (and log each call they cut).
 - Engine death: front ends are told at once (SIGUSR1), answer UNAVAILABLE and exit; the
   supervisor exits 1 so that its own supervisor (systemd, k8s) restarts the server.
 - Front-end death: the engine cancels that front end's work the moment its process exits (ipc),
@@ -67,6 +68,7 @@ class Supervisor:
         self.config, self.workers = config, workers
         self.run_dir = tempfile.mkdtemp(prefix="gpt2serve-")
         self.stop_requested = False
+        self.draining = False
         self.children: dict[str, tuple[multiprocessing.Process, multiprocessing.connection.Connection]] = {}
         self._restart_at: dict[str, float] = {}  # front ends to start again, and when
         self._backoff: dict[str, float] = {}
@@ -89,7 +91,7 @@ class Supervisor:
         for name in ["engine"] + [f"front-end-{i}" for i in range(1, self.workers + 1)]:
             self._start(name)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: setattr(self, "stop_requested", True))
+            signal.signal(sig, self._on_stop_signal)
         try:
             return self._supervise(self.child_config)
         finally:
@@ -115,6 +117,12 @@ class Supervisor:
         writer.close()
         self.children[name] = (process, reader)
         self._started_at[name] = time.monotonic()
+
+    def _on_stop_signal(self, *_) -> None:
+        """The first signal starts the drain; one during it is passed on: the front ends stop waiting."""
+        if self.draining:
+            self._signal_all(self._front_ends(), signal.SIGTERM)
+        self.stop_requested = True
 
     def _front_ends(self) -> list[str]:
         return [name for name in self.children if name != "engine"]
@@ -206,6 +214,7 @@ class Supervisor:
     def _drain(self) -> int:
         """Front ends first (they finish what they accepted, which needs the engine), engine last."""
         self._restart_at.clear()
+        self.draining = True
         deadline = time.monotonic() + self.config.shutdown_grace_s
         front_ends = self._front_ends()
         self._signal_all(front_ends, signal.SIGTERM)

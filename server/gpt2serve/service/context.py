@@ -18,11 +18,5 @@ class CallContext(Protocol):
     max_batch_size: int
 
     def require_model(self) -> tuple[EngineClient, ModelInfo]:
-        """The engine client, or UNAVAILABLE while loading and draining."""
+        """The engine client, or UNAVAILABLE while loading and to calls taken after the drain began."""
         ...
-
-    def started(self) -> None:
-        """A call begins: the drain waits for it."""
-        ...
-
-    def finished(self) -> None: ...

@@ -73,7 +73,6 @@ class GenerationStream:
     async def _start(self) -> None:
         service, options = self.service, self.options
         self.clock = StreamClock()  # from the first iteration: a caller may open the stream and start it later
-        service.started()
         self._request = request = service.telemetry.start_request(options)
         try:
             engine, _ = service.require_model()
@@ -159,7 +158,6 @@ class GenerationStream:
         if self._request is not None:
             self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,
                                  time_per_output_token_s=clock.time_per_output_token_s)
-        self.service.finished()
 
 
 def generated_token(tokenizer: Tokenizer, token: SampledToken) -> GeneratedToken:

@@ -9,8 +9,12 @@ next_token.py and generation_stream.py run the two kinds of call over the engine
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
-from typing import AsyncIterator, Sequence
+import contextlib
+import itertools
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Iterator, Sequence
 
 from gpt2serve_client.generation import GenerateChunk
 from gpt2serve_client.types import ModelInfo, NextTokenResult
@@ -27,6 +31,19 @@ from .next_token import next_token_batch
 from .validation import GenerateSettings, PromptInput, Validator
 
 GENERATE = RequestOptions(method="Generate", span_name="generate")
+# Set for the task of a call its transport took before the drain began: it goes on to its end.
+_TAKEN_BEFORE_DRAIN: ContextVar[bool] = ContextVar("gpt2serve_taken_before_drain", default=False)
+
+
+@dataclass(frozen=True)
+class AcceptedCall:
+    """A call from the moment its transport took it until its answer was sent (or its caller left)."""
+
+    name: str  # "grpc Generate", "POST /v1/completions"
+    since: float  # time.monotonic()
+
+    def describe(self, now: float) -> str:
+        return f"{self.name} (taken {now - self.since:.1f} s before)"
 
 
 class InferenceService:
@@ -38,7 +55,8 @@ class InferenceService:
         self.max_batch_size = 0  # set by attach(): --max-batch-size, resolved for the device
         self.ready = False
         self.accepting = True  # False once shutdown begins: new requests get UNAVAILABLE.
-        self.in_flight = 0
+        self._calls: dict[int, AcceptedCall] = {}  # what the drain waits for
+        self._call_ids = itertools.count()
         self._idle = asyncio.Event()
         self._idle.set()
         self._attached: tuple[EngineClient, ModelInfo] | None = None
@@ -61,25 +79,43 @@ class InferenceService:
         """A request refused before it reached the service (auth, size, malformed): count it too."""
         self.telemetry.request_refused(RequestRefused(api, method, code))
 
+    @contextlib.contextmanager
+    def accepted(self, name: str) -> Iterator[None]:
+        """A transport holds this from taking a call until its answer is sent: the drain waits
+        for it, and a call taken before the drain began is served to its end, whatever it still
+        has to do (render a chat template, wait for its turn among n choices, ...)."""
+        call_id = next(self._call_ids)
+        self._calls[call_id] = AcceptedCall(name, time.monotonic())
+        self._idle.clear()
+        taken = _TAKEN_BEFORE_DRAIN.set(self.accepting)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):  # an async generator closed from another context
+                _TAKEN_BEFORE_DRAIN.reset(taken)
+            del self._calls[call_id]
+            if not self._calls:
+                self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._calls)
+
+    def in_flight_calls(self) -> list[str]:
+        """Each call in flight, oldest first, with how long ago it was taken (for the drain's log)."""
+        now = time.monotonic()
+        return [call.describe(now) for call in sorted(self._calls.values(), key=lambda c: c.since)]
+
     async def drained(self, timeout_s: float) -> bool:
-        """Wait until no request is in flight; False if some still are after `timeout_s`."""
+        """Wait until no call is in flight; False if some still are after `timeout_s`."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             return False
         return True
 
-    def started(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def finished(self) -> None:
-        self.in_flight -= 1
-        if not self.in_flight:
-            self._idle.set()
-
     def require_model(self) -> tuple[EngineClient, ModelInfo]:
-        if not self.accepting:
+        if not self.accepting and not _TAKEN_BEFORE_DRAIN.get():
             raise ShuttingDown("the server is shutting down; retry on another replica")
         if self._attached is None:
             raise Unavailable("the model is still loading; retry shortly")
@@ -97,11 +133,7 @@ class InferenceService:
                                options: RequestOptions = RequestOptions(),
                                prompt_logprobs: int | None = None) -> list[NextTokenResult]:
         """`prompt_logprobs`: also score every prompt token, with that many alternatives each."""
-        self.started()
-        try:
-            return await next_token_batch(self, prompts, top_k, options, prompt_logprobs)
-        finally:
-            self.finished()
+        return await next_token_batch(self, prompts, top_k, options, prompt_logprobs)
 
     def generate(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
                  options: RequestOptions = GENERATE) -> AsyncIterator[GenerateChunk]:

@@ -79,13 +79,14 @@ def status_errors(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
-            self.refuse_undecodable(request, method.__name__)
-            return await method(self, request, context)
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc, method.__name__, self.service.count_refusal)
+        with self.service.accepted(f"grpc {method.__name__}"):
+            try:
+                self.refuse_undecodable(request, method.__name__)
+                return await method(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc, method.__name__, self.service.count_refusal)
 
     return wrapper
 
@@ -129,15 +130,16 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         """One message per token as the generation goes; a caller that hangs up cancels it."""
-        try:
-            self.refuse_undecodable(request, "Generate")
-            options = request_options("Generate", request, context)
-            async for chunk in self.service.generate(prompt_input(request), generate_settings(request), options):
-                yield chunk.to_proto()
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await abort_with(context, exc, "Generate", self.service.count_refusal)
+        with self.service.accepted("grpc Generate"):
+            try:
+                self.refuse_undecodable(request, "Generate")
+                options = request_options("Generate", request, context)
+                async for chunk in self.service.generate(prompt_input(request), generate_settings(request), options):
+                    yield chunk.to_proto()
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                await abort_with(context, exc, "Generate", self.service.count_refusal)
 
     @status_errors
     async def NextToken(self, request: pb.NextTokenRequest, context) -> pb.NextTokenResponse:
@@ -192,11 +194,12 @@ class GrpcTransport:
             ("grpc.max_send_message_length", -1),  # Answers are bounded by the request limits.
             # No client can hold the server: pings at most every --grpc-min-ping-interval-s (idle
             # clients may keep their channel alive that often; a flood is sent GOAWAY after 2
-            # strikes), idle connections closed, and streams per connection bounded.
+            # strikes), idle connections closed, streams per connection and connections bounded.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", int(config.grpc_min_ping_interval_s * 1000)),
             ("grpc.http2.max_ping_strikes", 2),
             ("grpc.max_concurrent_streams", config.grpc_max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", config.grpc_max_connections),
         ]
         if config.grpc_max_connection_idle_s > 0:
             options.append(("grpc.max_connection_idle_ms", int(config.grpc_max_connection_idle_s * 1000)))

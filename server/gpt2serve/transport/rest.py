@@ -355,12 +355,13 @@ class InferenceRoutes:
             if route is None or scope.get("method") != "POST":
                 return await fallback(scope, receive, send)
             request = Request(scope, receive)
-            try:
-                response = await route.handler(request, await read_body(request, route.body_type))
-            except ClientDisconnected:
-                return  # Nobody to answer.
-            except Exception as exc:
-                response = self.errors.response(path, exc)
-            await response(scope, receive, send)
+            with self.service.accepted(f"POST {path}"):  # until the last byte (or event) is sent
+                try:
+                    response = await route.handler(request, await read_body(request, route.body_type))
+                except ClientDisconnected:
+                    return  # Nobody to answer.
+                except Exception as exc:
+                    response = self.errors.response(path, exc)
+                await response(scope, receive, send)
 
         return app
