@@ -151,19 +151,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def chat_template_parses(config) -> bool:
+    """A --chat-template that does not parse stops the server at its start, not at a request.
+    (It imports the service package, and so prometheus_client: under --workers only once the
+    supervisor has chosen the multiprocess directory, or its own metrics would go unseen.)"""
+    if not config.chat_template:
+        return True
+    from .service.chat_template import template_from_flag  # lazy: transformers, which serving needs
+
+    try:
+        template_from_flag(config.chat_template)
+    except ValueError as exc:
+        print(f"gpt2serve serve: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        if config.chat_template:  # a template that does not parse stops the server here, not at a request
-            from .service.chat_template import template_from_flag  # lazy: transformers, which serving needs
-
-            template_from_flag(config.chat_template)
     except ValueError as exc:
         print(f"gpt2serve serve: {exc}", file=sys.stderr)
         return 2
     workers = resolve_workers(config)
-    if workers > 1:
+    if workers > 1:  # the supervisor checks the chat template once its metrics directory is set
         return run_workers(config, workers)
+    if not chat_template_parses(config):
+        return 2
     from .launch.single_process import run  # lazy: it imports torch, which only serving needs
 
     try:

@@ -80,7 +80,12 @@ class Supervisor:
         os.makedirs(f"{self.run_dir}/metrics")
         # Before prometheus_client is imported, here or in any child: it picks its mode at import.
         os.environ[MULTIPROCESS_DIR_ENV] = f"{self.run_dir}/metrics"
+        from ..cli import chat_template_parses  # lazy, as Metrics: both import prometheus_client
         from ..telemetry.metrics import Metrics  # lazy: only now, with the directory set
+
+        if not chat_template_parses(self.config):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return 2
 
         self.metrics = Metrics()  # the supervisor's own samples (restarts, front ends up) in that directory
         reserved = [reserve_port(self.config.host, port) for port in (self.config.grpc_port, self.config.http_port)]

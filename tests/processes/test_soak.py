@@ -1,0 +1,32 @@
+"""The mixed soak (bench/soak.py), for a minute: the same code that runs for 15 minutes in
+docs/benchmarks.md, with its own pass rule (memory, nothing accepted lost, slots and blocks free,
+the server's counters equal to the clients'), under --workers 2 with a front end killed -9."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_a_minute_of_mixed_load_with_a_front_end_killed_loses_and_leaks_nothing(tmp_path):
+    report_path = tmp_path / "soak.json"
+    run = subprocess.run([sys.executable, "bench/soak.py", "--seconds", "60", "--sample-s", "5", "--settle-s", "30",
+                          "--clients", "8", "--json", str(report_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert report_path.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    summary = {k: v for k, v in report.items() if k != "samples"}
+    assert report["pass"] and run.returncode == 0, json.dumps(summary, indent=1)
+    # It did what it says: calls of every kind, refusals and hang-ups among them, and the kill.
+    kinds = {call.rsplit(" ", 1)[0] for call in report["by_call"]}
+    assert kinds >= {"grpc NextToken", "grpc NextTokenBatch", "grpc Generate", "rest NextToken", "rest Generate",
+                     "openai Completions", "openai ChatCompletions"}, kinds
+    assert report["by_status"].get("INVALID_ARGUMENT", 0) > 0 and report["by_status"].get("CANCELLED", 0) > 0
+    assert report["killed_at_s"] > 0 and any("front end 1" in name for name in report["rss"])
