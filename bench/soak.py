@@ -7,8 +7,9 @@ logprobs, no new token) and chat, streamed; a share of streams hung up early, an
 requests the server must refuse. Every `--sample-s` each server process's RSS is read from /proc.
 
 Pass, as printed at the end ("pass": true):
-- RSS: each process grows at most 5% from the first sample after `--settle-s` to the last (a
-  restarted front end from its own settle point; one with too few samples is reported only);
+- RSS: each process grows at most 5%, the median of its last minute against that of the minute
+  after `--settle-s` (a restarted front end from its own start; shorter runs use shorter windows;
+  one without two windows of samples is reported only);
 - nothing accepted is left unanswered: every failure is a refusal with its status, a hang-up of
   the client's own, or a broken connection within 10 s of the kill (counted apart: the killed
   front end's calls);
@@ -28,6 +29,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from collections import Counter
@@ -242,24 +244,34 @@ def settled_end(http_url: str, timeout_s: float = 30.0) -> dict:
         time.sleep(0.5)
 
 
-def judge(run: dict, end: dict, args) -> dict:
-    tally: Tally = run["tally"]
+def rss_growth(samples: list[dict], settle_s: float, seconds: float) -> dict:
+    """Per process: the median RSS of a window just after its settle point against that of the
+    last window (a batch of long prompts swings RSS by 10%+ and back: single samples would judge
+    the swing, not a trend). A process with fewer than two windows' samples is reported only."""
     growth = {}
     by_pid: dict[int, list[dict]] = {}
-    for sample in run["samples"]:
+    for sample in samples:
         by_pid.setdefault(sample["pid"], []).append(sample)
+    window_s = min(60.0, max(seconds - settle_s, 0.0) / 3)
     for pid, series in by_pid.items():
-        first_t = series[0]["t_s"]
-        after = [s for s in series if s["t_s"] >= first_t + args.settle_s] if first_t > 0 else \
-            [s for s in series if s["t_s"] >= args.settle_s]
+        born = series[0]["t_s"] if series[0]["t_s"] > 0 else 0.0  # a restarted front end: its own start
+        after = [s for s in series if s["t_s"] >= born + settle_s]
         name = f"{series[0]['process']} (pid {pid})"
-        if len(after) < 2:
+        first = [s["rss_mib"] for s in after if s["t_s"] < after[0]["t_s"] + window_s] if after else []
+        last = [s["rss_mib"] for s in after if s["t_s"] > after[-1]["t_s"] - window_s] if after else []
+        if not after or len(after) < 2 or after[-1]["t_s"] - after[0]["t_s"] < 2 * window_s:
             growth[name] = {"rss_mib_last": series[-1]["rss_mib"], "judged": False}
             continue
-        ratio = after[-1]["rss_mib"] / after[0]["rss_mib"] - 1
-        growth[name] = {"rss_mib_settled": after[0]["rss_mib"], "rss_mib_last": after[-1]["rss_mib"],
-                        "rss_mib_max": max(s["rss_mib"] for s in series), "growth": round(ratio, 4),
-                        "judged": True}
+        settled, end = statistics.median(first), statistics.median(last)
+        growth[name] = {"rss_mib_settled": settled, "rss_mib_end": end,
+                        "rss_mib_min_max": [min(s["rss_mib"] for s in after), max(s["rss_mib"] for s in after)],
+                        "growth": round(end / settled - 1, 4), "judged": True}
+    return growth
+
+
+def judge(run: dict, end: dict, args) -> dict:
+    tally: Tally = run["tally"]
+    growth = rss_growth(run["samples"], args.settle_s, args.seconds)
     counted = end["requests"]
     mismatches = {}
     for key in sorted(set(counted) | set(tally.outcomes)):

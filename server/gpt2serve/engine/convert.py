@@ -70,7 +70,9 @@ def our_name(hf_name: str) -> str | None:
 
 
 def from_transformers(hf_model: GPT2LMHeadModel) -> GPT2:
-    """Our model holding the checkpoint's tensors (same dtype and device)."""
+    """Our model with the checkpoint's tensors copied (same dtype and device): nothing of it
+    refers to the checkpoint's memory, so the safetensors file is unmapped once transformers'
+    model is dropped."""
     config = config_from_transformers(hf_model.config)
     with torch.device("meta"):
         model = GPT2(config)
@@ -83,6 +85,8 @@ def from_transformers(hf_model: GPT2LMHeadModel) -> GPT2:
         tensor = tensor.detach()
         if CONV1D.fullmatch(hf_name):
             tensor = tensor.t().contiguous()  # Conv1D (in, out) -> Linear (out, in)
+        else:  # our own copy: a view would keep the checkpoint's file mapped (and resident) for life
+            tensor = tensor.clone()
         if tensor.shape != expected[name].shape:
             raise ModelLoadError(f"{hf_name}: shape {list(tensor.shape)}, expected {list(expected[name].shape)}")
         state[name] = tensor
