@@ -22,7 +22,7 @@ from .benchmarks.serving_load import add_bench_arguments, add_engine_bench_argum
 from .config import ENV_ERRORS, EnvDefaults, add_serve_arguments, config_from_args
 from .errors import ModelLoadError
 from .introspection.params import add_params_arguments, run_params
-from .launch.supervisor import resolve_workers, run_workers
+from .launch.supervisor import chat_template_parses, resolve_workers, run_workers
 
 TARGET_ENV = "GPT2SERVE_TARGET"  # the one variable the client commands share: the server they talk to
 
@@ -149,22 +149,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{t.time_to_first_token_ms:.1f} ms, then {t.time_per_output_token_ms:.1f} ms each"
           f"{', trace ' + closing.trace_id if closing.trace_id else ''}]", file=sys.stderr)
     return 0
-
-
-def chat_template_parses(config) -> bool:
-    """A --chat-template that does not parse stops the server at its start, not at a request.
-    (It imports the service package, and so prometheus_client: under --workers only once the
-    supervisor has chosen the multiprocess directory, or its own metrics would go unseen.)"""
-    if not config.chat_template:
-        return True
-    from .service.chat_template import template_from_flag  # lazy: transformers, which serving needs
-
-    try:
-        template_from_flag(config.chat_template)
-    except ValueError as exc:
-        print(f"gpt2serve serve: {exc}", file=sys.stderr)
-        return False
-    return True
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -80,10 +81,9 @@ class Supervisor:
         os.makedirs(f"{self.run_dir}/metrics")
         # Before prometheus_client is imported, here or in any child: it picks its mode at import.
         os.environ[MULTIPROCESS_DIR_ENV] = f"{self.run_dir}/metrics"
-        from ..cli import chat_template_parses  # lazy, as Metrics: both import prometheus_client
         from ..telemetry.metrics import Metrics  # lazy: only now, with the directory set
 
-        if not chat_template_parses(self.config):
+        if not chat_template_parses(self.config):  # after the directory is set: it imports prometheus_client
             shutil.rmtree(self.run_dir, ignore_errors=True)
             return 2
 
@@ -250,6 +250,22 @@ def forget_metrics_of(pid: int) -> None:
     from prometheus_client import multiprocess  # lazy: see Supervisor._start
 
     multiprocess.mark_process_dead(pid)
+
+
+def chat_template_parses(config: ServeConfig) -> bool:
+    """A --chat-template that does not parse stops the server at its start, not at a request.
+    (It imports the service package, and so prometheus_client: under --workers only once the
+    supervisor has chosen the multiprocess directory, or its own metrics would go unseen.)"""
+    if not config.chat_template:
+        return True
+    from ..service.chat_template import template_from_flag  # lazy: transformers, which serving needs
+
+    try:
+        template_from_flag(config.chat_template)
+    except ValueError as exc:
+        print(f"gpt2serve serve: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def resolve_workers(config: ServeConfig) -> int:
