@@ -24,18 +24,34 @@ class Tokenizer:
         self.eos_token_id = hf_tokenizer.eos_token_id
         # Byte-level BPE: each vocabulary string has one character per byte (GPT-2: 128).
         self.max_token_bytes = max(map(len, hf_tokenizer.get_vocab()))
+        # Each token's text and bytes, filled as tokens are met: a slot per vocabulary entry (6 MiB
+        # at most for GPT-2's), where an lru_cache's per-entry overhead took 24 MiB once full and
+        # showed in a soak as a front end's memory creeping up for as long as new tokens came.
+        self._texts: list[str | None] = [None] * self.vocab_size
+        self._bytes: list[bytes | None] = [None] * self.vocab_size
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
-    @functools.lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
         """The text one token decodes to (" Paris"); partial UTF-8 bytes decode to U+FFFD."""
-        return self._tok.decode([token_id])
+        if not 0 <= token_id < self.vocab_size:
+            return self._tok.decode([token_id])
+        text = self._texts[token_id]
+        if text is None:
+            text = self._texts[token_id] = self._tok.decode([token_id])
+        return text
 
-    @functools.lru_cache(maxsize=65536)
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (byte-level BPE: whole UTF-8 or not)."""
+        if not 0 <= token_id < self.vocab_size:
+            return self._token_bytes(token_id)
+        piece = self._bytes[token_id]
+        if piece is None:
+            piece = self._bytes[token_id] = self._token_bytes(token_id)
+        return piece
+
+    def _token_bytes(self, token_id: int) -> bytes:
         if token_id in self._tok.all_special_ids:  # <|endoftext|>: its text is its bytes
             return self.token_text(token_id).encode("utf-8")
         piece = self._tok.convert_ids_to_tokens(token_id)
