@@ -29,7 +29,9 @@ from hypothesis import strategies as st
 from gpt2serve_client import Client, Gpt2ServeError
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 
-pytestmark = pytest.mark.fuzz
+# A fixed amount of work: on a loaded machine it takes longer, and pyproject's 300 s (set to catch a
+# hang) is not a speed limit.
+pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(1800)]
 
 VOCAB, N_CTX = 50257, 256  # random:tiny
 EXAMPLES = 2160  # a quarter per API

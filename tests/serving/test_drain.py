@@ -20,6 +20,7 @@ from support.servers import launch_server, metric_value, wait_for
 from gpt2serve_client import Client, RestClient
 
 GRACE_S = 300
+pytestmark = pytest.mark.timeout(3 * GRACE_S)  # the grace, not pyproject's 300 s, bounds a drain
 LONG_PROMPT = [(i * 7919) % 50000 for i in range(900)]  # seconds of prefill on a CPU
 
 

@@ -83,6 +83,7 @@ def test_300_concurrent_requests_against_a_queue_of_16(tmp_path, gpt2_reference)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # its grace is 300 s: that, not pyproject's 300 s, bounds the drain
 def test_sigterm_drains_60_in_flight_and_refuses_new_work(tmp_path, gpt2_reference):
     grace_s = 300  # long beside the work (seconds): the outcome does not hang on the machine's speed
     srv = launch_server(tmp_path, "--model", "random:gpt2", "--max-batch-size", "16",
