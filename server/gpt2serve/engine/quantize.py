@@ -13,8 +13,10 @@ int8 would be:
 - each row is scaled to |x| <= 1 by its own largest value and rounded to 1/63 steps (7 bits: no
   int16 overflow in AVX2's u8 x s8 multiply-add); a fixed step, not the kernel's per-tensor one,
   so a row's result never depends on its batchmates;
-- what that rounding lost (at most 1/126 of the row's largest value) is scaled up and rounded the
-  same way, as a second row of the same GEMM: about 14 bits in all. One part alone gave 2% logit
+- what that rounding lost (at most 1/126 of the row's largest value) is scaled up by the fixed
+  126 (no second maximum to find: it is at most half a step) and rounded the same way, as a second
+  row of the same GEMM: about 14 bits in all. Both parts reach the kernel as the integers they are
+  (scale 1), so each Linear is a few elementwise ops around it. One part alone gave 2% logit
   error on random weights (weight rounding alone gives 0.8%), and a row with an outlier feature
   would lose most of its other features to a 7-bit step.
 llama.cpp's q8_0 also rounds activations for its int8 dot products, in blocks of 32.
@@ -56,8 +58,10 @@ def _pack_int8(int8: torch.Tensor, scales: torch.Tensor):
 
 
 def _row_max(x: torch.Tensor) -> torch.Tensor:
-    """(N, in) -> (N, 1) each row's largest |x| (never 0: a zero row divides by a tiny number)."""
-    return torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=1e-30)
+    """(N, in) -> (N, 1) each row's largest |x| (never 0: a zero row divides by a tiny number).
+    abs().amax(), not vector_norm(inf): the same values, 6 µs against 38 µs at 16 rows of 768
+    (2 cores, AVX-512), twice per Linear per step."""
+    return x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
 
 
 class Int8Linear(nn.Module):
@@ -70,16 +74,17 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (N, in), fp32
         n = rows.shape[0]
-        high_scale = _row_max(rows)  # (N, 1)
-        steps = rows.div(high_scale).mul_(ACTIVATION_STEPS)  # (N, in): |x| <= 63, in 1/63 units of the row's max
-        kept = steps.round()  # what the kernel keeps of it
-        low = steps.sub_(kept)  # (N, in): the rounding error, |low| <= 1/2
-        low_scale = _row_max(low)  # (N, 1)
-        both = torch.cat((kept.div_(ACTIVATION_STEPS), low.div_(low_scale)))  # (2N, in), each |x| <= 1
+        row_max = _row_max(rows)  # (N, 1)
+        both = rows.new_empty(2 * n, self.in_features)  # (2N, in): the rounding error's rows, then the kept ones
+        error, kept = both[:n], both[n:]
+        torch.mul(rows, ACTIVATION_STEPS / row_max, out=error)  # |x| <= 63, in 1/63 units of the row's max
+        torch.round(error, out=kept)  # what a 7-bit step keeps of it
+        error.sub_(kept).mul_(2 * ACTIVATION_STEPS)  # the rounding error, |e| <= 1/2, scaled to |x| <= 63
+        # Scale 1: the kernel takes each value as the integer it is (plus the zero point).
         out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            both, 1.0 / ACTIVATION_STEPS, ZERO_POINT, self.packed)  # (2N, out)
-        # high + low, each scaled back: the low part was in units of 1/63 of the row's max
-        y = torch.addcmul(out[:n], out[n:], low_scale.div_(ACTIVATION_STEPS)).mul_(high_scale)  # (N, out)
+            both, 1.0, ZERO_POINT, self.packed)  # (2N, out)
+        # kept + error, each scaled back to the row's units: the error's rows were 126 times larger
+        y = out[n:].add_(out[:n], alpha=1 / (2 * ACTIVATION_STEPS)).mul_(row_max / ACTIVATION_STEPS)  # (N, out)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
