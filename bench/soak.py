@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 import httpx
@@ -71,6 +71,19 @@ def prompt(rng: random.Random, longest: int = 48) -> list[int]:
     return [rng.randrange(50000) for _ in range(rng.randint(1, longest))]
 
 
+async def read_stream(chunks: AsyncIterator, hang_up_after: int | None, close: Callable[[], Awaitable]) -> str:
+    """A stream read to its end ("OK"), or hung up on (`close`) after `hang_up_after` items ("CANCELLED")."""
+    got = 0
+    try:
+        async for _ in chunks:
+            got += 1
+            if got == hang_up_after:
+                return "CANCELLED"
+        return "OK"
+    finally:
+        await close()  # a no-op once the stream has ended
+
+
 async def one_call(rng: random.Random, grpc_client: AsyncClient, http: httpx.AsyncClient, oa: openai.AsyncOpenAI,
                    tally: Tally) -> None:
     """One call of a kind drawn at random; its outcome counted as the server should count it."""
@@ -86,15 +99,9 @@ async def one_call(rng: random.Random, grpc_client: AsyncClient, http: httpx.Asy
             await grpc_client.next_token_batch([prompt(rng) for _ in range(rng.randint(2, 6))])
         elif kind < 0.36:
             method = "Generate"
-            got = 0
             chunks = grpc_client.generate_stream(prompt(rng), max_tokens=steps, temperature=0.8,
                                                  seed=rng.randrange(1000), ignore_eos=True)
-            async with contextlib.aclosing(chunks):  # closing it hangs up
-                async for _ in chunks:
-                    got += 1
-                    if hang_up_after is not None and got == hang_up_after:
-                        code = "CANCELLED"
-                        break
+            code = await read_stream(chunks, hang_up_after, chunks.aclose)  # closing it hangs up
         elif kind < 0.46:
             api = "rest"
             body = {"prompt_token_ids": prompt(rng), "top_k": 3} if rng.random() > 0.1 else {"prompt": "x", "top_k": 0}
@@ -121,27 +128,15 @@ async def one_call(rng: random.Random, grpc_client: AsyncClient, http: httpx.Asy
             elif kind < 0.70:
                 await oa.completions.create(model=MODEL, prompt=prompt(rng), max_tokens=steps, temperature=0)
             else:
-                got = 0
                 stream = await oa.completions.create(model=MODEL, prompt=prompt(rng), max_tokens=steps, stream=True,
                                                      extra_body={"ignore_eos": True})
-                async for _ in stream:
-                    got += 1
-                    if hang_up_after is not None and got == hang_up_after:
-                        code = "CANCELLED"
-                        await stream.close()
-                        break
+                code = await read_stream(stream, hang_up_after, stream.close)
         else:
             api, method = "openai", "ChatCompletions"
-            got = 0
             stream = await oa.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": f"Say {rng.randrange(1000)} things."}],
                 max_tokens=steps, stream=True, extra_body={"ignore_eos": True})
-            async for _ in stream:
-                got += 1
-                if hang_up_after is not None and got == hang_up_after:
-                    code = "CANCELLED"
-                    await stream.close()
-                    break
+            code = await read_stream(stream, hang_up_after, stream.close)
     except Gpt2ServeError as exc:
         if exc.code == "UNAVAILABLE" and "shutting down" not in exc.message and "loading" not in exc.message:
             return tally.broke(api, method, exc)  # the connection broke (grpc's own UNAVAILABLE)

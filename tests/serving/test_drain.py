@@ -90,11 +90,16 @@ def drain_lines(log: str) -> tuple[list[int], list[int], list[tuple[int, str]]]:
     return at_signal, answered, cut
 
 
+def draining_server(tmp_path, workers: str):
+    """GPT-2 small's shape, chat on, the long grace."""
+    return launch_server(tmp_path, "--model", "random:gpt2", "--workers", workers,
+                         "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
+                         "--shutdown-grace-s", str(GRACE_S))
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_sigterm_answers_every_stream_taken_in_prefill_and_in_decode(tmp_path, workers):
-    srv = launch_server(tmp_path, "--model", "random:gpt2", "--workers", workers,
-                        "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
-                        "--shutdown-grace-s", str(GRACE_S))
+    srv = draining_server(tmp_path, workers)
     streams = Streams()
     with Client(srv.grpc_target, retries=0, timeout=GRACE_S) as grpc, RestClient(srv.http_url, timeout=GRACE_S) as rest:
         decode_tokens, prefill_tokens = 160, 4
@@ -133,9 +138,7 @@ def test_sigterm_answers_every_stream_taken_in_prefill_and_in_decode(tmp_path, w
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_second_signal_cuts_the_drain_and_the_log_names_each_call_cut(tmp_path, workers):
-    srv = launch_server(tmp_path, "--model", "random:gpt2", "--workers", workers,
-                        "--chat-template", "{% for m in messages %}{{ m.content }}{% endfor %}",
-                        "--shutdown-grace-s", str(GRACE_S))
+    srv = draining_server(tmp_path, workers)
     streams = Streams()
     with Client(srv.grpc_target, retries=0, timeout=GRACE_S) as grpc, RestClient(srv.http_url, timeout=GRACE_S) as rest:
         start_mixed_streams(srv, streams, 1000, grpc, rest)  # minutes of work on a CPU
