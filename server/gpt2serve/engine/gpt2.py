@@ -66,6 +66,10 @@ class KeyValueStore(Protocol):
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     # k, v (B, nh, T, hs) of this forward's tokens -> the keys and values to attend over (B, nh, S, hs)
 
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None: ...
+    # A store that attends by itself (engine.native's decode attention): keeps k, v and returns
+    # y (B, nh, T, hs), reading only the keys each query sees; None: `attend`, then the kernel below
+
 
 class Linear(nn.Linear):
     """nn.Linear, computed on a CPU as W @ x.T (transposed back, a view): the same dot products,
@@ -109,10 +113,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        if kv is not None:
-            k, v = kv.attend(layer, k, v)  # (B, nh, S, hs): with the keys of earlier steps; mask (B, 1, T, S)
-        # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+        y = kv.attention(layer, q, k, v) if kv is not None and taps is None else None  # (B, nh, T, hs)
+        if y is None:
+            if kv is not None:
+                k, v = kv.attend(layer, k, v)  # (B, nh, S, hs): with the keys of earlier steps; mask (B, 1, T, S)
+            # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
         if taps is not None:
             taps.heads(layer, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .gpt2 import GPT2Config
 
 BLOCK = 64  # positions: the unit of growth and of admission
@@ -133,6 +134,8 @@ class DecodeStore:
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, span: int):
         self.cache, self.positions, self.span = cache, positions, span
+        # On a CPU, the compiled decode attention reads each row's own positions, not the span.
+        self.native = cache.device.type == "cpu" and cache.dtype == torch.float32 and native.available()
 
     def mask(self) -> torch.Tensor:
         """(B, 1, 1, span) bool: key j is visible to row b iff j <= positions[b]."""
@@ -147,3 +150,10 @@ class DecodeStore:
         self.cache.values[layer, rows, :, self.positions] = v[:, :, 0]
         span = slice(0, self.span)
         return self.cache.keys[layer, :B, :, span], self.cache.values[layer, :B, :, span]  # (B, nh, span, hs)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """q, k, v (B, nh, 1, hs) -> y (B, nh, 1, hs), k and v written into the cache first (CPU, fp32)."""
+        if not self.native:
+            return None
+        return torch.ops.gpt2serve.decode_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer],
+                                                    self.positions)

@@ -86,6 +86,9 @@ class BlockWriter:
         self.write(layer, k, v)
         return k, v
 
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None  # a prompt's queries attend through `attend`
+
 
 @dataclass
 class PrefixBatch:
@@ -175,6 +178,9 @@ class PrefixStore:
         self.slots, self.first_slot = slots, first_slot
         if slots is not None:
             self._fill_cached_slots()
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None  # prompts attend through `attend`
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         R, nh, T, hs = k.shape  # (R, nh, T, hs): the new tokens'

@@ -16,7 +16,8 @@ int8 would be:
 - what that rounding lost (at most 1/126 of the row's largest value) is scaled up by the fixed
   126 (no second maximum to find: it is at most half a step) and rounded the same way, as a second
   row of the same GEMM: about 14 bits in all. Both parts reach the kernel as the integers they are
-  (scale 1), so each Linear is a few elementwise ops around it. One part alone gave 2% logit
+  (scale 1), so each Linear is a few elementwise ops around it, or one call into
+  engine.native where that is built (the same steps in C++). One part alone gave 2% logit
   error on random weights (weight rounding alone gives 0.8%), and a row with an outlier feature
   would lose most of its other features to a 7-bit step.
 llama.cpp's q8_0 also rounds activations for its int8 dot products, in blocks of 32.
@@ -36,6 +37,7 @@ import warnings
 import torch
 from torch import nn
 
+from . import native
 from .gpt2 import GPT2, Linear
 
 MODES = ("none", "int8", "fp16")
@@ -70,8 +72,14 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = int8.shape[1], int8.shape[0]
         self.packed = _pack_int8(int8, scales)
         self.bias = bias
+        self.native = native.available()  # engine.native's int8_linear: these steps in one op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.gpt2serve.int8_linear(x, self.packed, self.bias)  # the same steps, one call
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (N, in), fp32
         n = rows.shape[0]
         row_max = _row_max(rows)  # (N, 1)
