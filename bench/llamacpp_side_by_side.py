@@ -3,7 +3,7 @@ checkpoint (bench/llamacpp_build.sh makes it, as a transformers directory and as
 
     bench/llamacpp_build.sh                       # once: .llamacpp/
     .venv/bin/python bench/llamacpp_side_by_side.py [--servers ours:int8,llama:q8_0,ours:fp16,llama:f16]
-        [--streams 1,4,16] [--rounds 3] [--duration 8]
+        [--streams 1,4,16] [--rounds 3] [--duration 8] [--ttft-streams 1,8 --ttft-prompt-tokens 512]
 
 Every server is started first (ours: `--model .llamacpp/ckpt --quantize MODE --workers 1`;
 llama-server: 16 slots, continuous batching, 2 threads), then for each stream count the rounds
@@ -12,6 +12,10 @@ alternate between them: S closed-loop callers streaming `/v1/completions` (a 16-
 tokens/s and of time per output token (p50 within a round, from the arrival of the chunks), the
 RSS of its process tree after the last stream count, and how many distinct greedy texts it gave
 (1: its answers do not depend on what shares their batch).
+
+With --ttft-streams, first (same alternation): S closed-loop callers each sending a new prompt of
+random token ids (nothing of it cached by either server) for one streamed token; printed: the
+median time to first token over rounds (each round's median).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -102,6 +107,35 @@ async def one_round(url: str, model: str, streams: int, duration_s: float) -> tu
     return tokens / wall, 1e3 * statistics.median(tpots) if tpots else float("nan"), texts
 
 
+async def first_token_s(http: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> float:
+    """Seconds from sending a streamed one-token completion of `prompt` (token ids) to its text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                if any(c.get("text") is not None for c in json.loads(line[5:]).get("choices", [])):
+                    return time.perf_counter() - started
+    raise AssertionError("no token came back")
+
+
+async def ttft_round(url: str, model: str, streams: int, duration_s: float, prompt_tokens: int,
+                     prompts: random.Random) -> float:
+    """Median time to first token of S closed-loop callers, each prompt new (random ids: no
+    prefix of it is cached, by either server)."""
+    times: list[float] = []
+    end = time.perf_counter() + duration_s
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        async def caller() -> None:
+            while time.perf_counter() < end or not times:
+                prompt = [prompts.randrange(256, 50000) for _ in range(prompt_tokens)]
+                times.append(await first_token_s(http, url, model, prompt))
+
+        await asyncio.gather(*(caller() for _ in range(streams)))
+    return 1e3 * statistics.median(times)
+
+
 def rss_tree_mib(pid: int) -> float:
     """RSS of a process and all its descendants."""
     children: dict[int, list[int]] = {}
@@ -130,10 +164,13 @@ def main() -> int:
     parser.add_argument("--streams", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--ttft-streams", default="",
+                        help="also time to first token of new prompts at these concurrencies (e.g. 1,8)")
+    parser.add_argument("--ttft-prompt-tokens", type=int, default=512)
     parser.add_argument("--json", help="write every round's numbers here too")
     args = parser.parse_args()
     workdir = Path(args.workdir)
-    names, stream_counts = args.servers.split(","), [int(s) for s in args.streams.split(",")]
+    names, stream_counts = args.servers.split(","), [int(s) for s in args.streams.split(",") if s]
     running = {}
     try:
         for name in names:
@@ -142,6 +179,15 @@ def main() -> int:
         rounds: dict[str, dict[int, list[tuple[float, float]]]] = {name: {s: [] for s in stream_counts} for name in names}
         texts: dict[str, set[str]] = {name: set() for name in names}
         rss: dict[str, float] = {}
+        ttft_counts = [int(s) for s in args.ttft_streams.split(",") if s]
+        ttft: dict[str, dict[int, list[float]]] = {name: {s: [] for s in ttft_counts} for name in names}
+        prompts = random.Random(0)
+        for streams in ttft_counts:
+            for _ in range(args.rounds):
+                for name in names:
+                    _, url = running[name]
+                    ttft[name][streams].append(asyncio.run(ttft_round(
+                        url, models[name], streams, args.duration, args.ttft_prompt_tokens, prompts)))
         for streams in stream_counts:
             for _ in range(args.rounds):
                 for name in names:  # alternating: each server's rounds see the same machine
@@ -156,6 +202,14 @@ def main() -> int:
             proc.terminate()
         for proc, _ in running.values():
             proc.wait(timeout=60)
+    if ttft_counts:
+        print(f"| server | " + " | ".join(f"TTFT p50, {args.ttft_prompt_tokens}-token prompts, {s} at once"
+                                         for s in ttft_counts) + " |")
+        print("|" + "---|" * (len(ttft_counts) + 1))
+        for name in names:
+            print(f"| {name} | " + " | ".join(f"{statistics.median(ttft[name][s]):.0f} ms" for s in ttft_counts) + " |")
+    if not stream_counts:
+        return 0
     header = "| server | " + " | ".join(f"tok/s at {s}" for s in stream_counts) + " | " + \
         " | ".join(f"TPOT p50 at {s}" for s in stream_counts) + f" | RSS at {stream_counts[-1]} | greedy texts |"
     print(header)

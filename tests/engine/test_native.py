@@ -9,12 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from gpt2serve.engine import native
+from gpt2serve.engine import quantize as quantize_module
 from gpt2serve.engine.loading import build_random_model
 from gpt2serve.engine.quantize import Int8Linear, _int8_per_channel, quantize
 
@@ -22,29 +24,46 @@ from gpt2serve.engine.quantize import Int8Linear, _int8_per_channel, quantize
 def test_the_ops_are_built_where_a_compiler_exists():
     assert shutil.which(os.environ.get("CXX") or "c++"), "this suite's machine has a C++ compiler"
     assert native.available()
+    assert torch.ops.gpt2serve.int8_kernel() in ("avx512-vnni", "avx2", "portable")
     model = quantize(build_random_model("tiny", 0), "int8")
     linears = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert linears and all(m.native for m in linears)
 
 
-@pytest.mark.parametrize("shape", [(3072, 768), (768, 3072), (50, 64)])
+@pytest.fixture(params=["avx512-vnni", "avx2", "portable"])
+def kernel(request):
+    """Each kernel this CPU runs (a CPU without AVX-512 VNNI skips that one: it cannot run it)."""
+    widest = torch.ops.gpt2serve.int8_kernel() if native.available() else None
+    try:
+        torch.ops.gpt2serve.use_int8_kernel(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU does not run the {request.param} kernel")
+    yield request.param
+    torch.ops.gpt2serve.use_int8_kernel(widest)
+
+
+@pytest.mark.parametrize("shape", [(3072, 768), (768, 3072), (50, 64), (37, 13)])  # also partial blocks
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_int8_linear_gives_what_its_torch_ops_give(shape, rows, with_bias):
+def test_int8_linear_gives_what_its_torch_ops_give(shape, rows, with_bias, kernel):
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(shape, generator=generator) * 0.02
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     linear = Int8Linear(*_int8_per_channel(weight), bias)
+    with mock.patch.object(quantize_module.native, "available", lambda: False):
+        fbgemm = Int8Linear(*_int8_per_channel(weight), bias)  # torch's ops around fbgemm's GEMM
+    assert linear.native and not fbgemm.native
     x = torch.randn(2, rows, in_features, generator=generator)  # (2, rows, in): leading dims are kept
     x[0, 0] = 0.0  # a zero row: zeros (plus the bias), not NaN
     x[1, -1, 5] = 40.0  # an outlier feature
     with torch.inference_mode():
         fused = linear(x)
-        eager = linear.torch_forward(x)
+        eager = fbgemm(x)
     assert fused.shape == (2, rows, out_features)
     assert torch.isfinite(fused).all()
-    # The same arithmetic; torch's vectorized loops may fuse a multiply-add differently (an ulp).
+    # The same integers (exact), dequantized the same way; torch's vectorized loops may order the
+    # last multiply-adds differently (an ulp or so).
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5 * eager.abs().max().item())
     alone = linear(x[1, -1:])  # (1, out): a row's numbers do not depend on its batchmates
     assert torch.equal(alone[0], fused[1, -1])
@@ -93,6 +112,7 @@ GREEDY = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from gpt2serve.engine import native
+from gpt2serve.engine import quantize as quantize_module
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model

@@ -179,16 +179,27 @@ def test_a_loaded_checkpoint_leaves_nothing_of_its_file_mapped(tmp_path, mode):
 
 
 def resident_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+    """VmRSS of a process and of every process below it, MiB."""
+    total, pids = 0, [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            with open(f"/proc/{current}/status") as status:
+                total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+            with open(f"/proc/{current}/task/{current}/children") as children:
+                pids += [int(child) for child in children.read().split()]
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue  # a process that just ended holds nothing
+    return total / 1024
 
 
 @pytest.mark.slow
-def test_served_int8_holds_sixteen_streams_within_a_gibibyte(tmp_path):
+def test_served_int8_holds_sixteen_streams_within_800_mib(tmp_path):
     """GPT-2 small's shape, from a checkpoint directory, with --quantize int8 and default flags
-    otherwise: 16 concurrent streams of 16 + 64 tokens. The server process stays under 1 GiB
-    resident (the fp32 weights it loaded first are given back, the checkpoint's file is unmapped;
-    the cache holds what the streams hold), and says what it serves."""
+    otherwise: 16 concurrent streams of 16 + 64 tokens. Every process of the server together stays
+    at or under 800 MiB resident at its peak while the streams run (sampled every 50 ms): the fp32
+    weights it loaded first are given back, the checkpoint's file is unmapped, the cache holds
+    what the streams hold. It says what it serves."""
     checkpoint = tmp_path / "ckpt"
     to_transformers(build_random_model("gpt2", 0)).save_pretrained(checkpoint)
     server = launch_server(tmp_path, "--model", str(checkpoint), "--quantize", "int8")
@@ -198,7 +209,7 @@ def test_served_int8_holds_sixteen_streams_within_a_gibibyte(tmp_path):
             assert info.quantize == "int8" and info.dtype == "float32"
             assert info.parameters.total == 124439808  # GPT-2 small, counted before packing
             prompts = [[(300 + 17 * i + 5 * j) % 50257 for j in range(16)] for i in range(16)]
-            done = []
+            done, readings = [], [resident_mib(server.proc.pid)]
 
             def stream(prompt):
                 done.append(client.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True))
@@ -206,20 +217,18 @@ def test_served_int8_holds_sixteen_streams_within_a_gibibyte(tmp_path):
             threads = [threading.Thread(target=stream, args=(p,)) for p in prompts]
             for thread in threads:
                 thread.start()
+            while any(thread.is_alive() for thread in threads) and len(readings) < 12000:  # 10 min at most
+                readings.append(resident_mib(server.proc.pid))
+                time.sleep(0.05)
             for thread in threads:
                 thread.join(timeout=300)
             assert [d.usage.completion_tokens for d in done] == [64] * 16
-        # The cache gives its blocks back at the step boundary after the last stream leaves: read
-        # the settled size once nothing runs (two equal readings), not the moment the answers land.
         wait_for(lambda: metric_value(server.http_url, "gpt2serve_running_sequences") == 0, timeout=30)
-        readings = [resident_mib(server.proc.pid)]
-        for _ in range(40):  # 10 s at most
-            time.sleep(0.25)
-            readings.append(resident_mib(server.proc.pid))
-            if readings[-1] == readings[-2]:
-                break
-        print(f"server RSS after 16 streams: {readings} MiB")
-        assert readings[-1] < 1024
+        settled = resident_mib(server.proc.pid)
+        print(f"server RSS: {readings[0]:.0f} MiB before, peak {max(readings):.0f} MiB over {len(readings)} "
+              f"readings during 16 streams, {settled:.0f} MiB after")
+        assert len(readings) > 10  # the streams ran long enough to be watched
+        assert max(readings) <= 800
         assert not [f for f in mapped_files(server.proc.pid) if f.startswith(str(checkpoint))]
     finally:
         server.stop()

@@ -1,17 +1,25 @@
-"""Between transformers' GPT2LMHeadModel (what checkpoints hold) and our GPT2.
+"""Between Hugging Face GPT-2 checkpoints (transformers' GPT2LMHeadModel) and our GPT2.
 
 Names are matched one by one and every shape is checked. HF stores its projections as Conv1D,
 (in, out); ours are nn.Linear, (out, in): those four weights per block are transposed once here.
-transformers reads the checkpoint (safetensors, sharding, dtype); we only re-home its tensors.
+
+A checkpoint directory is read here directly (config.json through transformers' GPT2Config, the
+tensors with safetensors, or torch.load weights-only where pickle is allowed), not through
+GPT2LMHeadModel.from_pretrained: importing transformers' modeling code costs a server about
+130 MB of memory for its whole life (GPT-2 small int8 holds about 600 MB in all).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import GPT2Config as HFConfig
-from transformers import GPT2LMHeadModel
+
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel
 
 from ..errors import ModelLoadError
 from .gpt2 import GPT2, GPT2Config
@@ -62,6 +70,14 @@ def config_to_transformers(config: GPT2Config) -> HFConfig:
                     activation_function=activation, tie_word_embeddings=config.tie_lm_head)
 
 
+IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")  # old checkpoints' causal-mask buffers
+
+
+def full_name(hf_name: str) -> str:
+    """Checkpoints saved from transformers' GPT2Model (the hub's own gpt2) name no prefix."""
+    return hf_name if hf_name.startswith(("transformer.", "lm_head.")) else f"transformer.{hf_name}"
+
+
 def our_name(hf_name: str) -> str | None:
     block = _BLOCK.search(hf_name)
     template = _BLOCK.sub(".h.{i}.", hf_name) if block else hf_name
@@ -70,15 +86,51 @@ def our_name(hf_name: str) -> str | None:
 
 
 def from_transformers(hf_model: GPT2LMHeadModel) -> GPT2:
-    """Our model with the checkpoint's tensors copied (same dtype and device): nothing of it
-    refers to the checkpoint's memory, so the safetensors file is unmapped once transformers'
-    model is dropped."""
-    config = config_from_transformers(hf_model.config)
+    """Our model with the tensors of transformers' model copied (same dtype and device)."""
+    return from_tensors(config_from_transformers(hf_model.config), dict(hf_model.named_parameters()))  # tied: wte once
+
+
+def read_checkpoint_dir(path: Path, dtype: torch.dtype, allow_pickle: bool) -> GPT2:
+    """A GPT-2 checkpoint directory (config.json, then *.safetensors, sharded or not; or
+    pytorch_model*.bin where `allow_pickle`, loaded weights-only) -> our model in `dtype`."""
+    try:
+        hf_config = HFConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: {exc}") from exc
+    if hf_config.model_type != "gpt2":
+        raise ModelLoadError(f"{path}: model_type {hf_config.model_type!r} is not GPT-2 family")
+    tensors: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open  # lazy: only checkpoints need it
+
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                tensors.update({name: handle.get_tensor(name).to(dtype) for name in handle.keys()})
+    elif allow_pickle and (files := sorted(path.glob("pytorch_model*.bin"))):
+        for file in files:
+            tensors.update({name: t.to(dtype) for name, t in torch.load(file, map_location="cpu",
+                                                                        weights_only=True).items()})
+    else:
+        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: no *.safetensors"
+                             + (" or pytorch_model*.bin" if allow_pickle else "") + " file")
+    return from_tensors(config_from_transformers(hf_config), tensors)
+
+
+def from_tensors(config: GPT2Config, named: dict[str, torch.Tensor]) -> GPT2:
+    """Our model from HF-named tensors (same dtype and device; `named` is emptied), each copied:
+    nothing of it refers to the checkpoint's memory, so a safetensors file is unmapped after."""
     with torch.device("meta"):
         model = GPT2(config)
     expected = dict(model.named_parameters())  # a tied lm_head is not listed: it is wte
     state = {}
-    for hf_name, tensor in hf_model.named_parameters():  # a tied lm_head is listed once, as wte
+    while named:  # taken out one at a time: the checkpoint's copy and ours never both held whole
+        hf_name, tensor = named.popitem()
+        hf_name = full_name(hf_name)
+        if IGNORED.fullmatch(hf_name):
+            continue
+        if config.tie_lm_head and hf_name == "lm_head.weight":
+            continue  # the same tensor as wte
         name = our_name(hf_name)
         if name is None or name not in expected:
             raise ModelLoadError(f"unexpected parameter {hf_name} in a GPT-2 checkpoint")
@@ -101,6 +153,8 @@ def from_transformers(hf_model: GPT2LMHeadModel) -> GPT2:
 def to_transformers(model: GPT2) -> GPT2LMHeadModel:
     """transformers' model with our weights (fp32, CPU; sharing storage where it can): for
     `save_pretrained`, and for the tests, which judge our forward against transformers' own."""
+    from transformers import GPT2LMHeadModel  # lazy: a server never needs transformers' modeling code
+
     with torch.device("meta"):
         hf_model = GPT2LMHeadModel(config_to_transformers(model.config))  # no random init to pay for
     ours = dict(model.named_parameters())

@@ -71,7 +71,25 @@ class KeyValueStore(Protocol):
     # y (B, nh, T, hs), reading only the keys each query sees; None: `attend`, then the kernel below
 
 
-class Linear(nn.Linear):
+class ShapesOnMeta:
+    """Modules built on the meta device (shapes only, as every loader here builds them) skip their
+    random init: torch runs normal_ and fill_ (and empty_like) on meta through its decompositions,
+    whose import (sympy and more) a server would carry for life, about 70 MB."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
+class Embedding(ShapesOnMeta, nn.Embedding):
+    pass
+
+
+class LayerNorm(ShapesOnMeta, nn.LayerNorm):
+    pass
+
+
+class Linear(ShapesOnMeta, nn.Linear):
     """nn.Linear, computed on a CPU as W @ x.T (transposed back, a view): the same dot products,
     but MKL's GEMM in that orientation has no cliff at a few rows. A decode step's 4 or 16 rows
     took 1.5-2.3x longer through F.linear (GPT-2 small's matrices, 2-core AVX2 machine; from 64
@@ -142,9 +160,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ln_1 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ln_2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int,
@@ -162,10 +180,10 @@ class GPT2(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.d_model)
-        self.wpe = nn.Embedding(config.n_ctx, config.d_model)
+        self.wte = Embedding(config.vocab_size, config.d_model)
+        self.wpe = Embedding(config.n_ctx, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ln_f = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -200,7 +218,9 @@ class GPT2(nn.Module):
         projections scaled by 1/sqrt(2 * n_layer)), without disturbing the global RNG."""
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device="cpu")
+        for module in model.modules():  # real (uninitialized) CPU tensors; not to_empty(), see ShapesOnMeta
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(torch.empty(param.shape), requires_grad=False))
         model.tie_weights()
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -18,13 +18,12 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import GPT2LMHeadModel
 
 from gpt2serve_client.types import ParameterBreakdown
 
 from ..errors import ModelLoadError
 from ..introspection.params import PRESETS, SERVABLE
-from .convert import from_transformers
+from .convert import read_checkpoint_dir
 from .gpt2 import GPT2, GPT2Config
 from .model_info import parameter_breakdown
 from .quantize import MODES as QUANTIZE_MODES, quantize as quantize_model
@@ -108,43 +107,43 @@ def hub_reachable() -> bool:
         return False
 
 
-def check_gpt2_family(model: GPT2LMHeadModel, source: str) -> None:
-    if model.config.model_type != "gpt2":
-        raise ModelLoadError(f"{source}: model_type {model.config.model_type!r} is not GPT-2 family")
-
-
 PICKLE_HINT = ("only pickle weights (pytorch_model.bin) were found, and unpickling can run code; "
                "convert the checkpoint to safetensors, or pass --allow-pickle if you trust it")
 
 
+def hub_snapshot(spec: str, allow_pickle: bool, offline: bool) -> Path:
+    """A hub model's files in the local Hugging Face cache (downloading them unless `offline`)."""
+    from huggingface_hub import snapshot_download  # lazy: only hub ids need it
+
+    patterns = ["*.json", "*.safetensors", *(["pytorch_model*.bin"] if allow_pickle else []), "*.txt"]
+    return Path(snapshot_download(spec, allow_patterns=patterns, local_files_only=offline))
+
+
 def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -> tuple[GPT2, Tokenizer, str]:
-    """Never runs code from the checkpoint: no trust_remote_code, and safetensors only unless
+    """Never runs code from the checkpoint: no remote code, and safetensors only unless
     `allow_pickle` (then safetensors is still preferred, and torch.load is weights-only)."""
-    safe = dict(dtype=dtype, trust_remote_code=False, use_safetensors=None if allow_pickle else True)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not allow_pickle and not any(path.glob("*.safetensors")) and any(path.glob("*.bin")):
             raise ModelLoadError(f"{path}: {PICKLE_HINT}")
-        try:
-            model = GPT2LMHeadModel.from_pretrained(path, **safe)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: {exc}") from exc
-        check_gpt2_family(model, str(path))
-        return from_transformers(model), load_tokenizer(path), str(path.resolve())
+        return read_checkpoint_dir(path, dtype, allow_pickle), load_tokenizer(path), str(path.resolve())
     if spec.startswith((".", "/", "~")):  # Meant as a path, not a hub id.
         raise ModelLoadError(f"{spec}: no such checkpoint directory")
+    from huggingface_hub.errors import HFValidationError
+
     try:  # Local hub cache first: no network needed.
-        model = GPT2LMHeadModel.from_pretrained(spec, local_files_only=True, **safe)
-    except OSError:
+        snapshot = hub_snapshot(spec, allow_pickle, offline=True)
+    except (OSError, ValueError, HFValidationError):
         if not hub_reachable():
             raise ModelLoadError(f"{spec}: not in the local cache and the Hugging Face hub is unreachable")
         try:
-            model = GPT2LMHeadModel.from_pretrained(spec, **safe)
-        except OSError as exc:
-            hint = f" ({PICKLE_HINT})" if not allow_pickle and "safetensors" in str(exc) else ""
-            raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}{hint}") from exc
-    check_gpt2_family(model, spec)
-    return from_transformers(model), bundled_gpt2_tokenizer(), f"huggingface:{spec}"
+            snapshot = hub_snapshot(spec, allow_pickle, offline=False)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}") from exc
+    if not allow_pickle and not any(snapshot.glob("*.safetensors")):
+        raise ModelLoadError(f"{spec}: no safetensors weights; if it holds pickle weights (pytorch_model.bin) "
+                             "only, unpickling can run code: pass --allow-pickle if you trust it")
+    return read_checkpoint_dir(snapshot, dtype, allow_pickle), bundled_gpt2_tokenizer(), f"huggingface:{spec}"
 
 
 def check_quantize(quantize: str, device: torch.device, dtype: torch.dtype) -> None:

@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_ops.cpp")
-FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp")  # OpenMP: torch's own libgomp at run time
+FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")  # OpenMP: torch's own libgomp at run time
 
 
 def _cache_dir() -> Path:

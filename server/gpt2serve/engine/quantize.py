@@ -4,8 +4,10 @@ Decoding one token reads every weight once, so on a CPU its speed follows the by
 GPT-2 small reads about 500 MB per token. Both modes swap every Linear (the LM head included)
 and the token embedding for smaller ones, after loading; positions and layer norms stay fp32.
 
-int8: weights per output channel (scale = the row's largest |w| / 127), kept packed for fbgemm's
-int8 GEMM, which multiplies int8 by int8 and accumulates in int32 (exact). The kernels that take
+int8: weights per output channel (scale = the row's largest |w| / 127), multiplied int8 by int8
+with int32 sums (exact): by engine.native's own kernel (AVX-512 VNNI / AVX2 / portable, weights in
+its block layout) where that is built, else by fbgemm's GEMM (weights packed for it) with the
+steps below as torch ops; both give the same integers. The kernels that take
 fp32 activations with int8 weights (gpt-fast's `_weight_int8pack_mm`, torchao's CPU path) ran 2-25x
 slower than fp32 on our AVX2 machine (`bench/linear_kernels.py`), so the activations are
 quantized too, but per row and in two parts, so that the answer is as close to fp32 as weight-only
@@ -16,8 +18,7 @@ int8 would be:
 - what that rounding lost (at most 1/126 of the row's largest value) is scaled up by the fixed
   126 (no second maximum to find: it is at most half a step) and rounded the same way, as a second
   row of the same GEMM: about 14 bits in all. Both parts reach the kernel as the integers they are
-  (scale 1), so each Linear is a few elementwise ops around it, or one call into
-  engine.native where that is built (the same steps in C++). One part alone gave 2% logit
+  (scale 1). One part alone gave 2% logit
   error on random weights (weight rounding alone gives 0.8%), and a row with an outlier feature
   would lose most of its other features to a 7-bit step.
 llama.cpp's q8_0 also rounds activations for its int8 dot products, in blocks of 32.
@@ -66,17 +67,32 @@ def _row_max(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
 
 
+def pack_blocks(int8: torch.Tensor) -> torch.Tensor:
+    """(O, K) int8 -> engine.native's layout, flat: blocks of 16 output channels, in each the
+    inputs by fours, 16 channels x 4 inputs per 64 bytes (one AVX-512 vector); zero padded."""
+    O, K = int8.shape
+    blocks, groups = -(-O // 16), -(-K // 4)
+    padded = torch.zeros(blocks * 16, groups * 4, dtype=torch.int8)
+    padded[:O, :K] = int8
+    return padded.view(blocks, 16, groups, 4).transpose(1, 2).contiguous().view(-1)  # (blocks, groups, 16, 4)
+
+
 class Int8Linear(nn.Module):
     def __init__(self, int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = int8.shape[1], int8.shape[0]
-        self.packed = _pack_int8(int8, scales)
         self.bias = bias
-        self.native = native.available()  # engine.native's int8_linear: these steps in one op
+        self.native = native.available()
+        if self.native:  # engine.native's int8_linear: its own kernel on its own layout, these steps in one op
+            self.weight_blocks = pack_blocks(int8)
+            self.scales = scales.float().contiguous()
+            self.offsets = (ZERO_POINT * int8.sum(dim=1, dtype=torch.int32)).to(torch.int32)  # (out,)
+        else:
+            self.packed = _pack_int8(int8, scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return torch.ops.gpt2serve.int8_linear(x, self.packed, self.bias)  # the same steps, one call
+            return torch.ops.gpt2serve.int8_linear(x, self.weight_blocks, self.scales, self.offsets, self.bias)
         return self.torch_forward(x)
 
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
