@@ -77,23 +77,25 @@ def sdpa_reference(q, keys, values, positions):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_decode_attention_writes_the_new_key_and_attends_to_each_rows_own_positions(rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # fp16: the cache beside int8 weights
+def test_decode_attention_writes_the_new_key_and_attends_to_each_rows_own_positions(rows, dtype):
     generator = torch.Generator().manual_seed(rows)
     slots, heads, length, head_size = 16, 12, 128, 64
-    keys = torch.randn(slots, heads, length, head_size, generator=generator)
-    values = torch.randn(slots, heads, length, head_size, generator=generator)
+    keys = torch.randn(slots, heads, length, head_size, generator=generator).to(dtype)
+    values = torch.randn(slots, heads, length, head_size, generator=generator).to(dtype)
     q, k, v = (torch.randn(rows, heads, 1, head_size, generator=generator) for _ in range(3))
     positions = torch.randint(0, length, (rows,), generator=generator)
     positions[0] = 0  # a first token attends to itself alone
     expected_keys, expected_values = keys.clone(), values.clone()
     for b in range(rows):
-        expected_keys[b, :, positions[b]] = k[b, :, 0]
-        expected_values[b, :, positions[b]] = v[b, :, 0]
+        expected_keys[b, :, positions[b]] = k[b, :, 0].to(dtype)  # rounded as torch rounds to fp16
+        expected_values[b, :, positions[b]] = v[b, :, 0].to(dtype)
     with torch.inference_mode():
         y = torch.ops.gpt2serve.decode_attention(q, k, v, keys, values, positions)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
-    assert y.shape == (rows, heads, 1, head_size)
-    torch.testing.assert_close(y, sdpa_reference(q, expected_keys, expected_values, positions), rtol=1e-5, atol=1e-5)
+    assert y.shape == (rows, heads, 1, head_size) and y.dtype == torch.float32
+    expected = sdpa_reference(q, expected_keys.float(), expected_values.float(), positions)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     # What lies past a row's position is never read: changing it changes nothing.
     keys[:, :, positions.max() + 1:] = float("nan")
     with torch.inference_mode():

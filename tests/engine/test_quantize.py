@@ -232,3 +232,13 @@ def test_served_int8_holds_sixteen_streams_within_800_mib(tmp_path):
         assert not [f for f in mapped_files(server.proc.pid) if f.startswith(str(checkpoint))]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("mode, expected", [("none", torch.float32), ("int8", torch.float16), ("fp16", torch.float16)])
+def test_quantized_models_keep_their_kv_cache_in_fp16(mode, expected):
+    """Beside quantized weights the cache is fp16 (half the bytes a decode step reads and the
+    cache holds, as llama.cpp keeps it); an fp32 model's stays fp32, exact against transformers."""
+    generator = Generator(Engine(load_model("random:tiny", "cpu", "float32", quantize=mode)), slots=2)
+    generator.prefill([NewSequence(0, [1, 2, 3], SamplingParams(temperature=0), 0)])
+    generator.decode()
+    assert generator.cache.keys.dtype == generator.cache.values.dtype == expected

@@ -116,6 +116,15 @@ class Engine:
             self.graphs = self.bucketed(capture=True)
         self.prefix_cache: PrefixCache | None = None  # attach_prefix_cache()
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The generation KV cache's: fp16 beside quantized weights on a CPU (as llama.cpp keeps its
+        cache: half the bytes each decode step reads and the cache holds; the attention still adds
+        up in fp32), else the model's own."""
+        if self.device.type == "cpu" and self.loaded.quantize != "none":
+            return torch.float16
+        return self.loaded.dtype
+
     def attach_prefix_cache(self, capacity_blocks: int, doorkeeper: bool = True) -> None:
         """Keep prompts' blocks from now on (after warm-up, so it starts empty); 0: off.
         `doorkeeper`: a block is kept the second time its prefix is seen (engine.prefix_cache)."""

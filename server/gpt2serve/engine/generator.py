@@ -92,7 +92,7 @@ class Generator:
     def allocate(self) -> KVCache:
         if self.cache is None:
             config = self.model.config
-            self.cache = KVCache(config, self.slots, self.capacity_blocks, self.engine.device, self.engine.loaded.dtype,
+            self.cache = KVCache(config, self.slots, self.capacity_blocks, self.engine.device, self.engine.kv_dtype,
                                  grow=self.engine.device.type != "cuda")
             if self.use_graphs and self.engine.device.type == "cpu":
                 self.traces = TracedDecode(self._decode_logits, self.model, self.cache)

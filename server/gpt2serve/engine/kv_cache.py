@@ -135,7 +135,7 @@ class DecodeStore:
     def __init__(self, cache: KVCache, positions: torch.Tensor, span: int):
         self.cache, self.positions, self.span = cache, positions, span
         # On a CPU, the compiled decode attention reads each row's own positions, not the span.
-        self.native = cache.device.type == "cpu" and cache.dtype == torch.float32 and native.available()
+        self.native = cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.float16) and native.available()
 
     def mask(self) -> torch.Tensor:
         """(B, 1, 1, span) bool: key j is visible to row b iff j <= positions[b]."""
@@ -146,10 +146,11 @@ class DecodeStore:
         B = k.shape[0]  # k, v: (B, nh, 1, hs)
         rows = torch.arange(B, device=k.device)  # (B,): built from k's size, so a trace keeps B variable
         # Advanced indices on dims 0 and 2 around a slice: the target is (B, nh, hs).
-        self.cache.keys[layer, rows, :, self.positions] = k[:, :, 0]
-        self.cache.values[layer, rows, :, self.positions] = v[:, :, 0]
+        self.cache.keys[layer, rows, :, self.positions] = k[:, :, 0].to(self.cache.dtype)
+        self.cache.values[layer, rows, :, self.positions] = v[:, :, 0].to(self.cache.dtype)
         span = slice(0, self.span)
-        return self.cache.keys[layer, :B, :, span], self.cache.values[layer, :B, :, span]  # (B, nh, span, hs)
+        keys, values = self.cache.keys[layer, :B, :, span], self.cache.values[layer, :B, :, span]  # (B, nh, span, hs)
+        return keys.to(k.dtype), values.to(v.dtype)  # an fp16 cache (see Engine.kv_dtype) widened for attention
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """q, k, v (B, nh, 1, hs) -> y (B, nh, 1, hs), k and v written into the cache first (CPU, fp32)."""

@@ -263,19 +263,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y.view(shape);
 }
 
-// One (row, head): q (hs,) against keys/values (n, hs) with stride `step` between positions.
-CLONES void attend_one(const float* q, const float* keys, const float* values, int64_t n, int64_t hs,
-                       int64_t step, float scale, float* scores, float* out) {
+// One (row, head): q (hs,) against keys/values (n, hs) of the cache's type T (fp32, or fp16 beside
+// int8 weights), positions `step` elements apart.
+template <typename T>
+__attribute__((always_inline)) inline void attend_one_body(const float* q, const T* keys, const T* values, int64_t n,
+                                                           int64_t hs, int64_t step, float scale, float* scores,
+                                                           float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    const float* k = keys + j * step;
+    const T* k = keys + j * step;
     float lanes[kLanes] = {};
     int64_t d = 0;
     for (; d + kLanes <= hs; d += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::fma(q[d + l], k[d + l], lanes[l]);
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::fma(q[d + l], static_cast<float>(k[d + l]), lanes[l]);
     float dot = 0.f;
     for (int64_t l = 0; l < kLanes; ++l) dot += lanes[l];
-    for (; d < hs; ++d) dot = std::fma(q[d], k[d], dot);
+    for (; d < hs; ++d) dot = std::fma(q[d], static_cast<float>(k[d]), dot);
     scores[j] = dot * scale;
     top = std::max(top, scores[j]);
   }
@@ -287,51 +290,76 @@ CLONES void attend_one(const float* q, const float* keys, const float* values, i
   for (int64_t d = 0; d < hs; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const float w = scores[j] / total;
-    const float* v = values + j * step;
-    for (int64_t d = 0; d < hs; ++d) out[d] = std::fma(w, v[d], out[d]);
+    const T* v = values + j * step;
+    for (int64_t d = 0; d < hs; ++d) out[d] = std::fma(w, static_cast<float>(v[d]), out[d]);
   }
 }
 
-// q, k_new, v_new (B, nh, 1, hs); keys, values (S, nh, L, hs), this layer's cache (S >= B slots);
-// positions (B,) int64 -> (B, nh, 1, hs), laid out as (B, 1, nh, hs) so that putting the heads
-// side by side again is a view.
+CLONES void attend_one(const float* q, const float* keys, const float* values, int64_t n, int64_t hs, int64_t step,
+                       float scale, float* scores, float* out) {
+  attend_one_body(q, keys, values, n, hs, step, scale, scores, out);
+}
+
+CLONES void attend_one(const float* q, const _Float16* keys, const _Float16* values, int64_t n, int64_t hs,
+                       int64_t step, float scale, float* scores, float* out) {
+  attend_one_body(q, keys, values, n, hs, step, scale, scores, out);
+}
+
+template <typename T>
+void write_and_attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tensor& vc, T* key_cache, T* value_cache,
+                      const int64_t* positions, int64_t B, int64_t H, int64_t L, int64_t hs, float* out) {
+  const int64_t slot_step = H * L * hs, head_step = L * hs;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {  // the new key and value, rounded to the cache's type as torch rounds
+      const int64_t offset = b * slot_step + h * head_step + positions[b] * hs;
+      const float* k = kc.const_data_ptr<float>() + (b * H + h) * hs;
+      const float* v = vc.const_data_ptr<float>() + (b * H + h) * hs;
+      for (int64_t d = 0; d < hs; ++d) {
+        key_cache[offset + d] = static_cast<T>(k[d]);
+        value_cache[offset + d] = static_cast<T>(v[d]);
+      }
+    }
+  const float scale = 1.f / std::sqrt(static_cast<float>(hs));
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {  // one row's heads stay on one thread
+    std::vector<float> scores(L);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, h = i % H, base = b * slot_step + h * head_step;
+      attend_one(qc.const_data_ptr<float>() + i * hs, key_cache + base, value_cache + base, positions[b] + 1, hs, hs,
+                 scale, scores.data(), out + i * hs);
+    }
+  });
+}
+
+// q, k_new, v_new (B, nh, 1, hs) fp32; keys, values (S, nh, L, hs) fp32 or fp16, this layer's cache
+// (S >= B slots); positions (B,) int64 -> (B, nh, 1, hs) fp32, laid out as (B, 1, nh, hs) so that
+// putting the heads side by side again is a view.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& keys,
                             at::Tensor& values, const at::Tensor& positions) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.scalar_type() == at::kFloat && q.device().is_cpu(),
               "decode_attention: q (B, nh, 1, hs) fp32 on the CPU");
+  const auto type = keys.scalar_type();
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
-                  keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-              "decode_attention: contiguous fp32 keys and values (S, nh, L, hs)");
+                  (type == at::kFloat || type == at::kHalf) && values.scalar_type() == type,
+              "decode_attention: contiguous fp32 or fp16 keys and values (S, nh, L, hs)");
   const int64_t B = q.size(0), H = q.size(1), hs = q.size(3), L = keys.size(2);
   TORCH_CHECK(keys.size(0) >= B && keys.size(1) == H && keys.size(3) == hs, "decode_attention: cache shape");
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   const int64_t* at_pos = pos.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(at_pos[b] >= 0 && at_pos[b] < L, "decode_attention: position ", at_pos[b], " outside the cache");
-  // (B, nh, hs) each, contiguous, for plain indexing
+  // (B, nh, hs) each, contiguous fp32, for plain indexing
   const at::Tensor qc = q.reshape({B, H, hs}).contiguous();
-  const at::Tensor kc = k_new.reshape({B, H, hs}).contiguous();
-  const at::Tensor vc = v_new.reshape({B, H, hs}).contiguous();
-  float* key_cache = keys.mutable_data_ptr<float>();
-  float* value_cache = values.mutable_data_ptr<float>();
-  const int64_t slot_step = H * L * hs, head_step = L * hs;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t offset = b * slot_step + h * head_step + at_pos[b] * hs;
-      std::copy_n(kc.const_data_ptr<float>() + (b * H + h) * hs, hs, key_cache + offset);
-      std::copy_n(vc.const_data_ptr<float>() + (b * H + h) * hs, hs, value_cache + offset);
-    }
+  const at::Tensor kc = k_new.reshape({B, H, hs}).to(at::kFloat).contiguous();
+  const at::Tensor vc = v_new.reshape({B, H, hs}).to(at::kFloat).contiguous();
   at::Tensor y = at::empty({B, 1, H, hs}, q.options());  // (B, 1, nh, hs)
-  float* out = y.mutable_data_ptr<float>();
-  const float scale = 1.f / std::sqrt(static_cast<float>(hs));
-  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {  // one row's heads stay on one thread
-    std::vector<float> scores(L);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, h = i % H, base = b * slot_step + h * head_step;
-      attend_one(qc.const_data_ptr<float>() + i * hs, key_cache + base, value_cache + base, at_pos[b] + 1, hs, hs,
-                 scale, scores.data(), out + i * hs);
-    }
-  });
+  if (type == at::kFloat) {
+    write_and_attend(qc, kc, vc, keys.mutable_data_ptr<float>(), values.mutable_data_ptr<float>(), at_pos, B, H, L,
+                     hs, y.mutable_data_ptr<float>());
+  } else {  // c10::Half and _Float16 are the same 16 bits
+    write_and_attend(qc, kc, vc, reinterpret_cast<_Float16*>(keys.mutable_data_ptr<at::Half>()),
+                     reinterpret_cast<_Float16*>(values.mutable_data_ptr<at::Half>()), at_pos, B, H, L, hs,
+                     y.mutable_data_ptr<float>());
+  }
   return y.transpose(1, 2);  // (B, nh, 1, hs)
 }
 

@@ -86,7 +86,7 @@ def kv_cache_size(config: ServeConfig, engine: Engine) -> tuple[int, int]:
     else:
         budget = 0.25 * available_memory_bytes()
     slots = config.max_running_sequences or engine.options.max_batch_size
-    block_bytes = KVCache.bytes_per_token(model_config, engine.loaded.dtype) * BLOCK
+    block_bytes = KVCache.bytes_per_token(model_config, engine.kv_dtype) * BLOCK
     full = blocks_for(model_config.n_ctx)  # one sequence at full context
     blocks = max(int(budget // block_bytes), full)
     if device.type == "cuda":
@@ -131,10 +131,10 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     # Ready means warm: each kind of step has run once (on cuda the whole cache is claimed and
     # written now; on a CPU it grows with use, a few slots and positions at a time).
     generator.warm_up()
-    log.info("KV cache: up to %d sequences and %d tokens (%.0f MiB), %s", generator.slots,
+    log.info("KV cache: up to %d sequences and %d tokens (%.0f MiB, %s), %s", generator.slots,
              generator.capacity_blocks * BLOCK,
-             generator.capacity_blocks * BLOCK * KVCache.bytes_per_token(loaded.model.config, loaded.dtype) / 2**20,
-             "claimed now" if loaded.device.type == "cuda" else "allocated as used")
+             generator.capacity_blocks * BLOCK * KVCache.bytes_per_token(loaded.model.config, engine.kv_dtype) / 2**20,
+             str(engine.kv_dtype).removeprefix("torch."), "claimed now" if loaded.device.type == "cuda" else "allocated as used")
     engine.attach_prefix_cache(prefix_cache_blocks(config, engine))  # after warm-up: it starts empty
     if engine.prefix_cache is None:
         log.info("prefix cache: off (--prefix-cache-mb 0)")
