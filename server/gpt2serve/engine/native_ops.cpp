@@ -263,22 +263,19 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y.view(shape);
 }
 
-// One (row, head): q (hs,) against keys/values (n, hs) of the cache's type T (fp32, or fp16 beside
-// int8 weights), positions `step` elements apart.
-template <typename T>
-__attribute__((always_inline)) inline void attend_one_body(const float* q, const T* keys, const T* values, int64_t n,
-                                                           int64_t hs, int64_t step, float scale, float* scores,
-                                                           float* out) {
+// One (row, head): q (hs,) against keys/values (n, hs), positions `step` elements apart.
+CLONES void attend_one(const float* q, const float* keys, const float* values, int64_t n, int64_t hs, int64_t step,
+                       float scale, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    const T* k = keys + j * step;
+    const float* k = keys + j * step;
     float lanes[kLanes] = {};
     int64_t d = 0;
     for (; d + kLanes <= hs; d += kLanes)
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::fma(q[d + l], static_cast<float>(k[d + l]), lanes[l]);
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::fma(q[d + l], k[d + l], lanes[l]);
     float dot = 0.f;
     for (int64_t l = 0; l < kLanes; ++l) dot += lanes[l];
-    for (; d < hs; ++d) dot = std::fma(q[d], static_cast<float>(k[d]), dot);
+    for (; d < hs; ++d) dot = std::fma(q[d], k[d], dot);
     scores[j] = dot * scale;
     top = std::max(top, scores[j]);
   }
@@ -290,19 +287,43 @@ __attribute__((always_inline)) inline void attend_one_body(const float* q, const
   for (int64_t d = 0; d < hs; ++d) out[d] = 0.f;
   for (int64_t j = 0; j < n; ++j) {
     const float w = scores[j] / total;
-    const T* v = values + j * step;
-    for (int64_t d = 0; d < hs; ++d) out[d] = std::fma(w, static_cast<float>(v[d]), out[d]);
+    const float* v = values + j * step;
+    for (int64_t d = 0; d < hs; ++d) out[d] = std::fma(w, v[d], out[d]);
   }
 }
 
-CLONES void attend_one(const float* q, const float* keys, const float* values, int64_t n, int64_t hs, int64_t step,
-                       float scale, float* scores, float* out) {
-  attend_one_body(q, keys, values, n, hs, step, scale, scores, out);
+// fp16 -> fp32, n values: F16C's 8 at a time where the CPU has it (GCC leaves _Float16 loops scalar).
+#if defined(__x86_64__)
+__attribute__((target("avx2,f16c"))) void widen_f16c(const _Float16* from, float* to, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
+  for (; i < n; ++i) to[i] = static_cast<float>(from[i]);
+}
+#endif
+
+void widen(const _Float16* from, float* to, int64_t n) {
+#if defined(__x86_64__)
+  static const bool f16c = (__builtin_cpu_init(), __builtin_cpu_supports("f16c"));
+  if (f16c) return widen_f16c(from, to, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<float>(from[i]);
 }
 
-CLONES void attend_one(const float* q, const _Float16* keys, const _Float16* values, int64_t n, int64_t hs,
-                       int64_t step, float scale, float* scores, float* out) {
-  attend_one_body(q, keys, values, n, hs, step, scale, scores, out);
+// An fp16 cache: the head's keys and values widened into `scratch` (2 n hs), then as fp32.
+void attend_one(const float* q, const _Float16* keys, const _Float16* values, int64_t n, int64_t hs, int64_t step,
+                float scale, float* scores, float* out, std::vector<float>& scratch) {
+  scratch.resize(2 * n * hs);
+  for (int64_t j = 0; j < n; ++j) {
+    widen(keys + j * step, scratch.data() + j * hs, hs);
+    widen(values + j * step, scratch.data() + (n + j) * hs, hs);
+  }
+  attend_one(q, scratch.data(), scratch.data() + n * hs, n, hs, hs, scale, scores, out);
+}
+
+void attend_one(const float* q, const float* keys, const float* values, int64_t n, int64_t hs, int64_t step,
+                float scale, float* scores, float* out, std::vector<float>&) {
+  attend_one(q, keys, values, n, hs, step, scale, scores, out);
 }
 
 template <typename T>
@@ -310,22 +331,18 @@ void write_and_attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tens
                       const int64_t* positions, int64_t B, int64_t H, int64_t L, int64_t hs, float* out) {
   const int64_t slot_step = H * L * hs, head_step = L * hs;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h) {  // the new key and value, rounded to the cache's type as torch rounds
+    for (int64_t h = 0; h < H; ++h) {  // the new key and value (already in the cache's type)
       const int64_t offset = b * slot_step + h * head_step + positions[b] * hs;
-      const float* k = kc.const_data_ptr<float>() + (b * H + h) * hs;
-      const float* v = vc.const_data_ptr<float>() + (b * H + h) * hs;
-      for (int64_t d = 0; d < hs; ++d) {
-        key_cache[offset + d] = static_cast<T>(k[d]);
-        value_cache[offset + d] = static_cast<T>(v[d]);
-      }
+      std::memcpy(key_cache + offset, static_cast<const T*>(kc.const_data_ptr()) + (b * H + h) * hs, hs * sizeof(T));
+      std::memcpy(value_cache + offset, static_cast<const T*>(vc.const_data_ptr()) + (b * H + h) * hs, hs * sizeof(T));
     }
   const float scale = 1.f / std::sqrt(static_cast<float>(hs));
   at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {  // one row's heads stay on one thread
-    std::vector<float> scores(L);
+    std::vector<float> scores(L), scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / H, h = i % H, base = b * slot_step + h * head_step;
       attend_one(qc.const_data_ptr<float>() + i * hs, key_cache + base, value_cache + base, positions[b] + 1, hs, hs,
-                 scale, scores.data(), out + i * hs);
+                 scale, scores.data(), out + i * hs, scratch);
     }
   });
 }
@@ -347,10 +364,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   const int64_t* at_pos = pos.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(at_pos[b] >= 0 && at_pos[b] < L, "decode_attention: position ", at_pos[b], " outside the cache");
-  // (B, nh, hs) each, contiguous fp32, for plain indexing
+  // (B, nh, hs) each, contiguous, for plain indexing
   const at::Tensor qc = q.reshape({B, H, hs}).contiguous();
-  const at::Tensor kc = k_new.reshape({B, H, hs}).to(at::kFloat).contiguous();
-  const at::Tensor vc = v_new.reshape({B, H, hs}).to(at::kFloat).contiguous();
+  // the new key and value in the cache's type: rounded to fp16 by torch (as the torch path does)
+  const at::Tensor kc = k_new.reshape({B, H, hs}).to(type).contiguous();
+  const at::Tensor vc = v_new.reshape({B, H, hs}).to(type).contiguous();
   at::Tensor y = at::empty({B, 1, H, hs}, q.options());  // (B, 1, nh, hs)
   if (type == at::kFloat) {
     write_and_attend(qc, kc, vc, keys.mutable_data_ptr<float>(), values.mutable_data_ptr<float>(), at_pos, B, H, L,
