@@ -3,7 +3,8 @@
 # gpt2serve in tests/observability/test_prometheus.py; promtool checks deploy/prometheus/prometheus.yml), the
 # Docker engine, docker-compose and debootstrap (tests/deploy/test_stack.py builds and starts the whole
 # stack: scripts/stack.sh), npm (the Helm chart tests fetch helm and CRD schemas with it:
-# scripts/chart_tools.sh), and Chromium (tests/ui/test_ui.py renders the /ui page in it, headless).
+# scripts/chart_tools.sh), Chromium (tests/ui/test_ui.py renders the /ui page in it, headless), and a C++
+# compiler (the server builds its CPU ops with it, engine/native.py; tests/engine/test_native.py).
 set -euo pipefail
 packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || packages+=(prometheus)
@@ -12,6 +13,7 @@ command -v dockerd >/dev/null && command -v docker >/dev/null || packages+=(dock
 command -v debootstrap >/dev/null || packages+=(debootstrap)
 command -v npm >/dev/null && command -v node >/dev/null || packages+=(npm)
 command -v chromium >/dev/null || packages+=(chromium)
+command -v c++ >/dev/null || packages+=(g++)
 [ ${#packages[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
