@@ -7,7 +7,7 @@ import torch
 from support.reference import assert_matches_reference, transformers_random_model
 from support.reference import as_result
 
-from gpt2serve.engine.convert import from_transformers
+from gpt2serve.engine.convert import from_transformers, to_transformers
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.gpt2 import GPT2
 from gpt2serve.engine.loading import ARCHITECTURES, build_random_model, load_model
@@ -145,3 +145,43 @@ def test_non_gpt2_directory_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(ModelLoadError):
         load_model(str(tmp_path), "cpu", "float32")
+
+
+def same_weights(ours: GPT2, loaded: GPT2) -> bool:
+    theirs = loaded.state_dict()
+    return all(torch.equal(tensor, theirs[name]) for name, tensor in ours.state_dict().items())
+
+
+def test_a_hub_id_loads_offline_from_the_local_hub_cache(tmp_path, monkeypatch):
+    """A hub id already in the local Hugging Face cache (its layout: refs/main names the snapshot)
+    loads with no network, through huggingface_hub as for a download."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo, commit = cache / "models--someone--tiny-gpt2", "0123456789abcdef0123456789abcdef01234567"
+    model = build_random_model("tiny", 3)
+    to_transformers(model).save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    loaded = load_model("someone/tiny-gpt2", "cpu", "float32", random_fallback=False)
+    assert loaded.weights == "pretrained" and loaded.weights_source == "huggingface:someone/tiny-gpt2"
+    assert same_weights(model, loaded.model)
+
+
+def test_a_checkpoint_saved_without_the_transformer_prefix_loads(tmp_path):
+    """The hub's own gpt2 names its tensors as GPT2Model does ("h.0.attn.c_attn.weight", no
+    "transformer." and no lm_head) and keeps the old causal-mask buffers ("h.0.attn.bias")."""
+    from safetensors.torch import save_file
+
+    model = build_random_model("tiny", 4)
+    hf = to_transformers(model)
+    hf.config.save_pretrained(tmp_path)
+    tensors = {name.removeprefix("transformer."): tensor.contiguous()
+               for name, tensor in hf.state_dict().items() if name != "lm_head.weight"}
+    for i in range(model.config.n_layer):
+        tensors[f"h.{i}.attn.bias"] = torch.ones(1, 1, 8, 8).tril()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_model(str(tmp_path), "cpu", "float32")
+    assert same_weights(model, loaded.model)
