@@ -5,9 +5,10 @@
 //   split into a 7-bit part and its rounding error (scaled by 126), both as bytes around the
 //   zero point 64; both are multiplied by the int8 weight (exact int32 sums, as fbgemm's), and
 //   dequantized and recombined as quantize.py's torch ops do, so the two paths agree to an ulp.
-//   Why not fbgemm: about 20 us of fixed cost per call (49 calls a step), and it splits its threads
-//   by rows, so at one row a second core reads the same weight again; here threads split the
-//   output channels (GPT-2 small's 48 block Linears at one row, 2 cores: 7.3 -> 3.3 ms).
+//   Why not fbgemm: about 20 us of fixed cost per call whatever its size (49 calls a step), and at
+//   a few rows its second thread gained little; here threads split the output channels, each
+//   reading its own part of the weight (GPT-2 small's 48 block Linears at one row, 2 cores:
+//   7.3 -> 3.3 ms).
 //   Kernels: AVX-512 VNNI, AVX2, portable C++; the widest the CPU runs is used.
 // gpt2serve::decode_attention: one new query per row against the keys of its own slot of the
 //   KV cache, reading positions 0..position[b] only (torch's attention reads the whole padded
