@@ -157,7 +157,9 @@ def test_a_second_signal_cuts_the_drain_and_the_log_names_each_call_cut(tmp_path
     log = srv.log()
     _, answered, cut = drain_lines(log)
     assert exit_code == 0, log[-3000:]
-    assert not answered and sum(n for n, _ in cut) == 4, log[-3000:]
+    # A front end that took none of the four streams (the kernel spreads connections over the
+    # shared port) logs "all 0 ... answered"; none was answered in full on either.
+    assert not any(answered) and sum(n for n, _ in cut) == 4, log[-3000:]
     names = "; ".join(names for _, names in cut)
     for call in ("grpc Generate", "POST /v1/generate", "POST /v1/completions", "POST /v1/chat/completions"):
         assert re.search(rf"{re.escape(call)} \(taken \d+\.\d s before\)", names), names
