@@ -121,7 +121,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
         self.proj = Linear(config.d_model, config.d_model)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, taps: ForwardTaps | None, layer: int,
                 kv: KeyValueStore | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x)  # (B, T, 3C)
@@ -135,8 +135,10 @@ class CausalSelfAttention(nn.Module):
         if y is None:
             if kv is not None:
                 k, v = kv.attend(layer, k, v)  # (B, nh, S, hs): with the keys of earlier steps; mask (B, 1, T, S)
-            # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, nh, T, hs)
+            # Fused kernel; written out it is softmax((q @ k^T) / sqrt(hs), masked) @ v. Without
+            # a mask, each query sees the keys up to its own column, and the kernel skips the rest
+            # (half the work of a long prompt; a mask makes it compute every pair, then hide half).
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)  # (B, nh, T, hs)
         if taps is not None:
             taps.heads(layer, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
@@ -165,7 +167,7 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, taps: ForwardTaps | None, layer: int,
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, taps: ForwardTaps | None, layer: int,
                 kv: KeyValueStore | None = None) -> torch.Tensor:
         attn_out = self.attn(self.ln_1(x), mask, taps, layer, kv)  # (B, T, C)
         x = x + attn_out
@@ -191,13 +193,14 @@ class GPT2(nn.Module):
         if self.config.tie_lm_head:
             self.lm_head.weight = self.wte.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor,
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor | None,
                       taps: ForwardTaps | None = None, kv: KeyValueStore | None = None,
                       mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids, positions and real-token mask -> (B, T, C) residual stream after the
         last block (before ln_f). With `kv`, `mask` (B, 1, T, S) says which of the store's keys
-        each query sees; without, the mask follows from `valid`."""
-        if mask is None:
+        each query sees; without, the mask follows from `valid`. With neither, each query sees the
+        keys up to its own column (right-padded rows: a real token never sees the padding)."""
+        if mask is None and valid is not None:
             mask = attention_mask(valid)  # (B, 1, T, T), shared by every block
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
         if taps is not None:

@@ -97,7 +97,9 @@ class PrefixBatch:
 
     ids: torch.Tensor  # (R, T) new tokens
     positions: torch.Tensor  # (R, T) their positions in their prompts (padding: its prompt's last)
-    mask: torch.Tensor  # (R, 1, T, P + T) bool: which cached keys, then which new ones, each query sees
+    # (R, 1, T, P + T) bool: which cached keys, then which new ones, each query sees; None when
+    # nothing is cached and the rows are right-padded: then it is causal (gpt2.hidden_states)
+    mask: torch.Tensor | None
     reads: torch.Tensor  # (R, P) pool positions of the cached keys in front of row r (null-block padded)
     cached: list[int]  # per prompt: tokens read from the cache
     new_lengths: list[int]  # per prompt: tokens computed
@@ -121,7 +123,8 @@ def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad
     else:
         batch = _rows(new, cached, hits, pad_id)
     for name in ("ids", "positions", "mask", "reads"):
-        setattr(batch, name, getattr(batch, name).to(device))
+        if getattr(batch, name) is not None:
+            setattr(batch, name, getattr(batch, name).to(device))
     batch.hit_positions = [h.to(device) for h in batch.hit_positions]
     return batch
 
@@ -138,9 +141,11 @@ def _rows(new: list[list[int]], cached: list[int], hits: list[torch.Tensor], pad
     valid = cols[None, :] < lengths_t[:, None]  # (B, T)
     # A padding query stands at its row's last position: in range, and it sees real keys only.
     positions = cached_t[:, None] + torch.minimum(cols[None, :], lengths_t[:, None] - 1)  # (B, T)
-    seen_cached = (torch.arange(P)[None, :] < cached_t[:, None])[:, None, :].expand(B, T, P)  # (B, T, P)
-    seen_new = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (B, T, T)
-    mask = torch.cat([seen_cached, seen_new], dim=2)[:, None]  # (B, 1, T, P + T)
+    mask = None  # nothing cached: causal, and a real query's keys are all real (padding is after)
+    if P:
+        seen_cached = (torch.arange(P)[None, :] < cached_t[:, None])[:, None, :].expand(B, T, P)  # (B, T, P)
+        seen_new = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (B, T, T)
+        mask = torch.cat([seen_cached, seen_new], dim=2)[:, None]  # (B, 1, T, P + T)
     reads = torch.full((B, P), NULL_BLOCK * BLOCK, dtype=torch.long)  # (B, P)
     for row, positions_of_row in enumerate(hits):
         reads[row, :len(positions_of_row)] = positions_of_row
