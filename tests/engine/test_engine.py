@@ -152,21 +152,40 @@ def same_weights(ours: GPT2, loaded: GPT2) -> bool:
     return all(torch.equal(tensor, theirs[name]) for name, tensor in ours.state_dict().items())
 
 
-def test_a_hub_id_loads_offline_from_the_local_hub_cache(tmp_path, monkeypatch):
-    """A hub id already in the local Hugging Face cache (its layout: refs/main names the snapshot)
-    loads with no network, through huggingface_hub as for a download."""
+def cached_hub_repo(tmp_path, monkeypatch, model: GPT2, safetensors: bool = True) -> None:
+    """someone/tiny-gpt2 in a local Hugging Face cache (its layout: refs/main names the snapshot)."""
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     repo, commit = cache / "models--someone--tiny-gpt2", "0123456789abcdef0123456789abcdef01234567"
-    model = build_random_model("tiny", 3)
-    to_transformers(model).save_pretrained(repo / "snapshots" / commit)
+    snapshot, hf = repo / "snapshots" / commit, to_transformers(model)
+    if safetensors:
+        hf.save_pretrained(snapshot)
+    else:  # transformers 5 writes safetensors only
+        hf.config.save_pretrained(snapshot)
+        torch.save(hf.state_dict(), snapshot / "pytorch_model.bin")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_id_loads_offline_from_the_local_hub_cache(tmp_path, monkeypatch):
+    """A hub id already in the local cache loads with no network, through huggingface_hub as for
+    a download."""
+    model = build_random_model("tiny", 3)
+    cached_hub_repo(tmp_path, monkeypatch, model)
     loaded = load_model("someone/tiny-gpt2", "cpu", "float32", random_fallback=False)
     assert loaded.weights == "pretrained" and loaded.weights_source == "huggingface:someone/tiny-gpt2"
+    assert same_weights(model, loaded.model)
+
+
+def test_a_hub_id_with_pickle_weights_only_needs_allow_pickle(tmp_path, monkeypatch):
+    model = build_random_model("tiny", 5)
+    cached_hub_repo(tmp_path, monkeypatch, model, safetensors=False)
+    with pytest.raises(ModelLoadError, match=r"^someone/tiny-gpt2: .*pickle.*--allow-pickle"):
+        load_model("someone/tiny-gpt2", "cpu", "float32", random_fallback=False)
+    loaded = load_model("someone/tiny-gpt2", "cpu", "float32", random_fallback=False, allow_pickle=True)
     assert same_weights(model, loaded.model)
 
 

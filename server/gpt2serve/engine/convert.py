@@ -90,6 +90,9 @@ def from_transformers(hf_model: GPT2LMHeadModel) -> GPT2:
     return from_tensors(config_from_transformers(hf_model.config), dict(hf_model.named_parameters()))  # tied: wte once
 
 
+PICKLE_HINT = "unpickling can run code: convert the checkpoint to safetensors, or pass --allow-pickle if you trust it"
+
+
 def read_checkpoint_dir(path: Path, dtype: torch.dtype, allow_pickle: bool) -> GPT2:
     """A GPT-2 checkpoint directory (config.json, then *.safetensors, sharded or not; or
     pytorch_model*.bin where `allow_pickle`, loaded weights-only) -> our model in `dtype`."""
@@ -111,9 +114,13 @@ def read_checkpoint_dir(path: Path, dtype: torch.dtype, allow_pickle: bool) -> G
         for file in files:
             tensors.update({name: t.to(dtype) for name, t in torch.load(file, map_location="cpu",
                                                                         weights_only=True).items()})
-    else:
-        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: no *.safetensors"
-                             + (" or pytorch_model*.bin" if allow_pickle else "") + " file")
+    elif allow_pickle:
+        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: no *.safetensors or pytorch_model*.bin file")
+    elif any(path.glob("*.bin")):
+        raise ModelLoadError(f"{path}: only pickle weights (pytorch_model.bin) were found, and {PICKLE_HINT}")
+    else:  # a hub snapshot fetched without --allow-pickle holds no .bin even where the repository has one
+        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: no *.safetensors file; if it has pickle "
+                             f"weights (pytorch_model.bin) only, {PICKLE_HINT}")
     return from_tensors(config_from_transformers(hf_config), tensors)
 
 

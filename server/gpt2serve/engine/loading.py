@@ -107,10 +107,6 @@ def hub_reachable() -> bool:
         return False
 
 
-PICKLE_HINT = ("only pickle weights (pytorch_model.bin) were found, and unpickling can run code; "
-               "convert the checkpoint to safetensors, or pass --allow-pickle if you trust it")
-
-
 def hub_snapshot(spec: str, allow_pickle: bool, offline: bool) -> Path:
     """A hub model's files in the local Hugging Face cache (downloading them unless `offline`)."""
     from huggingface_hub import snapshot_download  # lazy: only hub ids need it
@@ -124,8 +120,6 @@ def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -
     `allow_pickle` (then safetensors is still preferred, and torch.load is weights-only)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not allow_pickle and not any(path.glob("*.safetensors")) and any(path.glob("*.bin")):
-            raise ModelLoadError(f"{path}: {PICKLE_HINT}")
         return read_checkpoint_dir(path, dtype, allow_pickle), load_tokenizer(path), str(path.resolve())
     if spec.startswith((".", "/", "~")):  # Meant as a path, not a hub id.
         raise ModelLoadError(f"{spec}: no such checkpoint directory")
@@ -140,10 +134,11 @@ def load_pretrained(spec: str, dtype: torch.dtype, allow_pickle: bool = False) -
             snapshot = hub_snapshot(spec, allow_pickle, offline=False)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{spec}: could not load from the Hugging Face hub: {exc}") from exc
-    if not allow_pickle and not any(snapshot.glob("*.safetensors")):
-        raise ModelLoadError(f"{spec}: no safetensors weights; if it holds pickle weights (pytorch_model.bin) "
-                             "only, unpickling can run code: pass --allow-pickle if you trust it")
-    return read_checkpoint_dir(snapshot, dtype, allow_pickle), bundled_gpt2_tokenizer(), f"huggingface:{spec}"
+    try:
+        model = read_checkpoint_dir(snapshot, dtype, allow_pickle)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{spec}: {exc}") from exc
+    return model, bundled_gpt2_tokenizer(), f"huggingface:{spec}"
 
 
 def check_quantize(quantize: str, device: torch.device, dtype: torch.dtype) -> None:
