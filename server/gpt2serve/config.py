@@ -25,10 +25,6 @@ METRICS_COMPAT_CHOICES = ("vllm",)  # telemetry.metrics.METRICS_COMPAT
 # --max-batch-size auto: on a GPU, batch 256 costs about what 64 does (issue 11, H100: CUDA-graph
 # forwards of 1.65 ms at 64 and 3.5 ms at 256); on a CPU, 64 already fills the cores.
 AUTO_MAX_BATCH_SIZE = {"cuda": 256, "cpu": 64}
-# --max-batch-tokens auto: on a CPU, a forward past about 512 tokens spills its activations out of
-# the cache: eight 512-token prompts cost 434 ms each in one forward and 356 ms each one at a
-# time (int8, GPT-2 small, 2 cores, 2026-11-25); a GPU only needs the activations to fit.
-AUTO_MAX_BATCH_TOKENS = {"cuda": 16384, "cpu": 512}
 
 
 @dataclass(frozen=True)
@@ -44,8 +40,8 @@ class ServeConfig:
     max_batch_size: int | None = None  # None: auto, by device (AUTO_MAX_BATCH_SIZE)
     max_batch_delay_ms: float = 25.0
     max_queue: int = 1024
-    # Padded tokens (batch size x longest prompt) in one forward; None: auto, by device (AUTO_MAX_BATCH_TOKENS).
-    max_batch_tokens: int | None = None
+    # Padded tokens (batch size x longest prompt) in one forward; bounds activation memory.
+    max_batch_tokens: int = 16384
     # A forward's fixed cost in padded tokens' worth, for length grouping; None: measured at warm-up.
     fixed_cost_tokens: float | None = None
     # 0 means "the model's context length".
@@ -113,9 +109,6 @@ class ServeConfig:
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
-
-    def max_batch_tokens_on(self, device_type: str) -> int:
-        return self.max_batch_tokens or AUTO_MAX_BATCH_TOKENS.get(device_type, AUTO_MAX_BATCH_TOKENS["cpu"])
 
 
 def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
@@ -210,10 +203,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--max-batch-delay-ms", type=float, default=d.max_batch_delay_ms,
             help="longest wait for the clients of the last batch to send again (see scheduling)")
     env.add("--max-queue", type=int, default=d.max_queue, help="prompts waiting beyond this are refused")
-    env.add("--max-batch-tokens", type=auto_or_int, default="auto",
-            help="most padded tokens (prompts x longest prompt) in one forward, and in one prefill of generation; "
-                 "a longer single prompt still runs alone; auto: "
-                 f"{AUTO_MAX_BATCH_TOKENS['cuda']} on a GPU, {AUTO_MAX_BATCH_TOKENS['cpu']} on a CPU")
+    env.add("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+            help="most padded tokens (prompts x longest prompt) in one forward; a longer single prompt still runs alone")
     env.add("--fixed-cost-tokens", type=auto_float, default="auto",
             help="a forward's fixed cost in padded tokens' worth, which decides when prompts of different "
                  "lengths run apart (see scheduling.grouping); auto: measured at warm-up")
@@ -319,7 +310,7 @@ def validate(config: ServeConfig) -> None:
         problems.append("--max-queue must be >= 1")
     if config.fixed_cost_tokens is not None and config.fixed_cost_tokens < 0:
         problems.append("--fixed-cost-tokens must be >= 0 (or auto)")
-    if config.max_batch_tokens is not None and config.max_batch_tokens < 1:
+    if config.max_batch_tokens < 1:
         problems.append("--max-batch-tokens must be >= 1")
     if not 0.0 <= config.trace_sample_ratio <= 1.0:
         problems.append("--trace-sample-ratio must be within 0..1")

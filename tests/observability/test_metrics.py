@@ -76,18 +76,6 @@ def test_counters_move_by_what_was_sent(metered_server):
     assert value(after, "gpt2serve_in_flight_requests") == 0
 
 
-def test_a_cpu_forward_takes_512_padded_tokens_by_default(metered_server):
-    """--max-batch-tokens auto is 512 on a CPU (past it, a forward's activations leave the cache):
-    three 200-token prompts in one call run as two forwards, two prompts and then one."""
-    before = scrape(metered_server)
-    prompts = [[(7 * i + j) % 1000 + 1 for j in range(200)] for i in range(3)]
-    with RestClient(metered_server.http_url) as rest:
-        assert len(rest.next_token_batch(prompts)) == 3
-    after = scrape(metered_server)
-    assert value(after, "gpt2serve_batch_size_count") - value(before, "gpt2serve_batch_size_count") == 2
-    assert value(after, "gpt2serve_batch_size_sum") - value(before, "gpt2serve_batch_size_sum") == 3
-
-
 def test_openmetrics_exemplars_carry_the_trace_id(metered_server):
     with Client(metered_server.grpc_target) as client:
         traced = client.next_token([464, 3139, 286], trace_layers=True)

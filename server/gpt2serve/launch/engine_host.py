@@ -157,14 +157,13 @@ class EngineHost:
         except BaseException:
             engine_thread.shutdown(wait=False)
             raise
-        max_batch_tokens = config.max_batch_tokens_on(engine.loaded.device.type)
         self.batcher = Batcher(
             engine, max_batch_size=engine.options.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
-            max_queue=config.max_queue, max_batch_tokens=max_batch_tokens, engine_thread=engine_thread,
+            max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
             observer=telemetry)
         self.continuous = ContinuousBatcher(
             generator, engine_thread, eos_token_id=engine.loaded.tokenizer.eos_token_id, max_queue=config.max_queue,
-            max_prefill_tokens=max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s, observer=telemetry)
+            max_prefill_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s, observer=telemetry)
         self.batcher.start()
         self.continuous.start()
         loaded = engine.loaded
