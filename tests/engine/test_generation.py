@@ -17,7 +17,7 @@ from support.reference import transformers_random_model
 from support.generation import GREEDY, LIVELY, PROMPTS, run_joining, transformers_greedy
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.generator import Generator, NewSequence, prefill_parts
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import TOP, choose
 from gpt2serve.protocol import SamplingParams
@@ -77,6 +77,34 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
         assert tokens == transformers_greedy(hf, prompt, n), prompt
     assert max(running_at_prefill) > 0, "no sequence joined a running batch"
     assert not generator.running  # every slot was given back
+
+
+def test_prefill_parts_keep_each_forward_within_the_budget():
+    assert prefill_parts([200, 200, 200], 512) == [(0, 2), (2, 3)]  # rows x the longest new part
+    assert prefill_parts([100] * 5, 512) == [(0, 5)]
+    assert prefill_parts([100] * 6, 512) == [(0, 5), (5, 6)]
+    assert prefill_parts([10, 600, 10], 512) == [(0, 1), (1, 2), (2, 3)]  # a long one runs alone
+    assert prefill_parts([200] * 3, None) == [(0, 3)]
+    assert prefill_parts([], 512) == []
+
+
+def test_a_long_prefill_runs_in_parts_on_a_cpu_and_each_row_is_its_own(saved):
+    """Three 200-token prompts: two forwards (2 x 200 tokens, then 1 x 200), one step for the
+    scheduler, and each sequence's greedy tokens are transformers' for it alone."""
+    hf, engine = saved
+    generator = Generator(engine, slots=4)
+    forwards, run_part = [], generator._prefill
+    generator._prefill = lambda sequences, *rest: forwards.append(len(sequences)) or run_part(sequences, *rest)
+    prompts = [[(31 * i + 7 * j) % 1000 + 1 for j in range(200)] for i in range(3)]
+    step = generator.prefill([NewSequence(i, p, GREEDY, 0) for i, p in enumerate(prompts)])
+    assert forwards == [2, 1] and step.rows == 3 and step.tokens_in == 600 and step.kind == "prefill"
+    tokens = {i: [step.tokens[i].token_id] for i in range(3)}
+    for _ in range(9):
+        step = generator.decode()
+        for i in range(3):
+            tokens[i].append(step.tokens[i].token_id)
+    for i, prompt in enumerate(prompts):
+        assert tokens[i] == transformers_greedy(hf, prompt, 10), i
 
 
 def test_the_cache_grows_with_the_tokens_held_and_gives_them_back(saved):
