@@ -199,7 +199,8 @@ template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_vnni(
     const uint8_t* a, int64_t G, const int8_t* w, int64_t b0, int64_t b1, int64_t n0, const Epilogue& e) {
   int64_t b = b0;
-  if (R == 1) for (; b + 4 <= b1; b += 4) vnni_blocks<R, 4>(a, G, w, b, n0, e);
+  if constexpr (R == 1)  // one row: four weight streams; more rows reuse each load instead
+    for (; b + 4 <= b1; b += 4) vnni_blocks<R, 4>(a, G, w, b, n0, e);
   for (; b + 2 <= b1; b += 2) vnni_blocks<R, 2>(a, G, w, b, n0, e);
   if (b < b1) vnni_blocks<R, 1>(a, G, w, b, n0, e);
 }

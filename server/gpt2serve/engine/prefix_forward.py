@@ -138,11 +138,11 @@ def _rows(new: list[list[int]], cached: list[int], hits: list[torch.Tensor], pad
         ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     cols = torch.arange(T)  # (T,)
     lengths_t, cached_t = torch.tensor(lengths), torch.tensor(cached)  # (B,) each
-    valid = cols[None, :] < lengths_t[:, None]  # (B, T)
-    # A padding query stands at its row's last position: in range, and it sees real keys only.
+    # A padding query stands at its row's last position, in range; its output is never read.
     positions = cached_t[:, None] + torch.minimum(cols[None, :], lengths_t[:, None] - 1)  # (B, T)
     mask = None  # nothing cached: causal, and a real query's keys are all real (padding is after)
-    if P:
+    if P:  # with cached keys in front, a mask; there a padding query sees real keys only
+        valid = cols[None, :] < lengths_t[:, None]  # (B, T)
         seen_cached = (torch.arange(P)[None, :] < cached_t[:, None])[:, None, :].expand(B, T, P)  # (B, T, P)
         seen_new = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]  # (B, T, T)
         mask = torch.cat([seen_cached, seen_new], dim=2)[:, None]  # (B, 1, T, P + T)
