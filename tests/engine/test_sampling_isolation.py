@@ -9,6 +9,7 @@ and with top_k / top_p it raised in the step and failed every row of the batch.
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from support.generation import GREEDY, LIVELY, PROMPTS, run_joining
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
-from gpt2serve.engine import sampling
+from gpt2serve.engine import native, sampling
+from gpt2serve.engine.prefix_cache import RowPlan
+from gpt2serve.engine.prefix_forward import prefix_batch
 from gpt2serve.engine.sampling import FINITE, LOGPROB, TOKEN, choose
 from gpt2serve.protocol import GREEDY_TEMPERATURE, SamplingParams
 from gpt2serve.errors import NonFiniteOutput
@@ -188,6 +191,78 @@ async def run_with_failure(generator, requests, bad_request):
         return good, error, bad_tokens
     finally:
         await scheduler.stop()
+
+
+NAN_TOKEN = 40002
+
+
+@contextmanager
+def embeds_as_nan(model, token: int):
+    """`token` embeds as NaN, as an fp16 overflow would leave a position of the residual stream;
+    the real forward carries it on from there."""
+    def poison(module, args, vectors):  # (B, T) ids -> (B, T, C) vectors
+        return torch.where((args[0] == token)[..., None], float("nan"), vectors)
+
+    handle = model.wte.register_forward_hook(poison)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def greedy_tokens(generator: Generator, seq_id: int, prompt: list[int], n: int) -> list[int]:
+    steps = [generator.prefill([NewSequence(seq_id, prompt, GREEDY, 0)])]
+    while len(steps) < n:
+        steps.append(generator.decode())
+    assert not any(step.failed for step in steps)
+    return [step.tokens[seq_id].token_id for step in steps]
+
+
+def test_a_non_finite_prompt_packed_beside_another_fails_alone(engine):
+    """Two short prompts share one packed row (engine.prefix_forward), where a NaN of one reaches
+    the other through attention at weight 0: the prefill runs again in rows, and only the NaN
+    prompt fails. The other generates what it generates alone."""
+    bad, good = [NAN_TOKEN, 5], PROMPTS[1]
+    assert prefix_batch([bad, good], [RowPlan(bad, []), RowPlan(good, [])], 0, torch.device("cpu")).packed
+    alone = greedy_tokens(Generator(engine, slots=2, graphs=False), 1, good, 6)
+    generator = Generator(engine, slots=2, graphs=False)
+    with embeds_as_nan(engine.model, NAN_TOKEN):
+        first = generator.prefill([NewSequence(0, bad, GREEDY, 0), NewSequence(1, good, GREEDY, 0)])
+        assert first.failed == {0} and 0 not in first.tokens
+        generator.remove({0})
+        tokens = [first.tokens[1].token_id] + [generator.decode().tokens[1].token_id for _ in range(5)]
+    assert tokens == alone
+
+
+def test_a_non_finite_prompt_packed_after_a_cached_prefix_fails_alone(engine, caplog):
+    """The same for next-token prompts behind a cached prefix (Engine.next_token's packed layout)."""
+    cached = Engine(engine.loaded)
+    cached.attach_prefix_cache(64, doorkeeper=False)
+    prefix = PROMPTS[15][:32]
+    cached.next_token([prefix + [7]], [1])  # its two blocks into the cache
+    prompts = [prefix + [NAN_TOKEN, 5], prefix + PROMPTS[1]]
+    alone = cached.next_token([prompts[1]], [3])
+    with embeds_as_nan(cached.model, NAN_TOKEN):
+        both = cached.next_token(prompts, [3, 3])
+    assert both.failed_rows == {0} and both.cached_tokens == [32, 32]
+    assert [t.token_id for t in both.top[1]] == [t.token_id for t in alone.top[0]]
+    assert [t.logprob for t in both.top[1]] == pytest.approx([t.logprob for t in alone.top[0]], abs=1e-4)
+    assert "packed prompts came out non-finite; running them again in rows" in caplog.text  # it was packed
+
+
+def test_a_non_finite_sequence_leaves_no_nan_in_its_slot(engine, monkeypatch):
+    """Decode attention over a slot's whole span (torch's, as on a GPU) reads the positions past a
+    sequence's own length at weight 0, and 0 x NaN is NaN: a shorter sequence taking the slot of
+    one that failed must not inherit its NaNs."""
+    monkeypatch.setattr(native, "available", lambda: False)
+    good, bad = PROMPTS[2], [NAN_TOKEN] + PROMPTS[5]
+    assert len(bad) > len(good) + 6
+    alone = greedy_tokens(Generator(engine, slots=1, graphs=False), 0, good, 6)
+    generator = Generator(engine, slots=1, graphs=False)
+    with embeds_as_nan(engine.model, NAN_TOKEN):
+        assert generator.prefill([NewSequence(9, bad, GREEDY, 0)]).failed == {9}
+        generator.remove({9})
+        assert greedy_tokens(generator, 0, good, 6) == alone
 
 
 def test_top_p_from_the_best_candidates_picks_what_the_whole_sorted_vocabulary_picks(monkeypatch):

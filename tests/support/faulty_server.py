@@ -4,8 +4,9 @@ Real server, real ports; only the forward pass misbehaves, on prompts that ask f
 - a prompt containing FAIL_TOKEN makes its batch's forward raise (a bug, a bad kernel);
 - a batch of more than one prompt that contains OOM_TOKEN raises the engine's OutOfMemory, as a
   CUDA out-of-memory does on a GPU (there is no GPU here), so the scheduler must split it;
-- a prompt containing NAN_TOKEN gets NaN logits in its own row (next-token, and every step of a
-  generation), as an fp16 overflow would: only that request may fail.
+- NAN_TOKEN embeds as NaN, as an fp16 overflow would leave a position of the residual stream,
+  and the real forward carries it on: through attention to the later tokens of its prompt (and
+  to any prompt packed beside it, engine.prefix_forward). Only that request may fail.
 Each forward's batch size is printed, so the test can see the splits.
 """
 
@@ -15,17 +16,13 @@ import torch
 
 from gpt2serve.cli import main
 from gpt2serve.engine import engine as engine_module
-from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine import gpt2 as gpt2_module
 
 FAIL_TOKEN = 40000
 OOM_TOKEN = 40001
 NAN_TOKEN = 40002
 real_next_token = engine_module.Engine.next_token
-real_hidden_states = gpt2_module.GPT2.hidden_states
-real_prefill = generator_module.Generator.prefill
-real_choose = generator_module.Generator._choose
-poisoned_sequences: set[int] = set()
+real_embedding = gpt2_module.Embedding.forward
 
 
 def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None):
@@ -37,26 +34,13 @@ def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_r
     return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows)
 
 
-def hidden_states(self, input_ids, *args, **kwargs):
-    hidden = real_hidden_states(self, input_ids, *args, **kwargs)  # (B, T, C)
-    poisoned = (input_ids == NAN_TOKEN).any(dim=-1)  # (B,)
-    return torch.where(poisoned[:, None, None], float("nan"), hidden)
-
-
-def prefill(self, sequences):
-    poisoned_sequences.update(s.seq_id for s in sequences if NAN_TOKEN in s.prompt)
-    return real_prefill(self, sequences)
-
-
-def choose(self, logits, rows):
-    poisoned = torch.tensor([r.seq_id in poisoned_sequences for r in rows])  # (B,)
-    return real_choose(self, torch.where(poisoned[:, None], float("nan"), logits), rows)
+def embedding(self, ids):
+    vectors = real_embedding(self, ids)  # (B, T, C)
+    return torch.where((ids == NAN_TOKEN)[..., None], float("nan"), vectors)
 
 
 engine_module.Engine.next_token = next_token
-gpt2_module.GPT2.hidden_states = hidden_states
-generator_module.Generator.prefill = prefill
-generator_module.Generator._choose = choose
+gpt2_module.Embedding.forward = embedding
 
 if __name__ == "__main__":
     sys.exit(main())

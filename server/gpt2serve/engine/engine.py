@@ -37,7 +37,7 @@ from .cuda_graphs import BucketedForward
 from .head import ScoredSpan, score_prompts
 from .loading import LoadedModel
 from .prefix_cache import PrefixCache, RowPlan
-from .prefix_forward import BlockWriter, PrefixStore, prefix_batch
+from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .padding import IDS, POSITIONS, VALID, Buckets, left_pad
 
 log = logging.getLogger(__name__)
@@ -215,14 +215,20 @@ class Engine:
 
     def _after_prefix(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan],
                       scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
-        """Each prompt's tokens after its cached blocks, right-padded, attending over those blocks."""
-        batch = prefix_batch(prompts, plans, self.pad_token_id, self.device)
-        writer = BlockWriter.for_rows(self.prefix_cache, plans, batch.starts, batch.rows)  # new blocks start each prompt's part
-        store = PrefixStore(self.prefix_cache, batch, writer)
-        hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (B, T, C)
-        writer.write_hidden(hidden)
-        logits = self.head(store.last_hidden(hidden))  # (B, V)
-        top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
+        """Each prompt's tokens after its cached blocks, attending over those blocks (packed or
+        in rows, see engine.prefix_forward)."""
+        for pack in (True, False):
+            batch = prefix_batch(prompts, plans, self.pad_token_id, self.device, pack)
+            writer = BlockWriter.for_rows(self.prefix_cache, plans, batch.starts, batch.rows)  # new blocks start each prompt's part
+            store = PrefixStore(self.prefix_cache, batch, writer)
+            hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
+            writer.write_hidden(hidden)
+            logits = self.head(store.last_hidden(hidden))  # (B, V)
+            top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
+            if not needs_rows_again(batch, failed):
+                break
+            log.warning("%d of %d packed prompts came out non-finite; running them again in rows", len(failed),
+                        len(prompts))
         scores = store.scores(hidden, prompts, scored_rows, self.head, self.model.config.vocab_size)
         return BatchOutput(top, time.perf_counter() - started, batch.ids.shape[1], started_ns, time.time_ns(),
                            failed_rows=failed, prompt_scores=scores, cached_tokens=batch.cached)

@@ -16,6 +16,7 @@ Every step ends in one copy to the host: per row [token, logprob, top logprobs, 
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from ..protocol import PromptScores, SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
 from .prefix_cache import RowPlan
-from .prefix_forward import BlockWriter, PrefixStore, prefix_batch
+from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
 # On a CPU a prefill runs in forwards of at most this many computed (padded) tokens: past about
@@ -37,6 +38,8 @@ from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 # forward and 356 ms each one at a time (int8 GPT-2 small, 2 cores, AMD EPYC, 2026-11-25). The
 # schedulers cannot cap it: they see whole prompts, not what the prefix cache spares of them.
 CPU_PREFILL_TOKENS = 512
+
+log = logging.getLogger(__name__)
 
 
 def prefill_parts(new_lengths: Sequence[int], budget: int | None) -> list[tuple[int, int]]:
@@ -102,6 +105,7 @@ class Generator:
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.running: list[_Running] = []
+        self.non_finite: set[int] = set()  # seq_ids whose last step was not finite: their slots are cleared on leaving
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
@@ -132,6 +136,11 @@ class Generator:
     @torch.inference_mode()
     def remove(self, seq_ids: Collection[int]) -> None:
         """Free these sequences' slots: the last running sequence moves into each hole."""
+        for i, r in enumerate(self.running):
+            if r.seq_id in seq_ids and r.seq_id in self.non_finite:
+                # Its NaNs would stay past the next occupant's length, read there at weight 0.
+                self.cache.clear(i, r.length + 1)
+                self.non_finite.discard(r.seq_id)
         i = 0
         while i < len(self.running):
             if self.running[i].seq_id not in seq_ids:
@@ -172,16 +181,22 @@ class Generator:
                  first: int, started: float, started_ns: int) -> StepOutput:
         pool = self.engine.prefix_cache
         self.cache.reserve(first + len(sequences), max(len(p) for p in prompts))
-        batch = prefix_batch(prompts, plans, self.engine.pad_token_id, self.engine.device)  # (k, T): after the cached
-        writer = BlockWriter.for_rows(pool, plans, batch.starts, batch.rows) if pool is not None else None
-        store = PrefixStore(pool, batch, writer, slots=self.cache, first_slot=first)
-        hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (k, T, C)
-        if writer is not None:
-            writer.write_hidden(hidden)
-        added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
-                 for s in sequences]
-        tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added)
+        for pack in (True, False):
+            batch = prefix_batch(prompts, plans, self.engine.pad_token_id, self.engine.device, pack)  # after the cached
+            writer = BlockWriter.for_rows(pool, plans, batch.starts, batch.rows) if pool is not None else None
+            store = PrefixStore(pool, batch, writer, slots=self.cache, first_slot=first)
+            hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
+            if writer is not None:
+                writer.write_hidden(hidden)
+            added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
+                     for s in sequences]
+            tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added)
+            if not needs_rows_again(batch, failed):
+                break
+            log.warning("%d of %d packed prompts came out non-finite; running them again in rows", len(failed),
+                        len(sequences))
         self.running.extend(added)
+        self.non_finite |= failed
         scored = {row: s.prompt_logprobs for row, s in enumerate(sequences) if s.prompt_logprobs is not None}
         scores = store.scores(hidden, prompts, scored, self.engine.head, self.model.config.vocab_size)
         return StepOutput(tokens, "prefill", len(sequences), sum(batch.new_lengths), time.perf_counter() - started,
@@ -209,6 +224,7 @@ class Generator:
             span = min(BLOCK * blocks_for(needed), self.cache.length)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
         tokens, failed = self._choose(logits, rows)
+        self.non_finite |= failed
         for r in rows:
             r.length += 1
         return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,

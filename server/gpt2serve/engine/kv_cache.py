@@ -19,7 +19,8 @@ which on a CPU costs as much memory traffic as the attention itself.
 
 Every value read is finite: the tensors start zeroed, and a slot past a sequence's length holds
 zeros or an earlier sequence's keys, which the mask hides (a NaN there would leak through
-attention's weights @ values even at weight 0).
+attention's weights @ values even at weight 0); a sequence whose numbers were not finite has its
+slot cleared as it leaves (engine.generator).
 """
 
 from __future__ import annotations
@@ -117,6 +118,12 @@ class KVCache:
             keys[:, :kept_slots, :, :kept_length] = self.keys[:, :kept_slots, :, :kept_length]
             values[:, :kept_slots, :, :kept_length] = self.values[:, :kept_slots, :, :kept_length]
         self.keys, self.values, self.slots, self.length = keys, values, slots, length
+
+    def clear(self, slot: int, length: int) -> None:
+        """Zero a slot's first `length` positions (those of a sequence whose numbers were not finite)."""
+        length = min(length, self.length)
+        self.keys[:, slot, :, :length] = 0
+        self.values[:, slot, :, :length] = 0
 
     def move(self, source: int, target: int, length: int) -> None:
         """Slot `source`'s first `length` positions into slot `target` (compaction)."""

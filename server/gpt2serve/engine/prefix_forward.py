@@ -17,6 +17,10 @@ Two layouts for the second (PrefixBatch):
   PACK_FACTOR times the rows layout's.
 - rows: a row per prompt, right-padded, each gathering its own cached blocks (prompts with
   different long prefixes, or long new parts).
+A packed row does not keep a numerical fault to its prompt: a NaN key or value of one prompt
+reaches every query of the row through attention, as weight 0 x NaN. So a packed forward in which
+more than one prompt came out non-finite is run again as rows (`needs_rows_again`), and each
+prompt fails or is answered on its own numbers.
 The pool is gathered, not read in place: torch has no CPU attention kernel over scattered
 blocks. bench/prefix_cache.py measures the layouts.
 """
@@ -24,7 +28,7 @@ blocks. bench/prefix_cache.py measures the layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -110,7 +114,8 @@ class PrefixBatch:
 
 
 def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad_id: int,
-                 device: torch.device) -> PrefixBatch:
+                 device: torch.device, pack: bool = True) -> PrefixBatch:
+    """The layout for these prompts (packed only where `pack` and it is cheaper, see above)."""
     cached = [plan.cached_tokens for plan in plans]
     new = [list(p[c:]) for p, c in zip(prompts, cached)]
     lengths = [len(n) for n in new]
@@ -118,7 +123,7 @@ def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad
     tokens, shared = sum(lengths), len(distinct) * BLOCK
     rows_pairs = sum(n * (c + n) for n, c in zip(lengths, cached))
     hits = [torch.tensor(PrefixCache.positions(plan.hit), dtype=torch.long) for plan in plans]
-    if len(prompts) > 1 and tokens * (shared + tokens) <= PACK_FACTOR * rows_pairs:
+    if pack and len(prompts) > 1 and tokens * (shared + tokens) <= PACK_FACTOR * rows_pairs:
         batch = _packed(new, cached, plans, distinct, hits)
     else:
         batch = _rows(new, cached, hits, pad_id)
@@ -127,6 +132,11 @@ def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad
             setattr(batch, name, getattr(batch, name).to(device))
     batch.hit_positions = [h.to(device) for h in batch.hit_positions]
     return batch
+
+
+def needs_rows_again(batch: PrefixBatch, failed: Collection[int]) -> bool:
+    """Packed, and more than one prompt not finite: one of them may have poisoned the others."""
+    return batch.packed and len(failed) > 1
 
 
 def _rows(new: list[list[int]], cached: list[int], hits: list[torch.Tensor], pad_id: int) -> PrefixBatch:
