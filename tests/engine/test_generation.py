@@ -17,7 +17,8 @@ from support.reference import transformers_random_model
 from support.generation import GREEDY, LIVELY, PROMPTS, run_joining, transformers_greedy
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generator import Generator, NewSequence, prefill_parts
+from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.padding import forward_parts
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import TOP, choose
 from gpt2serve.protocol import SamplingParams
@@ -79,13 +80,13 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
     assert not generator.running  # every slot was given back
 
 
-def test_prefill_parts_keep_each_forward_within_the_budget():
-    assert prefill_parts([200, 200, 200], 512) == [(0, 2), (2, 3)]  # rows x the longest new part
-    assert prefill_parts([100] * 5, 512) == [(0, 5)]
-    assert prefill_parts([100] * 6, 512) == [(0, 5), (5, 6)]
-    assert prefill_parts([10, 600, 10], 512) == [(0, 1), (1, 2), (2, 3)]  # a long one runs alone
-    assert prefill_parts([200] * 3, None) == [(0, 3)]
-    assert prefill_parts([], 512) == []
+def test_forward_parts_keep_each_forward_within_the_budget():
+    assert forward_parts([200, 200, 200], 512) == [(0, 2), (2, 3)]  # rows x the longest new part
+    assert forward_parts([100] * 5, 512) == [(0, 5)]
+    assert forward_parts([100] * 6, 512) == [(0, 5), (5, 6)]
+    assert forward_parts([10, 600, 10], 512) == [(0, 1), (1, 2), (2, 3)]  # a long one runs alone
+    assert forward_parts([200] * 3, None) == [(0, 3)]
+    assert forward_parts([], 512) == []
 
 
 def test_a_long_prefill_runs_in_parts_on_a_cpu_and_each_row_is_its_own(saved):

@@ -211,6 +211,26 @@ def test_evictions_keep_answers_exact(hf):
     assert hits > 0
 
 
+def test_a_batch_over_the_token_budget_runs_in_parts_and_each_row_is_its_own(hf):
+    """On a CPU a next-token batch runs in forwards of at most `forward_tokens` padded tokens,
+    counted after the prefix cache (engine.padding): each row keeps its answer, scores and
+    cached count, in its own place."""
+    engine = engine_for(hf, 200)
+    engine.forward_tokens = 48  # 512 by default; small here so that four prompts make parts
+    shared = tokens(80, 100)
+    engine.next_token([shared + [1]], [1])
+    prompts = [shared + tokens(9, 101), shared + tokens(3, 102), tokens(20, 103), tokens(30, 104)]
+    forwards, run = [], engine._next_token
+    engine._next_token = lambda part, *rest: forwards.append(len(part)) or run(part, *rest)
+    out = engine.next_token(prompts, [5] * 4, scored_rows={0: 4, 2: 2, 3: 1})
+    assert forwards == [2, 1, 1]  # 2 x 9 new tokens, then 20 and 30 alone
+    assert out.cached_tokens == [80, 80, 0, 0] and out.padded_len == 30
+    assert_next_tokens_match(hf, prompts, out)
+    assert sorted(out.prompt_scores) == [0, 2, 3]
+    for row, s in out.prompt_scores.items():
+        assert_prompt_scores_match(hf, prompts[row], s.token_logprobs, s.ranks, s.top_ids, s.top_logprobs)
+
+
 def test_scores_of_cached_positions_match_transformers(hf):
     engine = engine_for(hf, 200)
     shared = tokens(80, 100)

@@ -250,6 +250,21 @@ def test_a_non_finite_prompt_packed_after_a_cached_prefix_fails_alone(engine, ca
     assert "packed prompts came out non-finite; running them again in rows" in caplog.text  # it was packed
 
 
+def test_a_non_finite_row_of_a_batch_in_parts_fails_in_its_own_place(engine):
+    """A next-token batch over the CPU token budget runs in parts (engine.padding): the failed
+    row is named by its place in the batch, and the others answer as in one forward."""
+    prompts = [PROMPTS[1], PROMPTS[2], [NAN_TOKEN] + PROMPTS[1], PROMPTS[3]]
+    parted = Engine(engine.loaded)
+    whole = parted.next_token(prompts[:2] + prompts[3:], [2] * 3)
+    parted.forward_tokens = 8  # every prompt in a forward of its own
+    with embeds_as_nan(parted.model, NAN_TOKEN):
+        out = parted.next_token(prompts, [2] * 4)
+    assert out.failed_rows == {2}
+    for got, want in zip(out.top[:2] + out.top[3:], whole.top):
+        assert [t.token_id for t in got] == [t.token_id for t in want]
+        assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want], abs=1e-4)
+
+
 def test_a_non_finite_sequence_leaves_no_nan_in_its_slot(engine, monkeypatch):
     """Decode attention over a slot's whole span (torch's, as on a GPU) reads the positions past a
     sequence's own length at weight 0, and 0 x NaN is NaN: a shorter sequence taking the slot of

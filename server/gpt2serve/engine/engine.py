@@ -38,7 +38,7 @@ from .head import ScoredSpan, score_prompts
 from .loading import LoadedModel
 from .prefix_cache import PrefixCache, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
-from .padding import IDS, POSITIONS, VALID, Buckets, left_pad
+from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ class Engine:
         if self.device.type == "cuda" and options.cuda_graphs:
             self.graphs = self.bucketed(capture=True)
         self.prefix_cache: PrefixCache | None = None  # attach_prefix_cache()
+        # A batch's padded tokens per forward (engine.padding); None: the whole batch in one.
+        self.forward_tokens = CPU_FORWARD_TOKENS if self.device.type == "cpu" else None
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -184,12 +186,22 @@ class Engine:
         `scored_rows`: row -> top-k alternatives, for prompts whose every position is scored
         (engine.head); they take the eager path, since a graph keeps only the last position.
         A traced batch computes every prompt whole (its reports cover every position), and
-        still leaves its blocks in the prefix cache."""
+        still leaves its blocks in the prefix cache; an untraced one runs in parts of at most
+        `forward_tokens` padded tokens, counted after the prefix cache (engine.padding)."""
         started, started_ns = time.perf_counter(), time.time_ns()
+        scored_rows = scored_rows or {}
 
         def forward(plans: list[RowPlan] | None) -> BatchOutput:
-            return self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows or {},
-                                    plans, started, started_ns)
+            if traced_rows:
+                return self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
+                                        plans, started, started_ns)
+            new_lengths = [len(p) - (plan.cached_tokens if plans else 0) for p, plan in zip(prompts, plans or prompts)]
+            parts = forward_parts(new_lengths, self.forward_tokens)
+            outputs = [self._next_token(prompts[a:b], top_ks[a:b], (), (), (),
+                                        {row - a: k for row, k in scored_rows.items() if a <= row < b},
+                                        plans[a:b] if plans is not None else None, started, started_ns)
+                       for a, b in parts]
+            return outputs[0] if len(outputs) == 1 else _joined(outputs, [a for a, _ in parts])
 
         if self.prefix_cache is None:
             return forward(None)
@@ -308,3 +320,14 @@ class Engine:
         any more (engine.gpt2.Linear): 8-15 ms at 2-8 rows for GPT-2 small on our 2-core AVX2
         machine, where F.linear took 39-46 ms (and 15 ms for one row)."""
         return self.model.lm_head(rows)
+
+
+def _joined(outputs: list[BatchOutput], firsts: list[int]) -> BatchOutput:
+    """One batch's output from its parts' (part i starts at row firsts[i]; each part's forward_s
+    counts from the batch's start)."""
+    last = outputs[-1]
+    return BatchOutput([top for o in outputs for top in o.top], last.forward_s, max(o.padded_len for o in outputs),
+                       outputs[0].started_ns, last.ended_ns,
+                       failed_rows=frozenset(a + row for a, o in zip(firsts, outputs) for row in o.failed_rows),
+                       prompt_scores={a + row: s for a, o in zip(firsts, outputs) for row, s in o.prompt_scores.items()},
+                       cached_tokens=[c for o in outputs for c in o.cached_tokens])

@@ -29,30 +29,12 @@ from .traced_decode import TracedDecode
 from ..protocol import PromptScores, SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
+from .padding import forward_parts
 from .prefix_cache import RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
-# On a CPU a prefill runs in forwards of at most this many computed (padded) tokens: past about
-# 512, a forward's activations leave the cache. Eight 512-token prompts took 434 ms each in one
-# forward and 356 ms each one at a time (int8 GPT-2 small, 2 cores, AMD EPYC, 2026-11-25). The
-# schedulers cannot cap it: they see whole prompts, not what the prefix cache spares of them.
-CPU_PREFILL_TOKENS = 512
-
 log = logging.getLogger(__name__)
-
-
-def prefill_parts(new_lengths: Sequence[int], budget: int | None) -> list[tuple[int, int]]:
-    """Rows [a, b) of a prefill per forward, in order: each part's rows x its longest new part
-    within `budget` (None: one part), a row alone whatever its length."""
-    parts, start, longest = [], 0, 0
-    for row, n in enumerate(new_lengths):
-        if budget is not None and row > start and (row - start + 1) * max(longest, n) > budget:
-            parts.append((start, row))
-            start, longest = row, 0
-        longest = max(longest, n)
-    return parts + [(start, len(new_lengths))] if new_lengths else []
-
 
 
 @dataclass(frozen=True)
@@ -165,8 +147,8 @@ class Generator:
         prompts = [s.prompt for s in sequences]
 
         def forward(plans: list[RowPlan]) -> StepOutput:
-            budget = CPU_PREFILL_TOKENS if self.engine.device.type == "cpu" else None
-            parts = prefill_parts([len(p) - plan.cached_tokens for p, plan in zip(prompts, plans)], budget)
+            parts = forward_parts([len(p) - plan.cached_tokens for p, plan in zip(prompts, plans)],
+                                  self.engine.forward_tokens)
             outputs = [self._prefill(sequences[a:b], prompts[a:b], plans[a:b], first + a, started, started_ns)
                        for a, b in parts]
             return outputs[0] if len(outputs) == 1 else _joined(outputs)
