@@ -2,9 +2,11 @@
 
 The scheduler (scheduling.continuous_batcher) decides who runs; this module runs them, in the engine
 thread, in two kinds of step:
-- prefill: new sequences' prompts, right-padded into one forward that fills their cache slots
-  and gives each its first token; a prompt that starts with blocks in the prefix cache
-  (engine.prefix_cache) computes only what follows them, and its slot gets those blocks copied;
+- prefill: new sequences' prompts, in one forward (on a CPU, in forwards of at most
+  engine.padding.CPU_FORWARD_TOKENS) that fills their cache slots and gives each its first
+  token; a prompt that starts with blocks in the prefix cache (engine.prefix_cache) computes
+  only what follows them, and its slot gets those blocks copied (engine.prefix_forward: rows or
+  packed);
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
   (engine.traced_decode).
