@@ -77,6 +77,7 @@ def bucketed_engine(tiny_model):
     """The engine with the bucketed path the CUDA graphs use, here without capture."""
     engine = Engine(tiny_model, EngineOptions(max_batch_size=16))
     engine.graphs = engine.bucketed(capture=False)
+    engine.forward_tokens = None  # as on cuda: a batch in one forward
     return engine
 
 

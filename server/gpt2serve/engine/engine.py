@@ -327,7 +327,7 @@ def _joined(outputs: list[BatchOutput], firsts: list[int]) -> BatchOutput:
     counts from the batch's start)."""
     last = outputs[-1]
     return BatchOutput([top for o in outputs for top in o.top], last.forward_s, max(o.padded_len for o in outputs),
-                       outputs[0].started_ns, last.ended_ns,
+                       outputs[0].started_ns, last.ended_ns, all(o.cuda_graph for o in outputs),
                        failed_rows=frozenset(a + row for a, o in zip(firsts, outputs) for row in o.failed_rows),
                        prompt_scores={a + row: s for a, o in zip(firsts, outputs) for row, s in o.prompt_scores.items()},
                        cached_tokens=[c for o in outputs for c in o.cached_tokens])
