@@ -195,8 +195,8 @@ class Engine:
             if traced_rows:
                 return self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
                                         plans, started, started_ns)
-            new_lengths = [len(p) - (plan.cached_tokens if plans else 0) for p, plan in zip(prompts, plans or prompts)]
-            parts = forward_parts(new_lengths, self.forward_tokens)
+            cached = [plan.cached_tokens for plan in plans] if plans is not None else [0] * len(prompts)
+            parts = forward_parts([len(p) - c for p, c in zip(prompts, cached)], self.forward_tokens)
             outputs = [self._next_token(prompts[a:b], top_ks[a:b], (), (), (),
                                         {row - a: k for row, k in scored_rows.items() if a <= row < b},
                                         plans[a:b] if plans is not None else None, started, started_ns)
