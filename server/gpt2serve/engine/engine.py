@@ -239,8 +239,6 @@ class Engine:
             top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
             if not needs_rows_again(batch, failed):
                 break
-            log.warning("%d of %d packed prompts came out non-finite; running them again in rows", len(failed),
-                        len(prompts))
         scores = store.scores(hidden, prompts, scored_rows, self.head, self.model.config.vocab_size)
         return BatchOutput(top, time.perf_counter() - started, batch.ids.shape[1], started_ns, time.time_ns(),
                            failed_rows=failed, prompt_scores=scores, cached_tokens=batch.cached)

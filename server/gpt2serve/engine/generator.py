@@ -18,7 +18,6 @@ Every step ends in one copy to the host: per row [token, logprob, top logprobs, 
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,8 +34,6 @@ from .padding import forward_parts
 from .prefix_cache import RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +69,7 @@ class _Running:
     length: int  # positions filled in its cache slot
     last_token: int  # sampled, not yet fed
     prompt_length: int = field(default=0)
+    finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
 
 
 class Generator:
@@ -89,7 +87,6 @@ class Generator:
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.running: list[_Running] = []
-        self.non_finite: set[int] = set()  # seq_ids whose last step was not finite: their slots are cleared on leaving
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
@@ -121,10 +118,9 @@ class Generator:
     def remove(self, seq_ids: Collection[int]) -> None:
         """Free these sequences' slots: the last running sequence moves into each hole."""
         for i, r in enumerate(self.running):
-            if r.seq_id in seq_ids and r.seq_id in self.non_finite:
+            if r.seq_id in seq_ids and not r.finite:
                 # Its NaNs would stay past the next occupant's length, read there at weight 0.
                 self.cache.clear(i, r.length + 1)
-                self.non_finite.discard(r.seq_id)
         i = 0
         while i < len(self.running):
             if self.running[i].seq_id not in seq_ids:
@@ -177,10 +173,7 @@ class Generator:
             tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added)
             if not needs_rows_again(batch, failed):
                 break
-            log.warning("%d of %d packed prompts came out non-finite; running them again in rows", len(failed),
-                        len(sequences))
         self.running.extend(added)
-        self.non_finite |= failed
         scored = {row: s.prompt_logprobs for row, s in enumerate(sequences) if s.prompt_logprobs is not None}
         scores = store.scores(hidden, prompts, scored, self.engine.head, self.model.config.vocab_size)
         return StepOutput(tokens, "prefill", len(sequences), sum(batch.new_lengths), time.perf_counter() - started,
@@ -208,7 +201,6 @@ class Generator:
             span = min(BLOCK * blocks_for(needed), self.cache.length)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
         tokens, failed = self._choose(logits, rows)
-        self.non_finite |= failed
         for r in rows:
             r.length += 1
         return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,
@@ -234,6 +226,7 @@ class Generator:
             token = int(values[TOKEN])
             r.last_token = token  # fed at the next decode (a failed row leaves before it)
             if not values[FINITE]:
+                r.finite = False
                 failed.add(r.seq_id)
                 continue
             k = r.params.logprobs

@@ -27,6 +27,7 @@ blocks. bench/prefix_cache.py measures the layouts.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
@@ -36,6 +37,8 @@ from ..protocol import PromptScores
 from .head import ScoredSpan, score_prompts
 from .kv_cache import KVCache
 from .prefix_cache import BLOCK, NULL_BLOCK, PrefixCache, RowPlan
+
+log = logging.getLogger(__name__)
 
 PACK_FACTOR = 2.0  # packed attention may compute this many times the rows layout's query-key pairs
 
@@ -136,7 +139,11 @@ def prefix_batch(prompts: Sequence[Sequence[int]], plans: Sequence[RowPlan], pad
 
 def needs_rows_again(batch: PrefixBatch, failed: Collection[int]) -> bool:
     """Packed, and more than one prompt not finite: one of them may have poisoned the others."""
-    return batch.packed and len(failed) > 1
+    if not (batch.packed and len(failed) > 1):
+        return False
+    log.warning("%d of %d packed prompts came out non-finite; running them again in rows", len(failed),
+                len(batch.new_lengths))
+    return True
 
 
 def _rows(new: list[list[int]], cached: list[int], hits: list[torch.Tensor], pad_id: int) -> PrefixBatch:
