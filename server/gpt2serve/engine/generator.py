@@ -220,6 +220,13 @@ class Generator:
         also the rows whose logits were not finite (see sampling), which get no token."""
         params = [r.params for r in rows]
         chosen = choose(logits, params, [r.rng.random() for r in rows]).cpu().tolist()  # (B, 3 + 2n)
+        return self._record(chosen, rows)
+
+    @staticmethod
+    def _record(chosen: list[list[float]], rows: Sequence[_Running]
+                ) -> tuple[dict[int, SampledToken], frozenset[int]]:
+        """The host's part of a step: each row's (3 + 2n) values from choose() become its token
+        (fed at the next decode), or mark the row failed."""
         n = (len(chosen[0]) - TOP) // 2
         out, failed = {}, set()
         for r, values in zip(rows, chosen):

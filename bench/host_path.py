@@ -1,0 +1,252 @@
+"""The server's host path against a card's step times, on any machine: served rate against the
+ideal, and the CPU each server process spends per request and per sequence-step.
+
+It starts `bench/standin_server.py` (the real server, `--workers N`, in front of a stand-in
+device that sleeps for an H200's measured step times, bench/h200_steps.json) and drives it with
+the project's own load generators from client processes:
+- generation: S streams of --new-tokens tokens after 5-token prompts, greedy; ideal tokens/s
+  = S / (the device's decode step at S rows);
+- next-token: C closed-loop gRPC clients of one prompt each; ideal = C / (a forward of C rows);
+- next-token batch: K clients of --batch-prompts prompts per NextTokenBatch call; ideal
+  = K * prompts / (a forward of that many rows, at most --max-batch-size).
+CPU comes from /proc (user + system, all threads) of each server process over the load's
+window; work done comes from the server's own /metrics over the same window (generated tokens;
+answered requests; prompts = requests x prompts per call). The load generators' own CPU is
+reported as a share of the machine: when it is near the whole machine, the served rate says
+more about the clients than the server, but the per-step CPU figures still hold.
+
+    .venv/bin/python bench/host_path.py [--workers 2] [--streams 1,64,256] [--clients 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from standin_server import DECODE, NEXT_TOKEN, STEPS_FILE  # noqa: E402
+
+from gpt2serve.benchmarks.generate_load import serve_from_processes  # noqa: E402
+from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts  # noqa: E402
+from gpt2serve_client import AsyncClient  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+VOCAB = 50257
+
+
+@dataclass
+class Scenario:
+    name: str
+    load: str  # e.g. "256 streams"
+    served_per_s: float  # tokens/s (generation) or prompts/s (next-token)
+    ideal_per_s: float
+    ratio: float
+    work: int  # sequence-steps (generated tokens) or prompts, counted by the server
+    requests: int
+    us_per_unit: dict[str, float]  # process -> CPU microseconds per sequence-step (or per prompt)
+    us_per_request: dict[str, float]
+    load_generator_cpu_share: float  # of the machine's cores, over the window
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of the whole process (all threads, user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def server_processes(root: int) -> dict[str, int]:
+    """Name (its process title) -> pid, for the supervisor and its children."""
+    found = {"supervisor": root}
+    for child in Path(f"/proc/{root}/task/{root}/children").read_text().split():
+        title = Path(f"/proc/{child}/cmdline").read_text().replace("\0", " ").strip()
+        name = title.removeprefix("gpt2serve: ") if title.startswith("gpt2serve: ") else None
+        if name:
+            found[name] = int(child)
+    return found
+
+
+def metric_sum(text: str, name: str, label: str = "") -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def children_cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class StandinServer:
+    def __init__(self, workers: int, max_batch: int):
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("standin_server.py")), "serve", "--model", "random:gpt2",
+             "--device", "cpu", "--workers", str(workers), "--max-batch-size", str(max_batch),
+             "--max-running-sequences", str(max_batch), "--max-queue", "4096", "--prefix-cache-mb", "0",
+             "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(text)
+            time.sleep(0.2)
+        self.grpc = re.search(r"grpc=(\S+)", text).group(1)
+        self.http = re.search(r"http=(\S+)", text).group(1)
+        self.processes = server_processes(self.proc.pid)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def measure(server: StandinServer, run, unit_metric) -> tuple[float, dict[str, float], float, float, float, str]:
+    """Run the load; (wall seconds, CPU seconds per server process, work units, requests,
+    load generator CPU seconds, the load's own result)."""
+    before_text = server.metrics()
+    before = {name: process_cpu(pid) for name, pid in server.processes.items()}
+    clients_before, started = children_cpu(), time.perf_counter()
+    result = run()
+    wall, clients = time.perf_counter() - started, children_cpu() - clients_before
+    after = {name: process_cpu(pid) for name, pid in server.processes.items()}
+    after_text = server.metrics()
+    units, requests = unit_metric(before_text, after_text)
+    return wall, {name: after[name] - before[name] for name in before}, units, requests, clients, result
+
+
+def scenario(name: str, load: str, served: float, ideal: float, units: float, requests: float,
+             cpu: dict[str, float], clients_cpu: float, wall: float) -> Scenario:
+    per_unit = {p: round(1e6 * s / max(units, 1), 1) for p, s in cpu.items()}
+    per_request = {p: round(1e6 * s / max(requests, 1), 1) for p, s in cpu.items()}
+    return Scenario(name, load, round(served), round(ideal), round(served / ideal, 3), int(units), int(requests),
+                    per_unit, per_request, round(clients_cpu / (wall * os.cpu_count()), 2))
+
+
+def generation(server: StandinServer, streams: int, new_tokens: int, duration: float, processes: int) -> Scenario:
+    prompts = make_prompts(streams * 4, 5, VOCAB, 0)
+
+    def tokens(before: str, after: str) -> tuple[float, float]:
+        made = metric_sum(after, "gpt2serve_generated_tokens_total") - metric_sum(before, "gpt2serve_generated_tokens_total")
+        done = (metric_sum(after, "gpt2serve_requests_total", 'method="Generate"')
+                - metric_sum(before, "gpt2serve_requests_total", 'method="Generate"'))
+        return made, done
+
+    wall, cpu, made, done, clients, result = measure(
+        server, lambda: serve_from_processes(server.grpc, prompts, streams, new_tokens, duration, processes), tokens)
+    rate = result[0]
+    return scenario("generation", f"{streams} streams", rate, streams / DECODE.seconds(streams), made, done, cpu,
+                    clients, wall)
+
+
+def next_token(server: StandinServer, clients: int, duration: float, processes: int) -> Scenario:
+    prompts = make_prompts(clients * 4, 5, VOCAB, 0)
+
+    def answered(before: str, after: str) -> tuple[float, float]:
+        done = (metric_sum(after, "gpt2serve_requests_total", 'method="NextToken"')
+                - metric_sum(before, "gpt2serve_requests_total", 'method="NextToken"'))
+        return done, done
+
+    wall, cpu, done, _, spent, samples = measure(
+        server, lambda: load_from_processes("grpc", server.grpc, prompts, clients, duration, 1.0, processes), answered)
+    rate = len(samples.latencies) / duration
+    return scenario("next-token", f"{clients} clients", rate, clients / NEXT_TOKEN.seconds(clients), done, done,
+                    cpu, spent, wall)
+
+
+async def _batch_calls(target: str, prompts: list[list[int]], clients: int, per_call: int, duration: float) -> int:
+    answered = 0
+    async with AsyncClient(target, timeout=60) as client:
+        stop_at = time.perf_counter() + duration
+
+        async def worker(index: int) -> None:
+            nonlocal answered
+            i = index
+            while time.perf_counter() < stop_at:
+                batch = [prompts[(i + j) % len(prompts)] for j in range(per_call)]
+                await client.next_token_batch(batch, top_k=5)
+                answered += per_call
+                i += per_call * clients
+
+        await asyncio.gather(*(worker(i) for i in range(clients)))
+    return answered
+
+
+def next_token_batch(server: StandinServer, clients: int, per_call: int, duration: float, max_batch: int) -> Scenario:
+    prompts = make_prompts(1024, 5, VOCAB, 0)
+
+    def answered(before: str, after: str) -> tuple[float, float]:
+        done = (metric_sum(after, "gpt2serve_requests_total", 'method="NextTokenBatch"')
+                - metric_sum(before, "gpt2serve_requests_total", 'method="NextTokenBatch"'))
+        return done * per_call, done
+
+    wall, cpu, done, calls, spent, answered_prompts = measure(
+        server, lambda: asyncio.run(_batch_calls(server.grpc, prompts, clients, per_call, duration)), answered)
+    rows = min(clients * per_call, max_batch)
+    return scenario("next-token batch", f"{clients} x {per_call} prompts", answered_prompts / wall,
+                    rows / NEXT_TOKEN.seconds(rows), done, calls, cpu, spent, wall)
+
+
+def report(results: list[Scenario], workers: int) -> str:
+    names = sorted({p for r in results for p in r.us_per_unit}, key=lambda p: (p != "engine", p))
+    lines = [f"host path against {STEPS_FILE.name}, --workers {workers}, {os.cpu_count()} cores",
+             "| scenario | load | served/s | ideal/s | ratio | " + " | ".join(f"{p} us/unit" for p in names)
+             + " | engine us/request | clients' CPU share |",
+             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} | {r.load} | {r.served_per_s} | {r.ideal_per_s} | {r.ratio} | "
+                     + " | ".join(str(r.us_per_unit.get(p, "")) for p in names)
+                     + f" | {r.us_per_request.get('engine', '')} | {r.load_generator_cpu_share} |")
+    lines.append("unit: a sequence-step (generated token) for generation, a prompt for next-token")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--streams", default="1,64,256")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--clients", default="256", help="next-token clients, comma-separated (empty: none)")
+    parser.add_argument("--batch-clients", type=int, default=4, help="NextTokenBatch clients (0: none)")
+    parser.add_argument("--batch-prompts", type=int, default=64)
+    parser.add_argument("--processes", type=int, default=2, help="client processes")
+    parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    server = StandinServer(args.workers, args.max_batch_size)
+    results = []
+    try:
+        for streams in [int(s) for s in args.streams.split(",") if s]:
+            results.append(generation(server, streams, args.new_tokens, args.duration, args.processes))
+        for clients in [int(c) for c in args.clients.split(",") if c]:
+            results.append(next_token(server, clients, args.duration, args.processes))
+        if args.batch_clients:
+            results.append(next_token_batch(server, args.batch_clients, args.batch_prompts, args.duration,
+                                            args.max_batch_size))
+    finally:
+        server.stop()
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=1))
+    else:
+        print(report(results, args.workers))
+
+
+if __name__ == "__main__":
+    main()
