@@ -2,7 +2,7 @@
 model); ipc.codec puts them on the IPC wire.
 
     front end                                        engine side
-    service ── EngineClient ──────────────────────── scheduling.Batcher / ContinuousBatcher
+    service ── EngineClient ──────────────────────── scheduling.EngineCore
                ├ ipc.inproc_client (--workers 1: plain calls, no encoding)
                └ ipc.zmq_client ── ipc.codec ── ipc:// ── ipc.engine_server (--workers N)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from support.reference import transformers_random_model
-from support.generation import GREEDY, LIVELY, PROMPTS, run_joining, transformers_greedy
+from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, run_joining, transformers_greedy
 
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
@@ -24,11 +24,9 @@ from gpt2serve.engine.sampling import TOP, choose
 from gpt2serve.protocol import SamplingParams
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.errors import InvalidArgument, ResourceExhausted
-from gpt2serve.scheduling.batcher import new_engine_thread
 from gpt2serve.protocol import GenerateRequest
 from gpt2serve.engine.kv_cache import blocks_for
 from gpt2serve.engine.traced_decode import TracedDecode
-from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
 from support.scheduler_events import events
 from gpt2serve.service.detokenizer import Detokenizer
 
@@ -159,8 +157,7 @@ def test_admission_counts_the_cache_blocks_each_sequence_may_grow_to(saved):
     assert max(most_running) == 2  # four slots, but blocks for two
 
     async def too_long():
-        scheduler = ContinuousBatcher(Generator(engine, slots=4, capacity_blocks=3), new_engine_thread(),
-                                      eos_token_id=None, max_queue=4, max_prefill_tokens=4096, max_queue_wait_s=5)
+        scheduler = generation_core(Generator(engine, slots=4, capacity_blocks=3), max_queue=4, max_queue_wait_s=5)
         scheduler.start()
         try:
             with pytest.raises(InvalidArgument, match="needs 210 tokens of KV cache, and it holds 192"):
@@ -216,8 +213,7 @@ def test_a_sequence_that_finds_no_slot_waits_then_is_refused(saved):
     _, engine = saved
 
     async def main():
-        scheduler = ContinuousBatcher(Generator(engine, slots=1), new_engine_thread(), eos_token_id=None,
-                                         max_queue=4, max_prefill_tokens=4096, max_queue_wait_s=0.2)
+        scheduler = generation_core(Generator(engine, slots=1), max_queue=4, max_queue_wait_s=0.2)
         scheduler.start()
         holder = events(scheduler, GenerateRequest(PROMPTS[1], GREEDY, 200))
         await anext(holder)  # holds the one slot, and is not read further for now
@@ -238,8 +234,7 @@ def test_leaving_early_frees_the_slot_at_once(saved):
 
     async def main():
         generator = Generator(engine, slots=1)
-        scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=4,
-                                        max_prefill_tokens=4096, max_queue_wait_s=5)
+        scheduler = generation_core(generator, max_queue=4, max_queue_wait_s=5)
         scheduler.start()
         stream = events(scheduler, GenerateRequest(PROMPTS[1], GREEDY, 200))
         await anext(stream)

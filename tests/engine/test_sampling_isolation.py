@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from support.generation import GREEDY, LIVELY, PROMPTS, run_joining
+from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, run_joining
 
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
@@ -28,9 +28,7 @@ from gpt2serve.engine.sampling import FINITE, LOGPROB, TOKEN, choose
 from gpt2serve.protocol import GREEDY_TEMPERATURE, SamplingParams
 from gpt2serve.errors import NonFiniteOutput
 from gpt2serve.service.validation import MAX_TEMPERATURE
-from gpt2serve.scheduling.batcher import new_engine_thread
 from gpt2serve.protocol import GenerateRequest
-from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
 from support.scheduler_events import events
 from support.reference import transformers_random_model
 
@@ -164,8 +162,7 @@ def test_a_non_finite_stream_fails_alone_and_the_running_streams_go_on(engine):
 
 
 async def run_with_failure(generator, requests, bad_request):
-    scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
-                                    max_prefill_tokens=4096, max_queue_wait_s=60)
+    scheduler = generation_core(generator)
     scheduler.start()
 
     async def one(request):

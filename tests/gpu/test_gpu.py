@@ -31,7 +31,7 @@ from gpt2serve.engine.loading import LoadedModel, build_random_model
 from gpt2serve.engine.model_info import parameter_breakdown
 from gpt2serve.engine.padding import IDS, POSITIONS, VALID, left_pad
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
-from gpt2serve.scheduling.batcher import Batcher, new_engine_thread
+from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 from gpt2serve_client import Client
 
 pytestmark = [pytest.mark.gpu,
@@ -135,8 +135,8 @@ def test_a_real_out_of_memory_splits_the_batch(peaked):
     blocker = torch.empty(max(free - 8 * one_prompt, 0), dtype=torch.uint8, device=CUDA)  # room for ~8 prompts
     try:
         async def run():
-            batcher = Batcher(engine, max_batch_size=64, max_batch_delay_s=0.01, max_queue=1024,
-                              max_batch_tokens=10**6, engine_thread=new_engine_thread())
+            batcher = EngineCore(engine, None, max_batch_size=64, max_batch_delay_s=0.01, max_queue=1024,
+                                 max_batch_tokens=10**6, engine_thread=new_engine_thread())
             batcher.start()
             try:
                 return await batcher.submit(prompts, 3), batcher.batches_run

@@ -121,18 +121,17 @@ def test_a_bad_frame_is_a_bad_frame_error(frame):
 
 # Over a real socket ------------------------------------------------------------------------------------
 
-class FakeBatcher:
+class FakeCore:
+    """Answers next-token prompts with the sum of their ids; refuses generations whose prompt
+    starts with 0, and gives the others two tokens, then done."""
+
     max_batch_size = 8
-
-    async def submit(self, prompts, top_k, trace=None, prompt_logprobs=None):
-        return [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
-
-
-class FakeContinuous:
-    """Refuses generations whose prompt starts with 0; otherwise two tokens, then done."""
 
     def __init__(self):
         self.aborted: list[int] = []
+
+    async def submit(self, prompts, top_k, trace=None, prompt_logprobs=None):
+        return [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
 
     def add(self, request, sink) -> int:
         if request.prompt[0] == 0:
@@ -164,7 +163,7 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
     address = f"ipc://{tmp_path}/engine.sock"
 
     async def main():
-        server = EngineServer(address, FakeBatcher(), FakeContinuous(), EngineReady(INFO, "bundled", 8))
+        server = EngineServer(address, FakeCore(), EngineReady(INFO, "bundled", 8))
         serving = asyncio.create_task(server.serve())
         context = zmq.asyncio.Context()
         raw = context.socket(zmq.DEALER)

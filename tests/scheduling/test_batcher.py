@@ -1,5 +1,6 @@
-"""The batcher in process, over a fake engine: batch formation, the wait after a pause, and the
-out-of-memory split, in milliseconds (the wire-level behaviour is tested on real servers)."""
+"""The engine core's next-token batches in process, over a fake engine: batch formation, the wait
+after a pause, and the out-of-memory split, in milliseconds (the wire-level behaviour is tested
+on real servers)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import time
 
 from support.fake_engine import FakeEngine
 
-from gpt2serve.scheduling.batcher import Batcher
+from gpt2serve.scheduling.core import EngineCore
 
 DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
 
 
-def batcher_for(engine: FakeEngine, **limits) -> Batcher:
-    return Batcher(engine, **{"max_batch_size": 64, "max_batch_delay_s": DELAY_S, "max_queue": 1024,
-                              "max_batch_tokens": 10**6, **limits})
+def batcher_for(engine: FakeEngine, **limits) -> EngineCore:
+    return EngineCore(engine, None, **{"max_batch_size": 64, "max_batch_delay_s": DELAY_S, "max_queue": 1024,
+                                       "max_batch_tokens": 10**6, **limits})
 
 
 def test_a_burst_forms_one_batch_and_every_caller_gets_its_own_answer():
@@ -106,9 +107,9 @@ def test_prompts_count_as_waiting_then_running():
         try:
             answers = asyncio.gather(*(batcher.submit([[i, 1]], top_k=1) for i in range(10)))
             await asyncio.sleep(0.1)  # inside the first forward
-            during = (batcher.running, batcher.queue_depth)
+            during = (batcher.prompts_running, batcher.queue_depth)
             await answers
-            return during, (batcher.running, batcher.queue_depth)
+            return during, (batcher.prompts_running, batcher.queue_depth)
         finally:
             await batcher.stop()
 

@@ -9,8 +9,7 @@ import torch
 
 from gpt2serve.engine.generator import Generator
 from gpt2serve.protocol import GenerateRequest, SamplingParams
-from gpt2serve.scheduling.batcher import new_engine_thread
-from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
+from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 
 from .scheduler_events import events
 
@@ -29,10 +28,17 @@ def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def generation_core(generator: Generator, *, max_queue: int = 64, max_queue_wait_s: float = 60,
+                    eos_token_id: int | None = None, observer=None) -> EngineCore:
+    """An engine core over this generator (and its engine), as a server builds one."""
+    return EngineCore(generator.engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=max_queue,
+                      max_batch_tokens=4096, max_queue_wait_s=max_queue_wait_s, eos_token_id=eos_token_id,
+                      engine_thread=new_engine_thread(), observer=observer)
+
+
 async def run_joining(generator: Generator, requests: list[tuple[float, GenerateRequest]]) -> list[list[int]]:
     """Each request starts after its delay; returns every request's token ids."""
-    scheduler = ContinuousBatcher(generator, new_engine_thread(), eos_token_id=None, max_queue=64,
-                                    max_prefill_tokens=4096, max_queue_wait_s=60)
+    scheduler = generation_core(generator)
     scheduler.start()
 
     async def one(delay: float, request: GenerateRequest) -> list[int]:

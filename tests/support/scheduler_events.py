@@ -1,4 +1,4 @@
-"""A ContinuousBatcher's events for one sequence as an async iterator, as the service's
+"""An EngineCore's events for one sequence as an async iterator, as the service's
 GenerationStream receives them through its sink: for tests of the scheduler alone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 from typing import AsyncIterator
 
 from gpt2serve.protocol import GenerateRequest, TokenEvent
-from gpt2serve.scheduling.continuous_batcher import ContinuousBatcher
+from gpt2serve.scheduling.core import EngineCore
 
 
 class QueueSink:
@@ -21,7 +21,7 @@ class QueueSink:
         self.queue.put_nowait(error)
 
 
-async def events(batcher: ContinuousBatcher, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+async def events(batcher: EngineCore, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
     """Refusals raise at the first iteration; leaving early aborts the sequence."""
     sink = QueueSink()
     seq_id = batcher.add(request, sink)

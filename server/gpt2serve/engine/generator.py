@@ -1,6 +1,6 @@
 """Token-by-token generation over a KV cache: the engine side of continuous batching.
 
-The scheduler (scheduling.continuous_batcher) decides who runs; this module runs them, in the engine
+The scheduler (scheduling.scheduler) decides who runs; this module runs them, in the engine
 thread, in two kinds of step:
 - prefill: new sequences' prompts, in one forward (on a CPU, in forwards of at most
   engine.padding.CPU_FORWARD_TOKENS) that fills their cache slots and gives each its first
@@ -9,7 +9,8 @@ thread, in two kinds of step:
   packed);
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
-  (engine.traced_decode).
+  (engine.traced_decode); or, with next-token prompts riding it, one eager forward for both
+  (engine.riders).
 Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
 shrinks with what they hold (engine.kv_cache).
 
@@ -18,6 +19,7 @@ Every step ends in one copy to the host: per row [token, logprob, top logprobs, 
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,8 +33,9 @@ from ..protocol import PromptScores, SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
 from .padding import forward_parts
-from .prefix_cache import RowPlan
+from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
+from .riders import RiderLayout, RiderStore
 from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
 
 
@@ -59,6 +62,9 @@ class StepOutput:
     failed: frozenset[int] = frozenset()
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
     cached_tokens: dict[int, int] = field(default_factory=dict)  # prefill: seq_id -> prompt tokens from the prefix cache
+    # decode with riders (engine.riders): each rider's top-k next tokens, and the riders not finite
+    rider_tops: list[list[TokenScore]] = field(default_factory=list)
+    rider_failed: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -181,16 +187,30 @@ class Generator:
                           {sequences[row].seq_id: score for row, score in scores.items()},
                           {s.seq_id: cached for s, cached in zip(sequences, batch.cached)})
 
+    @property
+    def takes_riders(self) -> bool:
+        """Whether next-token prompts may ride decode steps (engine.riders): not where decode
+        steps replay CUDA graphs, which a step with riders could not."""
+        return self.graphs is None and not (self.use_graphs and self.engine.device.type == "cuda")
+
+    def can_ride(self, prompt: Sequence[int]) -> bool:
+        """A prompt with nothing for the prefix cache: it has no full block to look up or keep."""
+        return self.takes_riders and (self.engine.prefix_cache is None or len(prompt) < PREFIX_BLOCK)
+
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def decode(self) -> StepOutput:
-        """One token for every running sequence."""
+    def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> StepOutput:
+        """One token for every running sequence; and with `riders` (next-token prompts, see
+        engine.riders), each rider's top-k next tokens from the same forward."""
         started, started_ns = time.perf_counter(), time.time_ns()
         rows, device = self.running, self.engine.device
         lengths, last = [r.length for r in rows], [r.last_token for r in rows]
         needed = max(lengths) + 1  # positions, with the new token's
         logits = None
-        if self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
+        if riders:
+            logits, rider_logits = self._decode_with_riders(last, lengths, riders)
+            rider_tops, rider_failed = self.engine._top(torch.log_softmax(rider_logits.float(), dim=-1), rider_top_ks)
+        elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
         elif self.traces is not None:  # cpu: one trace per span, any number of rows
             span = self.cache.span_for(len(rows), needed)
@@ -203,8 +223,28 @@ class Generator:
         tokens, failed = self._choose(logits, rows)
         for r in rows:
             r.length += 1
+        if riders:
+            return StepOutput(tokens, "decode", len(rows), len(rows) + sum(map(len, riders)),
+                              time.perf_counter() - started, started_ns, time.time_ns(), failed,
+                              rider_tops=rider_tops, rider_failed=rider_failed)
         return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,
                           started_ns, time.time_ns(), failed)
+
+    def _decode_with_riders(self, last: list[int], lengths: list[int], riders: Sequence[Sequence[int]]
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of D decode tokens and the riders' prompts, packed in one row ->
+        ((D, V) decode logits, (R, V) the riders' next-token logits)."""
+        device, D = self.engine.device, len(last)
+        needed = max(lengths) + 1
+        self.cache.reserve(D, needed)
+        span = min(BLOCK * blocks_for(needed), self.cache.length)
+        layout = RiderLayout.of(D, riders, device)
+        ids = torch.tensor([*last, *itertools.chain.from_iterable(riders)], device=device)[None]  # (1, N)
+        positions = torch.tensor([*lengths, *(t for p in riders for t in range(len(p)))], device=device)[None]  # (1, N)
+        store = RiderStore(self.cache.decode(positions[0, :D], span), layout)
+        hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (1, N, C)
+        logits = self.engine.head(hidden[0, torch.cat((torch.arange(D, device=device), layout.last))])  # (D + R, V)
+        return logits[:D], logits[D:]
 
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`

@@ -1,5 +1,6 @@
-"""The engine process's side of the IPC door (see zmq_client): each Submit becomes a
-Batcher.submit, each Generate a ContinuousBatcher.add whose events go back as Step messages.
+"""The engine process's side of the IPC door (see zmq_client): each Submit becomes an
+EngineCore.submit, each Generate an EngineCore.add whose events go back as Step messages (a
+step's events for one front end leave as one frame: the core hands them over together).
 
 A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
 watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
@@ -24,8 +25,7 @@ from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenR
 from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
-    from ..scheduling.batcher import Batcher
-    from ..scheduling.continuous_batcher import ContinuousBatcher
+    from ..scheduling.core import EngineCore
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
@@ -48,17 +48,16 @@ class _PeerSink:
 
 
 class EngineServer:
-    def __init__(self, address: str, batcher: Batcher, continuous: ContinuousBatcher, ready: EngineReady):
+    def __init__(self, address: str, core: EngineCore, ready: EngineReady):
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
         self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]))
-        self._batcher = batcher
-        self._continuous = continuous
+        self._core = core
         self._ready = ready
         self._submits: dict[Key, asyncio.Task] = {}
-        self._generations: dict[Key, int] = {}  # -> the continuous batcher's sequence id
+        self._generations: dict[Key, int] = {}  # -> the core's generation id
         self._watched: dict[bytes, int] = {}  # front end (zmq identity) -> pidfd of its process
 
     async def serve(self) -> None:
@@ -71,7 +70,7 @@ class EngineServer:
         if kind is Generate:
             key = (peer, message.request_id)
             try:
-                self._generations[key] = self._continuous.add(message.request, _PeerSink(self, key))
+                self._generations[key] = self._core.add(message.request, _PeerSink(self, key))
             except Exception as exc:  # refused (queue full, shutting down)
                 self._send_error(key, exc, "generation")
         elif kind is Submit:
@@ -91,7 +90,7 @@ class EngineServer:
         if task is not None:
             task.cancel()  # its prompts leave the queue
         if seq_id is not None:
-            self._continuous.abort(seq_id)  # its slot comes free at the next step
+            self._core.abort(seq_id)  # its slot comes free at the next step
 
     def _send_error(self, key: Key, error: Exception, what: str) -> None:
         if isinstance(error, ServeError):
@@ -102,8 +101,7 @@ class EngineServer:
 
     async def _submit(self, key: Key, request: NextTokenRequest) -> None:
         try:
-            outputs = await self._batcher.submit(request.prompts, request.top_k, request.trace,
-                                                    request.prompt_logprobs)
+            outputs = await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs)
             self._outbox.put(key[0], Result(key[1], outputs))
         except asyncio.CancelledError:
             pass  # the front end's caller went away: nobody to answer

@@ -1,4 +1,4 @@
-"""`--workers 1`: the engine client as plain calls on this process's schedulers, as vLLM's
+"""`--workers 1`: the engine client as plain calls on this process's engine core, as vLLM's
 InprocClient is for its engine core. Nothing is encoded; the messages are the same dataclasses
 (protocol) that cross the IPC wire under `--workers N`."""
 
@@ -10,19 +10,16 @@ from typing import TYPE_CHECKING, Callable
 from ..protocol import GenerateRequest, NextTokenOutput, NextTokenRequest, TokenSink
 
 if TYPE_CHECKING:
-    from ..scheduling.batcher import Batcher
-    from ..scheduling.continuous_batcher import ContinuousBatcher
+    from ..scheduling.core import EngineCore
 
 
 class InprocEngineClient:
-    def __init__(self, batcher: Batcher, continuous: ContinuousBatcher):
-        self._batcher = batcher
-        self._continuous = continuous
-        self.max_batch_size = batcher.max_batch_size
+    def __init__(self, core: EngineCore):
+        self._core = core
+        self.max_batch_size = core.max_batch_size
 
     async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
-        return await self._batcher.submit(request.prompts, request.top_k, request.trace,
-                                                    request.prompt_logprobs)
+        return await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs)
 
     def generate(self, request: GenerateRequest, sink: TokenSink) -> Callable[[], None]:
-        return functools.partial(self._continuous.abort, self._continuous.add(request, sink))
+        return functools.partial(self._core.abort, self._core.add(request, sink))

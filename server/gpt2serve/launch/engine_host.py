@@ -1,9 +1,9 @@
-"""The engine side of a server: the model loaded and warmed in its own thread, the two
-schedulers in front of it, and the engine process of `--workers N` around them.
+"""The engine side of a server: the model loaded and warmed in its own thread, the engine core
+running its loop in that thread, and the engine process of `--workers N` around them.
 
-    EngineHost.start()   load + warm up (engine thread), Batcher + ContinuousBatcher, metrics
+    EngineHost.start()   load + warm up (engine thread), then the EngineCore's loop there, metrics
     EngineHost.client()  the in-process engine client (--workers 1)
-    EngineHost.stop()    schedulers stop; queued work is told UNAVAILABLE
+    EngineHost.stop()    the core stops; queued work is told UNAVAILABLE
     engine_main()        --workers N: an EngineHost behind ipc.engine_server, until SIGTERM
 """
 
@@ -31,8 +31,7 @@ from ..errors import ModelLoadError
 from ..ipc.engine_server import EngineServer
 from ..ipc.inproc_client import InprocEngineClient
 from ..protocol import EngineReady
-from ..scheduling.batcher import Batcher, new_engine_thread
-from ..scheduling.continuous_batcher import ContinuousBatcher
+from ..scheduling.core import EngineCore, new_engine_thread
 from ..telemetry.records import ModelLoaded, SchedulerStats
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
@@ -157,15 +156,12 @@ class EngineHost:
         except BaseException:
             engine_thread.shutdown(wait=False)
             raise
-        self.batcher = Batcher(
-            engine, max_batch_size=engine.options.max_batch_size, max_batch_delay_s=config.max_batch_delay_ms / 1000,
-            max_queue=config.max_queue, max_batch_tokens=config.max_batch_tokens, engine_thread=engine_thread,
-            observer=telemetry)
-        self.continuous = ContinuousBatcher(
-            generator, engine_thread, eos_token_id=engine.loaded.tokenizer.eos_token_id, max_queue=config.max_queue,
-            max_prefill_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s, observer=telemetry)
-        self.batcher.start()
-        self.continuous.start()
+        self.core = EngineCore(
+            engine, generator, max_batch_size=engine.options.max_batch_size,
+            max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
+            max_batch_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s,
+            eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry)
+        self.core.start()
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
         prefix = engine.prefix_cache
@@ -178,16 +174,14 @@ class EngineHost:
                                self.stats, device_memory_probe(loaded.device), config.metrics_compat)
 
     def stats(self) -> SchedulerStats:
-        batcher, continuous = self.batcher, self.continuous
-        return SchedulerStats(batcher.queue_depth, batcher.running, continuous.waiting, continuous.running,
-                              continuous.cache_usage)
+        core = self.core
+        return SchedulerStats(core.queue_depth, core.prompts_running, core.waiting, core.running, core.cache_usage)
 
     def client(self) -> InprocEngineClient:
-        return InprocEngineClient(self.batcher, self.continuous)
+        return InprocEngineClient(self.core)
 
     async def stop(self) -> None:
-        await self.continuous.stop()
-        await self.batcher.stop()
+        await self.core.stop()
 
 
 # --workers N: the engine process --------------------------------------------------------------------
@@ -208,8 +202,7 @@ async def _engine_process(config: ServeConfig, address: str, status, parent_pid:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # also while loading
     host = EngineHost(config, telemetry)
     await host.start()
-    server = EngineServer(address, host.batcher, host.continuous,
-                          EngineReady(host.info, host.tokenizer.source, host.batcher.max_batch_size))
+    server = EngineServer(address, host.core, EngineReady(host.info, host.tokenizer.source, host.core.max_batch_size))
     serving = asyncio.create_task(server.serve(), name="ipc")
     status.send(("ready", host.info.model))
     log.info("engine ready at %s", address)

@@ -3,7 +3,7 @@
     supervisor (this process: ports, signals, health of the children; no model, no requests)
     ├── front end 1..N   gRPC + REST on the shared ports (SO_REUSEPORT): parse, validate,
     │                    tokenize, encode; launch.front_end over ipc.zmq_client (no torch)
-    └── engine           the model, the one global queue and batcher, the forward;
+    └── engine           the model, the engine core (one queue, one scheduler), the forward;
                          launch.engine_host behind ipc.engine_server
 
 One Python process caps serving near 1.5k req/s whatever the GPU can do (issue 12): protocol

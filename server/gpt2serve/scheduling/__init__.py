@@ -1,6 +1,8 @@
-"""Scheduling on the engine side: which work runs in the engine thread next.
+"""Scheduling on the engine side: which work the engine runs next, and the loop that runs it.
 
-    batcher.py             next-token prompts: a bounded queue, dynamic batches, length grouping
-    continuous_batcher.py  generations: sequences join and leave the running batch at each step
-    grouping.py            the length-grouping policy (pure, brute-force tested)
+    core.py       the engine core: one loop in the engine thread, intake from callers, answers back
+    scheduler.py  one request type and one scheduler: each step's leaving, admitted, prompts, decode
+    outputs.py    the core's answers, on the callers' event loop
+    engine_api.py what the core needs of the engine
+    grouping.py   the length-grouping policy (pure, brute-force tested)
 """

@@ -1,0 +1,103 @@
+"""The engine core's answers, on the callers' event loop (scheduling.core hands each forward's
+outputs over in one call): next-token futures resolved, generations' tokens to their sinks,
+errors told once, and telemetry told after the answers, off everyone's critical path.
+
+It also keeps the live generations by id (the callers' abort() finds them here), and drops the
+outputs of a caller that left: its sink hears nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+from ..engine.engine import BatchOutput
+from ..engine.generator import StepOutput
+from ..errors import NonFiniteOutput
+from ..protocol import NextTokenOutput, TokenEvent
+from ..telemetry.records import BatchDone, PrefixCacheUse, StepDone
+from .scheduler import EngineRequest
+
+log = logging.getLogger(__name__)
+
+
+class Observer(Protocol):
+    """Told about every forward (telemetry), on the callers' event loop."""
+
+    def record_batch(self, record: BatchDone) -> None: ...
+
+    def record_step(self, record: StepDone) -> None: ...
+
+
+class Outputs:
+    def __init__(self, observer: Observer | None):
+        self.observer = observer
+        self.generations: dict[int, EngineRequest] = {}  # live ones by id: added, until done or left
+
+    def cancel(self, generation_id: int) -> EngineRequest | None:
+        """The caller left: nothing more reaches its sink. The request, if it was still live."""
+        request = self.generations.pop(generation_id, None)
+        if request is not None:
+            request.cancelled = True
+        return request
+
+    def answer_prompts(self, batch: list[EngineRequest], output: BatchOutput, started: float, started_ns: int,
+                       with_layers: bool) -> None:
+        """Resolve the batch's futures (with_layers=False: only those not waiting for layer
+        reports), then tell telemetry."""
+        for row, (request, top) in enumerate(zip(batch, output.top)):
+            future = request.output
+            if row in output.failed_rows and not future.done():
+                future.set_exception(NonFiniteOutput(
+                    "the model's output for this prompt was not finite (a numerical overflow)"))
+            if future.done() or (not with_layers and request.trace is not None and request.trace.layers_in_response):
+                continue
+            future.set_result(NextTokenOutput(
+                top, started - request.arrived, output.forward_s, len(batch), request.arrived_ns, started_ns,
+                output.layers.get(row), output.walkthrough if row in output.layers else None,
+                output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0))
+        if with_layers and self.observer is not None:
+            prefix = None
+            if output.cached_tokens:  # the prefix cache is on
+                prefix = PrefixCacheUse(sum(len(r.prompt) for r in batch), sum(output.cached_tokens))
+            self._observe(self.observer.record_batch, BatchDone(
+                [r.trace for r in batch], output.padded_len, output.forward_s, started_ns, output.ended_ns,
+                output.timeline, output.layers, prefix))
+
+    def deliver(self, events: list[tuple[EngineRequest, TokenEvent]], output: StepOutput,
+                members: list[EngineRequest], wake: Callable[[], None]) -> None:
+        """Each generation's token to its sink, then telemetry. A sink that raises stops its
+        own generation (`wake`: the core frees its slot at the next step)."""
+        for request, event in events:
+            if request.cancelled:
+                continue
+            if event.finish_reason:
+                self.generations.pop(request.request_id, None)
+            try:
+                request.output.put(event)
+            except Exception:  # a sink's failure is its own request's; the loop goes on
+                log.exception("generation %d: its sink failed; stopping it", request.request_id)
+                self.cancel(request.request_id)
+                wake()
+        if self.observer is not None:
+            prefix = None
+            if output.cached_tokens:  # a prefill with the prefix cache on
+                prefix = PrefixCacheUse(sum(len(r.prompt) for r in members), sum(output.cached_tokens.values()))
+            self._observe(self.observer.record_step, StepDone(
+                output.kind, [r.trace for r in members], output.rows, output.tokens_in, output.forward_s,
+                output.started_ns, output.ended_ns, prefix))
+
+    def fail(self, requests: list[EngineRequest], error: Exception) -> None:
+        """Each request that is still live is told `error`, once."""
+        for request in requests:
+            if request.new_tokens:
+                if not request.cancelled and self.generations.pop(request.request_id, None) is not None:
+                    request.output.fail(error)
+            elif not request.output.done():
+                request.output.set_exception(error)
+
+    def _observe(self, record: Callable, what) -> None:
+        try:
+            record(what)
+        except Exception:  # telemetry must never fail a request or the loop
+            log.exception("observer failed")

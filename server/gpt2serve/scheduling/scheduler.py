@@ -1,0 +1,227 @@
+"""One scheduler for every request: what the engine's next step does.
+
+Every request is a prompt and a number of new tokens (`EngineRequest`): 0 for next-token and
+scoring prompts, answered from their prompt's forward; more for generations, which then hold a
+KV-cache slot and take a token each step until they finish. Each step (`Step`) is:
+
+    leaving   generations that finished or were cancelled: their slots come free first
+    admitted  waiting generations, oldest first, while slots, the cache's blocks and the prefill
+              token budget (--max-batch-tokens) last; each one's prefill gives its first token.
+              A generation counts at the longest it may grow (prompt + max_tokens), so one
+              admitted never runs out of cache (engine.kv_cache: blocks_needed)
+    prompts   waiting next-token prompts: the length group (scheduling.grouping) of the oldest,
+              at most --max-batch-size
+    decode    one token for every running generation
+
+Only the core's thread calls it (scheduling.core), so it holds no lock.
+
+When to run prompts: with generations running, at once (they ride the next step; there is no
+idle device to wait for). With nothing else to do, the batch aims at what was queued when the
+last batch finished plus that many returns, waiting at most --max-batch-delay-ms for them: the
+callers answered by the last batch are likely to send again (closed-loop clients). A lone client
+thus never waits (its target is 1), while 64 clients settle into full batches of 64 instead of
+two half-size groups that take turns. Callers that did not come back within the return window
+are not waited for: after a burst and a pause, a lone request runs at once. REST callers come
+back more slowly than gRPC ones: with a fixed 3 delays, 63 of 64 often made it and the last one
+ran a batch alone, a rhythm that then repeats; so while callers are still arriving the wait
+stretches to STREAMING_WAIT_FACTOR delays or half the last forward, whichever is longer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..protocol import SamplingParams, TraceContext
+from .grouping import plan_batch
+from ..engine.kv_cache import blocks_needed
+
+STREAMING_WAIT_FACTOR = 3
+STREAMING_WAIT_SHARE_OF_FORWARD = 0.5
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt as the engine core sees it. `new_tokens` 0: a next-token (or scoring) prompt,
+    answered with its `top_k` alternatives from its prompt's forward; more: a generation."""
+
+    prompt: list[int]
+    new_tokens: int = 0
+    top_k: int = 1
+    params: SamplingParams = field(default_factory=SamplingParams)
+    prompt_logprobs: int | None = None  # score every prompt position too, with this many alternatives
+    trace: TraceContext | None = None
+    seed: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    expires_at: float = math.inf  # perf_counter: a generation still waiting then is refused
+    output: Any = None  # where answers go, on the caller's event loop (scheduling.core)
+    request_id: int = -1  # a generation's: its KV-cache row's sequence id
+    arrived: float = field(default_factory=time.perf_counter)
+    arrived_ns: int = field(default_factory=time.time_ns)
+    state: str = "waiting"  # -> running (a generation in its slot) -> done
+    generated: int = 0
+    # Set from the caller's thread when it leaves; the core acts on it at its next step, and its
+    # output hears nothing more from then on.
+    cancelled: bool = False
+
+    def took(self, token_id: int, eos_token_id: int | None) -> str:
+        """Count a generated token; its finish reason ("" while the generation goes on). A
+        finished generation is done: its slot comes free at the next step."""
+        self.generated += 1
+        if token_id == eos_token_id and not self.ignore_eos:
+            finish = "eos"
+        elif token_id in self.stop_token_ids:
+            finish = "stop"
+        elif self.generated >= self.new_tokens:
+            finish = "length"
+        else:
+            return ""
+        self.state = "done"
+        return finish
+
+    @property
+    def longest(self) -> int:
+        """Positions a generation may hold: its prompt and all its new tokens."""
+        return len(self.prompt) + self.new_tokens
+
+
+@dataclass
+class Step:
+    leaving: list[EngineRequest] = field(default_factory=list)
+    admitted: list[EngineRequest] = field(default_factory=list)
+    prompts: list[EngineRequest] = field(default_factory=list)
+    decode: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.leaving or self.admitted or self.prompts or self.decode)
+
+
+class Scheduler:
+    def __init__(self, *, slots: int, capacity_blocks: int, n_ctx: int, max_batch_size: int, max_batch_tokens: int,
+                 max_batch_delay_s: float, fixed_cost_tokens: float):
+        self.slots, self.capacity_blocks, self.n_ctx = slots, capacity_blocks, n_ctx
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        self.max_batch_delay_s, self.fixed_cost_tokens = max_batch_delay_s, fixed_cost_tokens
+        self.prompts: deque[EngineRequest] = deque()  # waiting next-token prompts, oldest first
+        self.waiting: list[EngineRequest] = []  # waiting generations, oldest first
+        self.running: dict[int, EngineRequest] = {}  # generations in a slot, until it is freed
+        self._window_started: float | None = None  # when the prompts now waiting began to gather
+        self._last_arrival = 0.0
+        self._expected_batch = 1
+        self._last_forward_s = 0.0
+        self._last_answered = -math.inf
+
+    # Intake (the core's thread) -------------------------------------------------------------------
+    def add(self, request: EngineRequest) -> None:
+        if request.new_tokens:
+            self.waiting.append(request)
+        else:
+            self.prompts.append(request)
+            self._last_arrival = max(self._last_arrival, request.arrived)
+
+    def staying(self) -> list[EngineRequest]:
+        return [r for r in list(self.running.values()) if r.state == "running" and not r.cancelled]
+
+    def blocks(self, members: list[EngineRequest]) -> int:
+        """What these generations take in the dense cache, each slot as long as the longest may grow."""
+        return blocks_needed(len(members), max((min(r.longest, self.n_ctx) for r in members), default=0))
+
+    # The step ---------------------------------------------------------------------------------------
+    def schedule(self, now: float) -> Step | float | None:
+        """The next step; or, when only prompts wait and their batch may still fill, the time to
+        look again; None when there is nothing to do."""
+        step = Step(leaving=[r for r in self.running.values() if r.state != "running" or r.cancelled])
+        for r in step.leaving:
+            del self.running[r.request_id]
+        step.admitted = self._admit()
+        step.decode = bool(self.staying())
+        busy = step.decode or step.admitted
+        if self.prompts:
+            wake = None if busy else self._fill_until(now)
+            if wake is None:
+                step.prompts = self._take_prompts()
+            elif step.empty:
+                return wake
+        return None if step.empty else step
+
+    def _admit(self) -> list[EngineRequest]:
+        self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
+        staying = self.staying()
+        free = self.slots - len(staying)
+        admitted, tokens = [], 0
+        while self.waiting and len(admitted) < free:
+            request = self.waiting[0]
+            if admitted and tokens + len(request.prompt) > self.max_batch_tokens:
+                break
+            if self.blocks(staying + admitted + [request]) > self.capacity_blocks:
+                break  # oldest first: a long one is not passed by shorter ones behind it
+            self.waiting.pop(0)
+            request.state = "running"
+            self.running[request.request_id] = request
+            admitted.append(request)
+            tokens += len(request.prompt)
+        return admitted
+
+    def _live_prompts(self) -> None:
+        while self.prompts and self.prompts[0].cancelled:
+            self.prompts.popleft()
+
+    def _fill_until(self, now: float) -> float | None:
+        """None: run the waiting prompts now; else when to look again (see the module doc)."""
+        self._live_prompts()
+        if not self.prompts:
+            return None
+        if self._window_started is None:
+            self._window_started = now
+            if now - self._last_answered > self._return_window():
+                self._expected_batch = 1  # the last batch's callers did not come back: nothing to wait for
+        waiting = sum(not r.cancelled for r in self.prompts)
+        target = min(self.max_batch_size, max(self._expected_batch, waiting))
+        if waiting >= target:
+            return None
+        started = self._window_started
+        still_arriving = min(started + self._return_window(), self._last_arrival + self.max_batch_delay_s / 2)
+        until = max(started + self.max_batch_delay_s, still_arriving)
+        return None if now >= until else until
+
+    def _return_window(self) -> float:
+        """How long after their answers closed-loop callers may still be coming back."""
+        return max(STREAMING_WAIT_FACTOR * self.max_batch_delay_s, STREAMING_WAIT_SHARE_OF_FORWARD * self._last_forward_s)
+
+    def _take_prompts(self) -> list[EngineRequest]:
+        candidates = []
+        while self.prompts and len(candidates) < self.max_batch_size:
+            request = self.prompts.popleft()
+            if not request.cancelled:
+                candidates.append(request)
+        self._window_started = None
+        if not candidates:
+            return []
+        chosen = set(plan_batch([len(r.prompt) for r in candidates], 0, max_batch_size=self.max_batch_size,
+                                max_batch_tokens=self.max_batch_tokens, fixed_cost_tokens=self.fixed_cost_tokens))
+        # Left over by length grouping: back to the front, before newer arrivals.
+        self.prompts.extendleft(reversed([r for i, r in enumerate(candidates) if i not in chosen]))
+        return [r for i, r in enumerate(candidates) if i in chosen]
+
+    def prompts_answered(self, batch: int, forward_s: float) -> None:
+        """A batch of prompts was answered: the next one expects its callers back."""
+        self._expected_batch = sum(not r.cancelled for r in self.prompts) + batch
+        self._last_forward_s = forward_s
+        self._last_answered = time.perf_counter()
+
+    def expired(self, now: float) -> list[EngineRequest]:
+        """Waiting generations past their deadline: they leave the queue."""
+        gone = [r for r in self.waiting if r.expires_at <= now and not r.cancelled]
+        if gone:
+            self.waiting = [r for r in self.waiting if r not in gone]
+            for r in gone:
+                r.state = "done"
+        return gone
+
+    def next_deadline(self) -> float:
+        return min((r.expires_at for r in self.waiting), default=math.inf)

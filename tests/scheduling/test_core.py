@@ -1,0 +1,108 @@
+"""The engine core with a real engine: one scheduler for next-token prompts and generations.
+
+A next-token prompt that arrives while generations run rides their next decode step (one
+forward for both, engine.riders): its answer and theirs must each be what they would be alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, transformers_greedy
+from support.reference import as_result, assert_matches_reference, transformers_random_model
+from support.scheduler_events import events
+
+from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.generator import Generator
+from gpt2serve.engine.loading import load_model
+from gpt2serve.protocol import GenerateRequest
+from gpt2serve.telemetry.records import BatchDone, StepDone
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    hf = transformers_random_model(seed=3, **LIVELY)
+    path = tmp_path_factory.mktemp("core") / "ckpt"
+    hf.save_pretrained(path)
+    return hf, Engine(load_model(str(path), "cpu", "float32"))
+
+
+async def drain(stream) -> list:
+    return [e async for e in stream]
+
+
+class Recorder:
+    def __init__(self):
+        self.steps: list[StepDone] = []
+        self.batches: list[BatchDone] = []
+
+    def record_step(self, record: StepDone) -> None:
+        self.steps.append(record)
+
+    def record_batch(self, record: BatchDone) -> None:
+        self.batches.append(record)
+
+
+def test_a_next_token_prompt_rides_the_next_decode_step_of_running_streams(saved):
+    hf, engine = saved
+    generator = Generator(engine, slots=4)
+    calls = {"next_token": 0}
+    real_next_token = engine.next_token
+
+    def counting_next_token(*args, **kwargs):
+        calls["next_token"] += 1
+        return real_next_token(*args, **kwargs)
+
+    engine.next_token = counting_next_token
+    recorder = Recorder()
+    riders = [PROMPTS[7], PROMPTS[2], PROMPTS[11]]  # 22, 7 and 34 tokens: rows of three lengths
+
+    async def main():
+        core = generation_core(generator, observer=recorder)
+        core.start()
+        try:
+            streams = [events(core, GenerateRequest(PROMPTS[i], GREEDY, 24)) for i in (3, 5)]
+            firsts = [await anext(s) for s in streams]  # both running now
+            answers = await asyncio.gather(*(core.submit([p], top_k=5) for p in riders))
+            rest = await asyncio.gather(*(drain(s) for s in streams))
+            return [[f.token.token_id] + [e.token.token_id for e in r] for f, r in zip(firsts, rest)], answers
+        finally:
+            await core.stop()
+
+    try:
+        streamed, answers = asyncio.run(main())
+    finally:
+        del engine.next_token
+    assert calls["next_token"] == 0  # no forward of their own
+    decodes = {s.started_ns: s for s in recorder.steps if s.kind == "decode"}
+    for prompt, (answer,) in zip(riders, answers):
+        assert answer.batch_started_ns in decodes  # the forward of a decode step
+        assert decodes[answer.batch_started_ns].rows == 2  # beside both streams
+        assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=5)
+    for i, tokens in zip((3, 5), streamed):  # the streams they rode are untouched
+        assert tokens == transformers_greedy(hf, PROMPTS[i], 24)
+
+
+def test_a_prompt_that_cannot_ride_takes_its_own_forward_in_the_same_step(saved):
+    """Scored prompts need every position: not a rider; answered all the same."""
+    hf, engine = saved
+    generator = Generator(engine, slots=2)
+
+    async def main():
+        core = generation_core(generator)
+        core.start()
+        try:
+            stream = events(core, GenerateRequest(PROMPTS[4], GREEDY, 12))
+            await anext(stream)
+            (answer,) = await core.submit([PROMPTS[6]], top_k=3, prompt_logprobs=1)
+            rest = [e async for e in stream]
+            return answer, rest
+        finally:
+            await core.stop()
+
+    answer, rest = asyncio.run(main())
+    assert answer.prompt_logprobs is not None and len(answer.prompt_logprobs) == len(PROMPTS[6]) - 1
+    assert_matches_reference(hf, as_result(PROMPTS[6], answer.top), PROMPTS[6], top_k=3)
+    assert len(rest) == 11 and rest[-1].finish_reason == "length"
