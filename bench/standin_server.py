@@ -134,6 +134,7 @@ generator_module.Generator.decode = decode
 generator_module.Generator.remove = remove
 generator_module.Generator.warm_up = lambda self: None
 generator_module.Generator.allocate = lambda self: None
+generator_module.Generator.can_ride = lambda self, prompt: False  # as on cuda: decode steps are graphs
 
 if __name__ == "__main__":
     sys.exit(main())
