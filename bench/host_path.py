@@ -16,6 +16,10 @@ reported as a share of the machine: when it is near the whole machine, the serve
 more about the clients than the server, but the per-step CPU figures still hold.
 
     .venv/bin/python bench/host_path.py [--workers 2] [--streams 1,64,256] [--clients 256] [--json]
+
+With --target host:port --http-target URL it drives a server already running (a real one on a
+card): the same loads and served rates, no stand-in, no ideal, CPU per process of the server
+whose supervisor is --pid (when given).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import resource
@@ -90,6 +95,21 @@ def children_cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+class RunningServer:
+    """A server started elsewhere (--target): its rates, and its CPU when its pid is known."""
+
+    def __init__(self, grpc: str, http: str, pid: int | None):
+        self.grpc, self.http = grpc, http
+        self.processes = server_processes(pid) if pid else {}
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as response:
+            return response.read().decode()
+
+    def stop(self) -> None:
+        pass
+
+
 class StandinServer:
     def __init__(self, workers: int, max_batch: int):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -133,10 +153,14 @@ def measure(server: StandinServer, run, unit_metric) -> tuple[float, dict[str, f
 
 def scenario(name: str, load: str, served: float, ideal: float, units: float, requests: float,
              cpu: dict[str, float], clients_cpu: float, wall: float) -> Scenario:
+    """`ideal` 0: not known (a real server)."""
     per_unit = {p: round(1e6 * s / max(units, 1), 1) for p, s in cpu.items()}
     per_request = {p: round(1e6 * s / max(requests, 1), 1) for p, s in cpu.items()}
-    return Scenario(name, load, round(served), round(ideal), round(served / ideal, 3), int(units), int(requests),
-                    per_unit, per_request, round(clients_cpu / (wall * os.cpu_count()), 2))
+    return Scenario(name, load, round(served), round(ideal), round(served / ideal, 3) if ideal else 0.0, int(units),
+                    int(requests), per_unit, per_request, round(clients_cpu / (wall * os.cpu_count()), 2))
+
+
+STANDIN = True  # False with --target: no ideal
 
 
 def generation(server: StandinServer, streams: int, new_tokens: int, duration: float, processes: int) -> Scenario:
@@ -151,8 +175,8 @@ def generation(server: StandinServer, streams: int, new_tokens: int, duration: f
     wall, cpu, made, done, clients, result = measure(
         server, lambda: serve_from_processes(server.grpc, prompts, streams, new_tokens, duration, processes), tokens)
     rate = result[0]
-    return scenario("generation", f"{streams} streams", rate, streams / DECODE.seconds(streams), made, done, cpu,
-                    clients, wall)
+    return scenario("generation", f"{streams} streams", rate, STANDIN and streams / DECODE.seconds(streams), made,
+                    done, cpu, clients, wall)
 
 
 def next_token(server: StandinServer, clients: int, duration: float, processes: int) -> Scenario:
@@ -166,8 +190,8 @@ def next_token(server: StandinServer, clients: int, duration: float, processes: 
     wall, cpu, done, _, spent, samples = measure(
         server, lambda: load_from_processes("grpc", server.grpc, prompts, clients, duration, 1.0, processes), answered)
     rate = len(samples.latencies) / duration
-    return scenario("next-token", f"{clients} clients", rate, clients / NEXT_TOKEN.seconds(clients), done, done,
-                    cpu, spent, wall)
+    return scenario("next-token", f"{clients} clients", rate, STANDIN and clients / NEXT_TOKEN.seconds(clients),
+                    done, done, cpu, spent, wall)
 
 
 async def _batch_calls(target: str, prompts: list[list[int]], clients: int, per_call: int, duration: float) -> int:
@@ -188,7 +212,24 @@ async def _batch_calls(target: str, prompts: list[list[int]], clients: int, per_
     return answered
 
 
-def next_token_batch(server: StandinServer, clients: int, per_call: int, duration: float, max_batch: int) -> Scenario:
+def _batch_calls_in_process(target: str, prompts: list[list[int]], clients: int, per_call: int, duration: float) -> int:
+    return asyncio.run(_batch_calls(target, prompts, clients, per_call, duration))
+
+
+def batch_calls_from_processes(target: str, prompts: list[list[int]], clients: int, per_call: int, duration: float,
+                               processes: int) -> int:
+    """Prompts answered by `clients` NextTokenBatch callers spread over client processes."""
+    processes = max(1, min(processes, clients))
+    if processes == 1:
+        return _batch_calls_in_process(target, prompts, clients, per_call, duration)
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        return sum(pool.starmap(_batch_calls_in_process, [(target, prompts[i::processes], share, per_call, duration)
+                                                          for i, share in enumerate(shares)]))
+
+
+def next_token_batch(server: StandinServer, clients: int, per_call: int, duration: float, max_batch: int,
+                     processes: int = 1) -> Scenario:
     prompts = make_prompts(1024, 5, VOCAB, 0)
 
     def answered(before: str, after: str) -> tuple[float, float]:
@@ -197,15 +238,17 @@ def next_token_batch(server: StandinServer, clients: int, per_call: int, duratio
         return done * per_call, done
 
     wall, cpu, done, calls, spent, answered_prompts = measure(
-        server, lambda: asyncio.run(_batch_calls(server.grpc, prompts, clients, per_call, duration)), answered)
+        server, lambda: batch_calls_from_processes(server.grpc, prompts, clients, per_call, duration, processes),
+        answered)
     rows = min(clients * per_call, max_batch)
     return scenario("next-token batch", f"{clients} x {per_call} prompts", answered_prompts / wall,
-                    rows / NEXT_TOKEN.seconds(rows), done, calls, cpu, spent, wall)
+                    STANDIN and rows / NEXT_TOKEN.seconds(rows), done, calls, cpu, spent, wall)
 
 
 def report(results: list[Scenario], workers: int) -> str:
     names = sorted({p for r in results for p in r.us_per_unit}, key=lambda p: (p != "engine", p))
-    lines = [f"host path against {STEPS_FILE.name}, --workers {workers}, {os.cpu_count()} cores",
+    against = STEPS_FILE.name if STANDIN else "a running server"
+    lines = [f"host path against {against}, --workers {workers}, {os.cpu_count()} cores",
              "| scenario | load | served/s | ideal/s | ratio | " + " | ".join(f"{p} us/unit" for p in names)
              + " | engine us/request | clients' CPU share |",
              "|---|---|---|---|---|" + "---|" * len(names) + "---|---|"]
@@ -228,9 +271,17 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="client processes")
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--target", help="a running server's gRPC host:port (no stand-in)")
+    parser.add_argument("--http-target", help="with --target: its REST base URL (/metrics)")
+    parser.add_argument("--pid", type=int, help="with --target: its supervisor's pid, for CPU per process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    server = StandinServer(args.workers, args.max_batch_size)
+    global STANDIN
+    if args.target:
+        STANDIN = False
+        server = RunningServer(args.target, args.http_target, args.pid)
+    else:
+        server = StandinServer(args.workers, args.max_batch_size)
     results = []
     try:
         for streams in [int(s) for s in args.streams.split(",") if s]:
@@ -239,7 +290,7 @@ def main() -> None:
             results.append(next_token(server, clients, args.duration, args.processes))
         if args.batch_clients:
             results.append(next_token_batch(server, args.batch_clients, args.batch_prompts, args.duration,
-                                            args.max_batch_size))
+                                            args.max_batch_size, args.processes))
     finally:
         server.stop()
     if args.json:

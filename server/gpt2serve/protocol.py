@@ -202,6 +202,32 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """Generated tokens in columns, one message for all of a front end's generations that took a
+    token in the same step (a decode step of 256 sequences is one message, not 256). Only plain
+    tokens travel so: a first token (its queue time, prompt scores, cached count) is a Step."""
+
+    request_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reasons: list[str]
+    tops: list[list[TokenScore]]  # each token's alternatives; [] for all when none were asked for
+    forward_s: float  # the step's, shared by every token here
+    batch_size: int
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def events(self):
+        """(request id, its TokenEvent) for each token, in order."""
+        tops = self.tops or [[]] * len(self.request_ids)
+        for request_id, token_id, logprob, finish, top in zip(self.request_ids, self.token_ids, self.logprobs,
+                                                              self.finish_reasons, tops):
+            yield request_id, TokenEvent(SampledToken(token_id, logprob, top), finish, 0.0, self.forward_s,
+                                         self.batch_size)
+
+
+@dataclass(frozen=True)
 class Failed:
     request_id: int
     code: str  # gRPC status name (errors.error_from_code turns it back into an error)

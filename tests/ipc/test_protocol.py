@@ -21,7 +21,7 @@ from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.zmq_client import ZmqEngineClient
 from gpt2serve.protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit,
-                                TokenEvent, TokenScore, TraceContext)
+                                TokenEvent, TokenScore, Tokens, TraceContext)
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 
@@ -52,6 +52,8 @@ SAMPLES = [
                                 prompt_logprobs=PromptScores([-3.5, -0.25], [7, 1], [[11, 3139], [286, 11]],
                                                              [[-1.0, -3.5], [-0.25, -2.0]]))]),
     Step(12, TokenEvent(SampledToken(262, -0.25), "", 0.003, 0.01, 1, PromptScores([-2.0], [3], [[]], [[]]))),
+    Tokens([9, 12, 4], [262, 11, 50256], [-0.25, -1.5, -3.0], ["", "length", "eos"], [[], [], []], 0.002, 256),
+    Tokens([5, 6], [13, 198], [-0.5, -2.0], ["", ""], [[TokenScore(13, -0.5), TokenScore(11, -1.0)], []], 0.01, 2),
 ]
 
 
@@ -108,6 +110,8 @@ BAD_FRAMES = {
                                                                [[-2.0, -1.0], [3], [[]], [[]]]]),
     "prompt score top of unequal length": _with(SAMPLES[-2], 2, [[[[262], [-1.5]], 0.0, 0.02, 1, 1, 2, None, None,
                                                                  [[-3.5], [7], [[11, 3]], [[-1.0]]]]]),
+    "tokens of unequal columns": _with(SAMPLES[-1], 2, [13]),
+    "tokens' alternatives of another count": _with(SAMPLES[-1], 5, [[[13], [-0.5]]]),
     "prompt score rank not an integer": _with(SAMPLES[-1], 2, [262, -0.25, [[], []], "", 0.0, 0.0, 1,
                                                                [[-2.0], [3.5], [[]], [[]]]]),
 }

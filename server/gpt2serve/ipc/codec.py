@@ -13,7 +13,7 @@ from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit, TokenEvent,
-                        TokenScore, TraceContext)
+                        TokenScore, Tokens, TraceContext)
 
 
 class BadFrame(ValueError):
@@ -166,6 +166,21 @@ def _event(x: Any) -> TokenEvent:
                       _float(forward_s), _int(batch_size), _prompt_scores(scores), _int(cached))
 
 
+def _pack_tokens(m: Tokens) -> list:
+    tops = [_pack_scores(top) for top in m.tops] if any(m.tops) else []
+    return [m.request_ids, m.token_ids, m.logprobs, m.finish_reasons, tops, m.forward_s, m.batch_size]
+
+
+def _unpack_tokens(f: list) -> Tokens:
+    request_ids, token_ids, logprobs, finish_reasons, tops, forward_s, batch_size = _fields(f, 7)
+    n = len(_ids(request_ids))
+    if (len(_ids(token_ids)) != n or len(_floats(logprobs)) != n or len(_list(finish_reasons)) != n
+            or len(_list(tops)) not in (0, n)):
+        raise BadFrame("tokens: columns of unequal length")
+    return Tokens(request_ids, token_ids, [float(v) for v in logprobs], [_str(r) for r in finish_reasons],
+                  [_scores(t) for t in tops] if tops else [[] for _ in range(n)], _float(forward_s), _int(batch_size))
+
+
 def _model_info(x: Any) -> ModelInfo:
     return _from_dicts("model info", lambda: ModelInfo.from_dict(x))
 
@@ -210,6 +225,7 @@ _WIRE: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     5: (Result, lambda m: [m.request_id, [_pack_output(o) for o in m.outputs]], _unpack_result),
     6: (Step, lambda m: [m.request_id, _pack_event(m.event)], lambda f: Step(_int(_fields(f, 2)[0]), _event(f[1]))),
     7: (Failed, lambda m: [m.request_id, m.code, m.message], _unpack_failed),
+    8: (Tokens, _pack_tokens, _unpack_tokens),
 }
 _TAGS = {cls: (tag, pack) for tag, (cls, pack, _) in _WIRE.items()}
 MESSAGE_TYPES = tuple(cls for cls, _, _ in _WIRE.values())

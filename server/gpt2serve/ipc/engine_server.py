@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, Step, Submit,
-                        TokenEvent)
+                        TokenEvent, Tokens)
 from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
@@ -38,9 +38,24 @@ class _PeerSink:
         self.server, self.key = server, key
 
     def put(self, event: TokenEvent) -> None:
+        """A plain token joins the peer's Tokens message of this step (one per front end per
+        step); a first token, with its extras, goes as a Step."""
+        server, (peer, request_id) = self.server, self.key
         if event.finish_reason:
-            self.server._generations.pop(self.key, None)
-        self.server._outbox.put(self.key[0], Step(self.key[1], event))
+            server._generations.pop(self.key, None)
+        if event.queue_s or event.prompt_logprobs is not None or event.cached_tokens:
+            server._outbox.put(peer, Step(request_id, event))
+            return
+        tokens = server._outbox.last(peer)  # only the last: a later token must not pass an earlier Step
+        if type(tokens) is not Tokens or tokens.forward_s != event.forward_s or tokens.batch_size != event.batch_size:
+            tokens = Tokens([], [], [], [], [], event.forward_s, event.batch_size)
+            server._outbox.put(peer, tokens)
+        token = event.token
+        tokens.request_ids.append(request_id)
+        tokens.token_ids.append(token.token_id)
+        tokens.logprobs.append(token.logprob)
+        tokens.finish_reasons.append(event.finish_reason)
+        tokens.tops.append(token.top)
 
     def fail(self, error: Exception) -> None:
         self.server._generations.pop(self.key, None)

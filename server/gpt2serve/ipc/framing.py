@@ -25,6 +25,11 @@ class Outbox:
             asyncio.get_running_loop().call_soon(self._flush)
         self._messages.setdefault(peer, []).append(message)
 
+    def last(self, peer: Hashable) -> Any:
+        """The last message put for `peer` in this tick, if any (to extend it in place)."""
+        messages = self._messages.get(peer)
+        return messages[-1] if messages else None
+
     def _flush(self) -> None:
         messages, self._messages = self._messages, {}
         for peer, batch in messages.items():

@@ -25,7 +25,7 @@ from gpt2serve_client.types import ModelInfo
 
 from ..errors import ShuttingDown, Unavailable, error_from_code
 from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
-                        NextTokenRequest, Result, Step, Submit, TokenSink)
+                        NextTokenRequest, Result, Step, Submit, Tokens, TokenSink)
 from .framing import Outbox, deliver
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,15 @@ class ZmqEngineClient:
 
     def _dispatch(self, message) -> None:
         kind = type(message)
-        if kind is Step:
+        if kind is Tokens:
+            sinks = self._sinks
+            for request_id, event in message.events():
+                sink = sinks.get(request_id)
+                if sink is not None:
+                    if event.finish_reason:
+                        del sinks[request_id]
+                    sink.put(event)
+        elif kind is Step:
             sink = self._sinks.get(message.request_id)
             if sink is not None:
                 if message.event.finish_reason:
