@@ -277,7 +277,7 @@ class Generator:
                 failed.add(r.seq_id)
                 continue
             k = r.params.logprobs
-            top = [TokenScore(int(i), v) for v, i in zip(values[TOP:TOP + k], values[TOP + n:TOP + n + k])]
+            top = [TokenScore(int(i), v) for v, i in zip(values[TOP:TOP + k], values[TOP + n:TOP + n + k])] if k else []
             out[r.seq_id] = SampledToken(token, values[LOGPROB], top)
         return out, frozenset(failed)
 

@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 from ..errors import INTERNAL_MESSAGE, ServeError
-from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, Step, Submit,
-                        TokenEvent, Tokens)
+from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, SampledToken, Step,
+                        Submit, TokenEvent, Tokens)
 from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
@@ -46,15 +46,21 @@ class _PeerSink:
         if event.queue_s or event.prompt_logprobs is not None or event.cached_tokens:
             server._outbox.put(peer, Step(request_id, event))
             return
+        self.put_plain(event.token, event.finish_reason, event.forward_s, event.batch_size)
+
+    def put_plain(self, token: SampledToken, finish_reason: str, forward_s: float, batch_size: int) -> None:
+        """A token with no extras, straight into the peer's Tokens message of this step."""
+        server, (peer, request_id) = self.server, self.key
+        if finish_reason:
+            server._generations.pop(self.key, None)
         tokens = server._outbox.last(peer)  # only the last: a later token must not pass an earlier Step
-        if type(tokens) is not Tokens or tokens.forward_s != event.forward_s or tokens.batch_size != event.batch_size:
-            tokens = Tokens([], [], [], [], [], event.forward_s, event.batch_size)
+        if type(tokens) is not Tokens or tokens.forward_s != forward_s or tokens.batch_size != batch_size:
+            tokens = Tokens([], [], [], [], [], forward_s, batch_size)
             server._outbox.put(peer, tokens)
-        token = event.token
         tokens.request_ids.append(request_id)
         tokens.token_ids.append(token.token_id)
         tokens.logprobs.append(token.logprob)
-        tokens.finish_reasons.append(event.finish_reason)
+        tokens.finish_reasons.append(finish_reason)
         tokens.tops.append(token.top)
 
     def fail(self, error: Exception) -> None:

@@ -122,6 +122,13 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     loaded = load_model(config.model, config.device, config.dtype, seed=config.seed,
                         random_fallback=config.random_fallback, allow_pickle=config.allow_pickle,
                         quantize=config.quantize)
+    if loaded.device.type == "cuda" and torch.get_num_threads() > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # On a card the engine's CPU work is staging a step's few small tensors; OpenMP's pool
+        # (a thread per core, spinning after each parallel region) only took cores from the
+        # front ends and the IO threads. vLLM's workers drop to one thread for the same reason.
+        log.info("torch CPU threads: 1 (was %d; the model runs on cuda; OMP_NUM_THREADS overrides)",
+                 torch.get_num_threads())
+        torch.set_num_threads(1)
     engine = Engine(loaded, engine_options(config, loaded))
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",

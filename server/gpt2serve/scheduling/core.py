@@ -42,7 +42,7 @@ from ..engine.kv_cache import BLOCK, blocks_for
 from ..engine.padding import CPU_FORWARD_TOKENS
 from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError,
                       ShuttingDown, Unavailable)
-from ..protocol import GenerateRequest, NextTokenOutput, SampledToken, TokenEvent, TokenSink, TraceContext
+from ..protocol import GenerateRequest, NextTokenOutput, TokenSink, TraceContext
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Observer, Outputs
 from .scheduler import EngineRequest, Scheduler, Step
@@ -238,8 +238,9 @@ class EngineCore:
                 for r in leaving:
                     del self.scheduler.running[r.request_id]
                 self.generator.remove({r.request_id for r in leaving})
-            if self.scheduler.staying():
-                self._generation_step("decode", self.scheduler.staying(), riders)
+            members = self.scheduler.staying()
+            if members:
+                self._generation_step("decode", members, riders)
                 riders = []
         if riders:  # nobody left to decode: they take their own forward
             self._prompt_step(riders)
@@ -348,24 +349,17 @@ class EngineCore:
             self._post(self.outputs.answer_prompts, riders, BatchOutput(
                 output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
                 output.ended_ns, failed_rows=output.rider_failed), started, output.started_ns, True)
-        events = []
+        tokens, eos, taken = output.tokens, self.eos_token_id, []
         for request in members:
-            token = output.tokens.get(request.request_id)
+            token = tokens.get(request.request_id)
             if token is not None and request.state == "running":
-                events.append((request, self._event(request, token, output)))
+                taken.append((request, token, request.took(token.token_id, eos)))
         if output.failed:
             log.error("%s step: %d of %d sequences had non-finite logits; failing them alone",
                       kind, len(output.failed), len(members))
             self._fail([r for r in members if r.request_id in output.failed], NonFiniteOutput(
                 "the model's output for this sequence was not finite (a numerical overflow); it was stopped"))
-        self._post(self.outputs.deliver, events, output, members, self._wake.set)
-
-    def _event(self, request: EngineRequest, token: SampledToken, output: StepOutput) -> TokenEvent:
-        """The token's event; a finishing one marks its generation done (its slot frees next step)."""
-        finish = request.took(token.token_id, self.eos_token_id)
-        queue_s = max(time.perf_counter() - output.forward_s - request.arrived, 0.0) if request.generated == 1 else 0.0
-        return TokenEvent(token, finish, queue_s, output.forward_s, output.rows,
-                          output.prompt_scores.get(request.request_id), output.cached_tokens.get(request.request_id, 0))
+        self._post(self.outputs.deliver, taken, output, members, self._wake.set)
 
     # Failures and the way back to the callers ------------------------------------------------------
     def _fail(self, requests: list[EngineRequest], error: ServeError, exc: Exception | None = None,

@@ -9,12 +9,13 @@ outputs of a caller that left: its sink hears nothing more.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Protocol
 
 from ..engine.engine import BatchOutput
 from ..engine.generator import StepOutput
 from ..errors import NonFiniteOutput
-from ..protocol import NextTokenOutput, TokenEvent
+from ..protocol import NextTokenOutput, SampledToken, TokenEvent
 from ..telemetry.records import BatchDone, PrefixCacheUse, StepDone
 from .scheduler import EngineRequest
 
@@ -64,17 +65,26 @@ class Outputs:
                 [r.trace for r in batch], output.padded_len, output.forward_s, started_ns, output.ended_ns,
                 output.timeline, output.layers, prefix))
 
-    def deliver(self, events: list[tuple[EngineRequest, TokenEvent]], output: StepOutput,
+    def deliver(self, taken: list[tuple[EngineRequest, SampledToken, str]], output: StepOutput,
                 members: list[EngineRequest], wake: Callable[[], None]) -> None:
-        """Each generation's token to its sink, then telemetry. A sink that raises stops its
-        own generation (`wake`: the core frees its slot at the next step)."""
-        for request, event in events:
+        """Each generation's token (with its finish reason) to its sink, then telemetry. A sink
+        that raises stops its own generation (`wake`: the core frees its slot at the next step).
+        A sink with `put_plain` (the IPC door's) takes a plain token without a TokenEvent built."""
+        now, forward_s, rows = time.perf_counter(), output.forward_s, output.rows
+        scores, cached = output.prompt_scores, output.cached_tokens
+        for request, token, finish in taken:
             if request.cancelled:
                 continue
-            if event.finish_reason:
+            if finish:
                 self.generations.pop(request.request_id, None)
+            sink = request.output
             try:
-                request.output.put(event)
+                if request.generated > 1 and hasattr(sink, "put_plain"):
+                    sink.put_plain(token, finish, forward_s, rows)
+                    continue
+                queue_s = max(now - forward_s - request.arrived, 0.0) if request.generated == 1 else 0.0
+                sink.put(TokenEvent(token, finish, queue_s, forward_s, rows, scores.get(request.request_id),
+                                    cached.get(request.request_id, 0)))
             except Exception:  # a sink's failure is its own request's; the loop goes on
                 log.exception("generation %d: its sink failed; stopping it", request.request_id)
                 self.cancel(request.request_id)

@@ -138,8 +138,9 @@ class Scheduler:
         step = Step(leaving=[r for r in self.running.values() if r.state != "running" or r.cancelled])
         for r in step.leaving:
             del self.running[r.request_id]
-        step.admitted = self._admit()
-        step.decode = bool(self.staying())
+        staying = self.staying()
+        step.admitted = self._admit(staying) if self.waiting else []
+        step.decode = bool(staying or step.admitted)
         busy = step.decode or step.admitted
         if self.prompts:
             wake = None if busy else self._fill_until(now)
@@ -149,17 +150,19 @@ class Scheduler:
                 return wake
         return None if step.empty else step
 
-    def _admit(self) -> list[EngineRequest]:
+    def _admit(self, staying: list[EngineRequest]) -> list[EngineRequest]:
         self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
-        staying = self.staying()
         free = self.slots - len(staying)
         admitted, tokens = [], 0
+        longest = max((min(r.longest, self.n_ctx) for r in staying), default=0)
         while self.waiting and len(admitted) < free:
             request = self.waiting[0]
             if admitted and tokens + len(request.prompt) > self.max_batch_tokens:
                 break
-            if self.blocks(staying + admitted + [request]) > self.capacity_blocks:
+            with_it = max(longest, min(request.longest, self.n_ctx))
+            if blocks_needed(len(staying) + len(admitted) + 1, with_it) > self.capacity_blocks:
                 break  # oldest first: a long one is not passed by shorter ones behind it
+            longest = with_it
             self.waiting.pop(0)
             request.state = "running"
             self.running[request.request_id] = request
