@@ -108,7 +108,9 @@ class EngineCore:
     @property
     def waiting(self) -> int:
         """Generations waiting for a KV-cache slot."""
-        return sum(r.state == "waiting" and not r.cancelled for r in list(self.outputs.generations.values()))
+        with self._lock:
+            arriving = [r for r in self._intake if r.new_tokens]
+        return sum(r.state == "waiting" and not r.cancelled for r in arriving + list(self.scheduler.waiting))
 
     @property
     def cache_usage(self) -> float:
