@@ -20,6 +20,7 @@ Traced, scored and prefix-cached requests are not stood in for (they are refused
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import os
 import random
@@ -33,6 +34,7 @@ from gpt2serve.cli import main
 from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine.padding import left_pad
+from gpt2serve.launch import engine_host
 from gpt2serve.engine.sampling import TOP
 
 STEPS_FILE = Path(os.environ.get("STANDIN_STEPS", Path(__file__).with_name("h200_steps.json")))
@@ -135,6 +137,16 @@ generator_module.Generator.remove = remove
 generator_module.Generator.warm_up = lambda self: None
 generator_module.Generator.allocate = lambda self: None
 generator_module.Generator.can_ride = lambda self, prompt: False  # as on cuda: decode steps are graphs
+
+if "STANDIN_SWITCH_INTERVAL_S" in os.environ:  # A/B of the engine host's own choice
+    _real_start = engine_host.EngineHost.start
+
+    @functools.wraps(_real_start)
+    async def _start(self):
+        await _real_start(self)
+        sys.setswitchinterval(float(os.environ["STANDIN_SWITCH_INTERVAL_S"]))
+
+    engine_host.EngineHost.start = _start
 
 if __name__ == "__main__":
     sys.exit(main())

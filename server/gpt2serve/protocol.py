@@ -18,15 +18,17 @@ returned, which frees its KV-cache slot at the next step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 # Engine-side messages -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TokenScore:
+class TokenScore(NamedTuple):
+    """A token and its log-probability: a tuple, since a next-token answer holds k of them per
+    prompt and a frozen dataclass costs about three times as much to make."""
+
     token_id: int
     logprob: float
 

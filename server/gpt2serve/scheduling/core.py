@@ -1,13 +1,11 @@
 """The engine core: one plain loop, in the engine's own thread, that runs every step.
 
     caller's event loop                          engine thread (EngineCore._run)
-    submit() / add() / abort() ── intake ──────> drain intake -> Scheduler.schedule() -> step:
-                                                   free leaving slots, prefill admitted
-                                                   generations, decode running generations
-                                                   with next-token prompts riding the same
-                                                   forward (engine.riders), forward the
-                                                   prompts that cannot ride
-    answers, token events, telemetry  <───────── one call_soon_threadsafe per forward
+    submit() / add() / abort() ── intake ──────> Scheduler.schedule() -> step: free leaving slots,
+                                                   prefill admitted generations, decode running
+                                                   ones with next-token prompts riding the same
+                                                   forward (engine.riders), forward the others
+    answers, token events, telemetry  <───────── handed over in order, one wake-up at a time
 
 A next-token prompt that arrives while generations run is answered from their next decode step
 where it can ride it: untraced, unscored, nothing for the prefix cache, within the step's token
@@ -19,9 +17,9 @@ can never fit) raise in the caller's thread at once; everything else the loop do
 answers reach callers on their own loop: futures resolved, sinks told. Outputs of a caller that
 left are dropped there.
 
-The loop runs in the thread that loaded the model: libgomp keeps one OpenMP thread pool per
-calling thread, and a model loaded in one thread and run in another left two pools contending
-for the cores, which made each forward 30-50% slower on a 2-core machine (bf16 worst).
+The loop runs in the thread that loaded the model: libgomp keeps an OpenMP pool per calling
+thread, and a model loaded in one thread and run in another left two pools contending for the
+cores (each forward 30-50% slower on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -85,12 +84,13 @@ class EngineCore:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future | None = None
-        self._running_prompts = 0
+        self.prompts_running = 0  # next-token prompts in the forward under way
+        self._posted: deque[tuple[Callable, tuple]] = deque()  # for the callers' loop (see _post)
+        self._wake_posted = False
         self.steps_run = 0
         self.batches_run = 0
 
-    # What telemetry reads -------------------------------------------------------------------------
-    @property
+    @property  # what telemetry reads, from here to cache_usage
     def queue_depth(self) -> int:
         """Next-token prompts waiting for a forward."""
         return self._prompts_waiting
@@ -99,11 +99,6 @@ class EngineCore:
     def running(self) -> int:
         """Generations holding a slot (a caller that left stops counting at once)."""
         return len(self.scheduler.staying())
-
-    @property
-    def prompts_running(self) -> int:
-        """Next-token prompts in the forward under way."""
-        return self._running_prompts
 
     @property
     def waiting(self) -> int:
@@ -218,10 +213,9 @@ class EngineCore:
             self.scheduler.add(request)
         now = time.perf_counter()
         for request in self.scheduler.expired(now):
-            self._fail([request], ResourceExhausted(
-                f"no room in the KV cache came free within the deadline ({len(self.scheduler.running)} of "
-                f"{self.slots} sequences, {self.cache_usage:.0%} of its blocks in use, "
-                f"{len(self.scheduler.waiting)} waiting); retry later"))
+            self._fail([request], ResourceExhausted(f"no room in the KV cache came free within the deadline ("
+                f"{len(self.scheduler.running)} of {self.slots} sequences, {self.cache_usage:.0%} of its blocks in "
+                f"use, {len(self.scheduler.waiting)} waiting); retry later"))
         step = self.scheduler.schedule(now)
         if not isinstance(step, Step):
             wake = min(step if step is not None else math.inf, self.scheduler.next_deadline())
@@ -266,7 +260,7 @@ class EngineCore:
                 if not r.cancelled:  # a cancelled one stopped counting when it was cancelled
                     self._prompts_waiting -= 1
                 r.state = "running"
-        self._running_prompts = len(batch)
+        self.prompts_running = len(batch)
 
     def _prompt_step(self, batch: list[EngineRequest]) -> None:
         log.debug("batch: %d prompts in their own forward (%d queued)", len(batch), self._prompts_waiting)
@@ -274,7 +268,7 @@ class EngineCore:
         try:
             self._forward_prompts(batch)
         finally:
-            self._running_prompts = 0
+            self.prompts_running = 0
 
     def _forward_prompts(self, batch: list[EngineRequest]) -> None:
         """Forward one batch and answer it. Out of device memory: each half on its own."""
@@ -314,6 +308,7 @@ class EngineCore:
                 self._fail(batch, EngineFailure(f"the per-layer reports failed; {INTERNAL_MESSAGE}"), exc,
                            "per-layer reports")
                 return
+        self._answered(batch)
         self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
 
     # Generations ------------------------------------------------------------------------------------
@@ -343,11 +338,12 @@ class EngineCore:
                        f"{kind} step")
             return
         finally:
-            self._running_prompts = 0
+            self.prompts_running = 0
         self.steps_run += 1
         if riders:
             self.batches_run += 1
             self.scheduler.prompts_answered(len(riders), output.forward_s)
+            self._answered(riders)
             self._post(self.outputs.answer_prompts, riders, BatchOutput(
                 output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
                 output.ended_ns, failed_rows=output.rider_failed), started, output.started_ns, True)
@@ -371,10 +367,33 @@ class EngineCore:
             log.error("%s failed for a batch of %d", stage, len(requests), exc_info=exc)
         for request in requests:
             request.state = "done"
+        self._answered([r for r in requests if not r.new_tokens])
         self._post(self.outputs.fail, requests, error)
 
+    def _answered(self, prompts: list[EngineRequest]) -> None:
+        """Out of the running count before their callers hear: a caller that looks next sees it."""
+        self.prompts_running = max(self.prompts_running - len(prompts), 0)
+
     def _post(self, fn: Callable, *args) -> None:
+        """fn(*args) on the callers' loop, in order; one wake-up for all posted before it runs.
+        A wake-up is a syscall that lets go of the GIL, and while the loop is busy this thread
+        then waits up to a switch interval (5 ms) to get it back."""
+        self._posted.append((fn, args))
+        if self._wake_posted:
+            return
+        self._wake_posted = True
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._run_posted)
         except RuntimeError:  # the callers' loop is closed: nobody left to tell
             pass
+
+    def _run_posted(self) -> None:
+        """On the callers' loop: everything posted so far, in order."""
+        self._wake_posted = False  # first: a post from now on wakes the loop again
+        posted = self._posted
+        while posted:
+            fn, args = posted.popleft()
+            try:
+                fn(*args)
+            except Exception:  # one answer's failure is not the others'
+                log.exception("engine core: handing an output over failed")
