@@ -138,7 +138,7 @@ generator_module.Generator.warm_up = lambda self: None
 generator_module.Generator.allocate = lambda self: None
 generator_module.Generator.can_ride = lambda self, prompt: False  # as on cuda: decode steps are graphs
 
-if "STANDIN_SWITCH_INTERVAL_S" in os.environ:  # A/B of the engine host's own choice
+if "STANDIN_SWITCH_INTERVAL_S" in os.environ:  # an A/B of Python's GIL switch interval in the engine process
     _real_start = engine_host.EngineHost.start
 
     @functools.wraps(_real_start)

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 from dataclasses import replace
 from typing import Callable
 
@@ -41,10 +40,6 @@ from .resources import available_cpus, available_memory_bytes
 
 log = logging.getLogger("gpt2serve")
 REFRESH_S = 0.5  # --workers N: how often the engine process writes its gauges for the front ends' /metrics
-# The engine core's thread and this process's event loop share the GIL. The core lets go of it at
-# every wait on the device and every hand-over of outputs; while the loop is busy, getting it back
-# takes up to one switch interval (Python's default: 5 ms, more than a decode step of 256 rows).
-CORE_SWITCH_INTERVAL_S = 0.0005
 
 
 def describe_model(loaded: LoadedModel) -> ModelInfo:
@@ -174,7 +169,6 @@ class EngineHost:
             max_batch_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s,
             eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry)
         self.core.start()
-        sys.setswitchinterval(CORE_SWITCH_INTERVAL_S)
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
         prefix = engine.prefix_cache
