@@ -13,13 +13,10 @@ import random
 import pytest
 import torch
 
-from support.reference import transformers_random_model
-from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, run_joining, transformers_greedy
+from support.generation import GREEDY, PROMPTS, generation_core, lively_engine, run_joining, transformers_greedy
 
-from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.padding import forward_parts
-from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.sampling import TOP, choose
 from gpt2serve.protocol import SamplingParams
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
@@ -36,10 +33,7 @@ from gpt2serve.service.detokenizer import Detokenizer
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """(transformers model, our engine over the same checkpoint, loaded from disk)."""
-    hf = transformers_random_model(seed=3, **LIVELY)
-    path = tmp_path_factory.mktemp("generation") / "ckpt"
-    hf.save_pretrained(path)
-    return hf, Engine(load_model(str(path), "cpu", "float32"))
+    return lively_engine(tmp_path_factory.mktemp("generation"))
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "bucketed"])

@@ -10,23 +10,18 @@ import asyncio
 
 import pytest
 
-from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, transformers_greedy
-from support.reference import as_result, assert_matches_reference, transformers_random_model
+from support.generation import GREEDY, PROMPTS, generation_core, lively_engine, transformers_greedy
+from support.reference import as_result, assert_matches_reference
 from support.scheduler_events import events
 
-from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator
-from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import GenerateRequest
 from gpt2serve.telemetry.records import BatchDone, StepDone
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    hf = transformers_random_model(seed=3, **LIVELY)
-    path = tmp_path_factory.mktemp("core") / "ckpt"
-    hf.save_pretrained(path)
-    return hf, Engine(load_model(str(path), "cpu", "float32"))
+    return lively_engine(tmp_path_factory.mktemp("core"))
 
 
 async def drain(stream) -> list:

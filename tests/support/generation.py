@@ -7,10 +7,13 @@ import asyncio
 
 import torch
 
+from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator
+from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import GenerateRequest, SamplingParams
 from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 
+from .reference import transformers_random_model
 from .scheduler_events import events
 
 LIVELY = dict(initializer_range=0.5)
@@ -20,6 +23,15 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 PROMPTS = [[(100 + 37 * i + 11 * j) % 50257 for j in range(1 + 3 * i)] for i in range(16)]
+
+
+def lively_engine(directory) -> tuple:
+    """(transformers model with LIVELY weights, our engine over the same checkpoint, saved in
+    `directory` and loaded from disk through the real path)."""
+    hf = transformers_random_model(seed=3, **LIVELY)
+    path = directory / "ckpt"
+    hf.save_pretrained(path)
+    return hf, Engine(load_model(str(path), "cpu", "float32"))
 
 
 def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
