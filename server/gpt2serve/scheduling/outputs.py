@@ -9,7 +9,6 @@ outputs of a caller that left: its sink hears nothing more.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Protocol
 
 from ..engine.engine import BatchOutput
@@ -69,8 +68,10 @@ class Outputs:
                 members: list[EngineRequest], wake: Callable[[], None]) -> None:
         """Each generation's token (with its finish reason) to its sink, then telemetry. A sink
         that raises stops its own generation (`wake`: the core frees its slot at the next step).
-        A sink with `put_plain` (the IPC door's) takes a plain token without a TokenEvent built."""
-        now, forward_s, rows = time.perf_counter(), output.forward_s, output.rows
+        A sink with `put_plain` (the IPC door's) takes a plain token without a TokenEvent built.
+        A prefill's tokens are first tokens, with their extras; the step says so, not the
+        request's count, which the core may already have moved on by the time this runs."""
+        forward_s, rows, first = output.forward_s, output.rows, output.kind == "prefill"
         scores, cached = output.prompt_scores, output.cached_tokens
         for request, token, finish in taken:
             if request.cancelled:
@@ -79,10 +80,10 @@ class Outputs:
                 self.generations.pop(request.request_id, None)
             sink = request.output
             try:
-                if request.generated > 1 and hasattr(sink, "put_plain"):
+                if not first and hasattr(sink, "put_plain"):
                     sink.put_plain(token, finish, forward_s, rows)
                     continue
-                queue_s = max(now - forward_s - request.arrived, 0.0) if request.generated == 1 else 0.0
+                queue_s = max((output.started_ns - request.arrived_ns) / 1e9, 0.0) if first else 0.0
                 sink.put(TokenEvent(token, finish, queue_s, forward_s, rows, scores.get(request.request_id),
                                     cached.get(request.request_id, 0)))
             except Exception:  # a sink's failure is its own request's; the loop goes on
