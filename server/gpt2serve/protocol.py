@@ -217,14 +217,10 @@ class Tokens:
     forward_s: float  # the step's, shared by every token here
     batch_size: int
 
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
     def events(self):
         """(request id, its TokenEvent) for each token, in order."""
-        tops = self.tops or [[]] * len(self.request_ids)
         for request_id, token_id, logprob, finish, top in zip(self.request_ids, self.token_ids, self.logprobs,
-                                                              self.finish_reasons, tops):
+                                                              self.finish_reasons, self.tops):
             yield request_id, TokenEvent(SampledToken(token_id, logprob, top), finish, 0.0, self.forward_s,
                                          self.batch_size)
 

@@ -206,9 +206,9 @@ class Generator:
         rows, device = self.running, self.engine.device
         lengths, last = [r.length for r in rows], [r.last_token for r in rows]
         needed = max(lengths) + 1  # positions, with the new token's
-        logits = None
+        logits, rider_tops, rider_failed = None, [], frozenset()
         if riders:
-            logits, rider_logits = self._decode_with_riders(last, lengths, riders)
+            logits, rider_logits = self._decode_with_riders(last, lengths, needed, riders)
             rider_tops, rider_failed = self.engine._top(torch.log_softmax(rider_logits.float(), dim=-1), rider_top_ks)
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
@@ -216,28 +216,27 @@ class Generator:
             span = self.cache.span_for(len(rows), needed)
             self.cache.reserve(len(rows), span)
             logits = self.traces.run(torch.tensor(last), torch.tensor(lengths), span)
-        if logits is None:  # eager, at the exact batch; the span whole blocks, for fewer distinct shapes
-            self.cache.reserve(len(rows), needed)
-            span = min(BLOCK * blocks_for(needed), self.cache.length)
+        if logits is None:  # eager, at the exact batch
+            span = self._eager_span(len(rows), needed)
             logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
         tokens, failed = self._choose(logits, rows)
         for r in rows:
             r.length += 1
-        if riders:
-            return StepOutput(tokens, "decode", len(rows), len(rows) + sum(map(len, riders)),
-                              time.perf_counter() - started, started_ns, time.time_ns(), failed,
-                              rider_tops=rider_tops, rider_failed=rider_failed)
-        return StepOutput(tokens, "decode", len(rows), len(rows), time.perf_counter() - started,
-                          started_ns, time.time_ns(), failed)
+        return StepOutput(tokens, "decode", len(rows), len(rows) + sum(map(len, riders)), time.perf_counter() - started,
+                          started_ns, time.time_ns(), failed, rider_tops=rider_tops, rider_failed=rider_failed)
 
-    def _decode_with_riders(self, last: list[int], lengths: list[int], riders: Sequence[Sequence[int]]
+    def _eager_span(self, rows: int, needed: int) -> int:
+        """Room for `rows` slots of `needed` positions; the span an eager step attends over: whole
+        blocks, for fewer distinct shapes."""
+        self.cache.reserve(rows, needed)
+        return min(BLOCK * blocks_for(needed), self.cache.length)
+
+    def _decode_with_riders(self, last: list[int], lengths: list[int], needed: int, riders: Sequence[Sequence[int]]
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of D decode tokens and the riders' prompts, packed in one row ->
-        ((D, V) decode logits, (R, V) the riders' next-token logits)."""
+        """One forward of D decode tokens (`needed` positions) and the riders' prompts, packed in
+        one row -> ((D, V) decode logits, (R, V) the riders' next-token logits)."""
         device, D = self.engine.device, len(last)
-        needed = max(lengths) + 1
-        self.cache.reserve(D, needed)
-        span = min(BLOCK * blocks_for(needed), self.cache.length)
+        span = self._eager_span(D, needed)
         layout = RiderLayout.of(D, riders, device)
         ids = torch.tensor([*last, *itertools.chain.from_iterable(riders)], device=device)[None]  # (1, N)
         positions = torch.tensor([*lengths, *(t for p in riders for t in range(len(p)))], device=device)[None]  # (1, N)

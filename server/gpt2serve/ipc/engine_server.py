@@ -1,6 +1,7 @@
 """The engine process's side of the IPC door (see zmq_client): each Submit becomes an
-EngineCore.submit, each Generate an EngineCore.add whose events go back as Step messages (a
-step's events for one front end leave as one frame: the core hands them over together).
+EngineCore.submit, each Generate an EngineCore.add whose tokens go back to the front end that
+asked: a step's plain tokens for one front end as one Tokens message, a first token (with its
+queue time and prompt scores) as a Step.
 
 A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
 watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
@@ -40,13 +41,12 @@ class _PeerSink:
     def put(self, event: TokenEvent) -> None:
         """A plain token joins the peer's Tokens message of this step (one per front end per
         step); a first token, with its extras, goes as a Step."""
-        server, (peer, request_id) = self.server, self.key
-        if event.finish_reason:
-            server._generations.pop(self.key, None)
-        if event.queue_s or event.prompt_logprobs is not None or event.cached_tokens:
-            server._outbox.put(peer, Step(request_id, event))
+        if not (event.queue_s or event.prompt_logprobs is not None or event.cached_tokens):
+            self.put_plain(event.token, event.finish_reason, event.forward_s, event.batch_size)
             return
-        self.put_plain(event.token, event.finish_reason, event.forward_s, event.batch_size)
+        if event.finish_reason:
+            self.server._generations.pop(self.key, None)
+        self.server._outbox.put(self.key[0], Step(self.key[1], event))
 
     def put_plain(self, token: SampledToken, finish_reason: str, forward_s: float, batch_size: int) -> None:
         """A token with no extras, straight into the peer's Tokens message of this step."""

@@ -229,10 +229,8 @@ class EngineCore:
         if prompts:
             self._prompt_step(prompts)
         if step.decode:
-            leaving = [r for r in list(self.scheduler.running.values()) if r.state != "running" or r.cancelled]
+            leaving = self.scheduler.take_leaving()
             if leaving:  # finished at their first token: out before the decode
-                for r in leaving:
-                    del self.scheduler.running[r.request_id]
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
             if members:

@@ -129,15 +129,24 @@ class Scheduler:
 
     def blocks(self, members: list[EngineRequest]) -> int:
         """What these generations take in the dense cache, each slot as long as the longest may grow."""
-        return blocks_needed(len(members), max((min(r.longest, self.n_ctx) for r in members), default=0))
+        return blocks_needed(len(members), self._longest(members))
+
+    def _longest(self, members: list[EngineRequest]) -> int:
+        return max((min(r.longest, self.n_ctx) for r in members), default=0)
+
+    def take_leaving(self) -> list[EngineRequest]:
+        """Generations that finished or were cancelled: out of the running set (their slots are
+        the caller's to free)."""
+        leaving = [r for r in self.running.values() if r.state != "running" or r.cancelled]
+        for r in leaving:
+            del self.running[r.request_id]
+        return leaving
 
     # The step ---------------------------------------------------------------------------------------
     def schedule(self, now: float) -> Step | float | None:
         """The next step; or, when only prompts wait and their batch may still fill, the time to
         look again; None when there is nothing to do."""
-        step = Step(leaving=[r for r in self.running.values() if r.state != "running" or r.cancelled])
-        for r in step.leaving:
-            del self.running[r.request_id]
+        step = Step(leaving=self.take_leaving())
         staying = self.staying()
         step.admitted = self._admit(staying) if self.waiting else []
         step.decode = bool(staying or step.admitted)
@@ -154,7 +163,7 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
         free = self.slots - len(staying)
         admitted, tokens = [], 0
-        longest = max((min(r.longest, self.n_ctx) for r in staying), default=0)
+        longest = self._longest(staying)
         while self.waiting and len(admitted) < free:
             request = self.waiting[0]
             if admitted and tokens + len(request.prompt) > self.max_batch_tokens:
