@@ -114,7 +114,9 @@ class RunningServer:
         pass
 
 
-class StandinServer:
+class StandinServer(RunningServer):
+    """bench/standin_server.py started here, on ephemeral ports, stopped by stop()."""
+
     def __init__(self, workers: int, max_batch: int):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
@@ -132,16 +134,12 @@ class StandinServer:
         self.http = re.search(r"http=(\S+)", text).group(1)
         self.processes = server_processes(self.proc.pid)
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as response:
-            return response.read().decode()
-
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
 
 
-def measure(server: StandinServer, run, unit_metric) -> tuple[float, dict[str, float], float, float, float, str]:
+def measure(server: RunningServer, run, unit_metric) -> tuple[float, dict[str, float], float, float, float, str]:
     """Run the load; (wall seconds, CPU seconds per server process, work units, requests,
     load generator CPU seconds, the load's own result)."""
     before_text = server.metrics()
@@ -167,7 +165,7 @@ def scenario(name: str, load: str, served: float, ideal: float, units: float, re
 STANDIN = True  # False with --target: no ideal
 
 
-def generation(server: StandinServer, streams: int, new_tokens: int, duration: float, processes: int) -> Scenario:
+def generation(server: RunningServer, streams: int, new_tokens: int, duration: float, processes: int) -> Scenario:
     prompts = make_prompts(streams * 4, 5, VOCAB, 0)
 
     def tokens(before: str, after: str) -> tuple[float, float]:
@@ -183,7 +181,7 @@ def generation(server: StandinServer, streams: int, new_tokens: int, duration: f
                     done, cpu, clients, wall)
 
 
-def next_token(server: StandinServer, clients: int, duration: float, processes: int) -> Scenario:
+def next_token(server: RunningServer, clients: int, duration: float, processes: int) -> Scenario:
     prompts = make_prompts(clients * 4, 5, VOCAB, 0)
 
     def answered(before: str, after: str) -> tuple[float, float]:
@@ -232,7 +230,7 @@ def batch_calls_from_processes(target: str, prompts: list[list[int]], clients: i
                                                           for i, share in enumerate(shares)]))
 
 
-def next_token_batch(server: StandinServer, clients: int, per_call: int, duration: float, max_batch: int,
+def next_token_batch(server: RunningServer, clients: int, per_call: int, duration: float, max_batch: int,
                      processes: int = 1) -> Scenario:
     prompts = make_prompts(1024, 5, VOCAB, 0)
 
