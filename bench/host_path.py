@@ -17,6 +17,11 @@ more about the clients than the server, but the per-step CPU figures still hold.
 
     .venv/bin/python bench/host_path.py [--workers 2] [--streams 1,64,256] [--clients 256] [--json]
 
+With --ipc the load goes to the engine process alone, through its IPC door (bench/ipc_load.py:
+client processes speaking the engine's protocol, no front ends or gRPC in the path), so the
+engine runs the steps the load asks for even where a few cores cannot also carry front ends and
+gRPC clients at that rate; CPU is the engine process's over the load's window.
+
 With --core-only it runs the engine core alone in this process over the same stand-in (no IPC,
 no front ends, no gRPC): generations whose sinks start the next one as one ends, and closed-loop
 next-token callers; CPU per token of the process and of the core's own thread.
@@ -130,6 +135,7 @@ class StandinServer(RunningServer):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(text)
             time.sleep(0.2)
+        self.engine_address = re.search(r"engine ready at (\S+)", text).group(1)
         self.grpc = re.search(r"grpc=(\S+)", text).group(1)
         self.http = re.search(r"http=(\S+)", text).group(1)
         self.processes = server_processes(self.proc.pid)
@@ -157,7 +163,7 @@ def scenario(name: str, load: str, served: float, ideal: float, units: float, re
              cpu: dict[str, float], clients_cpu: float, wall: float) -> Scenario:
     """`ideal` 0: not known (a real server)."""
     per_unit = {p: round(1e6 * s / max(units, 1), 1) for p, s in cpu.items()}
-    per_request = {p: round(1e6 * s / max(requests, 1), 1) for p, s in cpu.items()}
+    per_request = {p: round(1e6 * s / requests, 1) for p, s in cpu.items()} if requests else {}
     return Scenario(name, load, round(served), round(ideal), round(served / ideal, 3) if ideal else 0.0, int(units),
                     int(requests), per_unit, per_request, round(clients_cpu / (wall * os.cpu_count()), 2))
 
@@ -245,6 +251,19 @@ def next_token_batch(server: RunningServer, clients: int, per_call: int, duratio
     rows = min(clients * per_call, max_batch)
     return scenario("next-token batch", f"{clients} x {per_call} prompts", answered_prompts / wall,
                     STANDIN and rows / NEXT_TOKEN.seconds(rows), done, calls, cpu, spent, wall)
+
+
+def over_ipc(server: StandinServer, kind: str, n: int, new_tokens: int, duration: float, processes: int) -> Scenario:
+    """`kind` "streams" or "callers" straight to the engine process (see the module doc)."""
+    import ipc_load
+
+    units, engine_cpu = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"], n,
+                                                new_tokens, duration, processes)
+    if kind == "streams":
+        return scenario("generation (IPC)", f"{n} streams", units / duration, n / DECODE.seconds(n), units, 0,
+                        {"engine": engine_cpu}, 0.0, duration)
+    return scenario("next-token (IPC)", f"{n} callers", units / duration, n / NEXT_TOKEN.seconds(n), units, units,
+                    {"engine": engine_cpu}, 0.0, duration)
 
 
 def core_only(streams: list[int], clients: list[int], new_tokens: int, duration: float, max_batch: int) -> str:
@@ -348,6 +367,7 @@ def main() -> None:
     parser.add_argument("--target", help="a running server's gRPC host:port (no stand-in)")
     parser.add_argument("--http-target", help="with --target: its REST base URL (/metrics)")
     parser.add_argument("--pid", type=int, help="with --target: its supervisor's pid, for CPU per process")
+    parser.add_argument("--ipc", action="store_true", help="load the engine process alone, through its IPC door")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone in this process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -363,11 +383,16 @@ def main() -> None:
         server = StandinServer(args.workers, args.max_batch_size)
     results = []
     try:
-        for streams in [int(s) for s in args.streams.split(",") if s]:
+        if args.ipc:
+            for streams in [int(s) for s in args.streams.split(",") if s]:
+                results.append(over_ipc(server, "streams", streams, args.new_tokens, args.duration, args.processes))
+            for clients in [int(c) for c in args.clients.split(",") if c]:
+                results.append(over_ipc(server, "callers", clients, args.new_tokens, args.duration, args.processes))
+        for streams in [int(s) for s in args.streams.split(",") if s and not args.ipc]:
             results.append(generation(server, streams, args.new_tokens, args.duration, args.processes))
-        for clients in [int(c) for c in args.clients.split(",") if c]:
+        for clients in [int(c) for c in args.clients.split(",") if c and not args.ipc]:
             results.append(next_token(server, clients, args.duration, args.processes))
-        if args.batch_clients:
+        if args.batch_clients and not args.ipc:
             results.append(next_token_batch(server, args.batch_clients, args.batch_prompts, args.duration,
                                             args.max_batch_size, args.processes))
     finally:

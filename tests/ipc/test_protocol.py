@@ -134,8 +134,13 @@ class FakeCore:
     def __init__(self):
         self.aborted: list[int] = []
 
-    async def submit(self, prompts, top_k, trace=None, prompt_logprobs=None):
-        return [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
+    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done):
+        answers = [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
+        asyncio.get_running_loop().call_soon(done, answers)  # later, on the loop, as the core answers
+        return object()
+
+    def cancel_prompts(self, group) -> None:
+        pass
 
     def add(self, request, sink) -> int:
         if request.prompt[0] == 0:

@@ -1,5 +1,5 @@
 """The engine process's side of the IPC door (see zmq_client): each Submit becomes an
-EngineCore.submit, each Generate an EngineCore.add whose tokens go back to the front end that
+EngineCore.queue_prompts answered by a callback (no task or future per request), each Generate an EngineCore.add whose tokens go back to the front end that
 asked: a step's plain tokens for one front end as one Tokens message, a first token (with its
 queue time and prompt scores) as a Step.
 
@@ -21,12 +21,13 @@ import zmq
 import zmq.asyncio
 
 from ..errors import INTERNAL_MESSAGE, ServeError
-from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenRequest, Result, SampledToken, Step,
+from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Result, SampledToken, Step,
                         Submit, TokenEvent, Tokens)
 from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
     from ..scheduling.core import EngineCore
+    from ..scheduling.outputs import PromptGroup
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
@@ -77,7 +78,7 @@ class EngineServer:
         self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]))
         self._core = core
         self._ready = ready
-        self._submits: dict[Key, asyncio.Task] = {}
+        self._submits: dict[Key, PromptGroup] = {}
         self._generations: dict[Key, int] = {}  # -> the core's generation id
         self._watched: dict[bytes, int] = {}  # front end (zmq identity) -> pidfd of its process
 
@@ -95,8 +96,12 @@ class EngineServer:
             except Exception as exc:  # refused (queue full, shutting down)
                 self._send_error(key, exc, "generation")
         elif kind is Submit:
-            key = (peer, message.request_id)
-            self._submits[key] = asyncio.create_task(self._submit(key, message.request))
+            key, request = (peer, message.request_id), message.request
+            try:
+                self._submits[key] = self._core.queue_prompts(request.prompts, request.top_k, request.trace,
+                                                              request.prompt_logprobs, functools.partial(self._answered, key))
+            except Exception as exc:  # refused (queue full, too many prompts, shutting down)
+                self._send_error(key, exc, "request")
         elif kind is Cancel:
             key = (peer, message.request_id)
             self._cancel(key)
@@ -106,10 +111,18 @@ class EngineServer:
         else:
             log.error("dropped a %s message: not one a front end sends", kind.__name__)
 
+    def _answered(self, key: Key, result: list[NextTokenOutput] | Exception) -> None:
+        if self._submits.pop(key, None) is None:
+            return  # cancelled: nobody to answer
+        if isinstance(result, Exception):
+            self._send_error(key, result, "request")
+        else:
+            self._outbox.put(key[0], Result(key[1], result))
+
     def _cancel(self, key: Key) -> None:
-        task, seq_id = self._submits.get(key), self._generations.pop(key, None)
-        if task is not None:
-            task.cancel()  # its prompts leave the queue
+        group, seq_id = self._submits.pop(key, None), self._generations.pop(key, None)
+        if group is not None:
+            self._core.cancel_prompts(group)  # its prompts leave the queue
         if seq_id is not None:
             self._core.abort(seq_id)  # its slot comes free at the next step
 
@@ -119,17 +132,6 @@ class EngineServer:
         else:  # never lose a request silently; the details stay in this log
             log.error("engine %s failed", what, exc_info=error)
             self._outbox.put(key[0], Failed(key[1], "INTERNAL", INTERNAL_MESSAGE))
-
-    async def _submit(self, key: Key, request: NextTokenRequest) -> None:
-        try:
-            outputs = await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs)
-            self._outbox.put(key[0], Result(key[1], outputs))
-        except asyncio.CancelledError:
-            pass  # the front end's caller went away: nobody to answer
-        except Exception as exc:
-            self._send_error(key, exc, "request")
-        finally:
-            self._submits.pop(key, None)
 
     def _watch(self, peer: bytes, pid: int) -> None:
         """Cancel a front end's work the moment its process exits (see the module doc)."""

@@ -43,7 +43,7 @@ from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, Resour
                       ShuttingDown, Unavailable)
 from ..protocol import GenerateRequest, NextTokenOutput, TokenSink, TraceContext
 from .engine_api import GenerationEngine, PromptEngine
-from .outputs import Observer, Outputs
+from .outputs import Observer, Outputs, PromptGroup
 from .scheduler import EngineRequest, Scheduler, Step
 
 log = logging.getLogger(__name__)
@@ -137,33 +137,55 @@ class EngineCore:
     async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None = None,
                      prompt_logprobs: int | None = None) -> list[NextTokenOutput]:
         """Queue all prompts of one request together (or none of them) and await their answers."""
+        answered = self._loop.create_future()
+
+        def done(result) -> None:
+            if not answered.done():
+                answered.set_exception(result) if isinstance(result, BaseException) else answered.set_result(result)
+
+        group = self.queue_prompts(prompts, top_k, trace, prompt_logprobs, done)
+        try:
+            return await answered
+        except asyncio.CancelledError:
+            self.cancel_prompts(group)  # the caller left: its prompts leave the queue
+            raise
+
+    def queue_prompts(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None,
+                      prompt_logprobs: int | None, done: Callable) -> PromptGroup:
+        """Queue all prompts of one request together, or none of them (refusals raise here).
+        `done` is called once on the callers' loop: with every prompt's answer, in order, or
+        with the error that ended the request (its other prompts then leave the queue)."""
         self._check_running("model worker")
         if len(prompts) > self.max_queue:  # no wait can serve it: the caller's mistake, not "busy"
             raise InvalidArgument(f"prompts: {len(prompts)} prompts can never fit a queue of {self.max_queue} "
                                   f"(--max-queue)")
-        futures = [self._loop.create_future() for _ in prompts]
-        requests = [EngineRequest(list(p), 0, top_k, trace=trace, prompt_logprobs=prompt_logprobs, output=f)
-                    for p, f in zip(prompts, futures)]
+
+        def finished(result) -> None:
+            if isinstance(result, BaseException):
+                self.cancel_prompts(group)  # one prompt failed: drop the rest
+            done(result)
+
+        group = PromptGroup(len(prompts), finished)
+        group.requests = requests = [
+            EngineRequest(list(p), 0, top_k, trace=trace, prompt_logprobs=prompt_logprobs, output=group, row=row)
+            for row, p in enumerate(prompts)]
         with self._lock:
             if self._prompts_waiting + len(prompts) > self.max_queue:
                 raise ResourceExhausted(f"queue full ({self._prompts_waiting} of {self.max_queue} waiting); retry later")
             self._prompts_waiting += len(prompts)
             self._intake += requests
         self._wake.set()
-        try:
-            return await asyncio.gather(*futures)
-        except BaseException:
-            for request in requests:  # caller gone or one prompt failed: drop the rest
-                self._cancel_prompt(request)
-            raise
+        return group
 
-    def _cancel_prompt(self, request: EngineRequest) -> None:
+    def cancel_prompts(self, group: PromptGroup) -> None:
+        """The request's caller left (or one of its prompts failed): its prompts leave the queue,
+        and `done` hears nothing more."""
+        group.finished = True
         with self._lock:  # in step with _prompt_step's count: each prompt stops waiting once
-            if not request.cancelled and request.state == "waiting":
-                self._prompts_waiting -= 1
-            request.cancelled = True
-        if not request.output.done():
-            request.output.cancel()
+            for request in group.requests:
+                if not request.cancelled and request.state == "waiting":
+                    self._prompts_waiting -= 1
+                request.cancelled = True
 
     def add(self, request: GenerateRequest, sink: TokenSink) -> int:
         """Queue a generation; its tokens go to `sink` as they come. Returns its id, for abort().

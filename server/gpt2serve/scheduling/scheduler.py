@@ -58,8 +58,9 @@ class EngineRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     expires_at: float = math.inf  # perf_counter: a generation still waiting then is refused
-    output: Any = None  # where answers go, on the caller's event loop (scheduling.core)
+    output: Any = None  # where answers go, on the caller's event loop: a PromptGroup or a TokenSink
     request_id: int = -1  # a generation's: its KV-cache row's sequence id
+    row: int = 0  # a next-token prompt's place in its request (PromptGroup)
     arrived: float = field(default_factory=time.perf_counter)
     arrived_ns: int = field(default_factory=time.time_ns)
     state: str = "waiting"  # -> running (a generation in its slot) -> done

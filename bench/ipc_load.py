@@ -1,0 +1,126 @@
+"""Load on the engine process alone, through its IPC door, for bench/host_path.py --ipc.
+
+Client processes speak the engine's own protocol (gpt2serve.ipc.zmq_client, as a front end
+does) with nothing in front: no gRPC, no service, no tokenizer. On a machine with few cores
+the front ends and the gRPC clients otherwise take most of the CPU, the engine runs small steps
+(a 256-stream load kept ~14 sequences running on 2 cores), and its per-token figure measures
+its fixed cost per step rather than its cost at full batch.
+
+- streams: S generations of `new_tokens` tokens after 5-token prompts, greedy, past
+  end-of-text, each started again as it ends;
+- callers: C closed-loop next-token callers of one 5-token prompt, top-5.
+
+Each process returns what it received in its window (tokens or answers), and the first one
+also the engine process's CPU seconds over its window (from /proc); the windows are of the same
+length and open together within the spread of the processes' start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+from gpt2serve.ipc.zmq_client import ZmqEngineClient
+from gpt2serve.protocol import GenerateRequest, NextTokenRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of the whole process (all threads, user + system); 0 for pid 0."""
+    if not pid:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def _prompt(i: int) -> list[int]:
+    return [100 + i % 1000, 200, 300, 400, 500]
+
+
+async def _streams(address: str, engine_pid: int, first: int, streams: int, new_tokens: int, duration: float
+                   ) -> tuple[int, float]:
+    client = ZmqEngineClient(address)
+    await client.connect()
+    received, counting, stop_at = [0], [False], [float("inf")]
+    idle = asyncio.Event()
+    live = [0]
+
+    class Restart:
+        def __init__(self, i: int):
+            self.i = i
+
+        def put(self, event) -> None:
+            if counting[0]:
+                received[0] += 1
+            if event.finish_reason:
+                live[0] -= 1
+                if time.perf_counter() < stop_at[0]:
+                    start(self.i)
+                elif not live[0]:
+                    idle.set()
+
+        def fail(self, error) -> None:
+            raise SystemExit(f"a generation failed: {error}")
+
+    def start(i: int) -> None:
+        live[0] += 1
+        client.generate(GenerateRequest(_prompt(i), GREEDY, new_tokens, ignore_eos=True), Restart(i))
+
+    for i in range(first, first + streams):
+        start(i)
+    await asyncio.sleep(min(1.0, duration / 4))  # every stream running before the window opens
+    counting[0], cpu = True, process_cpu(engine_pid)
+    await asyncio.sleep(duration)
+    counting[0], cpu = False, process_cpu(engine_pid) - cpu
+    stop_at[0] = time.perf_counter()
+    await asyncio.wait_for(idle.wait(), 60)
+    await client.close()
+    return received[0], cpu
+
+
+async def _callers(address: str, engine_pid: int, first: int, callers: int, duration: float) -> tuple[int, float]:
+    client = ZmqEngineClient(address)
+    await client.connect()
+    answered, counting, stop_at = [0], [False], [float("inf")]
+
+    async def caller(i: int) -> None:
+        request = NextTokenRequest([_prompt(i)], 5)
+        while time.perf_counter() < stop_at[0]:
+            await client.next_token(request)
+            if counting[0]:
+                answered[0] += 1
+
+    tasks = [asyncio.create_task(caller(i)) for i in range(first, first + callers)]
+    await asyncio.sleep(min(1.0, duration / 4))
+    counting[0], cpu = True, process_cpu(engine_pid)
+    await asyncio.sleep(duration)
+    counting[0], cpu = False, process_cpu(engine_pid) - cpu
+    stop_at[0] = time.perf_counter()
+    await asyncio.gather(*tasks)
+    await client.close()
+    return answered[0], cpu
+
+
+def _in_process(kind: str, address: str, engine_pid: int, first: int, n: int, new_tokens: int, duration: float
+                ) -> tuple[int, float]:
+    if kind == "streams":
+        return asyncio.run(_streams(address, engine_pid, first, n, new_tokens, duration))
+    return asyncio.run(_callers(address, engine_pid, first, n, duration))
+
+
+def from_processes(kind: str, address: str, engine_pid: int, n: int, new_tokens: int, duration: float,
+                   processes: int) -> tuple[int, float]:
+    """(units received in the windows, the engine's CPU seconds in the first one): `kind`
+    "streams" or "callers", n of them spread over `processes` processes."""
+    processes = max(1, min(processes, n))
+    shares = [n // processes + (i < n % processes) for i in range(processes)]
+    firsts = [sum(shares[:i]) for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.starmap(_in_process, [(kind, address, engine_pid if i == 0 else 0, first, share, new_tokens,
+                                            duration) for i, (first, share) in enumerate(zip(firsts, shares))])
+    return sum(p[0] for p in parts), parts[0][1]
