@@ -134,7 +134,7 @@ class FakeCore:
     def __init__(self):
         self.aborted: list[int] = []
 
-    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done):
+    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done, wake=True):
         answers = [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
         asyncio.get_running_loop().call_soon(done, answers)  # later, on the loop, as the core answers
         return object()
@@ -142,7 +142,10 @@ class FakeCore:
     def cancel_prompts(self, group) -> None:
         pass
 
-    def add(self, request, sink) -> int:
+    def wake(self) -> None:
+        pass
+
+    def add(self, request, sink, wake=True) -> int:
         if request.prompt[0] == 0:
             raise ResourceExhausted("queue full")
         loop = asyncio.get_running_loop()

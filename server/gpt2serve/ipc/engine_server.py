@@ -86,20 +86,22 @@ class EngineServer:
         while True:
             peer, frame = await self._socket.recv_multipart()
             deliver(frame, functools.partial(self._dispatch, peer), "a front end")
+            self._core.wake()  # once for the frame's requests (queued with wake=False)
 
     def _dispatch(self, peer: bytes, message) -> None:
         kind = type(message)
         if kind is Generate:
             key = (peer, message.request_id)
             try:
-                self._generations[key] = self._core.add(message.request, _PeerSink(self, key))
+                self._generations[key] = self._core.add(message.request, _PeerSink(self, key), wake=False)
             except Exception as exc:  # refused (queue full, shutting down)
                 self._send_error(key, exc, "generation")
         elif kind is Submit:
             key, request = (peer, message.request_id), message.request
             try:
                 self._submits[key] = self._core.queue_prompts(request.prompts, request.top_k, request.trace,
-                                                              request.prompt_logprobs, functools.partial(self._answered, key))
+                                                              request.prompt_logprobs, functools.partial(self._answered, key),
+                                                              wake=False)
             except Exception as exc:  # refused (queue full, too many prompts, shutting down)
                 self._send_error(key, exc, "request")
         elif kind is Cancel:

@@ -35,7 +35,7 @@ from ..scheduling.core import EngineCore, new_engine_thread
 from ..telemetry.records import ModelLoaded, SchedulerStats
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
-from .process_common import child_setup, watch_parent
+from .process_common import child_setup, freeze_startup_heap, watch_parent
 from .resources import available_cpus, available_memory_bytes
 
 log = logging.getLogger("gpt2serve")
@@ -211,6 +211,7 @@ async def _engine_process(config: ServeConfig, address: str, status, parent_pid:
     await host.start()
     server = EngineServer(address, host.core, EngineReady(host.info, host.tokenizer.source, host.core.max_batch_size))
     serving = asyncio.create_task(server.serve(), name="ipc")
+    freeze_startup_heap()
     status.send(("ready", host.info.model))
     log.info("engine ready at %s", address)
     watch = asyncio.create_task(watch_parent(parent_pid, stop))

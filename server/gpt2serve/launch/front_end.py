@@ -35,7 +35,7 @@ from ..telemetry.tracing import flush_traces, setup_tracing
 from ..transport.grpc_server import GrpcTransport
 from ..transport.http_connections import bounded_http_protocol
 from ..transport.rest import create_app
-from .process_common import ENGINE_GONE_SIGNAL, child_setup, watch_parent
+from .process_common import ENGINE_GONE_SIGNAL, child_setup, freeze_startup_heap, watch_parent
 
 log = logging.getLogger("gpt2serve")
 # Once the drain is over, the transports close within this: the calls it waited for are answered
@@ -208,6 +208,7 @@ async def _front_end_process(config: ServeConfig, address: str, status, parent_p
         if front.transports is None:
             await listen()
         await front.serve(tokenizer, engine.model_info, engine)
+        freeze_startup_heap()
         status.send(("ready", None))
     if front.transports is None:  # stopped, or the engine died, before this restarted one served
         watch.cancel()

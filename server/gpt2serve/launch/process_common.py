@@ -1,9 +1,10 @@
 """What every child process of `--workers N` does the same way: its title, its signals, its
-logging, and watching that its supervisor is still there."""
+logging, watching that its supervisor is still there, and its heap frozen once it is ready."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -40,3 +41,15 @@ async def watch_parent(parent_pid: int, stop: asyncio.Event) -> None:
         await asyncio.sleep(PARENT_POLL_S)
     log.error("the supervisor is gone; stopping")
     stop.set()
+
+
+def freeze_startup_heap() -> None:
+    """Once a process is ready: everything alive now (torch, the model's modules, gRPC,
+    prometheus_client: several hundred thousand objects) leaves the garbage collector's view.
+    Requests in flight outlive the young generations, so full passes come often under load, and
+    each one walked that whole heap: at 20,000 prompts a second in the engine process that was
+    seconds of CPU a minute for nothing, since none of it ever becomes garbage. vLLM's engine
+    does the same after its start-up."""
+    gc.collect()
+    gc.freeze()
+    log.debug("garbage collector: %d objects frozen", gc.get_freeze_count())

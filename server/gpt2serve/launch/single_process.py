@@ -11,6 +11,7 @@ from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
 from .engine_host import EngineHost
 from .front_end import FrontEnd, until_signalled
+from .process_common import freeze_startup_heap
 
 log = logging.getLogger("gpt2serve")
 
@@ -29,6 +30,7 @@ async def serve(config: ServeConfig) -> None:
         raise
     await front.serve(engine.tokenizer, engine.info, engine.client())
     telemetry.metrics.front_ends_up.set(1)  # the one process is the one front end
+    freeze_startup_heap()
     print(front.ready_line(), flush=True)
 
     stop = asyncio.Event()

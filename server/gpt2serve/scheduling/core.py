@@ -151,10 +151,12 @@ class EngineCore:
             raise
 
     def queue_prompts(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None,
-                      prompt_logprobs: int | None, done: Callable) -> PromptGroup:
+                      prompt_logprobs: int | None, done: Callable, wake: bool = True) -> PromptGroup:
         """Queue all prompts of one request together, or none of them (refusals raise here).
         `done` is called once on the callers' loop: with every prompt's answer, in order, or
-        with the error that ended the request (its other prompts then leave the queue)."""
+        with the error that ended the request (its other prompts then leave the queue).
+        wake=False: the caller calls wake() once after a run of requests (the IPC door, after
+        each frame), so the loop does not wake, and take the GIL, for each one."""
         self._check_running("model worker")
         if len(prompts) > self.max_queue:  # no wait can serve it: the caller's mistake, not "busy"
             raise InvalidArgument(f"prompts: {len(prompts)} prompts can never fit a queue of {self.max_queue} "
@@ -174,22 +176,28 @@ class EngineCore:
                 raise ResourceExhausted(f"queue full ({self._prompts_waiting} of {self.max_queue} waiting); retry later")
             self._prompts_waiting += len(prompts)
             self._intake += requests
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return group
+
+    def wake(self) -> None:
+        """The loop looks at what arrived (after queue_prompts(wake=False) or add(wake=False))."""
+        self._wake.set()
 
     def cancel_prompts(self, group: PromptGroup) -> None:
         """The request's caller left (or one of its prompts failed): its prompts leave the queue,
         and `done` hears nothing more."""
-        group.finished = True
         with self._lock:  # in step with _prompt_step's count: each prompt stops waiting once
             for request in group.requests:
                 if not request.cancelled and request.state == "waiting":
                     self._prompts_waiting -= 1
                 request.cancelled = True
+        group.release()
 
-    def add(self, request: GenerateRequest, sink: TokenSink) -> int:
+    def add(self, request: GenerateRequest, sink: TokenSink, wake: bool = True) -> int:
         """Queue a generation; its tokens go to `sink` as they come. Returns its id, for abort().
-        Refusals raise here: the loop is not running, or the queue is full."""
+        Refusals raise here: the loop is not running, or the queue is full. wake: as for
+        queue_prompts."""
         self._check_running("generation loop")
         longest = min(len(request.prompt) + request.max_tokens, self.n_ctx)
         if blocks_for(longest) > self.capacity_blocks:
@@ -210,7 +218,8 @@ class EngineCore:
         self.outputs.generations[engine_request.request_id] = engine_request
         with self._lock:
             self._intake.append(engine_request)
-        self._wake.set()
+        if wake:
+            self._wake.set()
         return engine_request.request_id
 
     def abort(self, seq_id: int) -> None:
