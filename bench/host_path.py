@@ -253,89 +253,22 @@ def next_token_batch(server: RunningServer, clients: int, per_call: int, duratio
                     STANDIN and rows / NEXT_TOKEN.seconds(rows), done, calls, cpu, spent, wall)
 
 
-def over_ipc(server: StandinServer, kind: str, n: int, new_tokens: int, duration: float, processes: int) -> Scenario:
-    """`kind` "streams" or "callers" straight to the engine process (see the module doc)."""
+def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: float, processes: int,
+             max_batch: int) -> Scenario:
+    """`kind` "streams" (of `size` tokens) or "callers" (of `size` prompts a request) straight to
+    the engine process (see the module doc)."""
     import ipc_load
 
-    units, engine_cpu = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"], n,
-                                                new_tokens, duration, processes)
+    units, engine_cpu = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"], n, size,
+                                                duration, processes)
     if kind == "streams":
         return scenario("generation (IPC)", f"{n} streams", units / duration, n / DECODE.seconds(n), units, 0,
                         {"engine": engine_cpu}, 0.0, duration)
-    return scenario("next-token (IPC)", f"{n} callers", units / duration, n / NEXT_TOKEN.seconds(n), units, units,
+    rows = min(n * size, max_batch)
+    name, load = ("next-token (IPC)", f"{n} callers") if size == 1 else \
+        ("next-token batch (IPC)", f"{n} x {size} prompts")
+    return scenario(name, load, units / duration, rows / NEXT_TOKEN.seconds(rows), units, units // size,
                     {"engine": engine_cpu}, 0.0, duration)
-
-
-def core_only(streams: list[int], clients: list[int], new_tokens: int, duration: float, max_batch: int) -> str:
-    """The engine core in this process over the stand-in device (see the module doc)."""
-    from gpt2serve.engine.engine import Engine, EngineOptions
-    from gpt2serve.engine.generator import Generator
-    from gpt2serve.engine.kv_cache import blocks_needed
-    from gpt2serve.engine.loading import load_model
-    from gpt2serve.protocol import GenerateRequest, SamplingParams
-    from gpt2serve.scheduling.core import EngineCore, new_engine_thread
-
-    engine = Engine(load_model("random:tiny", "cpu", "float32"), EngineOptions(max_batch_size=max_batch))
-    engine.warm_up()
-    greedy = SamplingParams(temperature=0.0)
-    lines = ["engine core alone, over " + STEPS_FILE.name,
-             "| load | served/s | ideal/s | ratio | process us/unit | core thread us/unit |", "|---|---|---|---|---|---|"]
-
-    async def run(load: str, n: int) -> None:
-        generator = Generator(engine, max(streams + [1]), blocks_needed(max(streams + [1]), 1024))
-        core = EngineCore(engine, generator, max_batch_size=max_batch, max_batch_delay_s=0.002, max_queue=8192,
-                          max_batch_tokens=16384, engine_thread=new_engine_thread())
-        thread_cpu, real_run = [0.0], core._run
-
-        def timed_run() -> None:
-            started = time.thread_time()
-            real_run()
-            thread_cpu[0] = time.thread_time() - started
-
-        core._run = timed_run
-        core.start()
-        done, stop_at = [0], time.perf_counter() + duration
-
-        class Restart:
-            def __init__(self, i: int):
-                self.i = i
-
-            def put(self, event) -> None:
-                done[0] += 1
-                if event.finish_reason and time.perf_counter() < stop_at:
-                    start(self.i)
-
-            def fail(self, error) -> None:
-                pass
-
-        def start(i: int) -> None:
-            core.add(GenerateRequest([100 + i, 200, 300, 400, 500], greedy, new_tokens, ignore_eos=True), Restart(i))
-
-        async def caller(i: int) -> None:
-            while time.perf_counter() < stop_at:
-                await core.submit([[100 + i, 200, 300, 400, 500]], 5)
-                done[0] += 1
-
-        started, cpu = time.perf_counter(), time.process_time()
-        if load == "streams":
-            for i in range(n):
-                start(i)
-            await asyncio.sleep(duration)
-        else:
-            await asyncio.gather(*(caller(i) for i in range(n)))
-        units, wall, cpu = done[0], time.perf_counter() - started, time.process_time() - cpu
-        await core.stop()
-        ideal = n / (DECODE if load == "streams" else NEXT_TOKEN).seconds(n)
-        what = f"{n} streams" if load == "streams" else f"{n} next-token callers"
-        lines.append(f"| {what} | {units / wall:.0f} | {ideal:.0f} | {units / wall / ideal:.3f} | "
-                     f"{1e6 * cpu / units:.1f} | {1e6 * thread_cpu[0] / units:.1f} |")
-
-    for n in streams:
-        asyncio.run(run("streams", n))
-    for n in clients:
-        asyncio.run(run("callers", n))
-    lines.append("unit: a sequence-step (generated token), or a next-token prompt")
-    return "\n".join(lines)
 
 
 def report(results: list[Scenario], workers: int) -> str:
@@ -372,6 +305,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.core_only:
+        from core_alone import core_only
+
         print(core_only([int(s) for s in args.streams.split(",") if s], [int(c) for c in args.clients.split(",") if c],
                         args.new_tokens, args.duration, args.max_batch_size))
         return
@@ -385,9 +320,14 @@ def main() -> None:
     try:
         if args.ipc:
             for streams in [int(s) for s in args.streams.split(",") if s]:
-                results.append(over_ipc(server, "streams", streams, args.new_tokens, args.duration, args.processes))
+                results.append(over_ipc(server, "streams", streams, args.new_tokens, args.duration, args.processes,
+                                        args.max_batch_size))
             for clients in [int(c) for c in args.clients.split(",") if c]:
-                results.append(over_ipc(server, "callers", clients, args.new_tokens, args.duration, args.processes))
+                results.append(over_ipc(server, "callers", clients, 1, args.duration, args.processes,
+                                        args.max_batch_size))
+            if args.batch_clients:
+                results.append(over_ipc(server, "callers", args.batch_clients, args.batch_prompts, args.duration,
+                                        args.processes, args.max_batch_size))
         for streams in [int(s) for s in args.streams.split(",") if s and not args.ipc]:
             results.append(generation(server, streams, args.new_tokens, args.duration, args.processes))
         for clients in [int(c) for c in args.clients.split(",") if c and not args.ipc]:

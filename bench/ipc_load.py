@@ -8,7 +8,8 @@ its fixed cost per step rather than its cost at full batch.
 
 - streams: S generations of `new_tokens` tokens after 5-token prompts, greedy, past
   end-of-text, each started again as it ends;
-- callers: C closed-loop next-token callers of one 5-token prompt, top-5.
+- callers: C closed-loop next-token callers of `per_call` 5-token prompts a request (1: unary
+  NextToken; 64: NextTokenBatch), top-5.
 
 Each process returns what it received in its window (tokens or answers), and the first one
 also the engine process's CPU seconds over its window (from /proc); the windows are of the same
@@ -83,17 +84,18 @@ async def _streams(address: str, engine_pid: int, first: int, streams: int, new_
     return received[0], cpu
 
 
-async def _callers(address: str, engine_pid: int, first: int, callers: int, duration: float) -> tuple[int, float]:
+async def _callers(address: str, engine_pid: int, first: int, callers: int, per_call: int, duration: float
+                   ) -> tuple[int, float]:
     client = ZmqEngineClient(address)
     await client.connect()
     answered, counting, stop_at = [0], [False], [float("inf")]
 
     async def caller(i: int) -> None:
-        request = NextTokenRequest([_prompt(i)], 5)
+        request = NextTokenRequest([_prompt(i * per_call + j) for j in range(per_call)], 5)
         while time.perf_counter() < stop_at[0]:
             await client.next_token(request)
             if counting[0]:
-                answered[0] += 1
+                answered[0] += per_call
 
     tasks = [asyncio.create_task(caller(i)) for i in range(first, first + callers)]
     await asyncio.sleep(min(1.0, duration / 4))
@@ -106,21 +108,22 @@ async def _callers(address: str, engine_pid: int, first: int, callers: int, dura
     return answered[0], cpu
 
 
-def _in_process(kind: str, address: str, engine_pid: int, first: int, n: int, new_tokens: int, duration: float
+def _in_process(kind: str, address: str, engine_pid: int, first: int, n: int, size: int, duration: float
                 ) -> tuple[int, float]:
     if kind == "streams":
-        return asyncio.run(_streams(address, engine_pid, first, n, new_tokens, duration))
-    return asyncio.run(_callers(address, engine_pid, first, n, duration))
+        return asyncio.run(_streams(address, engine_pid, first, n, size, duration))
+    return asyncio.run(_callers(address, engine_pid, first, n, size, duration))
 
 
-def from_processes(kind: str, address: str, engine_pid: int, n: int, new_tokens: int, duration: float,
+def from_processes(kind: str, address: str, engine_pid: int, n: int, size: int, duration: float,
                    processes: int) -> tuple[int, float]:
     """(units received in the windows, the engine's CPU seconds in the first one): `kind`
-    "streams" or "callers", n of them spread over `processes` processes."""
+    "streams" (`size` new tokens each) or "callers" (`size` prompts a request), n of them
+    spread over `processes` processes."""
     processes = max(1, min(processes, n))
     shares = [n // processes + (i < n % processes) for i in range(processes)]
     firsts = [sum(shares[:i]) for i in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        parts = pool.starmap(_in_process, [(kind, address, engine_pid if i == 0 else 0, first, share, new_tokens,
+        parts = pool.starmap(_in_process, [(kind, address, engine_pid if i == 0 else 0, first, share, size,
                                             duration) for i, (first, share) in enumerate(zip(firsts, shares))])
     return sum(p[0] for p in parts), parts[0][1]
