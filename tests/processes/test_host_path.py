@@ -52,10 +52,12 @@ def test_the_core_alone_runs_streams_and_callers_over_the_stand_in():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_engine_process_alone_serves_streams_and_callers_over_its_ipc_door():
-    run = run_bench("--ipc", "--streams", "16", "--clients", "8", "--duration", "1.5", "--processes", "2", "--json")
+    run = run_bench("--ipc", "--streams", "16", "--clients", "8", "--batch-clients", "2", "--batch-prompts", "8",
+                    "--duration", "1.5", "--processes", "2", "--json")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(run.stdout[run.stdout.index("["):])}
-    assert set(results) == {"generation (IPC)", "next-token (IPC)"}
+    assert set(results) == {"generation (IPC)", "next-token (IPC)", "next-token batch (IPC)"}
+    assert results["next-token batch (IPC)"]["work"] == 8 * results["next-token batch (IPC)"]["requests"]
     for name, r in results.items():
         assert r["work"] > 0 and 0 < r["ratio"] <= 1.05, (name, r)
         assert list(r["us_per_unit"]) == ["engine"] and r["us_per_unit"]["engine"] > 0, (name, r)

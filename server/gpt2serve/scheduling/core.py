@@ -31,7 +31,6 @@ import math
 import random
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -43,7 +42,7 @@ from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, Resour
                       ShuttingDown, Unavailable)
 from ..protocol import GenerateRequest, NextTokenOutput, TokenSink, TraceContext
 from .engine_api import GenerationEngine, PromptEngine
-from .outputs import Observer, Outputs, PromptGroup
+from .outputs import Handover, Observer, Outputs, PromptGroup
 from .scheduler import EngineRequest, Scheduler, Step
 
 log = logging.getLogger(__name__)
@@ -85,8 +84,7 @@ class EngineCore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future | None = None
         self.prompts_running = 0  # next-token prompts in the forward under way
-        self._posted: deque[tuple[Callable, tuple]] = deque()  # for the callers' loop (see _post)
-        self._wake_posted = False
+        self._post = Handover()  # fn(*args) on the callers' loop, from this core's thread
         self.steps_run = 0
         self.batches_run = 0
 
@@ -116,7 +114,7 @@ class EngineCore:
 
     # The callers' side (their event loop's thread) ------------------------------------------------
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = self._post.loop = asyncio.get_running_loop()
         self._task = self._loop.run_in_executor(self._executor, self._run)
 
     async def stop(self) -> None:
@@ -162,12 +160,7 @@ class EngineCore:
             raise InvalidArgument(f"prompts: {len(prompts)} prompts can never fit a queue of {self.max_queue} "
                                   f"(--max-queue)")
 
-        def finished(result) -> None:
-            if isinstance(result, BaseException):
-                self.cancel_prompts(group)  # one prompt failed: drop the rest
-            done(result)
-
-        group = PromptGroup(len(prompts), finished)
+        group = PromptGroup(len(prompts), done, self.cancel_prompts)
         group.requests = requests = [
             EngineRequest(list(p), 0, top_k, trace=trace, prompt_logprobs=prompt_logprobs, output=group, row=row)
             for row, p in enumerate(prompts)]
@@ -402,27 +395,3 @@ class EngineCore:
     def _answered(self, prompts: list[EngineRequest]) -> None:
         """Out of the running count before their callers hear: a caller that looks next sees it."""
         self.prompts_running = max(self.prompts_running - len(prompts), 0)
-
-    def _post(self, fn: Callable, *args) -> None:
-        """fn(*args) on the callers' loop, in order; one wake-up for all posted before it runs.
-        A wake-up is a syscall that lets go of the GIL, and while the loop is busy this thread
-        then waits up to a switch interval (5 ms) to get it back."""
-        self._posted.append((fn, args))
-        if self._wake_posted:
-            return
-        self._wake_posted = True
-        try:
-            self._loop.call_soon_threadsafe(self._run_posted)
-        except RuntimeError:  # the callers' loop is closed: nobody left to tell
-            pass
-
-    def _run_posted(self) -> None:
-        """On the callers' loop: everything posted so far, in order."""
-        self._wake_posted = False  # first: a post from now on wakes the loop again
-        posted = self._posted
-        while posted:
-            fn, args = posted.popleft()
-            try:
-                fn(*args)
-            except Exception:  # one answer's failure is not the others'
-                log.exception("engine core: handing an output over failed")

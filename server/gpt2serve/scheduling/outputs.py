@@ -8,7 +8,9 @@ outputs of a caller that left: its sink hears nothing more.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
 from typing import Callable, Protocol, Union
 
 from ..engine.engine import BatchOutput
@@ -21,6 +23,38 @@ from .scheduler import EngineRequest
 log = logging.getLogger(__name__)
 
 
+class Handover:
+    """fn(*args) on the callers' loop, in order, from the core's thread; one wake-up for all
+    handed over before the loop runs. A wake-up is a syscall that lets go of the GIL, and while
+    the loop is busy the core's thread then waits up to a switch interval (5 ms) to get it back."""
+
+    def __init__(self):
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when the core starts
+        self._posted: deque[tuple[Callable, tuple]] = deque()
+        self._wake_posted = False
+
+    def __call__(self, fn: Callable, *args) -> None:
+        self._posted.append((fn, args))
+        if self._wake_posted:
+            return
+        self._wake_posted = True
+        try:
+            self.loop.call_soon_threadsafe(self._run_posted)
+        except RuntimeError:  # the callers' loop is closed: nobody left to tell
+            pass
+
+    def _run_posted(self) -> None:
+        """On the callers' loop: everything handed over so far, in order."""
+        self._wake_posted = False  # first: a post from now on wakes the loop again
+        posted = self._posted
+        while posted:
+            fn, args = posted.popleft()
+            try:
+                fn(*args)
+            except Exception:  # one answer's failure is not the others'
+                log.exception("engine core: handing an output over failed")
+
+
 class PromptGroup:
     """The prompts of one next-token request, answered together: `done` is called once, on the
     callers' loop, with every prompt's answer in order, or with the first error. A plain
@@ -29,11 +63,12 @@ class PromptGroup:
     callback and its prompts, so nothing of it is left in a reference cycle: cyclic garbage at
     that rate made the garbage collector's full passes a third of the engine's CPU."""
 
-    __slots__ = ("answers", "left", "done", "finished", "requests")
+    __slots__ = ("answers", "left", "done", "on_error", "finished", "requests")
 
-    def __init__(self, size: int, done: Callable[[Union[list[NextTokenOutput], Exception]], None]):
+    def __init__(self, size: int, done: Callable[[Union[list[NextTokenOutput], Exception]], None],
+                 on_error: Callable[[PromptGroup], None]):
         self.answers: list[NextTokenOutput | None] = [None] * size
-        self.left, self.done, self.finished = size, done, False
+        self.left, self.done, self.on_error, self.finished = size, done, on_error, False
         self.requests: list[EngineRequest] = []  # its prompts, in order (EngineRequest.row)
 
     def answer(self, row: int, output: NextTokenOutput) -> None:
@@ -52,13 +87,15 @@ class PromptGroup:
         self.finished = True
         done, self.done = self.done, None
         try:
+            if isinstance(result, Exception):
+                self.on_error(self)  # its other prompts leave the queue
             done(result)
         finally:
             self.release()
 
     def release(self) -> None:
-        """Finished or cancelled: no more answers; let go of the callback and the prompts."""
-        self.finished, self.done, self.requests = True, None, []
+        """Finished or cancelled: no more answers; let go of the callbacks and the prompts."""
+        self.finished, self.done, self.on_error, self.requests = True, None, None, []
 
 
 class Observer(Protocol):
