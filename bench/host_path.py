@@ -50,13 +50,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import ipc_load  # noqa: E402
+from ipc_load import process_cpu  # noqa: E402
 from standin_server import DECODE, NEXT_TOKEN, STEPS_FILE  # noqa: E402
 
 from gpt2serve.benchmarks.generate_load import serve_from_processes  # noqa: E402
 from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts  # noqa: E402
 from gpt2serve_client import AsyncClient  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 VOCAB = 50257
 
 
@@ -72,12 +73,6 @@ class Scenario:
     us_per_unit: dict[str, float]  # process -> CPU microseconds per sequence-step (or per prompt)
     us_per_request: dict[str, float]
     load_generator_cpu_share: float  # of the machine's cores, over the window
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds of the whole process (all threads, user + system)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def server_processes(root: int) -> dict[str, int]:
@@ -257,8 +252,6 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
              max_batch: int) -> Scenario:
     """`kind` "streams" (of `size` tokens) or "callers" (of `size` prompts a request) straight to
     the engine process (see the module doc)."""
-    import ipc_load
-
     units, engine_cpu = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"], n, size,
                                                 duration, processes)
     if kind == "streams":

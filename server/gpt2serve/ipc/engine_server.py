@@ -1,7 +1,8 @@
 """The engine process's side of the IPC door (see zmq_client): each Submit becomes an
-EngineCore.queue_prompts answered by a callback (no task or future per request), each Generate an EngineCore.add whose tokens go back to the front end that
-asked: a step's plain tokens for one front end as one Tokens message, a first token (with its
-queue time and prompt scores) as a Step.
+EngineCore.queue_prompts answered by a callback (no task or future per request), each Generate
+an EngineCore.add whose tokens go back to the front end that asked: a step's plain tokens for
+one front end as one Tokens message, a first token (with its queue time and prompt scores) as a
+Step.
 
 A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
 watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
@@ -99,9 +100,9 @@ class EngineServer:
         elif kind is Submit:
             key, request = (peer, message.request_id), message.request
             try:
+                answered = functools.partial(self._answered, key)
                 self._submits[key] = self._core.queue_prompts(request.prompts, request.top_k, request.trace,
-                                                              request.prompt_logprobs, functools.partial(self._answered, key),
-                                                              wake=False)
+                                                              request.prompt_logprobs, answered, wake=False)
             except Exception as exc:  # refused (queue full, too many prompts, shutting down)
                 self._send_error(key, exc, "request")
         elif kind is Cancel:
