@@ -2,10 +2,14 @@
 
 Everything the server does on the host runs for real: front ends, IPC, the schedulers, the
 engine's own host work (staging inputs, reading the one copy back, building each row's answer).
-Only the device's work is replaced: each step sleeps for the time a card measured for a step of
-that many rows (bench/h200_steps.json, by default; linear between the measured row counts), and
-a sleep holds no CPU and releases the GIL, as a wait on a GPU does. The answers are made up:
-every generated token is STANDIN_TOKEN, and next-token rows get fixed log-probabilities.
+Only the device's work is replaced: each step takes the time a card measured for a step of
+that many rows (bench/h200_steps.json, by default; linear between the measured row counts), on a
+device that runs one step after another and on by itself, as a GPU's queue does: a decode step
+is launched at once and its answers are ready that long after the device is free, and a wait
+for them is a sleep, which holds no CPU and releases the GIL, as a wait on a GPU does. So the
+engine core overlaps its host work with the device here as it does on cuda (STANDIN_OVERLAP=0:
+it does not, for an A/B). The answers are made up: every generated token is STANDIN_TOKEN, and
+next-token rows get fixed log-probabilities.
 
 Run like `gpt2serve serve` (this file patches the engine at import, so the engine process of
 `--workers N`, started with multiprocessing's spawn, is patched too):
@@ -35,7 +39,6 @@ from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine.padding import left_pad
 from gpt2serve.launch import engine_host
-from gpt2serve.engine.sampling import TOP
 
 STEPS_FILE = Path(os.environ.get("STANDIN_STEPS", Path(__file__).with_name("h200_steps.json")))
 STANDIN_TOKEN = 11  # ","
@@ -65,8 +68,37 @@ DECODE = StepTimes(_table["device_ms"]["decode"])
 _logprobs = torch.log_softmax(torch.randn(1024, FAKE_VOCAB, generator=torch.Generator().manual_seed(0)), dim=-1)
 
 
+class Device:
+    """One queue of steps: each starts when the device is free, and takes its measured time."""
+
+    free_at = 0.0  # perf_counter
+
+    @classmethod
+    def queue(cls, seconds: float) -> tuple[float, float]:
+        """(start, end) of a step queued now."""
+        start = max(time.perf_counter(), cls.free_at)
+        cls.free_at = start + seconds
+        return start, cls.free_at
+
+
 def device_wait(seconds: float) -> None:
-    time.sleep(seconds)  # no CPU, no GIL: what a host thread waiting on a GPU costs
+    """A step the host waits for at once (next-token forwards, prefills): behind what is queued."""
+    until = Device.queue(seconds)[1]
+    time.sleep(max(until - time.perf_counter(), 0.0))  # no CPU, no GIL: a host thread waiting on a GPU
+
+
+class Moment:
+    """What finish_decode() reads of a cuda.Event: when it fires (a sleep until then), and the
+    time between two."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def synchronize(self) -> None:
+        time.sleep(max(self.at - time.perf_counter(), 0.0))
+
+    def elapsed_time(self, end: "Moment") -> float:
+        return (end.at - self.at) * 1000  # ms, as cuda.Event's
 
 
 def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None):
@@ -80,11 +112,16 @@ def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_r
                                      cuda_graph=True, failed_rows=failed)
 
 
-def _chosen(rows) -> list[list[float]]:
+_chosen_rows: dict[int, torch.Tensor] = {}  # n alternatives -> choose()'s answer for up to 1024 rows
+
+
+def _chosen(rows) -> torch.Tensor:
     """What choose() copies back for these rows: [token, logprob, finite, n top, n ids]."""
     n = max(r.params.logprobs for r in rows)
-    values = _logprobs[:len(rows), :n].tolist()
-    return [[float(STANDIN_TOKEN), -1.0, 1.0, *v, *range(n)] for v in values]
+    if n not in _chosen_rows:
+        _chosen_rows[n] = torch.tensor([[float(STANDIN_TOKEN), -1.0, 1.0, *v, *range(n)]
+                                        for v in _logprobs[:, :n].tolist()])
+    return _chosen_rows[n][:len(rows)]
 
 
 def prefill(self, sequences):
@@ -95,30 +132,31 @@ def prefill(self, sequences):
         raise ValueError("the stand-in device does not score prompts")
     batch = left_pad([s.prompt for s in sequences], self.engine.pad_token_id)  # (3, B, T)
     device_wait(NEXT_TOKEN.seconds(len(sequences)))
-    added = [generator_module._Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
+    added = [generator_module._Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), len(s.prompt))
              for s in sequences]
     for r in added:
         r.rng.random()  # the draw choose() takes
-    tokens, failed = self._record(_chosen(added), added)
+    tokens, failed = self._record(_chosen(added).tolist(), added)
     self.running.extend(added)
     return generator_module.StepOutput(tokens, "prefill", len(sequences), sum(len(s.prompt) for s in sequences),
                                        time.perf_counter() - started, started_ns, time.time_ns(), failed,
                                        {}, {s.seq_id: 0 for s in sequences})
 
 
-def decode(self):
+def launch_decode(self, riders=(), rider_top_ks=()):
+    """A decode step queued on the stand-in device; the real finish_decode() waits for it and
+    reads its answers."""
     started, started_ns = time.perf_counter(), time.time_ns()
-    rows = self.running
-    lengths, last = [r.length for r in rows], [r.last_token for r in rows]
-    staged = torch.tensor([last, lengths])  # (2, B): the inputs staged as for a graph replay
+    rows = list(self.running)
+    staged = torch.tensor([r.length for r in rows])  # (B,): the positions, staged as for a graph replay
     for r in rows:
-        r.rng.random()
-    device_wait(DECODE.seconds(len(rows)))
-    tokens, failed = self._record(_chosen(rows), rows)
+        r.rng.random()  # the draw choose() takes
+    start, end = Device.queue(DECODE.seconds(len(rows)))
     for r in rows:
         r.length += 1
-    return generator_module.StepOutput(tokens, "decode", len(rows), staged.shape[1], time.perf_counter() - started,
-                                       started_ns, time.time_ns(), failed)
+        r.unread += 1
+    return generator_module.DecodeLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started,
+                                         started_ns, time.perf_counter() - started)
 
 
 def remove(self, seq_ids):
@@ -132,7 +170,8 @@ def engine_warm_up(self):
 engine_module.Engine.next_token = next_token
 engine_module.Engine.warm_up = engine_warm_up
 generator_module.Generator.prefill = prefill
-generator_module.Generator.decode = decode
+generator_module.Generator.launch_decode = launch_decode
+generator_module.Generator.overlaps = property(lambda self: os.environ.get("STANDIN_OVERLAP", "1") != "0")
 generator_module.Generator.remove = remove
 generator_module.Generator.warm_up = lambda self: None
 generator_module.Generator.allocate = lambda self: None

@@ -67,9 +67,9 @@ def decode_steps(engine: Engine, streams: list[int], steps: int) -> list[dict]:
             generator.decode()  # ends in its one copy to the host
             walls.append(time.perf_counter() - started)
         rows = generator.running
-        lengths, last = [r.length for r in rows], [r.last_token for r in rows]
+        lengths = [r.length for r in rows]
         if generator.graphs is not None:
-            generator.graphs.run_decode(last, lengths)  # stage this step's inputs in its bucket once
+            generator.graphs.run_decode(generator.last_ids[:len(rows)], lengths)  # stage this step's inputs once
             shape = generator.graphs.buckets.shape_for(len(rows), max(lengths) + 1)
             bucket = generator.graphs.ready[shape]
             replay = bucket.graph.replay if bucket.graph is not None else (lambda: generator.graphs._step(bucket))

@@ -49,10 +49,13 @@ def test_greedy_alone_matches_transformers(saved, graphs):
     assert len(set(tokens)) > 5  # the reference is lively enough to catch a misplaced position
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "bucketed"])
-def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs):
+@pytest.mark.parametrize("graphs, overlap", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["eager", "bucketed", "eager-overlapped", "bucketed-overlapped"])
+def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs, overlap):
     """Different lengths, different max_tokens, staggered arrivals, fewer slots than sequences:
-    sequences join a running batch and leave it, and each one's tokens are its tokens alone."""
+    sequences join a running batch and leave it, and each one's tokens are its tokens alone.
+    `overlapped`: each decode step launched before the last one is read, as on cuda, so
+    sequences join and leave while a step's answers are still unread."""
     hf, engine = saved
     generator = Generator(engine, slots=6, graphs=graphs)
     running_at_prefill = []
@@ -65,7 +68,7 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
     generator.prefill = counting_prefill
     lengths = [6 + 5 * (i % 4) for i in range(16)]
     requests = [(0.004 * i, GenerateRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
-    got = asyncio.run(run_joining(generator, requests))
+    got = asyncio.run(run_joining(generator, requests, overlap))
     for prompt, n, tokens in zip(PROMPTS, lengths, got):
         assert tokens == transformers_greedy(hf, prompt, n), prompt
     assert max(running_at_prefill) > 0, "no sequence joined a running batch"
@@ -107,15 +110,15 @@ def test_the_cache_grows_with_the_tokens_held_and_gives_them_back(saved):
     hf, engine = saved
     generator = Generator(engine, slots=8)
     shapes = []  # (running, slots allocated, positions allocated) after each decode step
-    decode = generator.decode
+    launch = generator.launch_decode
 
-    def recording_decode():
-        output = decode()
+    def recording_launch(*args):
+        output = launch(*args)
         shapes.append((len(generator.running), generator.cache.slots, generator.cache.length,
                        max(r.length for r in generator.running)))
         return output
 
-    generator.decode = recording_decode
+    generator.launch_decode = recording_launch
     requests = [(0.0, GenerateRequest(PROMPTS[0], GREEDY, 150)), (0.0, GenerateRequest(PROMPTS[15], GREEDY, 100))]
     requests += [(0.02 * i, GenerateRequest(PROMPTS[i], GREEDY, 8)) for i in range(1, 7)]
     got = asyncio.run(run_joining(generator, requests))
@@ -188,7 +191,8 @@ def test_a_decode_trace_serves_any_number_of_rows_exactly(saved):
     assert list(traces.traces) == [64]  # one trace for every row count
 
 
-def test_seeded_sampling_is_the_same_alone_and_batched(saved):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_seeded_sampling_is_the_same_alone_and_batched(saved, overlap):
     _, engine = saved
     sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.95)
     seeded = GenerateRequest(PROMPTS[3], sampled, 20, seed=1234)
@@ -196,7 +200,8 @@ def test_seeded_sampling_is_the_same_alone_and_batched(saved):
     others = [(0.0, GenerateRequest(p, SamplingParams(temperature=t, top_p=tp), 20, seed=s))
               for p, t, tp, s in zip(PROMPTS[6:12], (0.5, 1.0, 1.3, 0.0, 0.7, 1.0), (1.0, 0.9, 0.5, 1, 1, 0.8),
                                      range(6))]
-    batched = asyncio.run(run_joining(Generator(engine, slots=8), [*others[:3], (0.01, seeded), *others[3:]]))[3]
+    batched = asyncio.run(run_joining(Generator(engine, slots=8), [*others[:3], (0.01, seeded), *others[3:]],
+                                      overlap))[3]
     assert batched == alone
     other_seed = asyncio.run(run_joining(Generator(engine, slots=4), [(0, GenerateRequest(
         PROMPTS[3], sampled, 20, seed=4321))]))[0]
@@ -223,12 +228,13 @@ def test_a_sequence_that_finds_no_slot_waits_then_is_refused(saved):
     asyncio.run(main())
 
 
-def test_leaving_early_frees_the_slot_at_once(saved):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_leaving_early_frees_the_slot_at_once(saved, overlap):
     _, engine = saved
 
     async def main():
         generator = Generator(engine, slots=1)
-        scheduler = generation_core(generator, max_queue=4, max_queue_wait_s=5)
+        scheduler = generation_core(generator, max_queue=4, max_queue_wait_s=5, overlap=overlap)
         scheduler.start()
         stream = events(scheduler, GenerateRequest(PROMPTS[1], GREEDY, 200))
         await anext(stream)
@@ -241,13 +247,18 @@ def test_leaving_early_frees_the_slot_at_once(saved):
     asyncio.run(main())
 
 
-def test_stop_token_and_eos_end_the_sequence(saved):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_stop_token_and_eos_end_the_sequence(saved, overlap):
+    """Overlapped, the stop token is read a step late, after the next step was launched: that
+    step's token for it must not reach its caller, and its neighbour goes on untouched."""
     hf, engine = saved
     expected = transformers_greedy(hf, PROMPTS[4], 10)
     stop_at = expected[4]
-    got = asyncio.run(run_joining(Generator(engine, slots=2), [
-        (0, GenerateRequest(PROMPTS[4], GREEDY, 10, stop_token_ids=frozenset({stop_at})))]))[0]
+    got, beside = asyncio.run(run_joining(Generator(engine, slots=2), [
+        (0, GenerateRequest(PROMPTS[4], GREEDY, 10, stop_token_ids=frozenset({stop_at}))),
+        (0, GenerateRequest(PROMPTS[6], GREEDY, 12))], overlap))
     assert got == expected[:expected.index(stop_at) + 1]  # the stop token is the last step (not output)
+    assert beside == transformers_greedy(hf, PROMPTS[6], 12)
 
 
 # Sampling ---------------------------------------------------------------------------------------

@@ -143,9 +143,11 @@ class PoisonedGenerator(Generator):
     _real_decode_logits = Generator._decode_logits
 
 
-def test_a_non_finite_stream_fails_alone_and_the_running_streams_go_on(engine):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_non_finite_stream_fails_alone_and_the_running_streams_go_on(engine, overlap):
     """The poisoned sequence (the only one 50 tokens long, poisoned at its 5th decode step) gets
-    NonFiniteOutput; 8 greedy streams beside it give exactly what they give without it."""
+    NonFiniteOutput; 8 greedy streams beside it give exactly what they give without it (also
+    overlapped, where the failure is read after the next step, with it, was launched)."""
     bad_prompt = [(7 * j) % 50257 for j in range(50)]
     requests = [(0.0, GenerateRequest(PROMPTS[i], GREEDY, 12)) for i in range(8)]
 
@@ -156,13 +158,13 @@ def test_a_non_finite_stream_fails_alone_and_the_running_streams_go_on(engine):
 
     clean = asyncio.run(run_joining(generator(), requests))
     good, bad_error, bad_tokens = asyncio.run(run_with_failure(generator(), requests,
-                                                               GenerateRequest(bad_prompt, GREEDY, 12)))
+                                                               GenerateRequest(bad_prompt, GREEDY, 12), overlap))
     assert good == clean
     assert isinstance(bad_error, NonFiniteOutput) and len(bad_tokens) == 5  # prefill + 4 decodes, then it fails
 
 
-async def run_with_failure(generator, requests, bad_request):
-    scheduler = generation_core(generator)
+async def run_with_failure(generator, requests, bad_request, overlap=False):
+    scheduler = generation_core(generator, overlap=overlap)
     scheduler.start()
 
     async def one(request):
@@ -275,6 +277,24 @@ def test_a_non_finite_sequence_leaves_no_nan_in_its_slot(engine, monkeypatch):
         assert generator.prefill([NewSequence(9, bad, GREEDY, 0)]).failed == {9}
         generator.remove({9})
         assert greedy_tokens(generator, 0, good, 6) == alone
+
+
+def test_a_sequence_that_leaves_with_a_step_unread_leaves_no_nan_in_its_slot(engine, monkeypatch):
+    """Overlapped, a caller may leave while its last step is still unread: nobody knows yet
+    whether that step wrote NaNs into its slot, so the slot is cleared as it leaves. Here the
+    step did (its fed token embeds as NaN, at position 10), and a shorter sequence that takes
+    the slot next attends over that position at weight 0."""
+    monkeypatch.setattr(native, "available", lambda: False)
+    good, left = PROMPTS[2], PROMPTS[3]  # 7 and 10 tokens: a span of 16 covers position 10
+    alone = greedy_tokens(Generator(engine, slots=1, graphs=False), 0, good, 6)
+    generator = Generator(engine, slots=1, graphs=False)
+    generator.prefill([NewSequence(9, left, GREEDY, 0)])
+    with torch.inference_mode():
+        generator.last_ids[0] = NAN_TOKEN  # as if sampled: fed at the next step
+    with embeds_as_nan(engine.model, NAN_TOKEN):
+        generator.launch_decode()  # writes NaN keys at position 10; never read
+    generator.remove({9})
+    assert greedy_tokens(generator, 0, good, 6) == alone
 
 
 def test_top_p_from_the_best_candidates_picks_what_the_whole_sorted_vocabulary_picks(monkeypatch):

@@ -205,6 +205,47 @@ def test_decode_graphs_generate_what_eager_decoding_does(peaked):
         assert eager[seq_id] == transformers_greedy(hf, PROMPTS[seq_id], len(eager[seq_id]))
 
 
+def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
+    """The engine core queues step N+1 while step N runs (scheduling.runner): that only overlaps
+    if launching a step never waits for the device. torch's sync debug mode raises on any call
+    that would (a pageable copy, a read of a device value), for greedy and every sampling mode."""
+    from gpt2serve.engine.generator import Generator, NewSequence
+    from gpt2serve.protocol import SamplingParams
+
+    engine = cuda_engine(peaked, torch.float32)
+    generator = Generator(engine, slots=8)
+    modes = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40),
+             SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0, logprobs=3)]
+    generator.prefill([NewSequence(i, p, modes[i % 4], i) for i, p in enumerate(make_prompts(8, 5))])
+    generator.finish_decode(generator.launch_decode())  # its bucket's graph is captured here
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = [generator.launch_decode(), generator.launch_decode()]  # two in flight, as the core has them
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    steps = [generator.finish_decode(launch) for launch in launched]
+    assert all(len(step.tokens) == 8 and not step.failed for step in steps)
+
+
+def test_the_overlapped_core_on_cuda_generates_what_it_does_without_overlap(peaked):
+    """On cuda the core launches each decode step before reading the last one (its default
+    there): streams joining and leaving, greedy and seeded, give the tokens they give without it."""
+    from support.generation import PROMPTS, run_joining
+
+    from gpt2serve.engine.generator import Generator
+    from gpt2serve.protocol import GenerateRequest, SamplingParams
+
+    engine = cuda_engine(peaked, torch.float32)
+    requests = [(0.002 * i, GenerateRequest(PROMPTS[i], SamplingParams(temperature=0.0) if i % 2 else
+                                            SamplingParams(temperature=0.9, top_p=0.95), 6 + 3 * (i % 4), seed=i))
+                for i in range(12)]
+    assert Generator(engine, slots=6).overlaps
+    overlapped = asyncio.run(run_joining(Generator(engine, slots=6), requests))
+    plain = asyncio.run(run_joining(Generator(engine, slots=6), requests, overlap=False))
+    assert overlapped == plain
+    assert [len(tokens) for tokens in plain] == [r.max_tokens for _, r in requests]
+
+
 def test_prefix_cache_hits_on_cuda_equal_the_uncached_answers_with_graphs_on(peaked):
     """fp32 on cuda with graphs captured: a pool claimed at start, next tokens behind cached
     blocks (packed and per-row layouts) equal the same engine's answers without the cache, and

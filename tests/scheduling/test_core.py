@@ -40,7 +40,8 @@ class Recorder:
         self.batches.append(record)
 
 
-def test_a_next_token_prompt_rides_the_next_decode_step_of_running_streams(saved):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_next_token_prompt_rides_the_next_decode_step_of_running_streams(saved, overlap):
     hf, engine = saved
     generator = Generator(engine, slots=4)
     calls = {"next_token": 0}
@@ -55,7 +56,7 @@ def test_a_next_token_prompt_rides_the_next_decode_step_of_running_streams(saved
     riders = [PROMPTS[7], PROMPTS[2], PROMPTS[11]]  # 22, 7 and 34 tokens: rows of three lengths
 
     async def main():
-        core = generation_core(generator, observer=recorder)
+        core = generation_core(generator, observer=recorder, overlap=overlap)
         core.start()
         try:
             streams = [events(core, GenerateRequest(PROMPTS[i], GREEDY, 24)) for i in (3, 5)]
@@ -78,6 +79,48 @@ def test_a_next_token_prompt_rides_the_next_decode_step_of_running_streams(saved
         assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=5)
     for i, tokens in zip((3, 5), streamed):  # the streams they rode are untouched
         assert tokens == transformers_greedy(hf, PROMPTS[i], 24)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_each_decode_step_is_launched_before_the_last_one_is_read_where_the_core_overlaps(saved, overlap):
+    """Overlapped (as on cuda), step N+1 is queued while step N may still run: two steps are
+    unread at once, the tokens are what they are alone, and the last step of streams that all
+    end by length is not followed by a step of wasted rows."""
+    hf, engine = saved
+    generator = Generator(engine, slots=4)
+    unread, most_unread, launches = [0], [0], [0]
+    launch, finish = generator.launch_decode, generator.finish_decode
+
+    def counting_launch(*args):
+        step = launch(*args)
+        launches[0] += 1
+        unread[0] += 1
+        most_unread[0] = max(most_unread[0], unread[0])
+        return step
+
+    def counting_finish(step):
+        unread[0] -= 1
+        return finish(step)
+
+    generator.launch_decode, generator.finish_decode = counting_launch, counting_finish
+
+    async def main():
+        core = generation_core(generator, overlap=overlap)
+        core.start()
+        try:
+            # both in one prefill: arrive before the core's first step
+            return await asyncio.gather(*(drain(events(core, GenerateRequest(PROMPTS[i], GREEDY, 12)))
+                                          for i in (3, 5)))
+        finally:
+            await core.stop()
+
+    streamed = asyncio.run(main())
+    for i, stream in zip((3, 5), streamed):
+        assert [e.token.token_id for e in stream] == transformers_greedy(hf, PROMPTS[i], 12)
+        assert stream[-1].finish_reason == "length"
+    assert most_unread[0] == (2 if overlap else 1)
+    assert launches[0] == 11  # 12 tokens: the prefill's and 11 decode steps'
+    assert unread[0] == 0
 
 
 def test_a_prompt_that_cannot_ride_takes_its_own_forward_in_the_same_step(saved):

@@ -41,16 +41,18 @@ def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def generation_core(generator: Generator, *, max_queue: int = 64, max_queue_wait_s: float = 60,
-                    eos_token_id: int | None = None, observer=None) -> EngineCore:
-    """An engine core over this generator (and its engine), as a server builds one."""
+                    eos_token_id: int | None = None, observer=None, overlap: bool | None = None) -> EngineCore:
+    """An engine core over this generator (and its engine), as a server builds one. overlap=True
+    runs a CPU core as a cuda one runs: each decode step launched before the last one is read."""
     return EngineCore(generator.engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=max_queue,
                       max_batch_tokens=4096, max_queue_wait_s=max_queue_wait_s, eos_token_id=eos_token_id,
-                      engine_thread=new_engine_thread(), observer=observer)
+                      engine_thread=new_engine_thread(), observer=observer, overlap=overlap)
 
 
-async def run_joining(generator: Generator, requests: list[tuple[float, GenerateRequest]]) -> list[list[int]]:
+async def run_joining(generator: Generator, requests: list[tuple[float, GenerateRequest]],
+                      overlap: bool | None = None) -> list[list[int]]:
     """Each request starts after its delay; returns every request's token ids."""
-    scheduler = generation_core(generator)
+    scheduler = generation_core(generator, overlap=overlap)
     scheduler.start()
 
     async def one(delay: float, request: GenerateRequest) -> list[int]:

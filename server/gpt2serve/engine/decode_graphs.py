@@ -32,20 +32,22 @@ class DecodeGraphs(BucketedForward):
                          memory_budget_bytes=memory_budget_bytes)
 
     @torch.inference_mode()
-    def run_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> torch.Tensor | None:
-        """(B, V) logits for the rows' next tokens, a view of the shared output (valid until the
-        next run); None when no bucket holds this step (run it eagerly)."""
+    def run_decode(self, tokens: torch.Tensor, positions: Sequence[int]) -> torch.Tensor | None:
+        """(B,) tokens on the device (the generator's last_ids) at these positions -> (B, V) logits
+        for the rows' next tokens, a view of the shared output (valid until the next run); None
+        when no bucket holds this step (run it eagerly). Waits for nothing: the positions go
+        through a pinned buffer of their own (the last step's may still be in flight, so the
+        shared staging buffer would be overwritten under its copy)."""
         shape = self.buckets.shape_for(len(tokens), max(positions) + 1)
         bucket = self._bucket(shape) if shape is not None else None
         if bucket is None:
             return None
         rows = len(tokens)
-        staged = self.staging[:2 * shape[0]].view(2, shape[0])
-        staged.zero_()
-        staged[TOKENS, :] = self.pad_id
-        staged[TOKENS, :rows] = torch.tensor(tokens)
-        staged[POSITIONS, :rows] = torch.tensor(positions)
-        bucket.inputs.copy_(staged, non_blocking=True)
+        staged = torch.zeros(shape[0], dtype=torch.long, pin_memory=self.device.type == "cuda")  # (B_bucket,)
+        staged[:rows] = torch.tensor(positions)
+        bucket.inputs[POSITIONS].copy_(staged, non_blocking=True)
+        bucket.inputs[TOKENS, :rows].copy_(tokens)
+        bucket.inputs[TOKENS, rows:] = self.pad_id
         if bucket.graph is not None:
             bucket.graph.replay()
         else:

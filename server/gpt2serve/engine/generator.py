@@ -14,7 +14,12 @@ thread, in two kinds of step:
 Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
 shrinks with what they hold (engine.kv_cache).
 
-Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids].
+Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
+sampled ids also stay on the device (`last_ids`, one per slot): the next decode step reads its
+inputs there, so a decode step can be launched before the host has read the last one's answers
+(`launch_decode`, then `finish_decode`: the engine core overlaps the two on cuda). On cuda a
+launch copies nothing synchronously: its inputs go through pinned memory, its answers come back
+by a non-blocking copy that `finish_decode` waits for.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from .padding import forward_parts
 from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .riders import RiderLayout, RiderStore
-from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose
+from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose, to_device
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,26 @@ class _Running:
     seq_id: int
     params: SamplingParams
     rng: random.Random
-    length: int  # positions filled in its cache slot
-    last_token: int  # sampled, not yet fed
+    length: int  # positions filled in its cache slot (its last sampled token, in last_ids, is fed next)
     prompt_length: int = field(default=0)
     finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
+    unread: int = 0  # decode steps launched for it whose answers the host has not read yet
+
+
+@dataclass
+class DecodeLaunch:
+    """A decode step on its way: its answers are in `chosen` once `done` has fired."""
+
+    rows: list[_Running]
+    chosen: torch.Tensor  # (B, 3 + 2n) fp32 on the host (pinned on cuda): choose()'s answers
+    done: "torch.cuda.Event | None"  # cuda: fires when the copy into `chosen` has landed; None: there
+    device_started: "torch.cuda.Event | None"  # cuda: the step's start on the device, for its time
+    tokens_in: int
+    started: float
+    started_ns: int
+    forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
+    rider_tops: list[list[TokenScore]] = field(default_factory=list)
+    rider_failed: frozenset[int] = frozenset()
 
 
 class Generator:
@@ -92,6 +113,7 @@ class Generator:
         self.n_ctx = self.model.config.n_ctx
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
+        self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
         self.running: list[_Running] = []
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
@@ -103,6 +125,7 @@ class Generator:
             config = self.model.config
             self.cache = KVCache(config, self.slots, self.capacity_blocks, self.engine.device, self.engine.kv_dtype,
                                  grow=self.engine.device.type != "cuda")
+            self.last_ids = torch.zeros(self.slots, dtype=torch.long, device=self.engine.device)
             if self.use_graphs and self.engine.device.type == "cpu":
                 self.traces = TracedDecode(self._decode_logits, self.model, self.cache)
             elif self.use_graphs:
@@ -124,8 +147,9 @@ class Generator:
     def remove(self, seq_ids: Collection[int]) -> None:
         """Free these sequences' slots: the last running sequence moves into each hole."""
         for i, r in enumerate(self.running):
-            if r.seq_id in seq_ids and not r.finite:
-                # Its NaNs would stay past the next occupant's length, read there at weight 0.
+            if r.seq_id in seq_ids and (not r.finite or r.unread):
+                # Its NaNs would stay past the next occupant's length, read there at weight 0
+                # (one that leaves with a step unread may have some: nobody has looked yet).
                 self.cache.clear(i, r.length + 1)
         i = 0
         while i < len(self.running):
@@ -135,6 +159,7 @@ class Generator:
             last = self.running.pop()
             if i < len(self.running):
                 self.cache.move(len(self.running), i, last.length)
+                self.last_ids[i] = self.last_ids[len(self.running)]  # a device copy: no wait for the step under way
                 self.running[i] = last  # checked again: it may be leaving too
         if self.cache is not None:
             self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
@@ -174,9 +199,9 @@ class Generator:
             hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
             if writer is not None:
                 writer.write_hidden(hidden)
-            added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), -1, len(s.prompt))
+            added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), len(s.prompt))
                      for s in sequences]
-            tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added)
+            tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added, first)
             if not needs_rows_again(batch, failed):
                 break
         self.running.extend(added)
@@ -197,15 +222,33 @@ class Generator:
         """A prompt with nothing for the prefix cache: it has no full block to look up or keep."""
         return self.takes_riders and (self.engine.prefix_cache is None or len(prompt) < PREFIX_BLOCK)
 
-    @oom_as_out_of_memory
-    @torch.inference_mode()
     def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> StepOutput:
         """One token for every running sequence; and with `riders` (next-token prompts, see
         engine.riders), each rider's top-k next tokens from the same forward."""
+        return self.finish_decode(self.launch_decode(riders, rider_top_ks))
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether a launched step runs on while the host goes on (a device with its own queue)."""
+        return self.engine.device.type == "cuda"
+
+    @oom_as_out_of_memory
+    @torch.inference_mode()
+    def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> DecodeLaunch:
+        """Queue a decode step of every running sequence (see decode()): each one's last token
+        comes from last_ids, its sampled one goes back there, and its answers to the host by a
+        copy that finish_decode() waits for. On cuda nothing here waits for the device (with
+        riders it does: their answers come back at once)."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        rows, device = self.running, self.engine.device
-        lengths, last = [r.length for r in rows], [r.last_token for r in rows]
+        rows, device = list(self.running), self.engine.device
+        B = len(rows)
+        lengths = [r.length for r in rows]
         needed = max(lengths) + 1  # positions, with the new token's
+        device_started = done = None
+        if device.type == "cuda":
+            device_started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            device_started.record()
+        last = self.last_ids[:B]  # (B,) on the device
         logits, rider_tops, rider_failed = None, [], frozenset()
         if riders:
             logits, rider_logits = self._decode_with_riders(last, lengths, needed, riders)
@@ -213,17 +256,37 @@ class Generator:
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
         elif self.traces is not None:  # cpu: one trace per span, any number of rows
-            span = self.cache.span_for(len(rows), needed)
-            self.cache.reserve(len(rows), span)
-            logits = self.traces.run(torch.tensor(last), torch.tensor(lengths), span)
+            span = self.cache.span_for(B, needed)
+            self.cache.reserve(B, span)
+            logits = self.traces.run(last, torch.tensor(lengths), span)
         if logits is None:  # eager, at the exact batch
-            span = self._eager_span(len(rows), needed)
-            logits = self._decode_logits(torch.tensor(last, device=device), torch.tensor(lengths, device=device), span)
-        tokens, failed = self._choose(logits, rows)
+            span = self._eager_span(B, needed)
+            logits = self._decode_logits(last, to_device(lengths, device), span)
+        chosen = choose(logits, [r.params for r in rows], [r.rng.random() for r in rows])  # (B, 3 + 2n)
+        self.last_ids[:B] = chosen[:, TOKEN]  # the next step's inputs, without a trip through the host
+        if done is not None:
+            host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            host.copy_(chosen, non_blocking=True)
+            done.record()
+            chosen = host
         for r in rows:
             r.length += 1
-        return StepOutput(tokens, "decode", len(rows), len(rows) + sum(map(len, riders)), time.perf_counter() - started,
-                          started_ns, time.time_ns(), failed, rider_tops=rider_tops, rider_failed=rider_failed)
+            r.unread += 1
+        return DecodeLaunch(rows, chosen, done, device_started, B + sum(map(len, riders)), started, started_ns,
+                            time.perf_counter() - started, rider_tops, rider_failed)
+
+    def finish_decode(self, step: DecodeLaunch) -> StepOutput:
+        """Wait for a launched step's answers (cuda; on a CPU they are there) and read them."""
+        forward_s = step.forward_s
+        if step.done is not None:
+            step.done.synchronize()  # lets go of the GIL while it waits
+            forward_s = step.device_started.elapsed_time(step.done) / 1000
+        tokens, failed = self._record(step.chosen.tolist(), step.rows)
+        for r in step.rows:
+            r.unread -= 1
+        return StepOutput(tokens, "decode", len(step.rows), step.tokens_in, forward_s, step.started_ns,
+                          step.started_ns + int(forward_s * 1e9), failed, rider_tops=step.rider_tops,
+                          rider_failed=step.rider_failed)
 
     def _eager_span(self, rows: int, needed: int) -> int:
         """Room for `rows` slots of `needed` positions; the span an eager step attends over: whole
@@ -231,14 +294,15 @@ class Generator:
         self.cache.reserve(rows, needed)
         return min(BLOCK * blocks_for(needed), self.cache.length)
 
-    def _decode_with_riders(self, last: list[int], lengths: list[int], needed: int, riders: Sequence[Sequence[int]]
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of D decode tokens (`needed` positions) and the riders' prompts, packed in
-        one row -> ((D, V) decode logits, (R, V) the riders' next-token logits)."""
+    def _decode_with_riders(self, last: torch.Tensor, lengths: list[int], needed: int,
+                            riders: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of D decode tokens ((D,) `last`, at `needed` positions) and the riders'
+        prompts, packed in one row -> ((D, V) decode logits, (R, V) the riders' next-token logits)."""
         device, D = self.engine.device, len(last)
         span = self._eager_span(D, needed)
         layout = RiderLayout.of(D, riders, device)
-        ids = torch.tensor([*last, *itertools.chain.from_iterable(riders)], device=device)[None]  # (1, N)
+        prompt_ids = torch.tensor(list(itertools.chain.from_iterable(riders)), device=device)
+        ids = torch.cat((last, prompt_ids))[None]  # (1, N)
         positions = torch.tensor([*lengths, *(t for p in riders for t in range(len(p)))], device=device)[None]  # (1, N)
         store = RiderStore(self.cache.decode(positions[0, :D], span), layout)
         hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (1, N, C)
@@ -253,24 +317,24 @@ class Generator:
                                           mask=store.mask())  # (B, 1, C)
         return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
 
-    def _choose(self, logits: torch.Tensor, rows: Sequence[_Running]
+    def _choose(self, logits: torch.Tensor, rows: Sequence[_Running], first_slot: int
                 ) -> tuple[dict[int, SampledToken], frozenset[int]]:
-        """Sample each row's next token, bring the answers over in one copy, and record them;
-        also the rows whose logits were not finite (see sampling), which get no token."""
-        params = [r.params for r in rows]
-        chosen = choose(logits, params, [r.rng.random() for r in rows]).cpu().tolist()  # (B, 3 + 2n)
-        return self._record(chosen, rows)
+        """Sample each row's next token (into last_ids from `first_slot` on), bring the answers
+        over in one copy, and record them; also the rows whose logits were not finite (see
+        sampling), which get no token."""
+        chosen = choose(logits, [r.params for r in rows], [r.rng.random() for r in rows])  # (B, 3 + 2n)
+        self.last_ids[first_slot:first_slot + len(rows)] = chosen[:, TOKEN]
+        return self._record(chosen.cpu().tolist(), rows)
 
     @staticmethod
     def _record(chosen: list[list[float]], rows: Sequence[_Running]
                 ) -> tuple[dict[int, SampledToken], frozenset[int]]:
-        """The host's part of a step: each row's (3 + 2n) values from choose() become its token
-        (fed at the next decode), or mark the row failed."""
+        """The host's part of a step: each row's (3 + 2n) values from choose() become its token,
+        or mark the row failed."""
         n = (len(chosen[0]) - TOP) // 2
         out, failed = {}, set()
         for r, values in zip(rows, chosen):
             token = int(values[TOKEN])
-            r.last_token = token  # fed at the next decode (a failed row leaves before it)
             if not values[FINITE]:
                 r.finite = False
                 failed.add(r.seq_id)

@@ -13,6 +13,10 @@ is flagged, not sampled: the caller fails that row alone, and its NaNs never rea
 
 Reported log-probabilities are the model's own (temperature 1, nothing filtered), as OpenAI's
 API reports them.
+
+On cuda, choose() never waits for the device: the rows' settings and draws reach it through
+pinned memory (to_device), and nothing is read back, so the engine core can queue the next decode
+step while this one runs (engine.generator.launch_decode).
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from ..protocol import SamplingParams
 
 # Columns of choose()'s answer before the n top logprobs and their ids.
 TOKEN, LOGPROB, FINITE, TOP = 0, 1, 2, 3
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list on `device`. On cuda through pinned memory, so the copy is queued
+    behind the device's work instead of waiting for it (a pageable copy waits)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
 def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float]) -> torch.Tensor:
@@ -39,7 +50,8 @@ def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[flo
         if not p.greedy:
             by_mode.setdefault("top_k" if p.top_k else "sorted" if p.top_p < 1.0 else "all", []).append(row)
     for mode, rows in by_mode.items():
-        tokens[rows] = _sample(logits[rows], [params[r] for r in rows], [uniform[r] for r in rows], mode)
+        index = to_device(rows, logits.device)  # (S,)
+        tokens[index] = _sample(logits[index], [params[r] for r in rows], [uniform[r] for r in rows], mode)
     n = max(p.logprobs for p in params)
     chosen = logprobs.gather(1, tokens[:, None])  # (B, 1)
     top_values, top_ids = torch.topk(logprobs, n, dim=-1)  # (B, n) each
@@ -56,7 +68,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], uniform: list[fl
     else the whole vocabulary, decided row by row from its own logits;
     all: vocabulary order (nothing to cut)."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)  # (S,)
+    temperature = to_device([p.temperature for p in params], device, torch.float32)  # (S,)
     shifted = logits - logits.max(dim=-1, keepdim=True).values  # (S, V): best 0, others <= 0, never +inf
     scaled = shifted / temperature[:, None]  # (S, V): in [-inf, 0], the best one exactly 0
     if mode == "sorted":
@@ -77,9 +89,12 @@ def _sample_top_p(scaled: torch.Tensor, params: list[SamplingParams], uniform: l
     whole vocabulary either way, so the rows that need their whole vocabulary sorted get the
     same candidates, in the same order, as the others' best TOP_P_CANDIDATES."""
     log_total = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (S, 1): finite, some entry is 0
+    if scaled.device.type != "cpu":  # a sort is cheap there, and choosing the rows would wait for the device
+        candidates, ids = torch.sort(scaled, dim=-1, descending=True)  # (S, V)
+        return _pick((candidates - log_total).exp(), ids, params, uniform, cut=True)
     best, best_ids = torch.topk(scaled, min(TOP_P_CANDIDATES, scaled.shape[1]), dim=-1)  # (S, K), best first
     best_probs = (best - log_total).exp()  # (S, K): over the whole vocabulary
-    top_p = torch.tensor([p.top_p for p in params], device=scaled.device)  # (S,)
+    top_p = torch.tensor([p.top_p for p in params])  # (S,)
     enough = best_probs.sum(dim=-1) >= top_p  # (S,): the nucleus ends within the K best
     tokens = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)  # (S,)
     for rows, short in ((enough.nonzero()[:, 0], True), ((~enough).nonzero()[:, 0], False)):
@@ -102,8 +117,8 @@ def _pick(probs: torch.Tensor, ids: torch.Tensor | None, params: list[SamplingPa
     device = probs.device
     if cut:
         rank = torch.arange(probs.shape[1], device=device)  # (C,)
-        top_k = torch.tensor([p.top_k or probs.shape[1] for p in params], device=device)  # (S,)
-        top_p = torch.tensor([p.top_p for p in params], device=device)  # (S,)
+        top_k = to_device([p.top_k or probs.shape[1] for p in params], device)  # (S,)
+        top_p = to_device([p.top_p for p in params], device, torch.float32)  # (S,)
         mass_before = probs.cumsum(dim=-1) - probs  # (S, C): probability of the better candidates
         keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])  # the best one always
         keep[:, 0] = True  # (even if rounding made mass_before[0] a hair above 0 and top_p is tiny)
@@ -114,6 +129,6 @@ def _pick(probs: torch.Tensor, ids: torch.Tensor | None, params: list[SamplingPa
     positive = (probs > 0).flip(-1).int()  # (S, C): the best candidate always has some
     last = probs.shape[1] - 1 - positive.argmax(dim=-1)  # (S,)
     cdf = probs.cumsum(dim=-1)  # (S, C)
-    target = torch.tensor(uniform, device=device, dtype=cdf.dtype) * cdf[:, -1]  # (S,)
+    target = to_device(uniform, device, cdf.dtype) * cdf[:, -1]  # (S,)
     picked = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True), last[:, None])  # (S, 1)
     return picked[:, 0] if ids is None else ids.gather(1, picked)[:, 0]

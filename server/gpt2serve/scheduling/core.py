@@ -1,9 +1,10 @@
 """The engine core: one plain loop, in the engine's own thread, that runs every step.
 
     caller's event loop                          engine thread (EngineCore._run)
-    submit() / add() / abort() ── intake ──────> Scheduler.schedule() -> step: free leaving slots,
-                                                   prefill admitted generations, decode running
-                                                   ones with next-token prompts riding the same
+    submit() / add() / abort() ── intake ──────> Scheduler.schedule() -> Step -> StepRunner.run:
+                                                   free leaving slots, prefill admitted generations,
+                                                   decode running ones (overlapped with the device
+                                                   on cuda) with next-token prompts riding the same
                                                    forward (engine.riders), forward the others
     answers, token events, telemetry  <───────── handed over in order, one wake-up at a time
 
@@ -34,15 +35,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from ..engine.engine import BatchOutput, OutOfMemory
-from ..engine.generator import NewSequence, StepOutput
 from ..engine.kv_cache import BLOCK, blocks_for
 from ..engine.padding import CPU_FORWARD_TOKENS
-from ..errors import (INTERNAL_MESSAGE, InvalidArgument, NonFiniteOutput, ResourceExhausted, ServeError,
-                      ShuttingDown, Unavailable)
+from ..errors import InvalidArgument, ResourceExhausted, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, NextTokenOutput, TokenSink, TraceContext
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Observer, Outputs, PromptGroup
+from .runner import StepRunner
 from .scheduler import EngineRequest, Scheduler, Step
 
 log = logging.getLogger(__name__)
@@ -53,20 +52,17 @@ def new_engine_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
-class EngineFailure(ServeError):
-    """A forward raised; only the requests of that forward see it."""
-
-
 class EngineCore:
     def __init__(self, engine: PromptEngine, generator: GenerationEngine | None, *, max_batch_size: int,
                  max_batch_delay_s: float, max_queue: int, max_batch_tokens: int, max_queue_wait_s: float = 60.0,
                  eos_token_id: int | None = None, engine_thread: ThreadPoolExecutor | None = None,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, overlap: bool | None = None):
+        """overlap: launch each decode step before reading the last one's answers (default: where
+        the device runs on by itself, cuda); on a CPU the launch is the whole step, so it only
+        makes each token a step later (tests force it on there)."""
         self.engine, self.generator = engine, generator
         self.outputs = Outputs(observer)  # the callers' side: answers, on their loop
         self.max_batch_size, self.max_queue, self.max_queue_wait_s = max_batch_size, max_queue, max_queue_wait_s
-        self.rider_tokens = min(max_batch_tokens, CPU_FORWARD_TOKENS)  # prompt tokens that may ride one decode step
-        self.eos_token_id = eos_token_id
         self.slots = generator.slots if generator is not None else 0
         self.capacity_blocks = generator.capacity_blocks if generator is not None else 0
         self.n_ctx = generator.n_ctx if generator is not None else 1024
@@ -83,15 +79,26 @@ class EngineCore:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Future | None = None
-        self.prompts_running = 0  # next-token prompts in the forward under way
         self._post = Handover()  # fn(*args) on the callers' loop, from this core's thread
-        self.steps_run = 0
-        self.batches_run = 0
+        self.runner = StepRunner(
+            engine, generator, self.scheduler, self.outputs, self._post,
+            overlap=(generator is not None and generator.overlaps) if overlap is None else overlap,
+            rider_tokens=min(max_batch_tokens, CPU_FORWARD_TOKENS),  # prompt tokens that may ride one decode step
+            eos_token_id=eos_token_id, prompts_started=self._prompts_started, wake=self._wake.set)
 
     @property  # what telemetry reads, from here to cache_usage
     def queue_depth(self) -> int:
         """Next-token prompts waiting for a forward."""
         return self._prompts_waiting
+
+    @property
+    def prompts_running(self) -> int:
+        """Next-token prompts in the forward under way."""
+        return self.runner.prompts_running
+
+    @property
+    def batches_run(self) -> int:
+        return self.runner.batches_run
 
     @property
     def running(self) -> int:
@@ -228,6 +235,15 @@ class EngineCore:
                 self._iteration()
             except Exception:  # a bug in the loop itself: log it, keep serving
                 log.exception("engine core: a step failed")
+        self.runner.finish_in_flight()
+
+    def _prompts_started(self, batch: list[EngineRequest]) -> None:
+        """The runner took these prompts into a forward: they stop counting as waiting."""
+        with self._lock:
+            for r in batch:
+                if not r.cancelled:  # a cancelled one stopped counting when it was cancelled
+                    self._prompts_waiting -= 1
+                r.state = "running"
 
     def _iteration(self) -> None:
         self._wake.clear()  # before the intake is read: a later arrival sets it again
@@ -237,161 +253,18 @@ class EngineCore:
             self.scheduler.add(request)
         now = time.perf_counter()
         for request in self.scheduler.expired(now):
-            self._fail([request], ResourceExhausted(f"no room in the KV cache came free within the deadline ("
-                f"{len(self.scheduler.running)} of {self.slots} sequences, {self.cache_usage:.0%} of its blocks in "
-                f"use, {len(self.scheduler.waiting)} waiting); retry later"))
+            self.runner.fail([request], ResourceExhausted(
+                f"no room in the KV cache came free within the deadline ({len(self.scheduler.running)} of "
+                f"{self.slots} sequences, {self.cache_usage:.0%} of its blocks in use, "
+                f"{len(self.scheduler.waiting)} waiting); retry later"))
+        if self.runner.last_tokens_in_flight():
+            self.runner.finish_in_flight()
         step = self.scheduler.schedule(now)
         if not isinstance(step, Step):
+            if self.runner.in_flight is not None:  # its answers may change what comes next
+                self.runner.finish_in_flight()
+                return
             wake = min(step if step is not None else math.inf, self.scheduler.next_deadline())
             self._wake.wait(None if wake == math.inf else max(wake - time.perf_counter(), 0.0))
             return
-        if step.leaving and self.generator is not None:
-            self.generator.remove({r.request_id for r in step.leaving})
-        if step.admitted:
-            self._generation_step("prefill", step.admitted)
-        riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
-        if prompts:
-            self._prompt_step(prompts)
-        if step.decode:
-            leaving = self.scheduler.take_leaving()
-            if leaving:  # finished at their first token: out before the decode
-                self.generator.remove({r.request_id for r in leaving})
-            members = self.scheduler.staying()
-            if members:
-                self._generation_step("decode", members, riders)
-                riders = []
-        if riders:  # nobody left to decode: they take their own forward
-            self._prompt_step(riders)
-
-    def _riders(self, prompts: list[EngineRequest]) -> tuple[list[EngineRequest], list[EngineRequest]]:
-        """(the prompts that ride this step's decode, the rest)."""
-        riders, rest, tokens = [], [], 0
-        for r in prompts:
-            plain = (r.trace is None or not r.trace.layers_wanted) and r.prompt_logprobs is None
-            if plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.can_ride(r.prompt):
-                riders.append(r)
-                tokens += len(r.prompt)
-            else:
-                rest.append(r)
-        return riders, rest
-
-    # Next-token prompts ---------------------------------------------------------------------------
-    def _prompts_start(self, batch: list[EngineRequest]) -> None:
-        with self._lock:
-            for r in batch:
-                if not r.cancelled:  # a cancelled one stopped counting when it was cancelled
-                    self._prompts_waiting -= 1
-                r.state = "running"
-        self.prompts_running = len(batch)
-
-    def _prompt_step(self, batch: list[EngineRequest]) -> None:
-        log.debug("batch: %d prompts in their own forward (%d queued)", len(batch), self._prompts_waiting)
-        self._prompts_start(batch)
-        try:
-            self._forward_prompts(batch)
-        finally:
-            self.prompts_running = 0
-
-    def _forward_prompts(self, batch: list[EngineRequest]) -> None:
-        """Forward one batch and answer it. Out of device memory: each half on its own."""
-        started, started_ns = time.perf_counter(), time.time_ns()
-        traces = [r.trace for r in batch]
-        traced_rows = [row for row, t in enumerate(traces) if t is not None and t.layers_wanted]
-        mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
-        last_row_rows = [row for row, t in enumerate(traces) if t is not None and t.last_row_maps]
-        scored_rows = {row: r.prompt_logprobs for row, r in enumerate(batch) if r.prompt_logprobs is not None}
-        try:
-            output = self.engine.next_token([r.prompt for r in batch], [r.top_k for r in batch], traced_rows,
-                                            mapped_rows, last_row_rows, scored_rows)
-        except OutOfMemory as exc:
-            if len(batch) == 1:
-                self._fail(batch, ResourceExhausted(f"the device is out of memory even for this prompt alone "
-                                                    f"({len(batch[0].prompt)} tokens)"), exc)
-                return
-            log.warning("out of memory for a batch of %d; retrying it as two halves", len(batch))
-            half = len(batch) // 2
-            for part in (batch[:half], batch[half:]):
-                live = [r for r in part if not r.cancelled]  # callers may have left meanwhile
-                if live:
-                    self._forward_prompts(live)
-            return
-        except Exception as exc:  # fail this batch only; keep serving
-            self._fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
-            return
-        self.batches_run += 1
-        self.scheduler.prompts_answered(len(batch), output.forward_s)
-        if output.probe is not None:
-            # Per-layer reports cost extra (the logit lens): answer everyone who does not need
-            # them in the response first, then build them.
-            self._post(self.outputs.answer_prompts, batch, output, started, started_ns, False)
-            try:
-                output = self.engine.layer_reports(output)
-            except Exception as exc:
-                self._fail(batch, EngineFailure(f"the per-layer reports failed; {INTERNAL_MESSAGE}"), exc,
-                           "per-layer reports")
-                return
-        self._answered(batch)
-        self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
-
-    # Generations ------------------------------------------------------------------------------------
-    def _generation_step(self, kind: str, members: list[EngineRequest], riders: list[EngineRequest] = ()) -> None:
-        started = time.perf_counter()
-        if riders:
-            log.debug("batch: %d prompts riding a decode step of %d (%d queued)", len(riders), len(members),
-                      self._prompts_waiting)
-            self._prompts_start(riders)
-        try:
-            if kind == "prefill":
-                output = self.generator.prefill([NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
-                                                 for r in members])
-            elif riders:
-                output = self.generator.decode([r.prompt for r in riders], [r.top_k for r in riders])
-            else:
-                output = self.generator.decode()
-        except OutOfMemory as exc:
-            log.error("%s step: out of device memory for %d sequences: %s", kind, len(members), exc)
-            self._fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step of "
-                                                  f"{len(members)} sequences; retry later"))
-            if riders:  # not theirs to fail: their own forward
-                self._forward_prompts(riders)
-            return
-        except Exception as exc:  # fail the sequences of this step, keep serving the rest
-            self._fail(members + list(riders), ServeError(f"the {kind} step failed; {INTERNAL_MESSAGE}"), exc,
-                       f"{kind} step")
-            return
-        finally:
-            self.prompts_running = 0
-        self.steps_run += 1
-        if riders:
-            self.batches_run += 1
-            self.scheduler.prompts_answered(len(riders), output.forward_s)
-            self._answered(riders)
-            self._post(self.outputs.answer_prompts, riders, BatchOutput(
-                output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
-                output.ended_ns, failed_rows=output.rider_failed), started, output.started_ns, True)
-        tokens, eos, taken = output.tokens, self.eos_token_id, []
-        for request in members:
-            token = tokens.get(request.request_id)
-            if token is not None and request.state == "running":
-                taken.append((request, token, request.took(token.token_id, eos)))
-        if output.failed:
-            log.error("%s step: %d of %d sequences had non-finite logits; failing them alone",
-                      kind, len(output.failed), len(members))
-            self._fail([r for r in members if r.request_id in output.failed], NonFiniteOutput(
-                "the model's output for this sequence was not finite (a numerical overflow); it was stopped"))
-        self._post(self.outputs.deliver, taken, output, members, self._wake.set)
-
-    # Failures and the way back to the callers ------------------------------------------------------
-    def _fail(self, requests: list[EngineRequest], error: ServeError, exc: Exception | None = None,
-              stage: str = "") -> None:
-        """These requests end with `error` (told on the callers' loop); generations leave their slots."""
-        if exc is not None:
-            log.error("%s failed for a batch of %d", stage, len(requests), exc_info=exc)
-        for request in requests:
-            request.state = "done"
-        self._answered([r for r in requests if not r.new_tokens])
-        self._post(self.outputs.fail, requests, error)
-
-    def _answered(self, prompts: list[EngineRequest]) -> None:
-        """Out of the running count before their callers hear: a caller that looks next sees it."""
-        self.prompts_running = max(self.prompts_running - len(prompts), 0)
+        self.runner.run(step)

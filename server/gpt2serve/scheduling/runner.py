@@ -1,0 +1,244 @@
+"""The engine core's runner: it carries out one scheduled step (scheduling.scheduler.Step) on
+the engine and the generator, and hands every answer to the callers' side (scheduling.outputs).
+
+    leaving   their KV-cache slots come free
+    admitted  one prefill, which gives each its first token
+    prompts   next-token prompts: riding this step's decode (engine.riders) where they can, the
+              others in a forward of their own
+    decode    launched; then the step before it is read. With overlap (on cuda) the two are
+              different steps: this one is queued behind the one still running on the device,
+              whose answers are read while it runs, so the host's work hides behind the device's
+              (vLLM v1's async scheduling, SGLang's overlap scheduler). Without it, the step is
+              read at once.
+
+Overlapped, a generation's token is read one step after its step was launched, so the step
+after a stop token (or EOS) still carries it: that row's token is dropped, never sent. The last
+step of generations that all end by length is read before another is launched (it would be all
+such rows). A generation that leaves with a step unread has its slot cleared (engine.generator).
+
+A forward that raises fails only its own requests; out of device memory, next-token prompts run
+again as two halves, down to one prompt, and a generation step fails its sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from ..engine.engine import BatchOutput, OutOfMemory
+from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
+from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
+from .engine_api import GenerationEngine, PromptEngine
+from .outputs import Handover, Outputs
+from .scheduler import EngineRequest, Scheduler, Step
+
+log = logging.getLogger(__name__)
+
+
+class EngineFailure(ServeError):
+    """A forward raised; only the requests of that forward see it."""
+
+
+class StepRunner:
+    """Runs in the core's thread only."""
+
+    def __init__(self, engine: PromptEngine, generator: GenerationEngine | None, scheduler: Scheduler,
+                 outputs: Outputs, post: Handover, *, overlap: bool, rider_tokens: int, eos_token_id: int | None,
+                 prompts_started: Callable[[list[EngineRequest]], None], wake: Callable[[], None]):
+        """prompts_started(batch): they stop counting as waiting (the core's count, under its
+        lock); wake(): the core's loop looks again (a sink failed: its slot comes free)."""
+        self.engine, self.generator, self.scheduler = engine, generator, scheduler
+        self.outputs, self._post = outputs, post
+        self.overlap, self.rider_tokens, self.eos_token_id = overlap, rider_tokens, eos_token_id
+        self._prompts_started, self._wake = prompts_started, wake
+        self.in_flight: tuple[DecodeLaunch, list[EngineRequest]] | None = None  # launched, not yet read
+        self.prompts_running = 0  # next-token prompts in the forward under way
+        self.steps_run = 0
+        self.batches_run = 0
+
+    def run(self, step: Step) -> None:
+        if step.leaving and self.generator is not None:
+            self.generator.remove({r.request_id for r in step.leaving})
+        if step.admitted:
+            self._prefill_step(step.admitted)
+        riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
+        if prompts:
+            self._prompt_step(prompts)
+        if step.decode:
+            leaving = self.scheduler.take_leaving()
+            if leaving:  # finished at their first token: out before the decode
+                self.generator.remove({r.request_id for r in leaving})
+            members = self.scheduler.staying()
+            if members:
+                self._decode_step(members, riders)
+                riders = []
+        if riders:  # nobody left to decode: they take their own forward
+            self._prompt_step(riders)
+
+    def _riders(self, prompts: list[EngineRequest]) -> tuple[list[EngineRequest], list[EngineRequest]]:
+        """(the prompts that ride this step's decode, the rest)."""
+        riders, rest, tokens = [], [], 0
+        for r in prompts:
+            plain = (r.trace is None or not r.trace.layers_wanted) and r.prompt_logprobs is None
+            if plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.can_ride(r.prompt):
+                riders.append(r)
+                tokens += len(r.prompt)
+            else:
+                rest.append(r)
+        return riders, rest
+
+    # Next-token prompts ---------------------------------------------------------------------------
+    def _prompts_start(self, batch: list[EngineRequest]) -> None:
+        self._prompts_started(batch)
+        self.prompts_running = len(batch)
+
+    def _prompt_step(self, batch: list[EngineRequest]) -> None:
+        log.debug("batch: %d prompts in their own forward (%d queued)", len(batch), len(self.scheduler.prompts))
+        self._prompts_start(batch)
+        try:
+            self._forward_prompts(batch)
+        finally:
+            self.prompts_running = 0
+
+    def _forward_prompts(self, batch: list[EngineRequest]) -> None:
+        """Forward one batch and answer it. Out of device memory: each half on its own."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        traces = [r.trace for r in batch]
+        traced_rows = [row for row, t in enumerate(traces) if t is not None and t.layers_wanted]
+        mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
+        last_row_rows = [row for row, t in enumerate(traces) if t is not None and t.last_row_maps]
+        scored_rows = {row: r.prompt_logprobs for row, r in enumerate(batch) if r.prompt_logprobs is not None}
+        try:
+            output = self.engine.next_token([r.prompt for r in batch], [r.top_k for r in batch], traced_rows,
+                                            mapped_rows, last_row_rows, scored_rows)
+        except OutOfMemory as exc:
+            if len(batch) == 1:
+                self.fail(batch, ResourceExhausted(f"the device is out of memory even for this prompt alone "
+                                                   f"({len(batch[0].prompt)} tokens)"), exc)
+                return
+            log.warning("out of memory for a batch of %d; retrying it as two halves", len(batch))
+            half = len(batch) // 2
+            for part in (batch[:half], batch[half:]):
+                live = [r for r in part if not r.cancelled]  # callers may have left meanwhile
+                if live:
+                    self._forward_prompts(live)
+            return
+        except Exception as exc:  # fail this batch only; keep serving
+            self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
+            return
+        self.batches_run += 1
+        self.scheduler.prompts_answered(len(batch), output.forward_s)
+        if output.probe is not None:
+            # Per-layer reports cost extra (the logit lens): answer everyone who does not need
+            # them in the response first, then build them.
+            self._post(self.outputs.answer_prompts, batch, output, started, started_ns, False)
+            try:
+                output = self.engine.layer_reports(output)
+            except Exception as exc:
+                self.fail(batch, EngineFailure(f"the per-layer reports failed; {INTERNAL_MESSAGE}"), exc,
+                          "per-layer reports")
+                return
+        self._answered(batch)
+        self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
+
+    # Generations ------------------------------------------------------------------------------------
+    def _prefill_step(self, admitted: list[EngineRequest]) -> None:
+        output = self._step("prefill", admitted, lambda: self.generator.prefill(
+            [NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs) for r in admitted]))
+        if output is not None:
+            self._took(output, admitted)
+
+    def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest]) -> None:
+        """Launch this decode step, then read the one before it (with overlap, still running
+        on the device while this one was prepared and queued behind it); without overlap, or
+        with riders (answered at once), read this one too."""
+        if riders:
+            log.debug("batch: %d prompts riding a decode step of %d (%d queued)", len(riders), len(members),
+                      len(self.scheduler.prompts))
+            self._prompts_start(riders)
+        launch = self._step("decode", members, lambda: self.generator.launch_decode(
+            [r.prompt for r in riders], [r.top_k for r in riders]), riders)
+        self.finish_in_flight()
+        if launch is None:
+            return
+        if self.overlap and not riders:
+            self.in_flight = (launch, members)
+        else:
+            self._finish_decode(launch, members, riders)
+
+    def finish_in_flight(self) -> None:
+        if self.in_flight is not None:
+            (launch, members), self.in_flight = self.in_flight, None
+            self._finish_decode(launch, members)
+
+    def _finish_decode(self, launch: DecodeLaunch, members: list[EngineRequest],
+                       riders: list[EngineRequest] = ()) -> None:
+        output = self._step("decode", members, lambda: self.generator.finish_decode(launch), riders)
+        if output is None:
+            return
+        if riders:
+            self.batches_run += 1
+            self.scheduler.prompts_answered(len(riders), output.forward_s)
+            self._answered(riders)
+            self._post(self.outputs.answer_prompts, riders, BatchOutput(
+                output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
+                output.ended_ns, failed_rows=output.rider_failed), launch.started, output.started_ns, True)
+        self._took(output, members)
+
+    def last_tokens_in_flight(self) -> bool:
+        """Whether every generation in the step under way is taking its last token there: the
+        next step would then be all wasted rows, so its answers are read first."""
+        launch_members = self.in_flight[1] if self.in_flight is not None else ()
+        return bool(launch_members) and not any(
+            r.generated + 1 < r.new_tokens for r in launch_members if r.state == "running" and not r.cancelled)
+
+    def _step(self, kind: str, members: list[EngineRequest], call: Callable, riders: list[EngineRequest] = ()):
+        """call() (a prefill, a decode launch or its reading), or None where it failed: its
+        sequences (and riders) are told, and the loop goes on."""
+        try:
+            return call()
+        except OutOfMemory as exc:
+            log.error("%s step: out of device memory for %d sequences: %s", kind, len(members), exc)
+            self.fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step of "
+                                                 f"{len(members)} sequences; retry later"))
+            if riders:  # not theirs to fail: their own forward
+                self._forward_prompts(riders)
+        except Exception as exc:  # fail the sequences of this step, keep serving the rest
+            self.fail(members + list(riders), ServeError(f"the {kind} step failed; {INTERNAL_MESSAGE}"), exc,
+                      f"{kind} step")
+        finally:
+            self.prompts_running = 0
+        return None
+
+    def _took(self, output: StepOutput, members: list[EngineRequest]) -> None:
+        """Each live generation counts its token (a finished one is done: its slot comes free at
+        the next step; a token for one that ended meanwhile, read a step late, is dropped)."""
+        self.steps_run += 1
+        tokens, eos, taken = output.tokens, self.eos_token_id, []
+        for request in members:
+            token = tokens.get(request.request_id)
+            if token is not None and request.state == "running":
+                taken.append((request, token, request.took(token.token_id, eos)))
+        if output.failed:
+            log.error("%s step: %d of %d sequences had non-finite logits; failing them alone",
+                      output.kind, len(output.failed), len(members))
+            self.fail([r for r in members if r.request_id in output.failed and r.state == "running"],
+                      NonFiniteOutput("the model's output for this sequence was not finite (a numerical "
+                                      "overflow); it was stopped"))
+        self._post(self.outputs.deliver, taken, output, members, self._wake)
+
+    # Failures and the way back to the callers ------------------------------------------------------
+    def fail(self, requests: list[EngineRequest], error: ServeError, exc: Exception | None = None,
+             stage: str = "") -> None:
+        """These requests end with `error` (told on the callers' loop); generations leave their slots."""
+        if exc is not None:
+            log.error("%s failed for a batch of %d", stage, len(requests), exc_info=exc)
+        for request in requests:
+            request.state = "done"
+        self._answered([r for r in requests if not r.new_tokens])
+        self._post(self.outputs.fail, requests, error)
+
+    def _answered(self, prompts: list[EngineRequest]) -> None:
+        """Out of the running count before their callers hear: a caller that looks next sees it."""
+        self.prompts_running = max(self.prompts_running - len(prompts), 0)
