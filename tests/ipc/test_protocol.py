@@ -21,7 +21,7 @@ from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.zmq_client import ZmqEngineClient
 from gpt2serve.protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit,
-                                TokenEvent, TokenScore, Tokens, TraceContext)
+                                TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 
@@ -69,6 +69,24 @@ def test_each_message_round_trips_unchanged(message):
 
 def test_a_frame_keeps_its_messages_in_order():
     assert codec.decode(codec.encode(SAMPLES)) == SAMPLES
+
+
+def test_top_scores_travel_as_their_columns_and_read_as_token_scores():
+    """The engine's answers keep their alternatives in columns (TopScores): the codec sends the
+    columns themselves, and what arrives reads as TokenScores, equal to the list it stands for."""
+    top = TopScores([262, 11, 5], [-1.5, -2.0, -3.25])
+    scores = [TokenScore(262, -1.5), TokenScore(11, -2.0), TokenScore(5, -3.25)]
+    assert list(top) == scores and top == scores and scores == top and len(top) == 3
+    assert top[1] == TokenScore(11, -2.0) and top[:2] == scores[:2] and top != scores[:2]
+    message = Result(3, [NextTokenOutput(top, 0.0, 0.01, 1, 1, 2)])
+    fields = _wire(message)[2][0][0]
+    assert fields == [[262, 11, 5], [-1.5, -2.0, -3.25]]
+    (decoded,) = codec.decode(codec.encode([message]))
+    assert type(decoded.outputs[0].top) is TopScores and decoded == message
+    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0]]]))
+    assert whole.outputs[0].top[0] == TokenScore(262, -1.0) and type(whole.outputs[0].top[0].logprob) is float
+    with pytest.raises(BadFrame):
+        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0]]]))
 
 
 def _frame(*messages: list) -> bytes:

@@ -29,7 +29,7 @@ import torch
 
 from gpt2serve_client.types import LayerReport, ShapeStep
 
-from ..protocol import PromptScores, TokenScore
+from ..protocol import PromptScores, TopScores
 from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
@@ -81,7 +81,7 @@ def oom_as_out_of_memory(method):
 
 @dataclass(frozen=True)
 class BatchOutput:
-    top: list[list[TokenScore]]  # per prompt, most likely first
+    top: list[TopScores]  # per prompt, most likely first
     forward_s: float
     padded_len: int
     started_ns: int  # wall clock (time.time_ns) of the forward
@@ -289,7 +289,7 @@ class Engine:
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
 
     @staticmethod
-    def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[list[TokenScore]], frozenset[int]]:
+    def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
         """Each row's top-k, with one device-to-host copy: values and ids travel as one tensor
         (ids are exact in float32 below 2**24). Also the rows that are not finite: any NaN or
         +inf logit makes log_softmax NaN across the row, so its best value tells."""
@@ -297,9 +297,9 @@ class Engine:
         both = torch.stack((values, ids.float())).cpu()  # (2, B, k_max): one copy
         values, ids = both[0].tolist(), both[1].int().tolist()
         failed = frozenset(row for row, row_values in enumerate(values) if not math.isfinite(row_values[0]))
-        make = TokenScore._make  # from (id, value) pairs: a third cheaper than a call per score
-        return [list(map(make, zip(row_ids[:k], row_values[:k])))
-                for row_ids, row_values, k in zip(ids, values, top_ks)], failed
+        if all(k == len(ids[0]) for k in top_ks):  # every row asked for as many: no slicing
+            return list(map(TopScores, ids, values)), failed
+        return [TopScores(row_ids[:k], row_values[:k]) for row_ids, row_values, k in zip(ids, values, top_ks)], failed
 
     @oom_as_out_of_memory
     @torch.inference_mode()

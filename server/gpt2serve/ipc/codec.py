@@ -4,6 +4,7 @@ BadFrame, never a half-built message."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Callable
 
@@ -13,7 +14,7 @@ from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit, TokenEvent,
-                        TokenScore, Tokens, TraceContext)
+                        TokenScore, Tokens, TopScores, TraceContext)
 
 
 class BadFrame(ValueError):
@@ -60,15 +61,19 @@ def _fields(x: Any, n: int) -> list:
     return x
 
 
-def _pack_scores(scores: list[TokenScore]) -> list:
+def _pack_scores(scores: Sequence[TokenScore]) -> list:
+    if type(scores) is TopScores:  # already in columns
+        return [scores.ids, scores.logprobs]
     return [[s.token_id for s in scores], [s.logprob for s in scores]]
 
 
-def _scores(x: Any) -> list[TokenScore]:
+def _scores(x: Any) -> TopScores:
     ids, logprobs = _fields(x, 2)
     if len(_ids(ids)) != len(_fields(logprobs, len(ids))):
         raise BadFrame("scores: ids and logprobs differ in length")
-    return [TokenScore(i, _float(v)) for i, v in zip(ids, logprobs)]
+    if any(type(v) is not float for v in logprobs):  # msgpack gives floats back as floats
+        logprobs = [_float(v) for v in logprobs]
+    return TopScores(ids, logprobs)
 
 
 def _pack_prompt_scores(p: PromptScores | None) -> list | None:

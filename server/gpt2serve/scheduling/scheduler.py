@@ -43,7 +43,7 @@ STREAMING_WAIT_FACTOR = 3
 STREAMING_WAIT_SHARE_OF_FORWARD = 0.5
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one per prompt: slots make it cheaper to make and read
 class EngineRequest:
     """One prompt as the engine core sees it. `new_tokens` 0: a next-token (or scoring) prompt,
     answered with its `top_k` alternatives from its prompt's forward; more: a generation."""
@@ -51,7 +51,7 @@ class EngineRequest:
     prompt: list[int]
     new_tokens: int = 0
     top_k: int = 1
-    params: SamplingParams = field(default_factory=SamplingParams)
+    params: SamplingParams = SamplingParams()  # frozen: one shared default (prompts take none)
     prompt_logprobs: int | None = None  # score every prompt position too, with this many alternatives
     trace: TraceContext | None = None
     seed: int = 0
