@@ -4,6 +4,7 @@ BadFrame, never a half-built message."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Callable
@@ -236,13 +237,19 @@ _TAGS = {cls: (tag, pack) for tag, (cls, pack, _) in _WIRE.items()}
 MESSAGE_TYPES = tuple(cls for cls, _, _ in _WIRE.values())
 
 
+_packers = threading.local()  # a Packer per thread: msgpack.packb makes a new one for every frame
+
+
 def encode(messages: list) -> bytes:
     """One frame: the messages, in order."""
     frame = []
     for message in messages:
         tag, pack = _TAGS[type(message)]
         frame.append([tag, *pack(message)])
-    return msgpack.packb(frame)
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer()
+    return packer.pack(frame)
 
 
 def decode(frame: bytes) -> list:
