@@ -76,6 +76,9 @@ class ServeConfig:
     workers: int | None = None
     # Generations in the running batch at most (one KV-cache slot each); None: --max-batch-size.
     max_running_sequences: int | None = None
+    # A generation's prompt with more uncached tokens than this is read in chunks of this many, one
+    # a step between the running generations' decode steps (engine.chunked_prefill); 0: never.
+    prefill_chunk_tokens: int = 512
     # Most memory the KV cache may hold; None: auto (40% of free device memory on cuda, claimed at
     # start; 25% of what this process may use on a CPU, allocated as used; launch.engine_host).
     kv_cache_mb: float | None = None
@@ -240,6 +243,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="link each /ui answer to its trace, e.g. http://localhost:16686/trace/{trace_id} (Jaeger)")
     env.add("--max-running-sequences", type=auto_or_int, default="auto",
             help="generations decoded together at most, one KV-cache slot each (auto: --max-batch-size)")
+    env.add("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens,
+            help="a generation's prompt with more uncached tokens than this is read in chunks of this many, "
+                 "one a step, so running generations keep taking tokens meanwhile (0: never)")
     env.add("--kv-cache-mb", type=auto_float, default="auto",
             help="most memory the KV cache may hold; a generation is admitted when it fits at prompt + max_tokens "
                  "(auto: 40%% of free device memory on cuda, claimed at start; 25%% of the memory this process "
@@ -298,6 +304,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--max-batch-size must be >= 1")
     if config.max_running_sequences is not None and config.max_running_sequences < 1:
         problems.append("--max-running-sequences must be >= 1 (or auto)")
+    if config.prefill_chunk_tokens < 0:
+        problems.append("--prefill-chunk-tokens must be >= 0 (0: never)")
     if config.kv_cache_mb is not None and config.kv_cache_mb <= 0:
         problems.append("--kv-cache-mb must be > 0 (or auto)")
     if config.prefix_cache_mb is not None and config.prefix_cache_mb < 0:

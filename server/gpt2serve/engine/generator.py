@@ -27,11 +27,13 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 import torch
 
+from .chunked_prefill import ChunkedPrefill
 from .decode_graphs import DecodeGraphs
 from .traced_decode import TracedDecode
 from ..protocol import PromptScores, SampledToken, TokenScore
@@ -102,11 +104,14 @@ class DecodeLaunch:
 class Generator:
     """Owns the KV cache and the running sequences, in slot order. Engine thread only."""
 
-    def __init__(self, engine: Engine, slots: int, capacity_blocks: int | None = None, graphs: bool | None = None):
+    def __init__(self, engine: Engine, slots: int, capacity_blocks: int | None = None, graphs: bool | None = None,
+                 chunk_tokens: int = 0):
         """`slots`: sequences at most; `capacity_blocks`: KV-cache blocks that may be held (see
         engine.kv_cache; default: every slot at full context). `graphs`: decode steps from bucketed
         buffers, replayed as CUDA graphs on cuda (with --cuda-graphs) or run as TorchScript traces on
-        a CPU (engine.traced_decode), the default; False: eager, at the exact shape."""
+        a CPU (engine.traced_decode), the default; False: eager, at the exact shape. `chunk_tokens`:
+        a prompt whose uncached part is longer is read in chunks of this many tokens, one a step
+        (engine.chunked_prefill); 0: never."""
         self.engine = engine
         self.model = engine.model
         self.slots = slots
@@ -115,6 +120,8 @@ class Generator:
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
         self.running: list[_Running] = []
+        self.chunk_tokens = chunk_tokens
+        self.chunked: deque[ChunkedPrefill] = deque()  # long prompts being read, oldest first
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
@@ -163,6 +170,8 @@ class Generator:
                 self.running[i] = last  # checked again: it may be leaving too
         if self.cache is not None:
             self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
+        if any(job.sequence.seq_id in seq_ids for job in self.chunked):
+            self.chunked = deque(job for job in self.chunked if job.sequence.seq_id not in seq_ids)
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -211,6 +220,42 @@ class Generator:
                           started_ns, time.time_ns(), failed,
                           {sequences[row].seq_id: score for row, score in scores.items()},
                           {s.seq_id: cached for s, cached in zip(sequences, batch.cached)})
+
+    def reads_in_chunks(self, sequence: NewSequence) -> bool:
+        """Read in chunks (engine.chunked_prefill): more uncached tokens than a chunk, no scores."""
+        if not self.chunk_tokens or sequence.prompt_logprobs is not None or len(sequence.prompt) <= self.chunk_tokens:
+            return False
+        pool = self.engine.prefix_cache
+        cached = len(pool.match(sequence.prompt)) * PREFIX_BLOCK if pool is not None else 0
+        return len(sequence.prompt) - cached > self.chunk_tokens
+
+    @oom_as_out_of_memory
+    @torch.inference_mode()
+    def prefill_chunk(self) -> StepOutput:
+        """The next chunk of the oldest prompt read in chunks (queued in `chunked`). Its last
+        chunk gives the sequence its first token and a slot (n), as prefill() would."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        self.allocate()
+        job, pool = self.chunked[0], self.engine.prefix_cache
+        start = job.done
+        last = job.read_chunk(self.model, self.chunk_tokens, pool)  # (1, C) residual stream at the chunk's end
+        sequence, length = job.sequence, len(job.prompt)
+        if job.done < length:  # more to read: no token yet
+            return StepOutput({}, "prefill", 1, job.done - start, time.perf_counter() - started, started_ns,
+                              time.time_ns())
+        self.chunked.popleft()
+        slot = len(self.running)
+        if slot >= self.slots:
+            raise ValueError(f"{slot + 1} sequences for {self.slots} cache slots")
+        self.cache.reserve(slot + 1, length)
+        job.into_slot(self.cache, slot)
+        added = _Running(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length)
+        tokens, failed = self._choose(self.engine.head(last), [added], slot)
+        self.running.append(added)
+        if pool is not None:
+            job.fill_pool(pool, bool(failed))
+        return StepOutput(tokens, "prefill", 1, length - start, time.perf_counter() - started, started_ns,
+                          time.time_ns(), failed, {}, {sequence.seq_id: job.cached})
 
     @property
     def takes_riders(self) -> bool:

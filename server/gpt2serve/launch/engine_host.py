@@ -133,7 +133,7 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     engine.warm_up()
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
-    generator = Generator(engine, *kv_cache_size(config, engine))
+    generator = Generator(engine, *kv_cache_size(config, engine), chunk_tokens=config.prefill_chunk_tokens)
     # Ready means warm: each kind of step has run once (on cuda the whole cache is claimed and
     # written now; on a CPU it grows with use, a few slots and positions at a time).
     generator.warm_up()

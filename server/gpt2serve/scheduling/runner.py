@@ -2,7 +2,8 @@
 the engine and the generator, and hands every answer to the callers' side (scheduling.outputs).
 
     leaving   their KV-cache slots come free
-    admitted  one prefill, which gives each its first token
+    admitted  one prefill, which gives each its first token; a long prompt is read instead in
+              chunks, one chunk a step (engine.chunked_prefill), the oldest first
     prompts   next-token prompts: riding this step's decode (engine.riders) where they can, the
               others in a forward of their own
     decode    launched; then the step before it is read. With overlap (on cuda) the two are
@@ -27,6 +28,7 @@ import time
 from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
+from ..engine.chunked_prefill import ChunkedPrefill
 from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
@@ -62,6 +64,8 @@ class StepRunner:
             self.generator.remove({r.request_id for r in step.leaving})
         if step.admitted:
             self._prefill_step(step.admitted)
+        if self.generator is not None and self.generator.chunked:
+            self._chunk_step()
         riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
         if prompts:
             self._prompt_step(prompts)
@@ -70,7 +74,7 @@ class StepRunner:
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
-            if members:
+            if members and self.generator.running:  # (a prompt still read in chunks has no slot yet)
                 self._decode_step(members, riders)
                 riders = []
         if riders:  # nobody left to decode: they take their own forward
@@ -144,10 +148,30 @@ class StepRunner:
 
     # Generations ------------------------------------------------------------------------------------
     def _prefill_step(self, admitted: list[EngineRequest]) -> None:
-        output = self._step("prefill", admitted, lambda: self.generator.prefill(
-            [NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs) for r in admitted]))
+        """One prefill of the admitted prompts; the long ones join the queue read in chunks."""
+        whole = []
+        for r in admitted:
+            sequence = NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
+            if self.generator.reads_in_chunks(sequence):
+                self.generator.chunked.append(ChunkedPrefill(sequence))
+            else:
+                whole.append((r, sequence))
+        if not whole:
+            return
+        output = self._step("prefill", [r for r, _ in whole], lambda: self.generator.prefill([s for _, s in whole]))
         if output is not None:
-            self._took(output, admitted)
+            self._took(output, [r for r, _ in whole])
+
+    def _chunk_step(self) -> None:
+        """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill): one a step,
+        so running generations take a token between chunks."""
+        request = self.scheduler.running.get(self.generator.chunked[0].sequence.seq_id)
+        if request is None:  # failed or left since (its removal drops the job too)
+            self.generator.chunked.popleft()
+            return
+        output = self._step("prefill", [request], self.generator.prefill_chunk)
+        if output is not None:
+            self._took(output, [request])
 
     def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest]) -> None:
         """Launch this decode step, then read the one before it (with overlap, still running
