@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
+import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
 
@@ -35,8 +38,8 @@ def default_load_balancing(target: str) -> str:
 
 
 def channel_options(retries: int, load_balancing: str = "pick_first") -> list[tuple[str, object]]:
-    """gRPC's own retry policy: UNAVAILABLE and RESOURCE_EXHAUSTED are retried with exponential
-    backoff (and the server's grpc-retry-pushback-ms), within the call's deadline. Each attempt
+    """gRPC's own retry policy (retries > 0): UNAVAILABLE and RESOURCE_EXHAUSTED are retried with
+    exponential backoff (and the server's grpc-retry-pushback-ms), within the call's deadline. Each attempt
     is picked again by the load balancer, so under round_robin a retry goes to another replica."""
     options: list[tuple[str, object]] = [("grpc.max_receive_message_length", MAX_RESPONSE_BYTES)]
     config: dict = {"loadBalancingConfig": [{load_balancing: {}}]}
@@ -48,7 +51,10 @@ def channel_options(retries: int, load_balancing: str = "pick_first") -> list[tu
         policy = {"maxAttempts": min(retries + 1, 5), "initialBackoff": "0.1s", "maxBackoff": "2s",
                   "backoffMultiplier": 2, "retryableStatusCodes": list(_requests.RETRYABLE)}
         config["methodConfig"] = [{"name": [{"service": "gpt2serve.v1.Gpt2Serve"}], "retryPolicy": policy}]
-    options += [("grpc.enable_retries", int(retries > 0)), ("grpc.service_config", json.dumps(config)),
+    # Retries stay enabled without a policy too: that keeps gRPC's transparent retry of a stream
+    # the server refused unopened (past its --grpc-max-concurrent-streams on a connection that has
+    # just opened), which would otherwise reach the caller as UNAVAILABLE.
+    options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config)),
                 ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_RESOLUTION_INTERVAL_MS)]
     return options
 
@@ -58,6 +64,49 @@ def tls_credentials(tls: bool, root_certificates: bytes | str | Path | None) -> 
     if not tls and root_certificates is None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=_requests.read_pem(root_certificates))
+
+
+# A stream the server refused unopened (RST_STREAM REFUSED_STREAM, HTTP/2 error code 7: past its
+# concurrent streams on a connection whose SETTINGS had not yet reached us, or were counted
+# apart): the server never saw the call (RFC 9113 §8.7), so it is sent again whatever the retry
+# policy, after a short wait, within the call's deadline. gRPC's own transparent retry does not
+# catch every case of it (300 calls at once on a fresh channel met 32 such UNAVAILABLEs).
+REFUSED_STREAM_RETRIES = 50
+
+
+def _refused_stream(exc: grpc.RpcError) -> bool:
+    details = exc.details() or ""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in details and "error code 7" in details
+
+
+def _refused_wait_s(refused: int) -> float:
+    """Waits of 2, 4, 8 ... up to 100 ms, jittered, before a refused stream is sent again."""
+    return min(0.002 * 2 ** refused, 0.1) * random.uniform(0.5, 1.0)
+
+
+class _Attempts:
+    """One call's attempts: the retries its policy allows on UNAVAILABLE (a failover), and
+    refused streams sent again (see REFUSED_STREAM_RETRIES), all within its deadline."""
+
+    def __init__(self, failovers: int, timeout: float | None):
+        self.failovers, self.refused = failovers, 0
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def timeout(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def again(self, exc: grpc.RpcError) -> float | None:
+        """Seconds to wait before the next attempt, or None: raise this error."""
+        if _refused_stream(exc) and self.refused < REFUSED_STREAM_RETRIES:
+            self.refused += 1
+            wait = _refused_wait_s(self.refused)
+            left = self.timeout()
+            if left is None or left > wait:
+                return wait
+        if _error(exc).code == "UNAVAILABLE" and self.failovers > 1:
+            self.failovers -= 1
+            return 0.0
+        return None
 
 
 def _error(exc: grpc.RpcError) -> Gpt2ServeError:
@@ -101,14 +150,15 @@ class Client:
         return tuple(_requests.request_headers(self._api_key).items()) or None
 
     def _call(self, method, request, timeout: float | None):
-        for attempt in range(1, self._attempts + 1):
+        attempts = _Attempts(self._attempts, self.timeout if timeout is None else timeout)
+        while True:
             try:
-                return method(request, timeout=self.timeout if timeout is None else timeout,
-                              metadata=self._metadata())
+                return method(request, timeout=attempts.timeout(), metadata=self._metadata())
             except grpc.RpcError as exc:
-                error = _error(exc)
-                if error.code != "UNAVAILABLE" or attempt == self._attempts:
-                    raise error from None
+                wait = attempts.again(exc)
+                if wait is None:
+                    raise _error(exc) from None
+                time.sleep(wait)
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
@@ -190,14 +240,15 @@ class AsyncClient:
     _metadata = Client._metadata
 
     async def _call(self, method, request, timeout: float | None):
-        for attempt in range(1, self._attempts + 1):
+        attempts = _Attempts(self._attempts, self.timeout if timeout is None else timeout)
+        while True:
             try:
-                return await method(request, timeout=self.timeout if timeout is None else timeout,
-                                    metadata=self._metadata())
+                return await method(request, timeout=attempts.timeout(), metadata=self._metadata())
             except grpc.RpcError as exc:
-                error = _error(exc)
-                if error.code != "UNAVAILABLE" or attempt == self._attempts:
-                    raise error from None
+                wait = attempts.again(exc)
+                if wait is None:
+                    raise _error(exc) from None
+                await asyncio.sleep(wait)
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
