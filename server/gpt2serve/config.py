@@ -102,8 +102,11 @@ class ServeConfig:
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_concurrent_streams: int = 256
     grpc_max_connections: int = 1024
+    # A gRPC connection that has not finished its HTTP/2 handshake (preface and SETTINGS) by then is closed.
+    grpc_handshake_timeout_s: float = 10.0
     # REST: an idle keep-alive connection is closed after this many seconds; a request must be read
-    # whole within http_request_timeout_s; connections past http_max_connections are refused at once.
+    # whole within http_request_timeout_s; at http_max_connections a new connection takes the place of
+    # the oldest one without a request's headers, or is refused when every one is busy.
     http_keep_alive_s: float = 5.0
     http_request_timeout_s: float = 30.0
     http_max_connections: int = 1024
@@ -274,14 +277,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-max-connections", type=int, default=d.grpc_max_connections,
             help="open gRPC connections per front end; one past it is closed at once, before a byte is read "
                  "(by gRPC's core, so not counted in gpt2serve_connections_refused_total)")
+    env.add("--grpc-handshake-timeout-s", type=float, default=d.grpc_handshake_timeout_s,
+            help="close a gRPC connection that has not completed its HTTP/2 handshake within this long "
+                 "(gRPC's own default is 120 s, long enough for idle sockets to hold a front end's connections)")
     env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
             help="close an idle REST keep-alive connection after this long")
     env.add("--http-request-timeout-s", type=float, default=d.http_request_timeout_s,
             help="a REST request's headers and body must arrive within this long of its first byte (or of the "
                  "connection's opening); a slower one has its connection closed")
     env.add("--http-max-connections", type=int, default=d.http_max_connections,
-            help="open REST connections per front end; one past it is closed at once and counted "
-                 "(gpt2serve_connections_refused_total)")
+            help="open REST connections per front end; a new one past it takes the place of the oldest "
+                 "connection without a request's headers (gpt2serve_connections_evicted_total), or is closed at "
+                 "once when every one is busy with a request (gpt2serve_connections_refused_total)")
     env.add("--chat-template", default=d.chat_template,
             help="Jinja chat template for /v1/chat/completions: a file, or the template inline (rendered as "
                  "transformers' apply_chat_template renders it); default: the checkpoint's own "
@@ -348,6 +355,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--http-request-timeout-s must be > 0 and --http-max-connections >= 1")
     if config.grpc_max_concurrent_streams < 1 or config.grpc_max_connections < 1:
         problems.append("--grpc-max-concurrent-streams and --grpc-max-connections must be >= 1")
+    if config.grpc_handshake_timeout_s <= 0:
+        problems.append("--grpc-handshake-timeout-s must be > 0")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.shutdown_grace_s < 0:

@@ -1,11 +1,13 @@
 """No client holds a connection the server did not mean to give: idle gRPC connections are closed,
 a keepalive ping flood is sent away, calls on one gRPC connection are bounded (the rest wait their
-turn in the client), idle REST keep-alive connections are closed, a slowloris is cut off while
-others are answered, and a connection flood is refused at once, counted, and leaves the server's
-descriptors bounded. Each loop is bounded, and each test checks an order of events, not a speed."""
+turn in the client), gRPC sockets that never send the HTTP/2 preface are closed, idle REST
+keep-alive connections are closed, a slowloris is cut off while others are answered, and at the
+connection limit a newcomer takes the place of the oldest connection without a request (a
+slowloris larger than the limit keeps nobody out), or is refused when all are busy. Each loop is bounded, and each test checks an order of events, not a speed."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
@@ -16,7 +18,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpt2serve_client import Client
+from gpt2serve_client import AsyncClient, Client, Gpt2ServeError
 from support.servers import launch_server, metric_value
 
 
@@ -153,33 +155,84 @@ def open_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def test_a_connection_flood_is_refused_at_once_counted_and_released(few_connections):
+def closed_by_server(sock: socket.socket, wait_s: float) -> bool:
+    """Whether the server closes this connection within `wait_s` (reading whatever it sent first)."""
+    sock.settimeout(wait_s)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_a_connection_flood_takes_the_limit_and_no_more_oldest_out_first(few_connections):
+    """--http-max-connections 20: 60 connections that send nothing. Each one past the limit takes
+    the place of the oldest still without a request's headers, so the first 40 are closed (and
+    counted as evicted, none refused), the last 20 held, and everything is released after."""
     url, pid = few_connections.http_url, few_connections.proc.pid
+    evicted_before = metric_value(url, "gpt2serve_connections_evicted_total", {"api": "rest"})
     refused_before = metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"})
     baseline = open_descriptors(pid)
     flood = [socket.create_connection(host_port(few_connections), timeout=10) for _ in range(60)]
     try:
-        cut = 0
-        for sock in flood[20:]:  # past the limit: closed by the server without a byte
-            sock.settimeout(10)
-            try:
-                cut += sock.recv(1) == b""
-            except ConnectionResetError:
-                cut += 1
-            except socket.timeout:
-                break  # held open: the limit did not hold
-        assert cut == 40
-        assert open_descriptors(pid) <= baseline + 20 + 2  # the 20 it took, and no more
+        assert all(closed_by_server(sock, 10) for sock in flood[:40])
+        assert not any(closed_by_server(sock, 0.2) for sock in flood[40:])
+        assert open_descriptors(pid) <= baseline + 20 + 2  # the 20 it holds, and no more
     finally:
         for sock in flood:
             sock.close()
-    assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"}) == refused_before + 40
+    assert metric_value(url, "gpt2serve_connections_evicted_total", {"api": "rest"}) == evicted_before + 40
+    assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"}) == refused_before
     with Client(few_connections.grpc_target) as client:  # gRPC untouched, REST answering again
         assert client.health() and httpx.get(f"{url}/healthz", timeout=10).status_code == 200
     deadline = time.monotonic() + 10  # the 20 held ones are released too
     while open_descriptors(pid) > baseline + 2 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert open_descriptors(pid) <= baseline + 2
+
+
+def test_a_slowloris_over_the_limit_cannot_keep_a_client_out(few_connections):
+    """30 connections dripping header lines against a limit of 20: a well-behaved client that
+    comes during the attack is answered (it takes the place of the oldest drip), every time."""
+    url = few_connections.http_url
+    slow = [socket.create_connection(host_port(few_connections), timeout=10) for _ in range(30)]
+    try:
+        for sock in slow:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        for i in range(5):
+            for sock in slow:
+                try:
+                    sock.sendall(f"X-Drip-{i}: 1\r\n".encode())
+                except OSError:  # evicted earlier
+                    pass
+            with httpx.Client(timeout=10) as http:
+                assert http.get(f"{url}/healthz").status_code == 200
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_connections_busy_with_requests_stay_and_a_newcomer_is_refused(few_connections):
+    """20 connections whose requests' headers are in (their bodies never come) are requests
+    under way, not evicted: a 21st connection is closed at once and counted as refused."""
+    url = few_connections.http_url
+    refused_before = metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"})
+    busy = [socket.create_connection(host_port(few_connections), timeout=10) for _ in range(20)]
+    try:
+        for sock in busy:
+            sock.sendall(b"POST /v1/next-token HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.5)  # their headers read
+        with socket.create_connection(host_port(few_connections), timeout=10) as late:
+            assert closed_by_server(late, 10)
+        assert not any(closed_by_server(sock, 0.1) for sock in busy)
+    finally:
+        for sock in busy:
+            sock.close()
+    assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"}) == refused_before + 1
 
 
 def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections):
@@ -214,3 +267,46 @@ def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections
         assert open_descriptors(pid) <= baseline + 2
     with Client(target, retries=0, timeout=30) as late:  # room again for new clients
         assert late.health()
+
+
+@pytest.fixture(scope="module")
+def short_handshake(tmp_path_factory):
+    srv = launch_server(tmp_path_factory.mktemp("handshake"), "--model", "random:tiny",
+                        "--grpc-handshake-timeout-s", "1", "--max-queue", "16")
+    yield srv
+    srv.stop()
+
+
+def test_calls_past_the_stream_limit_on_a_fresh_channel_wait_and_are_never_unavailable(short_handshake):
+    """300 calls at once on one new channel, past the server's 256 streams a connection, with
+    retries=0 (no retry policy): the streams it refuses unopened are retried by gRPC itself, so
+    every call gets an answer or RESOURCE_EXHAUSTED (--max-queue 16), never UNAVAILABLE."""
+    async def main():
+        async with AsyncClient(short_handshake.grpc_target, retries=0, timeout=60) as client:
+            async def one(i: int):
+                try:
+                    return await client.next_token(f"call {i}", top_k=1)
+                except Gpt2ServeError as exc:
+                    return exc.code
+            return await asyncio.gather(*(one(i) for i in range(300)))
+
+    outcomes = asyncio.run(main())
+    codes = {o for o in outcomes if isinstance(o, str)}
+    assert codes <= {"RESOURCE_EXHAUSTED"}, codes
+    assert sum(not isinstance(o, str) for o in outcomes) >= 16
+
+
+def test_grpc_sockets_that_never_send_the_http2_preface_are_closed(short_handshake):
+    """--grpc-handshake-timeout-s 1: sockets that connect and say nothing are closed within a few
+    seconds (gRPC's own default waits 120 s), and a real client is answered meanwhile."""
+    host, port = short_handshake.grpc_target.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(10)]
+    try:
+        with Client(short_handshake.grpc_target, retries=0, timeout=30) as client:
+            assert client.health()
+        started = time.monotonic()
+        assert all(closed_by_server(sock, 10) for sock in idle)
+        assert time.monotonic() - started < 10
+    finally:
+        for sock in idle:
+            sock.close()

@@ -75,7 +75,8 @@ class Transports:
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
             timeout_keep_alive=config.http_keep_alive_s,
             http=bounded_http_protocol(config.http_max_connections, config.http_request_timeout_s,
-                                       lambda: service.telemetry.connection_refused("rest")),
+                                       lambda: service.telemetry.connection_refused("rest"),
+                                       lambda: service.telemetry.connection_evicted("rest")),
         ))
         await grpc_transport.start()
         await grpc_transport.set_serving(False)

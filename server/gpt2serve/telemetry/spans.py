@@ -208,6 +208,10 @@ class Telemetry:
         """A connection closed at once, past a front end's connection limit."""
         self.metrics.connections_refused.labels(api=api).inc()
 
+    def connection_evicted(self, api: str) -> None:
+        """A connection closed to make room for a new one (transport.http_connections)."""
+        self.metrics.connections_evicted.labels(api=api).inc()
+
     def queue_span(self, request_span: Span, start_ns: int, end_ns: int) -> None:
         if request_span.is_recording():
             context = trace.set_span_in_context(request_span)

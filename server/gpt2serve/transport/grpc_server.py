@@ -200,6 +200,8 @@ class GrpcTransport:
             ("grpc.http2.max_ping_strikes", 2),
             ("grpc.max_concurrent_streams", config.grpc_max_concurrent_streams),
             ("grpc.max_allowed_incoming_connections", config.grpc_max_connections),
+            # A socket that never sends the HTTP/2 preface is closed then, not after gRPC's 120 s.
+            ("grpc.server_handshake_timeout_ms", int(config.grpc_handshake_timeout_s * 1000)),
         ]
         if config.grpc_max_connection_idle_s > 0:
             options.append(("grpc.max_connection_idle_ms", int(config.grpc_max_connection_idle_s * 1000)))

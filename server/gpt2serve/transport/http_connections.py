@@ -1,7 +1,13 @@
 """REST connections bounded as NGINX and Envoy bound them, so no client can hold the server:
 
-- a connection past `--http-max-connections` (this front end's) is closed at once, before any
-  byte is read, and counted (gpt2serve_connections_refused_total{api="rest"});
+- at `--http-max-connections` (this front end's), a new connection takes the place of the
+  oldest one that has not sent a request's headers (a fresh connection still silent, a
+  slowloris dripping its headers, or a keep-alive connection idle between requests), which is
+  closed and counted (gpt2serve_connections_evicted_total{api="rest"}); NGINX drains its idle
+  and waiting connections the same way when it runs out. Only when every connection is busy
+  with a request is the new one closed at once, before any byte is read, and counted
+  (gpt2serve_connections_refused_total{api="rest"}). So connections that send nothing can never
+  keep a well-behaved client out;
 - a request must arrive whole, headers and body, within `--http-request-timeout-s` of its first
   byte (or of the connection's opening): a slowloris sending a header line a second is closed;
 - between requests, uvicorn's keep-alive limit (`--http-keep-alive-s`) closes idle connections.
@@ -14,26 +20,53 @@ once the request has been read (a slow answer, a long stream, is the server's ow
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
-def bounded_http_protocol(max_connections: int, request_timeout_s: float, refused: Callable[[], None]) -> type:
-    """uvicorn's `http` protocol class with this front end's limits; `refused()` counts a refusal."""
+def bounded_http_protocol(max_connections: int, request_timeout_s: float, refused: Callable[[], None],
+                          evicted: Callable[[], None] = lambda: None) -> type:
+    """uvicorn's `http` protocol class with this front end's limits; `refused()` counts a
+    refusal, `evicted()` a connection closed to make room for a new one."""
 
     class BoundedHttpProtocol(HttpToolsProtocol):
         _refused = False
         _request_clock: asyncio.TimerHandle | None = None
+        # Since when it has been waiting for a request's headers (monotonic); None: busy with a request.
+        _waiting_since: float | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) >= max_connections:  # every open connection of this server
+            if len(self.connections) >= max_connections and not self._evict_one():  # this server's connections
                 self._refused = True
                 refused()
                 transport.abort()  # no answer: reading a request would already cost what the limit saves
                 return
             super().connection_made(transport)
+            self._waiting_since = time.monotonic()
             self._start_clock()
+
+        def _evict_one(self) -> bool:
+            """Close the connection that has waited longest without a request's headers, if any."""
+            waiting = [c for c in self.connections if c._waiting_since is not None and not c.transport.is_closing()]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c._waiting_since)
+            oldest._waiting_since = None
+            oldest.transport.abort()  # its connection_lost takes it out of the set
+            evicted()
+            return True
+
+        def on_headers_complete(self) -> None:
+            self._waiting_since = None  # a request under way: its connection stays
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            idle = not self.pipeline  # else a pipelined request starts now
+            super().on_response_complete()
+            if idle and not self.transport.is_closing():
+                self._waiting_since = time.monotonic()  # kept alive for the next request's headers
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
