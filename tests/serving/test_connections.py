@@ -194,11 +194,24 @@ def test_a_connection_flood_takes_the_limit_and_no_more_oldest_out_first(few_con
     assert open_descriptors(pid) <= baseline + 2
 
 
-def test_a_slowloris_over_the_limit_cannot_keep_a_client_out(few_connections):
-    """30 connections dripping header lines against a limit of 20: a well-behaved client that
-    comes during the attack is answered (it takes the place of the oldest drip), every time."""
-    url = few_connections.http_url
-    slow = [socket.create_connection(host_port(few_connections), timeout=10) for _ in range(30)]
+@pytest.fixture(scope="module")
+def two_front_ends(tmp_path_factory):
+    """--workers 2: each front end has its own limits (the kernel spreads connections over them)."""
+    srv = launch_server(tmp_path_factory.mktemp("two-front-ends"), "--model", "random:tiny", "--workers", "2",
+                        "--http-max-connections", "20", "--grpc-handshake-timeout-s", "1")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("server_name", ["few_connections", "two_front_ends"])
+def test_a_slowloris_over_the_limit_cannot_keep_a_client_out(request, server_name):
+    """60 connections dripping header lines against a limit of 20 a front end: a well-behaved
+    client that comes during the attack is answered (it takes the place of the oldest drip),
+    every time, with one front end or two."""
+    server = request.getfixturevalue(server_name)
+    url = server.http_url
+    evicted_before = metric_value(url, "gpt2serve_connections_evicted_total", {"api": "rest"})
+    slow = [socket.create_connection(host_port(server), timeout=10) for _ in range(60)]
     try:
         for sock in slow:
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
@@ -213,6 +226,8 @@ def test_a_slowloris_over_the_limit_cannot_keep_a_client_out(few_connections):
     finally:
         for sock in slow:
             sock.close()
+    # 60 over 40 places at most (20 a front end): at least 20 made room for others
+    assert metric_value(url, "gpt2serve_connections_evicted_total", {"api": "rest"}) >= evicted_before + 20
 
 
 def test_connections_busy_with_requests_stay_and_a_newcomer_is_refused(few_connections):
@@ -296,13 +311,15 @@ def test_calls_past_the_stream_limit_on_a_fresh_channel_wait_and_are_never_unava
     assert sum(not isinstance(o, str) for o in outcomes) >= 16
 
 
-def test_grpc_sockets_that_never_send_the_http2_preface_are_closed(short_handshake):
+@pytest.mark.parametrize("server_name", ["short_handshake", "two_front_ends"])
+def test_grpc_sockets_that_never_send_the_http2_preface_are_closed(request, server_name):
     """--grpc-handshake-timeout-s 1: sockets that connect and say nothing are closed within a few
     seconds (gRPC's own default waits 120 s), and a real client is answered meanwhile."""
-    host, port = short_handshake.grpc_target.rsplit(":", 1)
+    server = request.getfixturevalue(server_name)
+    host, port = server.grpc_target.rsplit(":", 1)
     idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(10)]
     try:
-        with Client(short_handshake.grpc_target, retries=0, timeout=30) as client:
+        with Client(server.grpc_target, retries=0, timeout=30) as client:
             assert client.health()
         started = time.monotonic()
         assert all(closed_by_server(sock, 10) for sock in idle)
