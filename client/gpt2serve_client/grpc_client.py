@@ -186,15 +186,21 @@ class Client:
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
             trace_layers=trace_layers, trace_steps=trace_steps)
-        call = self._stub.Generate(request, timeout=self.timeout if timeout is None else timeout,
-                                   metadata=self._metadata())
-        try:
-            for message in call:
-                yield GenerateChunk.from_proto(message)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()
+        attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
+        while True:
+            call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False
+            try:
+                for message in call:
+                    started = True
+                    yield GenerateChunk.from_proto(message)
+                return
+            except grpc.RpcError as exc:
+                wait = None if started else attempts.again(exc)  # once a token came, never again
+                if wait is None:
+                    raise _error(exc) from None
+            finally:
+                call.cancel()
+            time.sleep(wait)
 
     def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
         """The whole generation once it is done; the options of `generate_stream`."""
@@ -276,15 +282,21 @@ class AsyncClient:
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
             trace_layers=trace_layers, trace_steps=trace_steps)
-        call = self._stub.Generate(request, timeout=self.timeout if timeout is None else timeout,
-                                   metadata=self._metadata())
-        try:
-            async for message in call:
-                yield GenerateChunk.from_proto(message)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        finally:
-            call.cancel()
+        attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
+        while True:
+            call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False
+            try:
+                async for message in call:
+                    started = True
+                    yield GenerateChunk.from_proto(message)
+                return
+            except grpc.RpcError as exc:
+                wait = None if started else attempts.again(exc)  # once a token came, never again
+                if wait is None:
+                    raise _error(exc) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
 
     async def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
         """The whole generation once it is done; the options of `generate_stream`."""

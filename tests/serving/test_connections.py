@@ -287,7 +287,8 @@ def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections
 @pytest.fixture(scope="module")
 def short_handshake(tmp_path_factory):
     srv = launch_server(tmp_path_factory.mktemp("handshake"), "--model", "random:tiny",
-                        "--grpc-handshake-timeout-s", "1", "--max-queue", "16")
+                        "--grpc-handshake-timeout-s", "1", "--max-queue", "16", "--max-running-sequences", "1000",
+                        "--max-batch-size", "512")
     yield srv
     srv.stop()
 
@@ -309,6 +310,25 @@ def test_calls_past_the_stream_limit_on_a_fresh_channel_wait_and_are_never_unava
     codes = {o for o in outcomes if isinstance(o, str)}
     assert codes <= {"RESOURCE_EXHAUSTED"}, codes
     assert sum(not isinstance(o, str) for o in outcomes) >= 16
+
+
+def test_streams_past_the_stream_limit_on_a_fresh_channel_are_never_unavailable(short_handshake):
+    """As for unary calls: 600 generations at once on one new channel, past the server's 256
+    streams a connection, retries=0; a stream the server refused unopened is sent again, so each
+    one ends in its tokens or RESOURCE_EXHAUSTED (--max-queue 16 waiting for a slot)."""
+    async def main():
+        async with AsyncClient(short_handshake.grpc_target, retries=0, timeout=60) as client:
+            async def one(i: int):
+                try:
+                    return await client.generate(f"stream {i}", max_tokens=8, temperature=0)
+                except Gpt2ServeError as exc:
+                    return exc.code
+            return await asyncio.gather(*(one(i) for i in range(600)))
+
+    outcomes = asyncio.run(main())
+    codes = {o for o in outcomes if isinstance(o, str)}
+    assert codes <= {"RESOURCE_EXHAUSTED"}, codes
+    assert all(len(o.tokens) == 8 for o in outcomes if not isinstance(o, str))
 
 
 @pytest.mark.parametrize("server_name", ["short_handshake", "two_front_ends"])
