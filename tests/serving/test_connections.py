@@ -293,20 +293,26 @@ def short_handshake(tmp_path_factory):
     srv.stop()
 
 
+def at_once(target: str, n: int, call) -> list:
+    """n calls at once on one new AsyncClient channel (retries=0): each one's answer, or its
+    error's code."""
+    async def main():
+        async with AsyncClient(target, retries=0, timeout=60) as client:
+            async def one(i: int):
+                try:
+                    return await call(client, i)
+                except Gpt2ServeError as exc:
+                    return exc.code
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return asyncio.run(main())
+
+
 def test_calls_past_the_stream_limit_on_a_fresh_channel_wait_and_are_never_unavailable(short_handshake):
     """300 calls at once on one new channel, past the server's 256 streams a connection, with
     retries=0 (no retry policy): the streams it refuses unopened are retried by gRPC itself, so
     every call gets an answer or RESOURCE_EXHAUSTED (--max-queue 16), never UNAVAILABLE."""
-    async def main():
-        async with AsyncClient(short_handshake.grpc_target, retries=0, timeout=60) as client:
-            async def one(i: int):
-                try:
-                    return await client.next_token(f"call {i}", top_k=1)
-                except Gpt2ServeError as exc:
-                    return exc.code
-            return await asyncio.gather(*(one(i) for i in range(300)))
-
-    outcomes = asyncio.run(main())
+    outcomes = at_once(short_handshake.grpc_target, 300, lambda client, i: client.next_token(f"call {i}", top_k=1))
     codes = {o for o in outcomes if isinstance(o, str)}
     assert codes <= {"RESOURCE_EXHAUSTED"}, codes
     assert sum(not isinstance(o, str) for o in outcomes) >= 16
@@ -316,16 +322,8 @@ def test_streams_past_the_stream_limit_on_a_fresh_channel_are_never_unavailable(
     """As for unary calls: 600 generations at once on one new channel, past the server's 256
     streams a connection, retries=0; a stream the server refused unopened is sent again, so each
     one ends in its tokens or RESOURCE_EXHAUSTED (--max-queue 16 waiting for a slot)."""
-    async def main():
-        async with AsyncClient(short_handshake.grpc_target, retries=0, timeout=60) as client:
-            async def one(i: int):
-                try:
-                    return await client.generate(f"stream {i}", max_tokens=8, temperature=0)
-                except Gpt2ServeError as exc:
-                    return exc.code
-            return await asyncio.gather(*(one(i) for i in range(600)))
-
-    outcomes = asyncio.run(main())
+    outcomes = at_once(short_handshake.grpc_target, 600,
+                       lambda client, i: client.generate(f"stream {i}", max_tokens=8, temperature=0))
     codes = {o for o in outcomes if isinstance(o, str)}
     assert codes <= {"RESOURCE_EXHAUSTED"}, codes
     assert all(len(o.tokens) == 8 for o in outcomes if not isinstance(o, str))
