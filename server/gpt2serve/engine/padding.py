@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 IDS, POSITIONS, VALID = range(3)
@@ -41,20 +42,23 @@ def forward_parts(new_lengths: Sequence[int], budget: int | None) -> list[tuple[
 
 
 def left_pad_into(out: torch.Tensor, prompts: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
-    """Fill `out` (3, B, T) with the left-padded batch; B >= len(prompts), T >= the longest."""
-    lengths = torch.tensor([len(p) for p in prompts])  # (P,)
-    flat = torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.long)  # (N,) all tokens
+    """Fill `out` (3, B, T), a CPU tensor, with the left-padded batch; B >= len(prompts), T >= the
+    longest. In numpy, on `out`'s memory: torch's per-op cost made the same steps 3x slower at the
+    batch sizes next-token calls run (113 against 32 µs for 64 five-token prompts)."""
+    P = len(prompts)
+    lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=P)  # (P,)
+    flat = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=int(lengths.sum()))  # (N,)
     T = out.shape[2]
-    rows = torch.repeat_interleave(torch.arange(len(prompts)), lengths)  # (N,) each token's prompt
-    starts = lengths.cumsum(0) - lengths  # (P,) each prompt's offset in `flat`
-    offsets = torch.arange(flat.numel()) - starts[rows]  # (N,) position within its prompt
+    rows = np.repeat(np.arange(P), lengths)  # (N,) each token's prompt
+    starts = np.cumsum(lengths) - lengths  # (P,) each prompt's offset in `flat`
+    offsets = np.arange(flat.size) - starts[rows]  # (N,) position within its prompt
     cols = (T - lengths)[rows] + offsets  # (N,) its column once left-padded
-    out[IDS].fill_(pad_id)
-    out[POSITIONS].zero_()
-    out[VALID].zero_()
-    out[IDS, rows, cols] = flat
-    out[POSITIONS, rows, cols] = offsets
-    out[VALID, rows, cols] = 1
+    batch = out.numpy()  # (3, B, T), the same memory
+    batch[IDS].fill(pad_id)
+    batch[POSITIONS:].fill(0)
+    batch[IDS, rows, cols] = flat
+    batch[POSITIONS, rows, cols] = offsets
+    batch[VALID, rows, cols] = 1
     return out
 
 

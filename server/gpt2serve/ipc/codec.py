@@ -46,8 +46,11 @@ def _bool(x: Any) -> bool:
     return x
 
 
+_INT = {int}
+
+
 def _ids(x: Any) -> list[int]:
-    if type(x) is not list or any(type(i) is not int for i in x):
+    if type(x) is not list or (x and set(map(type, x)) != _INT):  # in C: a generator took twice as long
         raise BadFrame("expected a list of integers")
     return x
 
