@@ -148,3 +148,33 @@ def test_built_once_per_machine_and_torch_ops_where_nothing_compiles(tmp_path):
     assert not fallback["native"] and "compiled CPU ops are unavailable" in log
     assert fallback["tokens"] == built["tokens"] == again["tokens"]
     assert [len(t) for t in built["tokens"]] == [40, 40, 40]
+
+
+def test_a_new_compiler_or_torch_builds_again_and_each_build_records_what_made_it(tmp_path, monkeypatch):
+    """A library compiled against another torch's headers, or by another compiler, can crash
+    rather than fail: either change keys a new build. (compile_ops stands in for the compiler
+    here; the test above runs the real one.)"""
+    built = []
+    monkeypatch.setattr(native, "compile_ops", lambda output, flags=native.FLAGS: (built.append(output),
+                                                                                    output.write_bytes(b"")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = native._build()
+    assert native._build() == first and len(built) == 1  # cached: no second build
+    record = json.loads(first.with_suffix(".json").read_text())
+    real = subprocess.run([native.compiler(), "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    assert record["compiler_version"] == real and record["torch"] == torch.__version__
+
+    wrapper = tmp_path / "c++-next"  # the same compiler, reporting a newer version
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = --version ] && {{ echo "c++ (Debian 99.1.0) 99.1.0"; exit 0; }}\n'
+                       f'exec {shutil.which("c++")} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    second = native._build()
+    assert second != first and len(built) == 2
+    assert json.loads(second.with_suffix(".json").read_text())["compiler_version"] == "c++ (Debian 99.1.0) 99.1.0"
+
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    third = native._build()
+    assert third not in (first, second) and len(built) == 3
+    assert json.loads(third.with_suffix(".json").read_text())["torch"] == "9.9.9"

@@ -240,28 +240,33 @@ void use_int8_kernel(const std::string& name) {
 }
 
 // x (..., K) fp32; weight (blocks * G * 64,) int8 as int8_pack lays it out; scales, offsets (O,).
+// Every argument is checked before any of its memory is read: a caller's mistake is an error,
+// never a read past a buffer.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "int8_linear: fp32 CPU input");
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "int8_linear: packed int8 weight");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && offsets.scalar_type() == at::kInt &&
-                  scales.is_contiguous() && offsets.is_contiguous() && scales.numel() == offsets.numel(),
-              "int8_linear: scales fp32 and offsets int32, one per output");
-  const Tiles& tiles = kernels()[chosen].second;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1, "int8_linear: fp32 CPU input");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "int8_linear: packed int8 weight on the CPU");
+  TORCH_CHECK(scales.device().is_cpu() && offsets.device().is_cpu() && scales.scalar_type() == at::kFloat &&
+                  offsets.scalar_type() == at::kInt && scales.is_contiguous() && offsets.is_contiguous() &&
+                  scales.dim() == 1 && scales.numel() == offsets.numel(),
+              "int8_linear: scales fp32 and offsets int32 on the CPU, one per output");
   const int64_t K = x.size(-1), O = scales.numel(), G = (K + kGroup - 1) / kGroup, Kp = G * kGroup;
   const int64_t blocks = (O + kBlock - 1) / kBlock;
   TORCH_CHECK(weight.numel() == blocks * G * kBlock * kGroup, "int8_linear: weight packed for another shape");
+  at::Tensor bias_values;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat && bias->numel() == O,
+                "int8_linear: bias (O,) fp32 on the CPU");
+    bias_values = bias->contiguous();
+  }
+  const Tiles& tiles = kernels()[chosen].second;
   const at::Tensor rows = x.reshape({-1, K}).contiguous();  // (N, K)
   const int64_t N = rows.size(0);
   std::vector<float> row_max(N);
   std::vector<uint8_t> bytes(2 * N * Kp);  // (N, 2, Kp)
   split_rows(rows.const_data_ptr<float>(), N, K, Kp, row_max.data(), bytes.data());
   at::Tensor y = at::empty({N, O}, rows.options());  // (N, O)
-  at::Tensor bias_values;
-  if (bias.has_value()) {
-    bias_values = bias->contiguous();
-    TORCH_CHECK(bias_values.scalar_type() == at::kFloat && bias_values.numel() == O, "int8_linear: bias (O,) fp32");
-  }
   const Epilogue e{offsets.const_data_ptr<int32_t>(), scales.const_data_ptr<float>(),
                    bias.has_value() ? bias_values.const_data_ptr<float>() : nullptr, row_max.data(),
                    y.mutable_data_ptr<float>(), O};
@@ -366,17 +371,27 @@ void write_and_attend(const at::Tensor& qc, const at::Tensor& kc, const at::Tens
 
 // q, k_new, v_new (B, nh, 1, hs) fp32; keys, values (S, nh, L, hs) fp32 or fp16, this layer's cache
 // (S >= B slots); positions (B,) int64 -> (B, nh, 1, hs) fp32, laid out as (B, 1, nh, hs) so that
-// putting the heads side by side again is a view.
+// putting the heads side by side again is a view. Every shape, type and device is checked before
+// any pointer is formed, and each position before it is used: a caller's mistake is an error,
+// never a write or read outside the cache.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& keys,
                             at::Tensor& values, const at::Tensor& positions) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && q.scalar_type() == at::kFloat && q.device().is_cpu(),
               "decode_attention: q (B, nh, 1, hs) fp32 on the CPU");
+  TORCH_CHECK(k_new.sizes() == q.sizes() && v_new.sizes() == q.sizes() && k_new.device().is_cpu() &&
+                  v_new.device().is_cpu() && at::isFloatingType(k_new.scalar_type()) &&
+                  at::isFloatingType(v_new.scalar_type()),
+              "decode_attention: k_new and v_new shaped as q, floating point, on the CPU");
   const auto type = keys.scalar_type();
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+  TORCH_CHECK(keys.dim() == 4 && keys.device().is_cpu() && values.device().is_cpu() && keys.is_contiguous() &&
+                  values.is_contiguous() && keys.sizes() == values.sizes() &&
                   (type == at::kFloat || type == at::kHalf) && values.scalar_type() == type,
-              "decode_attention: contiguous fp32 or fp16 keys and values (S, nh, L, hs)");
+              "decode_attention: contiguous fp32 or fp16 keys and values (S, nh, L, hs) on the CPU");
   const int64_t B = q.size(0), H = q.size(1), hs = q.size(3), L = keys.size(2);
   TORCH_CHECK(keys.size(0) >= B && keys.size(1) == H && keys.size(3) == hs, "decode_attention: cache shape");
+  TORCH_CHECK(positions.dim() == 1 && positions.numel() == B && positions.device().is_cpu() &&
+                  at::isIntegralType(positions.scalar_type(), /*includeBool=*/false),
+              "decode_attention: positions (B,) integers on the CPU, one per row of q");
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   const int64_t* at_pos = pos.const_data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
