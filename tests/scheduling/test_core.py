@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 import pytest
 
 from support.generation import GREEDY, PROMPTS, generation_core, lively_engine, transformers_greedy
@@ -181,3 +183,50 @@ def test_answered_and_cancelled_next_token_requests_leave_no_cyclic_garbage(save
     answers, garbage = asyncio.run(main())
     assert all(isinstance(a, list) and len(a) == 2 and len(a[0].top) == 3 for a in answers)
     assert garbage == 0
+
+
+def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_gets_its_tokens(saved, caplog):
+    """As a CUDA out-of-memory does on a card (there is none here), a prefill of more than two
+    prompts raises after its rows went into the cache: the generator takes them out again (all
+    or none), and the core runs each half on its own; no stream fails or sees another's tokens."""
+    hf, engine = saved
+    generator = Generator(engine, slots=8)
+    real_part = generator._prefill
+    calls: list[int] = []
+
+    running_ids: list[list[int]] = []
+
+    def prefill(sequences):
+        calls.append(len(sequences))
+        try:
+            return real_prefill(sequences)
+        finally:
+            running_ids.append([r.seq_id for r in generator.running])
+
+    def part(sequences, prompts, plans, first, *args):
+        output = real_part(sequences, prompts, plans, first, *args)  # its rows join the running ones
+        if calls[-1] > 2 and first + len(sequences) == len(generator.running):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return output
+
+    real_prefill = generator.prefill
+    generator.prefill, generator._prefill = prefill, part
+    wanted = (3, 5, 7, 9)
+
+    async def main():
+        core = generation_core(generator)
+        core.start()
+        try:
+            streams = [events(core, GenerateRequest(PROMPTS[i], GREEDY, 8)) for i in wanted]
+            return await asyncio.gather(*(drain(s) for s in streams))
+        finally:
+            await core.stop()
+
+    with caplog.at_level("WARNING", logger="gpt2serve.scheduling.runner"):
+        streamed = asyncio.run(main())
+    assert calls[0] == 4 and calls[1:3] == [2, 2], calls  # all four at once, then two halves
+    assert "retrying it as two halves" in caplog.text
+    for i, got in zip(wanted, streamed):
+        assert [e.token.token_id for e in got] == transformers_greedy(hf, PROMPTS[i], 8)
+    assert running_ids[0] == []  # the failed prefill left no row behind
+    assert len(running_ids[2]) == len(set(running_ids[2])) == 4  # each sequence in one slot

@@ -2,11 +2,9 @@
 
 The scheduler (scheduling.scheduler) decides who runs; this module runs them, in the engine
 thread, in two kinds of step:
-- prefill: new sequences' prompts, in one forward (on a CPU, in forwards of at most
-  engine.padding.CPU_FORWARD_TOKENS) that fills their cache slots and gives each its first
-  token; a prompt that starts with blocks in the prefix cache (engine.prefix_cache) computes
-  only what follows them, and its slot gets those blocks copied (engine.prefix_forward: rows or
-  packed);
+- prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
+  fills their slots and gives each its first token; blocks found in the prefix cache are copied
+  into the slot, not computed (engine.prefix_forward); out of memory, it leaves no row behind;
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
   (engine.traced_decode); or, with next-token prompts riding it, one eager forward for both
@@ -15,11 +13,10 @@ Sequences leave between steps; their slots are refilled by compaction, and the c
 shrinks with what they hold (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
-sampled ids also stay on the device (`last_ids`, one per slot): the next decode step reads its
-inputs there, so a decode step can be launched before the host has read the last one's answers
-(`launch_decode`, then `finish_decode`: the engine core overlaps the two on cuda). On cuda a
-launch copies nothing synchronously: its inputs go through pinned memory, its answers come back
-by a non-blocking copy that `finish_decode` waits for.
+sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
+them, so a step can be launched before the host has read the last one's answers (`launch_decode`,
+then `finish_decode`: the core overlaps the two on cuda). On cuda a launch copies nothing
+synchronously: inputs go through pinned memory, answers come back by a non-blocking copy.
 """
 
 from __future__ import annotations
@@ -192,10 +189,13 @@ class Generator:
             return outputs[0] if len(outputs) == 1 else _joined(outputs)
 
         pool = self.engine.prefix_cache
-        if pool is None:
-            return forward([RowPlan(p, []) for p in prompts])
-        return pool.run(prompts, forward, lambda output: [row for row, s in enumerate(sequences)
-                                                          if s.seq_id in output.failed])
+        try:
+            if pool is None:
+                return forward([RowPlan(p, []) for p in prompts])
+            return pool.run(prompts, forward, lambda out: [row for row, s in enumerate(sequences) if s.seq_id in out.failed])
+        except torch.cuda.OutOfMemoryError:
+            del self.running[first:]  # all or none: parts that fit leave too (the core splits it)
+            raise
 
     def _prefill(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
                  first: int, started: float, started_ns: int) -> StepOutput:

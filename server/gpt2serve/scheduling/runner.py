@@ -17,8 +17,8 @@ after a stop token (or EOS) still carries it: that row's token is dropped, never
 step of generations that all end by length is read before another is launched (it would be all
 such rows). A generation that leaves with a step unread has its slot cleared (engine.generator).
 
-A forward that raises fails only its own requests; out of device memory, next-token prompts run
-again as two halves, down to one prompt, and a generation step fails its sequences.
+A forward that raises fails only its own requests; out of device memory, next-token prompts and
+a prefill run again as two halves, down to one prompt, and a decode step fails its sequences.
 """
 
 from __future__ import annotations
@@ -156,11 +156,26 @@ class StepRunner:
                 self.generator.chunked.append(ChunkedPrefill(sequence))
             else:
                 whole.append((r, sequence))
-        if not whole:
-            return
-        output = self._step("prefill", [r for r, _ in whole], lambda: self.generator.prefill([s for _, s in whole]))
+        if whole:
+            self._prefill(whole)
+
+    def _prefill(self, whole: list[tuple[EngineRequest, NewSequence]]) -> None:
+        """Out of device memory (the prefill left nothing behind): each half on its own, down to
+        one prompt, which then fails alone, as next-token batches split."""
+        members = [r for r, _ in whole]
+
+        def split(exc: OutOfMemory) -> None:
+            log.warning("out of memory for a prefill of %d; retrying it as two halves (%s)", len(whole), exc)
+            half = len(whole) // 2
+            for part in (whole[:half], whole[half:]):
+                live = [(r, s) for r, s in part if not r.cancelled]  # callers may have left meanwhile
+                if live:
+                    self._prefill(live)
+
+        output = self._step("prefill", members, lambda: self.generator.prefill([s for _, s in whole]),
+                            on_oom=split if len(whole) > 1 else None)
         if output is not None:
-            self._took(output, [r for r, _ in whole])
+            self._took(output, members)
 
     def _chunk_step(self) -> None:
         """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill): one a step,
@@ -217,12 +232,17 @@ class StepRunner:
         return bool(launch_members) and not any(
             r.generated + 1 < r.new_tokens for r in launch_members if r.state == "running" and not r.cancelled)
 
-    def _step(self, kind: str, members: list[EngineRequest], call: Callable, riders: list[EngineRequest] = ()):
+    def _step(self, kind: str, members: list[EngineRequest], call: Callable, riders: list[EngineRequest] = (),
+              on_oom: Callable[[OutOfMemory], None] | None = None):
         """call() (a prefill, a decode launch or its reading), or None where it failed: its
-        sequences (and riders) are told, and the loop goes on."""
+        sequences (and riders) are told, and the loop goes on. on_oom: what to do instead when
+        the device ran out of memory (a prefill tries smaller parts)."""
         try:
             return call()
         except OutOfMemory as exc:
+            if on_oom is not None:
+                on_oom(exc)
+                return None
             log.error("%s step: out of device memory for %d sequences: %s", kind, len(members), exc)
             self.fail(members, ResourceExhausted(f"the device ran out of memory in a {kind} step of "
                                                  f"{len(members)} sequences; retry later"))
