@@ -67,14 +67,52 @@ class OutOfMemory(Exception):
     smaller batch may fit (the scheduler splits and retries)."""
 
 
+class MemoryReserve:
+    """Device memory held back from the caches and the forwards, handed back when a forward runs
+    out, so that what the retry needs outside torch's allocator (a library's lazily made handle
+    or workspace) and the first split half find room; taken again once a forward succeeds.
+    The caches are sized from the free memory after it is taken (launch.engine_host)."""
+
+    BYTES = 64 * 2**20
+
+    def __init__(self):
+        self.held: torch.Tensor | None = None
+        self.device: torch.device | None = None
+        self.nbytes = 0
+        self.missing = False  # kept, and not held now: take it again after the next forward that fits
+
+    def keep(self, device: torch.device, nbytes: int = BYTES) -> None:
+        self.device, self.nbytes = device, nbytes
+        self.take()
+
+    def take(self) -> None:
+        try:
+            self.held = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError:  # still full
+            self.held = None
+        self.missing = self.held is None
+
+    def release(self) -> None:
+        """(Then empty torch's cache too: a library allocates outside torch's allocator.)"""
+        if self.held is not None:
+            self.held, self.missing = None, True
+
+
+RESERVE = MemoryReserve()  # one per process: the engine process has one device
+
+
 def oom_as_out_of_memory(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
         except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
+            RESERVE.release()
+            torch.cuda.empty_cache()  # the reserve and the failed forward's blocks go back to the device
             raise OutOfMemory(str(exc).splitlines()[0]) from None
+        if RESERVE.missing:
+            RESERVE.take()  # after an OOM: hold it again once a forward fits
+        return result
 
     return wrapper
 

@@ -21,7 +21,7 @@ import torch
 from gpt2serve_client.types import ModelInfo
 
 from ..config import ServeConfig
-from ..engine.engine import Engine, EngineOptions
+from ..engine.engine import RESERVE, Engine, EngineOptions
 from ..engine.generator import Generator
 from ..engine.kv_cache import BLOCK, KVCache, blocks_for
 from ..engine.loading import LoadedModel, load_model
@@ -130,7 +130,9 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
                  torch.get_num_threads())
         torch.set_num_threads(1)
     engine = Engine(loaded, engine_options(config, loaded))
-    engine.warm_up()
+    engine.warm_up()  # on this thread, which serves: cuBLAS makes its handle here, before the caches claim memory
+    if loaded.device.type == "cuda":
+        RESERVE.keep(loaded.device)  # before the caches are sized from what is free
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
     generator = Generator(engine, *kv_cache_size(config, engine), chunk_tokens=config.prefill_chunk_tokens)
