@@ -38,7 +38,7 @@ stack: $(STAMP)
 stack-down:
 	scripts/stack.sh down
 
-## On a GPU machine: the GPU tests, the whole suite and the engine bench table (gpt2, gpt2-xl).
+## On a GPU machine, about 8 minutes: GPU tests, engine and served benches, the suite as time allows (scripts/gpu_check.sh).
 test-gpu: $(STAMP)
 	scripts/debian_test_deps.sh
 	scripts/gpu_check.sh

@@ -10,6 +10,7 @@ packed (one gather for the batch); and what the cache costs batches it cannot he
    (its doorkeeper hashes every full block and keeps none), alternating, median of `--rounds`.
 
     .venv/bin/python bench/prefix_cache.py [--model random:gpt2] [--clients 16] [--prefix 800]
+                                           [--device cuda --dtype bfloat16]   (scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def main() -> None:
     parser.add_argument("--unshared", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cache-mb", type=float, default=2048)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    engine = Engine(load_model(args.model, "cpu", "float32", seed=0))
+    engine = Engine(load_model(args.model, args.device, args.dtype, seed=0))
     engine.warm_up()
     blocks = int(args.cache_mb * 2**20 // PrefixCache.bytes_per_block(engine.model.config, engine.loaded.dtype))
     prefix = fresh(args.prefix)

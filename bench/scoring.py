@@ -12,6 +12,7 @@ and the extra peak memory of scoring a batch.
    whole, (B, T, V) logits at once, as a naive server would; a fresh process each.
 
     .venv/bin/python bench/scoring.py [--model random:gpt2] [--tokens 128] [--clients 16 64]
+                                      [--device cuda --dtype bfloat16]   (scripts/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(50257) for _ in range(tokens)] for _ in range(count)]
 
 
-def in_process(model: str, batch: int, tokens: int, rounds: int) -> float:
+def in_process(model: str, batch: int, tokens: int, rounds: int, device: str, dtype: str) -> float:
     from gpt2serve.engine.engine import Engine
     from gpt2serve.engine.loading import load_model
 
-    engine = Engine(load_model(model, "cpu", "float32", seed=0))
+    engine = Engine(load_model(model, device, dtype, seed=0))
     work = prompts(batch, tokens, 1)
     engine.next_token(work, [1] * batch, scored_rows={row: 1 for row in range(batch)})  # warm
     best = min(_timed(lambda: engine.next_token(work, [1] * batch, scored_rows={r: 1 for r in range(batch)}))
@@ -122,17 +123,20 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--memory-batch", type=int, default=8)
+    parser.add_argument("--memory-batch", type=int, default=8, help="0: no memory figure (it is the CPU's RSS)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    report = {"model": args.model, "tokens": args.tokens}
-    report["scoring_peak_mib"] = {"batch": args.memory_batch,
-                                  "chunked": round(scoring_peak_mib(args.model, args.memory_batch, True)),
-                                  "whole": round(scoring_peak_mib(args.model, args.memory_batch, False))}
-    print(json.dumps(report), flush=True)
-    proc, target, _ = launch(args.model, None, "--device", "cpu", "--dtype", "float32")
+    report = {"model": args.model, "tokens": args.tokens, "device": args.device, "dtype": args.dtype}
+    if args.memory_batch and args.device == "cpu":
+        report["scoring_peak_mib"] = {"batch": args.memory_batch,
+                                      "chunked": round(scoring_peak_mib(args.model, args.memory_batch, True)),
+                                      "whole": round(scoring_peak_mib(args.model, args.memory_batch, False))}
+        print(json.dumps(report), flush=True)
+    proc, target, _ = launch(args.model, None, "--device", args.device, "--dtype", args.dtype)
     try:
         for clients in args.clients:
-            limit = in_process(args.model, min(clients, 64), args.tokens, args.rounds)
+            limit = in_process(args.model, min(clients, 64), args.tokens, args.rounds, args.device, args.dtype)
             rate, mean_batch = asyncio.run(served(target, clients, args.tokens, args.seconds))
             report[f"clients_{clients}"] = {"served_tokens_per_s": round(rate), "in_process_tokens_per_s": round(limit),
                                             "ratio": round(rate / limit, 3), "mean_batch": round(mean_batch, 1)}

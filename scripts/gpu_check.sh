@@ -1,77 +1,167 @@
 #!/usr/bin/env bash
-# One command on a GPU machine: the GPU tests, the in-process engine bench table (engine vs
-# transformers' forward, bf16) on gpt2 and gpt2-xl, the served bench with --workers auto (gRPC and
-# REST at 512 clients, 1 client), the generation bench (issue 14: 1..256 streams of 64 tokens
-# against transformers' generate, gpt2 and gpt2-xl), and the whole suite. Logs and tables land in $GPU_CHECK_OUT
-# (default gpu-check/).
+# The GPU check, capped: about 8 minutes on an H100 or H200 (--quick: about 3), ending in one
+# summary table. Each step has its own time cap and the whole run a budget; the most important
+# steps come first, so a check cut short still says the most:
+#   1. the GPU tests (tests/gpu)
+#   2. the engine in process against transformers' forward, bf16: gpt2 and gpt2-xl (--quick: gpt2)
+#   3. served next-token, random:gpt2 bf16, --workers auto: gRPC and REST at 512 clients over 8
+#      client processes, and 1 client (--quick: gRPC only)
+#   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256)
+#   5. the prefix cache and scoring on cuda (not in --quick)
+#   6. the suite, -n over the machine's cores, until the budget is spent: the tests left then are
+#      skipped and counted as such (not in --quick; the stack, browser and helm tiers need
+#      Docker, Chromium and helm, which such a machine lacks)
 #
-#   make test-gpu                                  # with the project's venv
-#   source .whl/setup.sh && scripts/gpu_check.sh   # on a GPU machine with no registry access: a venv
-#                                                  # set up from wheels in .whl/ (scripts/gpu-wheels.txt lists them)
+#   bash scripts/gpu_check.sh [--quick]      # from the project's root
+#   make test-gpu
 #
-# SUITE=0 skips the whole suite (the GPU tests and the bench still run).
+# Python: the project's venv where there is one, else the machine's python3 (its own torch) with
+# the wheels carried in .whl/ (../shared/gpu/fetch-wheels.sh fills it; scripts/gpu-wheels.txt
+# lists what the project adds). Output in $OUT (default gpu-check/), five files: summary.md,
+# all.log, gpu-tests.log, suite.log, serve.log. BUDGET_S overrides the budget; COMMIT names the
+# commit where the tree has no .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-out=${GPU_CHECK_OUT:-gpu-check}
+quick=0
+[ "${1:-}" = --quick ] && quick=1
+budget=${BUDGET_S:-$([ $quick = 1 ] && echo 170 || echo 460)}
+# Caps in seconds (full, then --quick): GPU tests, in process per model, server start, a
+# next-token load (and its seconds of load), generation (and its seconds per stream count).
+if [ $quick = 1 ]; then caps=(75 35 60 20 5 50 4); else caps=(150 50 90 30 6 100 6); fi
+out=${OUT:-${GPU_CHECK_OUT:-gpu-check}}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-status=0
+exec > >(tee -a "$out/all.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
+if [ -x .venv/bin/python ]; then
+  python=.venv/bin/python
+else
+  [ -f .whl/setup.sh ] && source .whl/setup.sh
+  python=python3
+fi
 $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check here')" || exit 1
 $python -c "import gpt2serve.launch.single_process, openai, zmq, msgpack, fastapi_offline" ||
-  { echo "missing packages: without registry access, install the wheels listed in scripts/gpu-wheels.txt (pip download them elsewhere)"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+  { echo "missing packages: without registry access, carry the wheels of scripts/gpu-wheels.txt in .whl/"; exit 1; }
+
+t0=$(date +%s)
+summary=$out/summary.md
+rows=$(mktemp)
+details=$(mktemp)
+left() { echo $(( budget - ($(date +%s) - t0) )); }
+capped() { local cap=$1 remaining; remaining=$(left); echo $(( cap < remaining ? cap : remaining )); }
+row() { echo "| $1 | $2 | $3 |" >>"$rows"; echo "[$(( $(date +%s) - t0 )) s] $1: $3"; }
+section() { local body; body=$(cat); [ -n "$body" ] && printf '\n### %s\n\n%s\n' "$1" "$body" >>"$details"; true; }
+outcome() { case $1 in 0) echo ok;; 124|137) echo "cut at its cap";; 125) echo "not run: the budget is spent";; *) echo "failed (rc $1)";; esac; }
+status=0
+
+# run CAP_S FILE command...: the command under min(CAP_S, what is left), its output in FILE, its
+# seconds in LAST_S; its exit status is the function's (124: cut by the cap; 125: not run).
+run() {
+  local cap started rc; cap=$(capped "$1"); local file=$2; shift 2
+  LAST_S=0
+  if (( cap < 15 )); then echo "not run: the budget is spent" >"$file"; return 125; fi
+  started=$(date +%s)
+  timeout --kill-after=10 "$cap" "$@" >"$file" 2>&1; rc=$?
+  LAST_S=$(( $(date +%s) - started ))
+  (( rc == 124 || rc == 137 )) && echo "(cut at ${cap} s)" >>"$file"
+  return $rc
+}
+pytest_line() { grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$1" | tail -1 | tr -d '='; }
 
 echo "== GPU tests"
-$python -m pytest -q -rs tests/gpu/test_gpu.py 2>&1 | tee "$out/gpu-tests.log" || status=1
+run ${caps[0]} "$out/gpu-tests.log" $python -m pytest -q -rs -p no:cacheprovider tests/gpu; rc=$?
+(( rc != 0 )) && status=1
+row "GPU tests" "$LAST_S" "$(pytest_line "$out/gpu-tests.log"); $(outcome $rc)"
+grep -E '^(FAILED|ERROR)' "$out/gpu-tests.log" | section "GPU tests: failures"
 
-echo "== engine bench (bf16, 5-token prompts)"
-: >"$out/bench.md"
-for model in random:gpt2 random:gpt2-xl; do
-  $python -m gpt2serve.cli bench --in-process --model "$model" --device cuda --dtype bfloat16 \
-      --batch-sizes 1,64,256,1024 2>&1 | grep -v WARN | tee -a "$out/bench.md" || status=1
-  echo | tee -a "$out/bench.md"
+echo "== engine in process, bf16"
+models="random:gpt2 random:gpt2-xl"
+[ $quick = 1 ] && models=random:gpt2
+for model in $models; do
+  file=$(mktemp)
+  run ${caps[1]} "$file" $python -m gpt2serve.cli bench --in-process --model "$model" --device cuda \
+      --dtype bfloat16 --batch-sizes 1,64,256,1024 --limit-duration 4 --rounds 2; rc=$?
+  (( rc != 0 )) && status=1
+  grep -v WARN "$file" | section "engine in process: $model, bf16 (gpt2serve bench --in-process --rounds 2)"
+  row "in process, $model" "$LAST_S" "$(outcome $rc); below"
 done
 
-echo "== served (issue 12): random:gpt2 bf16, --workers auto, clients over 8 processes"
-log=$(mktemp)
+echo "== served, random:gpt2 bf16, --workers auto"
+cap=$(capped ${caps[2]})
 $python -m gpt2serve.cli serve --model random:gpt2 --device cuda --dtype bfloat16 --workers auto \
-    --host 127.0.0.1 --grpc-port 50081 --http-port 8081 >"$log" 2>&1 &
+    --host 127.0.0.1 --grpc-port 50081 --http-port 8081 >"$out/serve.log" 2>&1 &
 server=$!
-for _ in $(seq 1 300); do grep -q "gpt2serve ready" "$log" && break; kill -0 $server 2>/dev/null || break; sleep 1; done
-if grep -q "gpt2serve ready" "$log"; then
-  for load in "-c 512 -p 8" "--api rest --http-target http://127.0.0.1:8081 -c 512 -p 8" "-c 1"; do
-    echo "-- bench $load" | tee -a "$out/serve-bench.txt"
-    $python -m gpt2serve.cli bench --target 127.0.0.1:50081 $load -d 10 2>&1 | grep -v WARN | tee -a "$out/serve-bench.txt" || status=1
+started=$(date +%s)
+until grep -q "gpt2serve ready" "$out/serve.log" || ! kill -0 $server 2>/dev/null || (( $(date +%s) - started > cap )); do
+  sleep 1
+done
+if grep -q "gpt2serve ready" "$out/serve.log"; then
+  row "server start" $(( $(date +%s) - started )) "ready"
+  loads=("-c 512 -p 8" "--api rest --http-target http://127.0.0.1:8081 -c 512 -p 8" "-c 1")
+  [ $quick = 1 ] && loads=("-c 512 -p 8" "-c 1")
+  for load in "${loads[@]}"; do
+    file=$(mktemp)
+    run ${caps[3]} "$file" $python -m gpt2serve.cli bench --target 127.0.0.1:50081 $load -d ${caps[4]} \
+        --limit-duration 4; rc=$?
+    (( rc != 0 )) && status=1
+    grep -v WARN "$file" | section "served next-token: gpt2serve bench --target ... $load -d ${caps[4]}"
+    row "next-token ${load/--http-target http:\/\/127.0.0.1:8081 /}" "$LAST_S" "$(outcome $rc); below"
   done
+  streams=1,16,64,256
+  [ $quick = 1 ] && streams=1,256
+  file=$(mktemp)
+  run ${caps[5]} "$file" $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50081 \
+      --streams $streams -p 8 -d ${caps[6]} --rounds 1 --limit-duration 4; rc=$?
+  (( rc != 0 )) && status=1
+  grep -v WARN "$file" | section "generation: gpt2serve bench --generate --streams $streams -p 8 -d ${caps[6]}"
+  row "generation, $streams streams" "$LAST_S" "$(outcome $rc); below"
 else
-  cat "$log"; status=1
+  row "server start" $(( $(date +%s) - started )) "NOT READY (serve.log)"
+  status=1
 fi
 kill $server 2>/dev/null; wait $server 2>/dev/null
-cp "$log" "$out/serve.log"
 
-echo "== generation (issue 14): streams of 64 tokens, bf16, --workers auto"
-: >"$out/generate-bench.md"
-for model in random:gpt2 random:gpt2-xl; do
-  log=$(mktemp)
-  $python -m gpt2serve.cli serve --model "$model" --device cuda --dtype bfloat16 --workers auto \
-      --host 127.0.0.1 --grpc-port 50082 --http-port 8082 >"$log" 2>&1 &
-  server=$!
-  for _ in $(seq 1 300); do grep -q "gpt2serve ready" "$log" && break; kill -0 $server 2>/dev/null || break; sleep 1; done
-  if grep -q "gpt2serve ready" "$log"; then
-    $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50082 --streams 1,16,64,256 -p 8 -d 10 \
-        --limit-duration 6 2>&1 | grep -v WARN | tee -a "$out/generate-bench.md" || status=1
-    echo | tee -a "$out/generate-bench.md"
-  else
-    cat "$log"; status=1
-  fi
-  kill $server 2>/dev/null; wait $server 2>/dev/null
-  cp "$log" "$out/generate-serve-${model#random:}.log"
-done
+if [ $quick = 0 ]; then
+  echo "== prefix cache and scoring on cuda"
+  file=$(mktemp)
+  run 60 "$file" $python bench/prefix_cache.py --model random:gpt2 --device cuda --dtype bfloat16 \
+      --rounds 3; rc=$?
+  (( rc != 0 )) && status=1
+  tail -40 "$file" | section "prefix cache: bench/prefix_cache.py --device cuda --dtype bfloat16 --rounds 3"
+  row "prefix cache" "$LAST_S" "$(outcome $rc); below"
+  file=$(mktemp)
+  run 60 "$file" $python bench/scoring.py --model random:gpt2 --device cuda --dtype bfloat16 \
+      --clients 64 --seconds 8 --rounds 2 --memory-batch 0; rc=$?
+  (( rc != 0 )) && status=1
+  tail -1 "$file" | section "scoring: bench/scoring.py --device cuda --dtype bfloat16 --clients 64 --seconds 8"
+  row "scoring" "$LAST_S" "$(outcome $rc); below"
 
-if [ "${SUITE:-1}" = 1 ]; then
-  echo "== whole suite"
-  $python -m pytest -q -rs 2>&1 | tee "$out/suite.log" || status=1
+  echo "== the suite, until the budget is spent"
+  workers=()
+  $python -c "import xdist" 2>/dev/null && workers=(-n "$(nproc)")
+  remaining=$(left)
+  GPT2SERVE_SUITE_BUDGET_S=$(( remaining - 40 )) run "$remaining" "$out/suite.log" \
+      $python -m pytest -q -rfEs -p no:cacheprovider "${workers[@]}" -m "not (stack or browser or helm or gpu)"; rc=$?
+  (( rc != 0 )) && status=1
+  cut=$(grep -E '^SKIPPED \[[0-9]+\].*budget is spent' "$out/suite.log" | sed -E 's/^SKIPPED \[([0-9]+)\].*/\1/' |
+        awk '{n += $1} END {print n + 0}')
+  row "suite" "$LAST_S" "$(pytest_line "$out/suite.log"); $cut skipped for the budget; $(outcome $rc)"
+  grep -E '^(FAILED|ERROR)' "$out/suite.log" | section "suite: failures"
 fi
+
+{
+  echo "## GPU check$([ $quick = 1 ] && echo ' (--quick)')"
+  echo
+  echo "$(date -u +%Y-%m-%d), commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}, \
+$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1), \
+$($python -c 'import torch, sys; print(f"torch {torch.__version__}, Python {sys.version.split()[0]}")'), \
+$(nproc) cores; $(( $(date +%s) - t0 )) s of a $budget s budget"
+  echo
+  echo "| step | s | result |"
+  echo "|---|---|---|"
+  cat "$rows"
+  cat "$details"
+} >"$summary"
+echo "== summary: $summary"
+cat "$summary"
 exit $status

@@ -3,9 +3,24 @@ models and tokenizer the answers are judged with. Helpers that are not fixtures 
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from support.servers import ServerProcess, launch_server
+
+
+# A time budget for the whole run, for scripts/gpu_check.sh on a card whose time is short: once it
+# is spent, each test left is skipped with this reason (counted in the check's summary, never
+# as passed). Unset (the default, `make test`, CI): no budget.
+SUITE_BUDGET_S = float(os.environ.get("GPT2SERVE_SUITE_BUDGET_S") or 0)
+SUITE_STARTED = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    if SUITE_BUDGET_S and time.monotonic() - SUITE_STARTED > SUITE_BUDGET_S:
+        pytest.skip(f"the run's time budget is spent (GPT2SERVE_SUITE_BUDGET_S={SUITE_BUDGET_S:g})")
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "server" / "gpt2serve"
-LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+# import-linter's command, run by this interpreter: its script sits beside the venv's python, not
+# beside the machine's python3 where the packages are on PYTHONPATH (a GPU machine's wheels).
+LINT_IMPORTS = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
+                "sys.argv[0] = 'lint-imports'; sys.exit(lint_imports_command())"]
 # Modules allowed past ~400 lines, each with its reason. None today.
 LONG_MODULES: dict[str, str] = {}
 
 
 def lint_imports(pythonpath: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{pythonpath}{os.pathsep}{ROOT / 'client'}"}
-    return subprocess.run([str(LINT_IMPORTS), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
+    return subprocess.run([*LINT_IMPORTS, "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
