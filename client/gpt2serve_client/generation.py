@@ -5,7 +5,7 @@ protobuf message and its REST JSON form, as the types in `types` do.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ._proto import gpt2serve_pb2 as pb
@@ -115,10 +115,16 @@ class GenerateChunk:
     trace_id: str = ""
     prompt_token_ids: list[int] = field(default_factory=list)
     step: GenerationStep | None = None  # with trace_steps: how the model chose `token`
+    # Tokens after `token` in the same message, sent together because the reader had not read
+    # the ones before; `text` is theirs too. The clients split such a message (split()).
+    more_tokens: list[GeneratedToken] = field(default_factory=list)
 
     def to_proto(self) -> pb.GenerateResponse:
         if self.token is not None and not (self.finish_reason or self.usage or self.timings or self.trace_id
                                            or self.prompt_token_ids or self.step):  # a token's message: the hot path
+            if self.more_tokens:
+                return pb.GenerateResponse(text=self.text, token=self.token.to_proto(),
+                                           more_tokens=[t.to_proto() for t in self.more_tokens])
             return pb.GenerateResponse(text=self.text, token=self.token.to_proto())
         return pb.GenerateResponse(
             text=self.text, token=self.token.to_proto() if self.token else None, finish_reason=self.finish_reason,
@@ -138,6 +144,7 @@ class GenerateChunk:
             if msg.HasField("timings") else None,
             trace_id=msg.trace_id, prompt_token_ids=list(msg.prompt_token_ids),
             step=GenerationStep.from_proto(msg.step) if msg.HasField("step") else None,
+            more_tokens=[GeneratedToken.from_proto(t) for t in msg.more_tokens],
         )
 
     @classmethod
@@ -149,7 +156,15 @@ class GenerateChunk:
             timings=GenerateTimings(**data["timings"]) if data.get("timings") else None,
             trace_id=data.get("trace_id", ""), prompt_token_ids=list(data.get("prompt_token_ids") or []),
             step=GenerationStep.from_dict(data["step"]) if data.get("step") else None,
+            more_tokens=[GeneratedToken.from_dict(t) for t in data.get("more_tokens") or []],
         )
+
+    def split(self) -> list[GenerateChunk]:
+        """One chunk per token, as a reader that kept up would have had them: this one with the
+        whole text and its first token, then one per further token with no text of its own."""
+        if not self.more_tokens:
+            return [self]
+        return [replace(self, more_tokens=[]), *(GenerateChunk(token=token) for token in self.more_tokens)]
 
 
 @dataclass(frozen=True)
@@ -173,6 +188,7 @@ class GenerateResult:
             text.append(chunk.text)
             if chunk.token is not None:
                 tokens.append(chunk.token)
+            tokens += chunk.more_tokens
             if chunk.step is not None:
                 steps.append(chunk.step)
             last = chunk

@@ -192,7 +192,7 @@ class Client:
             try:
                 for message in call:
                     started = True
-                    yield GenerateChunk.from_proto(message)
+                    yield from GenerateChunk.from_proto(message).split()  # one chunk a token
                 return
             except grpc.RpcError as exc:
                 wait = None if started else attempts.again(exc)  # once a token came, never again
@@ -288,7 +288,8 @@ class AsyncClient:
             try:
                 async for message in call:
                     started = True
-                    yield GenerateChunk.from_proto(message)
+                    for chunk in GenerateChunk.from_proto(message).split():  # one chunk a token
+                        yield chunk
                 return
             except grpc.RpcError as exc:
                 wait = None if started else attempts.again(exc)  # once a token came, never again

@@ -136,7 +136,7 @@ class RestClient:
                         data = json.loads(line[5:])
                         if event == "error":
                             raise Gpt2ServeError(data["error"]["code"], data["error"]["message"])
-                        yield GenerateChunk.from_dict(data)
+                        yield from GenerateChunk.from_dict(data).split()  # one chunk a token
                         event = ""
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None

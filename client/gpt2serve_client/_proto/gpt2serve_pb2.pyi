@@ -368,7 +368,7 @@ class GenerateTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., time_per_output_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token", "finish_reason", "usage", "timings", "trace_id", "prompt_token_ids", "step")
+    __slots__ = ("text", "token", "finish_reason", "usage", "timings", "trace_id", "prompt_token_ids", "step", "more_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class GenerateResponse(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token: GeneratedToken
     finish_reason: str
@@ -385,4 +386,5 @@ class GenerateResponse(_message.Message):
     trace_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     step: GenerationStep
-    def __init__(self, text: _Optional[str] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[GenerateTimings, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., step: _Optional[_Union[GenerationStep, _Mapping]] = ...) -> None: ...
+    more_tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
+    def __init__(self, text: _Optional[str] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[GenerateTimings, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., step: _Optional[_Union[GenerationStep, _Mapping]] = ..., more_tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...

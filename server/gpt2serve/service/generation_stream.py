@@ -54,17 +54,23 @@ class GenerationStream:
         self.prompt_logprobs: list[PromptTokenLogprob] = []  # with settings.prompt_logprobs, once the prefill ran
         self.end_token: GeneratedToken | None = None  # the end-of-text or stop token that finished it, if one did
 
-    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+    async def chunks(self, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
+        """coalesce: the tokens that arrived while the caller was busy with the last chunk (a
+        transport waiting for a slow reader) come as one chunk (GenerateChunk.more_tokens); a
+        caller that keeps up still gets each token as it comes."""
         await self._start()
+        queue, held = self._queue, None  # held: an item taken while joining, not joinable
         try:
             while True:
-                item = await self._queue.get()
+                item, held = (held, None) if held is not None else (await queue.get(), None)
                 if isinstance(item, asyncio.Future):  # a chunk whose step is being traced
                     item = await item
                 if type(item) is _End:
                     if item.error is not None:
                         raise item.error
                     return
+                if coalesce and not queue.empty() and _plain(item):
+                    item, held = _joined(item, queue)
                 yield item
         except BaseException as exc:  # the caller left (cancelled, or closed the iteration)
             self._end(exc)
@@ -158,6 +164,25 @@ class GenerationStream:
         if self._request is not None:
             self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,
                                  time_per_output_token_s=clock.time_per_output_token_s)
+
+
+def _plain(item) -> bool:
+    """A token's chunk with nothing else (not a closing chunk, a traced step or the end)."""
+    return type(item) is GenerateChunk and item.token is not None and not (item.finish_reason or item.step)
+
+
+def _joined(first: GenerateChunk, queue: asyncio.Queue) -> tuple[GenerateChunk, object]:
+    """`first` and the plain token chunks queued right behind it, as one chunk; and the first
+    item taken that was not one (a closing chunk, a traced step, the end), to be sent next."""
+    texts, more, held = [first.text], [], None
+    while not queue.empty():
+        item = queue.get_nowait()
+        if not _plain(item):
+            held = item
+            break
+        texts.append(item.text)
+        more.append(item.token)
+    return (GenerateChunk("".join(texts), first.token, more_tokens=more) if more else first), held
 
 
 def generated_token(tokenizer: Tokenizer, token: SampledToken) -> GeneratedToken:

@@ -136,9 +136,10 @@ class InferenceService:
         return await next_token_batch(self, prompts, top_k, options, prompt_logprobs)
 
     def generate(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
-                 options: RequestOptions = GENERATE) -> AsyncIterator[GenerateChunk]:
-        """The generation's chunks as they come, the closing one last (see generation_stream)."""
-        return GenerationStream(self, prompt, settings, options).chunks()
+                 options: RequestOptions = GENERATE, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
+        """The generation's chunks as they come, the closing one last (see generation_stream);
+        coalesce: tokens a slow reader has not taken yet come together, as one chunk."""
+        return GenerationStream(self, prompt, settings, options).chunks(coalesce)
 
     def generation_stream(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
                           options: RequestOptions = GENERATE) -> GenerationStream:

@@ -129,12 +129,15 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
             raise InvalidArgument(request.message)
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        """One message per token as the generation goes; a caller that hangs up cancels it."""
+        """One message per token as the generation goes, or, to a caller that reads slower than
+        tokens come, the tokens it has not read in one message (more_tokens); a caller that
+        hangs up cancels it."""
         with self.service.accepted("grpc Generate"):
             try:
                 self.refuse_undecodable(request, "Generate")
                 options = request_options("Generate", request, context)
-                async for chunk in self.service.generate(prompt_input(request), generate_settings(request), options):
+                async for chunk in self.service.generate(prompt_input(request), generate_settings(request), options,
+                                                         coalesce=True):
                     yield chunk.to_proto()
             except grpc.aio.AbortError:
                 raise
