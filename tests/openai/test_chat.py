@@ -226,9 +226,9 @@ def test_logprobs_in_chats_format_are_the_models(chat_server, oai, model, hf, ch
         assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
         top3 = reference[step].topk(3).values.tolist()
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top3, abs=1e-4)
-    streamed = [c.logprobs.content[0].logprob for e in oai.chat.completions.create(
+    streamed = [entry.logprob for e in oai.chat.completions.create(  # an event may bring several tokens
         model=model, messages=messages, max_tokens=6, logprobs=True, stream=True, **GREEDY)
-        for c in e.choices if c.logprobs]
+        for c in e.choices if c.logprobs for entry in c.logprobs.content]
     assert streamed == pytest.approx([entry.logprob for entry in content], abs=1e-6)
     plain = oai.chat.completions.create(model=model, messages=messages, max_tokens=2, **GREEDY)
     assert plain.choices[0].logprobs is None

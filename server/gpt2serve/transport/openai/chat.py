@@ -179,7 +179,7 @@ class ChatCompletions:
             raise InvalidArgument(f"{field}: {why}", param=field if field in ChatCompletionBody.model_fields else None) from None
         options = http_options(request, ROUTE, "ChatCompletions", api="openai", attributes=seen)
         choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i))
-                                    for i in range(body.n)], options)
+                                    for i in range(body.n)], options, coalesce=body.stream)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model}
         tokenizer = service.validator.tokenizer
         if body.stream:
@@ -204,9 +204,10 @@ def chat_usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 async def chunk_events(head: dict, chunks: AsyncIterator[tuple[int, GenerateChunk]], n: int, prompt_tokens: int,
                        include_usage: bool, tokenizer: Tokenizer | None, error_body: Callable[[ServeError], dict]):
-    """Chat's stream: each choice's role first, then a content delta per token (with its logprobs
-    entry when asked: `tokenizer` set), each choice's last with its finish_reason; with
-    include_usage every chunk has `usage: null` and a last one the usage; then `data: [DONE]`."""
+    """Chat's stream: each choice's role first, then a content delta per token, or per run of
+    tokens its reader had not taken yet (with a logprobs entry each when asked: `tokenizer`
+    set), each choice's last with its finish_reason; with include_usage every chunk has
+    `usage: null` and a last one the usage; then `data: [DONE]`."""
     head = {**head, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
 
     def event(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> bytes:
@@ -223,7 +224,8 @@ async def chunk_events(head: dict, chunks: AsyncIterator[tuple[int, GenerateChun
                 yield event(index, {"content": chunk.text} if chunk.text else {}, None,
                             finish_reason(chunk.finish_reason))
             else:
-                logprobs = {"content": [chat_logprob(tokenizer, chunk.token)]} if tokenizer and chunk.token else None
+                logprobs = ({"content": [chat_logprob(tokenizer, t) for t in [chunk.token, *chunk.more_tokens]]}
+                            if tokenizer and chunk.token else None)
                 yield event(index, {"content": chunk.text}, logprobs)
         if include_usage:
             yield sse_event({**head, "choices": [], "usage": chat_usage(prompt_tokens, completion_tokens)})

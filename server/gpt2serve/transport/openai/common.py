@@ -51,11 +51,13 @@ class Choices:
     """
 
     def __init__(self, service: InferenceService, inputs: list[tuple[PromptInput, GenerateSettings]],
-                 options: RequestOptions):
+                 options: RequestOptions, coalesce: bool = False):
+        """coalesce (a streamed answer): a choice's tokens its reader has not taken yet come as one
+        chunk (GenerateChunk.more_tokens), so they go out as one event."""
         self.slots = max(service.model_info().max_running_sequences, 1)
         turns = asyncio.Semaphore(self.slots)
         self.streams: list[GenerationStream] = [service.generation_stream(p, s, options) for p, s in inputs]
-        self.generations = [in_turn(turns, stream.chunks()) for stream in self.streams]
+        self.generations = [in_turn(turns, stream.chunks(coalesce)) for stream in self.streams]
 
     async def results(self, request: Request) -> list[GenerateResult]:
         """Every choice to its end; the first error cancels the rest, as does a hang-up."""

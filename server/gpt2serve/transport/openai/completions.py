@@ -133,7 +133,7 @@ class Completions:
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"prompt[{index}]: {exc.message}", param="prompt") from None
                 prompts[index] = PromptInput(token_ids=checked.prompt)  # tokenized once
-        choices = Choices(service, [(prompt, settings) for prompt in prompts], options)
+        choices = Choices(service, [(prompt, settings) for prompt in prompts], options, coalesce=body.stream)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             events = stream_events(completion, await choices.chunks(request), include_usage, body.logprobs,
@@ -176,17 +176,19 @@ class Completions:
 
 async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
                         logprobs: int | None, error_body: Callable[[ServeError], dict], name: Callable[[int], str]):
-    """OpenAI's stream: a chunk per token (text delta) with its choice's index, each choice's last
-    with its finish_reason; when asked for, the usage of all choices in a chunk of its own after
-    the last; then `data: [DONE]`."""
+    """OpenAI's stream: a chunk per token (text delta) with its choice's index, or per run of
+    tokens its reader had not taken yet (their text together, a logprobs entry each, offsets by
+    each token's own text as in a whole answer), each choice's last with its finish_reason; when
+    asked for, the usage of all choices in a chunk of its own after the last; then `data: [DONE]`."""
     offsets: dict[int, int] = {}
     usages: list[Usage] = []
     try:
         async for index, chunk in chunks:
-            tokens = [chunk.token] if chunk.token else []
+            tokens = ([chunk.token] if chunk.token else []) + chunk.more_tokens
+            texts = [t.token for t in tokens] if chunk.more_tokens else [chunk.text]
             offset = offsets.get(index, 0)
             choice = {"index": index, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
-                      "logprobs": logprobs_json(name, tokens, [chunk.text], offset) if logprobs is not None else None}
+                      "logprobs": logprobs_json(name, tokens, texts, offset) if logprobs is not None else None}
             offsets[index] = offset + len(chunk.text)
             yield sse_event({**completion, "choices": [choice]})
             if chunk.finish_reason:
