@@ -14,7 +14,7 @@ import time
 import grpc
 
 from gpt2serve.service.generation_stream import _End, _joined
-from gpt2serve_client import AsyncClient, Client
+from gpt2serve_client import AsyncClient, Client, RestClient
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 from gpt2serve_client.generation import GeneratedToken, GenerateChunk, GenerateResult, Usage
@@ -64,7 +64,10 @@ def test_the_clients_give_one_chunk_a_token_whatever_the_messages(server):
         async with AsyncClient(server.grpc_target) as client:
             return [c async for c in client.generate_stream(PROMPT, max_tokens=TOKENS, ignore_eos=True, temperature=0)]
 
-    for got in (chunks, asyncio.run(async_chunks())):
+    with RestClient(server.http_url) as client:
+        rest = list(client.generate_stream(PROMPT, max_tokens=TOKENS, ignore_eos=True, temperature=0))
+
+    for got in (chunks, asyncio.run(async_chunks()), rest):
         assert len(got) == TOKENS + 1 and all(not c.more_tokens for c in got)
         assert [c.token.token_id for c in got[:-1]] == [t.token_id for t in whole.tokens]
         assert "".join(c.text for c in got) == whole.text

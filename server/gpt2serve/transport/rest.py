@@ -318,12 +318,14 @@ class InferenceRoutes:
 
     async def generate(self, request: Request, body: GenerateBody) -> Response:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
-        token (text, token), then a closing chunk (finish_reason, usage, timings); an error
-        after the stream began comes as an `event: error` with the usual error body."""
+        token (text, token), or per run of tokens the reader had not taken yet (their text, the
+        first token, the rest in more_tokens), then a closing chunk (finish_reason, usage,
+        timings); an error after the stream began comes as an `event: error` with the usual
+        error body."""
         prompt, chat = await self.generate_prompt(body)
         options = http_options(request, "/v1/generate", "Generate", attributes=chat, trace_layers=body.trace_layers,
                                trace_steps=body.trace_steps)
-        chunks = self.service.generate(prompt, body.settings(), options)
+        chunks = self.service.generate(prompt, body.settings(), options, coalesce=body.stream)
         if not body.stream:
             collected = await unless_disconnected(request, collect(chunks))
             return json_response(asdict(GenerateResult.from_chunks(collected)))
