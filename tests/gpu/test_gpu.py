@@ -15,6 +15,7 @@ so the token embedding is scaled 3x (`peaked`): top-1 logprobs from -1.4 to -5, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import random
 import statistics
@@ -65,6 +66,27 @@ def cuda_engine(model, dtype: torch.dtype, **options) -> Engine:
     engine = Engine(loaded, EngineOptions(**{"max_batch_size": 64, **options}))
     engine.warm_up()
     return engine
+
+
+def peak_of(call):
+    """call()'s result, and the device memory it took at its peak beyond what was held before."""
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    result = call()
+    return result, torch.cuda.max_memory_allocated() - base
+
+
+@contextlib.contextmanager
+def full_card_but(room: int):
+    """The card filled but for `room` bytes (torch's cache emptied first) until the block ends."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    blocker = torch.empty(max(free - room, 0), dtype=torch.uint8, device=CUDA)
+    try:
+        yield
+    finally:
+        del blocker
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -129,14 +151,9 @@ def test_a_real_out_of_memory_splits_the_batch(peaked):
     engine = thread.submit(cuda_engine, peaked, torch.float32, cuda_graphs=False).result()
     prompts = make_prompts(64, seed=6, max_len=1)
     prompts = [p * 1000 for p in prompts]  # 64 prompts of 1000 tokens
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    expected = thread.submit(lambda: [engine.next_token([p], [3]).top[0] for p in prompts[:8]]).result()
-    one_prompt = torch.cuda.max_memory_allocated() - base
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    blocker = torch.empty(max(free - 8 * one_prompt, 0), dtype=torch.uint8, device=CUDA)  # room for ~8 prompts
-    try:
+    expected, one_prompt = peak_of(lambda: thread.submit(
+        lambda: [engine.next_token([p], [3]).top[0] for p in prompts[:8]]).result())
+    with full_card_but(8 * one_prompt):  # room for ~8 prompts
         async def run():
             batcher = EngineCore(engine, None, max_batch_size=64, max_batch_delay_s=0.01, max_queue=1024,
                                  max_batch_tokens=10**6, engine_thread=thread)
@@ -147,9 +164,6 @@ def test_a_real_out_of_memory_splits_the_batch(peaked):
                 await batcher.stop()
 
         outputs, batches = asyncio.run(run())
-    finally:
-        del blocker
-        torch.cuda.empty_cache()
     assert batches > 1, "the batch of 64 fitted: the card was not full enough"
     for got, want in zip(outputs, expected):
         assert [s.token_id for s in got.top] == [s.token_id for s in want]
@@ -173,14 +187,9 @@ def test_a_real_out_of_memory_in_a_prefill_splits_it(peaked):
     generator = Generator(engine, slots=16, graphs=False)
     thread.submit(generator.warm_up).result()  # the KV cache claimed whole, as in the server
     prompts = [p * 250 for p in make_prompts(16, seed=7, max_len=4)]  # up to 1,000 tokens each
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    firsts = thread.submit(lambda: [engine.next_token([p], [1]).top[0].token_id for p in prompts]).result()
-    one_prompt = torch.cuda.max_memory_allocated() - base
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    blocker = torch.empty(max(free - 4 * one_prompt, 0), dtype=torch.uint8, device=CUDA)  # room for ~4 prompts
-    try:
+    firsts, one_prompt = peak_of(lambda: thread.submit(
+        lambda: [engine.next_token([p], [1]).top[0].token_id for p in prompts]).result())
+    with full_card_but(4 * one_prompt):  # room for ~4 prompts
         async def run():
             core = EngineCore(engine, generator, max_batch_size=16, max_batch_delay_s=0.01, max_queue=64,
                               max_batch_tokens=10**6, engine_thread=thread)
@@ -193,9 +202,6 @@ def test_a_real_out_of_memory_in_a_prefill_splits_it(peaked):
                 await core.stop()
 
         streamed = asyncio.run(run())
-    finally:
-        del blocker
-        torch.cuda.empty_cache()
     assert [[e.token.token_id for e in got][0] for got in streamed] == firsts
     assert all(len(got) == 2 for got in streamed)
 
