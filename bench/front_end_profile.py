@@ -1,0 +1,138 @@
+"""Where a front end's CPU goes, per kind of call: py-spy samples both front ends of a stand-in
+server (bench/standin_server.py, --workers 2: the real front ends, IPC and engine host path, the
+device's work replaced by its measured times) while one load runs, and the samples are grouped
+by the layer whose code is running (the innermost frame that belongs to a known layer).
+
+Loads, one at a time, each from 2 client processes on the same machine:
+- unary: 64 closed-loop gRPC NextToken callers (bench/host_path.py --clients 64);
+- rest: 64 closed-loop REST /v1/next-token callers (gpt2serve.benchmarks.serving_load);
+- batch: 4 NextTokenBatch callers of 64 prompts (bench/host_path.py --batch-clients 4);
+- stream: 64 Generate streams of 64 tokens (bench/host_path.py --streams 64).
+
+    .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream] [--seconds 16]
+
+Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
+(a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
+(`.venv/bin/pip install py-spy`) and the permission to read another process's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from host_path import StandinServer, metric_sum, process_cpu  # noqa: E402
+
+PYTHON = sys.executable
+SPY = shutil.which("py-spy") or str(Path(PYTHON).parent / "py-spy")
+
+# Layer -> path fragments of its code, checked innermost frame first; the first match names the
+# sample. Order matters only where fragments overlap.
+LAYERS = [
+    ("gRPC library (grpc.aio, C core)", ("grpc/", "grpc_aio", "cygrpc", "_server.py")),
+    ("protobuf messages", ("google/protobuf", "_pb2", "to_proto", "from_proto")),
+    ("HTTP (uvicorn, h11/httptools, starlette, fastapi)", ("uvicorn/", "h11/", "httptools", "starlette/",
+                                                           "fastapi/", "pydantic")),
+    ("IPC (zmq, msgpack, the codec)", ("zmq/", "msgpack", "gpt2serve/ipc/")),
+    ("telemetry (spans, metrics, OpenTelemetry, prometheus)", ("opentelemetry", "prometheus_client",
+                                                              "gpt2serve/telemetry/")),
+    ("tokenizer and detokenizer", ("tokenizer", "detokenizer")),
+    ("service (validation, answers, streams)", ("gpt2serve/service/",)),
+    ("transports' own code (gpt2serve/transport)", ("gpt2serve/transport/",)),
+    ("asyncio's own bookkeeping and epoll", ("asyncio/", "selectors.py")),
+]
+
+
+def layer_of(stack: list[str]) -> str:
+    # Without --native, compiled code shows as the Python frame that called it: a callback the
+    # loop runs (Handle._run's own time) is grpc.aio's Cython or pyzmq's, and a thread whose only
+    # frame is Thread.run is a library's own (grpc's poller).
+    innermost = stack[-1]
+    if innermost.startswith("Handle._run "):
+        return "compiled callbacks the loop runs (grpc.aio's Cython, pyzmq)"
+    if innermost.startswith("Thread.run "):
+        return "a library's own thread (grpc's poller)"
+    for frame in reversed(stack):
+        for name, fragments in LAYERS:
+            if any(f in frame for f in fragments):
+                return name
+    return "other"
+
+
+def load_command(load: str, server, seconds: float) -> list[str]:
+    """The load's client processes (none of them loads a model, so the load starts at once)."""
+    if load == "rest":
+        return [PYTHON, "-c", "from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts; "
+                f"load_from_processes('rest', {server.http!r}, make_prompts(256, 5, 50257, 0), 64, {seconds}, 1, 2)"]
+    common = [PYTHON, str(HERE / "host_path.py"), "--target", server.grpc, "--http-target", server.http,
+              "--duration", str(seconds), "--streams", "", "--clients", "", "--batch-clients", "0"]
+    extra = {"unary": ["--clients", "64"], "batch": ["--batch-clients", "4"], "stream": ["--streams", "64"]}[load]
+    return [*common, *extra]  # the later flag wins
+
+
+# What a unit of work is, per load, counted from the server's /metrics.
+UNITS = {
+    "unary": ("a call", "gpt2serve_requests_total", 'method="NextToken"', 1),
+    "rest": ("a call", "gpt2serve_requests_total", 'method="NextToken"', 1),
+    "batch": ("a prompt", "gpt2serve_requests_total", 'method="NextTokenBatch"', 64),
+    "stream": ("a token", "gpt2serve_generated_tokens_total", "", 1),
+}
+
+
+def profile(load: str, server, seconds: float) -> tuple[collections.Counter, float, str]:
+    pids = [pid for title, pid in server.processes.items() if title.startswith("front end")]
+    unit, name, labels, per = UNITS[load]
+    client = subprocess.Popen(load_command(load, server, seconds), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    time.sleep(5.0)  # past the clients' start-up and warm-up
+    window = max(seconds - 7.0, 2.0)
+    before_cpu, before_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
+    with tempfile.TemporaryDirectory() as tmp:
+        spies = [subprocess.Popen([SPY, "record", "--pid", str(p), "--duration", str(int(window)), "--rate", "250",
+                                   "--nonblocking", "--format", "raw", "-o", f"{tmp}/{p}.txt"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in pids]
+        for spy in spies:
+            spy.wait()
+        after_cpu, after_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
+        layers: collections.Counter = collections.Counter()
+        for p in pids:
+            path = Path(f"{tmp}/{p}.txt")
+            for line in path.read_text().splitlines() if path.exists() else []:
+                stack, count = line.rsplit(" ", 1)  # py-spy leaves out threads that wait (no --idle)
+                layers[layer_of(stack.split(";"))] += int(count)
+    client.wait(timeout=seconds + 120)
+    units = (after_units - before_units) * per
+    us_per_unit = (after_cpu - before_cpu) / units * 1e6 if units else float("nan")
+    return layers, us_per_unit, unit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loads", default="unary,rest,batch,stream")
+    parser.add_argument("--seconds", type=float, default=16.0, help="of load; samples over all but the ends")
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    server = StandinServer(workers=2, max_batch=256)
+    try:
+        for load in args.loads.split(","):
+            layers, us, unit = profile(load, server, args.seconds)
+            total = sum(layers.values()) or 1
+            print(f"\n{load}: front ends' CPU {us:.0f} us {unit} (2 front ends, /proc over /metrics)")
+            print("| layer | share of the front ends' working samples |\n|---|---|")
+            for name, count in layers.most_common():
+                print(f"| {name} | {100 * count / total:.0f}% |")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
