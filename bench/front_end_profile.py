@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 import subprocess
 import sys
@@ -120,7 +119,6 @@ def main() -> None:
     parser.add_argument("--loads", default="unary,rest,batch,stream")
     parser.add_argument("--seconds", type=float, default=16.0, help="of load; samples over all but the ends")
     args = parser.parse_args()
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     server = StandinServer(workers=2, max_batch=256)
     try:
         for load in args.loads.split(","):

@@ -108,6 +108,14 @@ class _Attempts:
             return 0.0
         return None
 
+    def wait_or_raise(self, exc: grpc.RpcError, resend: bool = True) -> float:
+        """Seconds to wait before sending again; the call's error raised where it is not sent
+        again (resend=False: never, e.g. a stream that has already given a token)."""
+        wait = self.again(exc) if resend else None
+        if wait is None:
+            raise _error(exc) from None
+        return wait
+
 
 def _error(exc: grpc.RpcError) -> Gpt2ServeError:
     if exc.code() == grpc.StatusCode.CANCELLED:
@@ -155,10 +163,7 @@ class Client:
             try:
                 return method(request, timeout=attempts.timeout(), metadata=self._metadata())
             except grpc.RpcError as exc:
-                wait = attempts.again(exc)
-                if wait is None:
-                    raise _error(exc) from None
-                time.sleep(wait)
+                time.sleep(attempts.wait_or_raise(exc))
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
@@ -195,9 +200,7 @@ class Client:
                     yield from GenerateChunk.from_proto(message).split()  # one chunk a token
                 return
             except grpc.RpcError as exc:
-                wait = None if started else attempts.again(exc)  # once a token came, never again
-                if wait is None:
-                    raise _error(exc) from None
+                wait = attempts.wait_or_raise(exc, resend=not started)  # once a token came, never again
             finally:
                 call.cancel()
             time.sleep(wait)
@@ -251,10 +254,7 @@ class AsyncClient:
             try:
                 return await method(request, timeout=attempts.timeout(), metadata=self._metadata())
             except grpc.RpcError as exc:
-                wait = attempts.again(exc)
-                if wait is None:
-                    raise _error(exc) from None
-                await asyncio.sleep(wait)
+                await asyncio.sleep(attempts.wait_or_raise(exc))
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
@@ -292,9 +292,7 @@ class AsyncClient:
                         yield chunk
                 return
             except grpc.RpcError as exc:
-                wait = None if started else attempts.again(exc)  # once a token came, never again
-                if wait is None:
-                    raise _error(exc) from None
+                wait = attempts.wait_or_raise(exc, resend=not started)  # once a token came, never again
             finally:
                 call.cancel()
             await asyncio.sleep(wait)

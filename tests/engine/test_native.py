@@ -155,8 +155,8 @@ def test_a_new_compiler_or_torch_builds_again_and_each_build_records_what_made_i
     rather than fail: either change keys a new build. (compile_ops stands in for the compiler
     here; the test above runs the real one.)"""
     built = []
-    monkeypatch.setattr(native, "compile_ops", lambda output, flags=native.FLAGS: (built.append(output),
-                                                                                    output.write_bytes(b"")))
+    monkeypatch.setattr(native, "compile_ops", lambda output, flags=native.FLAGS, name=None: (
+        built.append(output), output.write_bytes(b"")))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = native._build()
     assert native._build() == first and len(built) == 1  # cached: no second build

@@ -77,9 +77,13 @@ class MemoryReserve:
 
     def __init__(self):
         self.held: torch.Tensor | None = None
-        self.device: torch.device | None = None
+        self.device: torch.device | None = None  # None: none kept (a CPU)
         self.nbytes = 0
-        self.missing = False  # kept, and not held now: take it again after the next forward that fits
+
+    @property
+    def missing(self) -> bool:
+        """Kept, and not held now: take it again after the next forward that fits."""
+        return self.device is not None and self.held is None
 
     def keep(self, device: torch.device, nbytes: int = BYTES) -> None:
         self.device, self.nbytes = device, nbytes
@@ -90,12 +94,11 @@ class MemoryReserve:
             self.held = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError:  # still full
             self.held = None
-        self.missing = self.held is None
 
     def release(self) -> None:
-        """(Then empty torch's cache too: a library allocates outside torch's allocator.)"""
-        if self.held is not None:
-            self.held, self.missing = None, True
+        """Hand it back (to the device once torch's cache is emptied: a library allocates outside
+        torch's allocator)."""
+        self.held = None
 
 
 RESERVE = MemoryReserve()  # one per process: the engine process has one device

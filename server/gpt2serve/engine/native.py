@@ -74,13 +74,15 @@ def compiler() -> str:
     return name
 
 
-def compile_ops(output: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    """Build the ops into `output`, written whole or not at all."""
+def compile_ops(output: Path, flags: tuple[str, ...] = FLAGS, name: str | None = None) -> None:
+    """Build the ops into `output` with compiler `name` (default: compiler()), written whole or
+    not at all."""
+    name = name or compiler()
     partial = output.with_name(f"{output.name}.{os.getpid()}.partial")
-    done = subprocess.run(_compile_command(compiler(), partial, flags), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_compile_command(name, partial, flags), capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{compiler()} failed: {done.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"{name} failed: {done.stderr.strip()[-2000:]}")
     os.replace(partial, output)  # atomic: another process sees the whole file or none
 
 
@@ -91,7 +93,7 @@ def _build() -> Path:
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         log.info("compiling gpt2serve's CPU ops (once per machine, about 10 s): %s", library)
-        compile_ops(library)
+        compile_ops(library, name=info["compiler"])
         record = library.with_suffix(".json")
         partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps(info, indent=1) + "\n")
