@@ -5,7 +5,8 @@
 #   1. the GPU tests (tests/gpu)
 #   2. the engine in process against transformers' forward, bf16: gpt2 and gpt2-xl (--quick: gpt2)
 #   3. served next-token, random:gpt2 bf16, --workers auto: gRPC and REST at 512 clients over 8
-#      client processes, and 1 client (--quick: gRPC only)
+#      client processes, NextTokenBatch (64 prompts a call, 16 clients over 4 processes), and 1
+#      client (--quick: no REST)
 #   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256)
 #   5. the prefix cache and scoring on cuda (not in --quick)
 #   6. the suite, -n over the machine's cores, until the budget is spent: the tests left then are
@@ -97,8 +98,8 @@ until grep -q "gpt2serve ready" "$out/serve.log" || ! kill -0 $server 2>/dev/nul
 done
 if grep -q "gpt2serve ready" "$out/serve.log"; then
   row "server start" $(( $(date +%s) - started )) "ready"
-  loads=("-c 512 -p 8" "--api rest --http-target http://127.0.0.1:8081 -c 512 -p 8" "-c 1")
-  [ $quick = 1 ] && loads=("-c 512 -p 8" "-c 1")
+  loads=("-c 512 -p 8" "--api grpc-batch -c 16 -p 4" "--api rest --http-target http://127.0.0.1:8081 -c 512 -p 8" "-c 1")
+  [ $quick = 1 ] && loads=("-c 512 -p 8" "--api grpc-batch -c 16 -p 4" "-c 1")
   for load in "${loads[@]}"; do
     file=$(mktemp)
     run ${caps[3]} "$file" $python -m gpt2serve.cli bench --target 127.0.0.1:50081 $load -d ${caps[4]} \

@@ -2,7 +2,8 @@
 in-process limit (the model alone on this machine, same prompts, batch sizes and dtype).
 
 The ratio of the two is the number to watch: these machines are shared and noisy, so absolute
-req/s move from run to run while a ratio measured in one run holds.
+req/s move from run to run while a ratio measured in one run holds. `--api grpc-batch` sends
+`NextTokenBatch` calls of `--batch-prompts` prompts each, and counts prompts, not calls.
 """
 
 from __future__ import annotations
@@ -79,14 +80,16 @@ class LoadSamples:
         return LoadSamples(self.latencies + other.latencies, self.batch_sizes + other.batch_sizes,
                            self.timings + other.timings, errors)
 
-    def summary(self, api: str, concurrency: int, duration_s: float, interleaved: bool = False) -> LoadResult:
+    def summary(self, api: str, concurrency: int, duration_s: float, interleaved: bool = False,
+                prompts_per_call: int = 1) -> LoadResult:
         latencies = sorted(self.latencies)
         n = len(latencies)
         # Each request reports the size of the batch it ran in; a batch of b is seen b times.
         batches = sum(1 / b for b in self.batch_sizes) if self.batch_sizes else 0
         return LoadResult(
             api=api, concurrency=concurrency, duration_s=duration_s, requests=n, errors=sum(self.errors.values()),
-            req_per_s=n / sum(latencies) if interleaved and latencies else n / duration_s,  # interleaved: request time only
+            # Prompts a second; interleaved (one client): request time only.
+            req_per_s=n * prompts_per_call / (sum(latencies) if interleaved and latencies else duration_s),
             p50_ms=percentile(latencies, 0.5) * 1000, p90_ms=percentile(latencies, 0.9) * 1000,
             p99_ms=percentile(latencies, 0.99) * 1000, mean_batch_size=n / batches if batches else 0.0,
             server_queue_p50_ms=median_of(t.queue_ms for t in self.timings),
@@ -160,6 +163,15 @@ async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, w
                               between)
 
 
+async def load_grpc_batch(target: str, groups, concurrency: int, duration_s: float, warmup_s: float,
+                          between=None) -> LoadSamples:
+    """NextTokenBatch: each "prompt" is a group of prompts sent in one call."""
+    async with AsyncClient(target) as client:
+        async def call(group):
+            return (await client.next_token_batch(group, top_k=5))[-1]  # one sample per call
+        return await run_load(call, groups, concurrency, duration_s, warmup_s, between)
+
+
 class KeepAliveHttp:
     """A lean HTTP/1.1 keep-alive connection for load generation.
 
@@ -218,7 +230,7 @@ async def load_rest(base_url: str, prompts, concurrency: int, duration_s: float,
             conn.close()
 
 
-LOADS = {"grpc": load_grpc, "rest": load_rest}  # api -> load generator
+LOADS = {"grpc": load_grpc, "rest": load_rest, "grpc-batch": load_grpc_batch}  # api -> load generator
 
 
 class InProcessModel:
@@ -262,7 +274,8 @@ def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult
     single = limit[0]
     lines = [
         f"model {info.model} ({info.weights} weights), {info.dtype} on {info.device}",
-        f"server ({load.api}, {load.concurrency} clients, {load.duration_s:.0f} s): {load.req_per_s:.1f} req/s, "
+        f"server ({load.api}, {load.concurrency} clients, {load.duration_s:.0f} s): {load.req_per_s:.1f} "
+        f"{'prompts' if load.api == 'grpc-batch' else 'req'}/s, "
         f"p50 {load.p50_ms:.1f} ms, p90 {load.p90_ms:.1f} ms, p99 {load.p99_ms:.1f} ms, "
         f"mean batch {load.mean_batch_size:.1f}, errors {load.errors} {load.error_codes or ''}".rstrip(),
         f"server-side p50: queue {load.server_queue_p50_ms:.1f} ms, forward {load.server_forward_p50_ms:.1f} ms, "
@@ -286,7 +299,9 @@ def run_bench(args) -> int:
     prompts = make_prompts(256, args.prompt_tokens, info.architecture.vocab_size, args.seed)
     # The server's batch size, and the largest the clients could fill, whichever is faster alone:
     # the ratio is against the best the model does here, not just the size the server was given.
-    sizes = sorted({1, min(args.concurrency, info.max_batch_size), min(args.concurrency, MAX_REFERENCE_BATCH)})
+    per_call = args.batch_prompts if args.api == "grpc-batch" else 1
+    in_flight = args.concurrency * per_call
+    sizes = sorted({1, min(in_flight, info.max_batch_size), min(in_flight, MAX_REFERENCE_BATCH)})
     model = InProcessModel(info)
     # Half the in-process measurement before the load and half after, so drift in a noisy
     # machine's speed during the run hits both sides of the ratio alike.
@@ -294,14 +309,18 @@ def run_bench(args) -> int:
     # One client: time the model alone between the server's requests too, so both latencies come
     # from the same seconds of this noisy machine (the single-forward p50 uses these samples).
     interleaved: list[float] = []
-    between = (lambda p: interleaved.append(model.forward_s([p]))) if args.concurrency == 1 else None
-    target = args.target if args.api == "grpc" else args.http_target
+    between = (lambda p: interleaved.append(model.forward_s([p]))) if args.concurrency == 1 and per_call == 1 else None
+    target = args.http_target if args.api == "rest" else args.target
+    # grpc-batch: groups of `per_call` prompts, each starting somewhere else in the list.
+    sent = prompts if per_call == 1 else [[prompts[(start + j) % len(prompts)] for j in range(per_call)]
+                                          for start in range(0, len(prompts), 7)]
     if args.processes > 1:
-        samples = load_from_processes(args.api, target, prompts, args.concurrency, args.duration, args.warmup,
+        samples = load_from_processes(args.api, target, sent, args.concurrency, args.duration, args.warmup,
                                       args.processes)
     else:
-        samples = asyncio.run(LOADS[args.api](target, prompts, args.concurrency, args.duration, args.warmup, between))
-    load = samples.summary(args.api, args.concurrency, args.duration, interleaved=between is not None)
+        samples = asyncio.run(LOADS[args.api](target, sent, args.concurrency, args.duration, args.warmup, between))
+    load = samples.summary(args.api, args.concurrency, args.duration, interleaved=between is not None,
+                           prompts_per_call=per_call)
     for size in sizes:
         times[size] += model.measure(prompts, size, args.limit_duration / 2)
     if interleaved:
@@ -324,7 +343,9 @@ def run_bench(args) -> int:
 def add_bench_arguments(parser) -> None:
     parser.add_argument("--target", default="localhost:50051", help="gRPC server host:port")
     parser.add_argument("--http-target", default="http://localhost:8000", help="REST base URL (--api rest)")
-    parser.add_argument("--api", choices=("grpc", "rest"), default="grpc")
+    parser.add_argument("--api", choices=("grpc", "rest", "grpc-batch"), default="grpc",
+                        help="grpc-batch: NextTokenBatch calls of --batch-prompts prompts")
+    parser.add_argument("--batch-prompts", type=int, default=64, help="--api grpc-batch: prompts per call")
     parser.add_argument("--concurrency", "-c", type=int, default=64, help="closed-loop clients")
     parser.add_argument("--processes", "-p", type=int, default=1,
                         help="client processes the clients are spread over (one client process can be the limit)")
