@@ -5,6 +5,8 @@ takes it again. On a CPU the server keeps none; here a CPU tensor stands in for 
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -59,3 +61,26 @@ def test_a_reserve_that_cannot_be_taken_again_is_tried_after_each_forward(reserv
     monkeypatch.setattr(torch, "empty", real_empty)
     assert forward() == "answer" and reserve.held is not None and not reserve.missing
 
+
+
+def test_the_failed_forwards_tensors_are_freed_before_the_caller_retries(reserve):
+    """The scheduler retries each half inside its handler for OutOfMemory. If torch's exception
+    (its traceback, the failed forward's frames, their activations) were still alive there,
+    every retry would run with the failed attempt's memory held: on an H100 a 64-prompt batch
+    split down to one prompt and that one failed too, with 8x its own peak free beforehand."""
+    activations = []
+
+    class Failing:
+        @oom_as_out_of_memory
+        def __call__(self):
+            hidden = torch.empty(1024)  # what a forward holds when it runs out
+            activations.append(weakref.ref(hidden))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+
+    try:
+        Failing()()
+    except OutOfMemory as exc:
+        assert activations[0]() is None, "the failed forward's tensors are still alive where the caller retries"
+        assert exc.__context__ is None
+    else:
+        pytest.fail("no OutOfMemory")

@@ -188,7 +188,7 @@ def test_a_real_out_of_memory_in_a_prefill_splits_it(peaked):
     thread.submit(generator.warm_up).result()  # the KV cache claimed whole, as in the server
     prompts = [p * 250 for p in make_prompts(16, seed=7, max_len=4)]  # up to 1,000 tokens each
     firsts, one_prompt = peak_of(lambda: thread.submit(
-        lambda: [engine.next_token([p], [1]).top[0].token_id for p in prompts]).result())
+        lambda: [engine.next_token([p], [1]).top[0][0].token_id for p in prompts]).result())
     with full_card_but(4 * one_prompt):  # room for ~4 prompts
         async def run():
             core = EngineCore(engine, generator, max_batch_size=16, max_batch_delay_s=0.01, max_queue=64,
@@ -216,17 +216,20 @@ def test_the_first_request_after_ready_is_as_fast_as_the_steady_state(tmp_path):
         with Client(srv.grpc_target) as client:
             client.model_info()  # connect
             for include_layers in (False, True):
-                def total_ms(last: int) -> float:
-                    return client.next_token([464, 3139, 286, 4881, last], include_layers=include_layers).timings.total_ms
+                def timed(last: int) -> tuple[float, float, float]:
+                    """(total, queue, forward) ms, so a failure says where the time went."""
+                    t = client.next_token([464, 3139, 286, 4881, last], include_layers=include_layers).timings
+                    return round(t.total_ms, 2), round(t.queue_ms, 2), round(t.forward_ms, 2)
 
                 time.sleep(0.5)
-                first = total_ms(318)
+                first = timed(318)
                 after_idle, busy = [], []
                 for round_ in range(3):
-                    busy += [total_ms(400 + 20 * round_ + i) for i in range(20)]
+                    busy += [timed(400 + 20 * round_ + i)[0] for i in range(20)]
                     time.sleep(0.5)
-                    after_idle.append(total_ms(500 + round_))
-                assert first <= 1.5 * max(after_idle), (include_layers, first, after_idle, statistics.median(busy))
+                    after_idle.append(timed(500 + round_))
+                assert first[0] <= 1.5 * max(t[0] for t in after_idle), \
+                    (include_layers, "first", first, "after idle", after_idle, "busy", statistics.median(busy))
     finally:
         assert srv.stop() == 0
 
@@ -289,7 +292,11 @@ def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
 
 def test_the_overlapped_core_on_cuda_generates_what_it_does_without_overlap(peaked):
     """On cuda the core launches each decode step before reading the last one (its default
-    there): streams joining and leaving, greedy and seeded, give the tokens they give without it."""
+    there): streams joining and leaving, greedy and seeded, give the tokens they give without it.
+    The seeded rows sample from their top 40: overlap changes when streams join, so the batch
+    makeup, so the logits' last bits (engine.sampling), and a top-p draw over the flat tail of
+    50,257 tokens can land on the neighbour of a step 1e-5 wide. A top-40 step is far wider: a
+    token from the wrong draw, or a draw spent twice, still shows."""
     from support.generation import PROMPTS, run_joining
 
     from gpt2serve.engine.generator import Generator
@@ -297,7 +304,7 @@ def test_the_overlapped_core_on_cuda_generates_what_it_does_without_overlap(peak
 
     engine = cuda_engine(peaked, torch.float32)
     requests = [(0.002 * i, GenerateRequest(PROMPTS[i], SamplingParams(temperature=0.0) if i % 2 else
-                                            SamplingParams(temperature=0.9, top_p=0.95), 6 + 3 * (i % 4), seed=i))
+                                            SamplingParams(temperature=0.9, top_k=40), 6 + 3 * (i % 4), seed=i))
                 for i in range(12)]
     assert Generator(engine, slots=6).overlaps
     overlapped = asyncio.run(run_joining(Generator(engine, slots=6), requests))

@@ -108,16 +108,24 @@ def oom_as_out_of_memory(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
-            result = method(self, *args, **kwargs)
+            return _held_again(method(self, *args, **kwargs))
         except torch.cuda.OutOfMemoryError as exc:
-            RESERVE.release()
-            torch.cuda.empty_cache()  # the reserve and the failed forward's blocks go back to the device
-            raise OutOfMemory(str(exc).splitlines()[0]) from None
-        if RESERVE.missing:
-            RESERVE.take()  # after an OOM: hold it again once a forward fits
-        return result
+            message = str(exc).splitlines()[0]
+        # Out of the handler first: torch's exception holds the failed forward's frames, and with
+        # them its activations. Raised inside the handler, the caller's retry of each half (also
+        # inside a handler) would run with all of them still allocated, and fail again.
+        RESERVE.release()
+        torch.cuda.empty_cache()  # the reserve and the failed forward's blocks go back to the device
+        raise OutOfMemory(message)
 
     return wrapper
+
+
+def _held_again(result):
+    """After an out-of-memory: take the reserve again once a forward fits."""
+    if RESERVE.missing:
+        RESERVE.take()
+    return result
 
 
 @dataclass(frozen=True)

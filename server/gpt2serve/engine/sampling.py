@@ -3,7 +3,11 @@ and top-p from one uniform draw per row.
 
 The draw comes from the sequence's own seeded generator (engine.generator), and the token it
 picks depends only on that row's logits and settings (inverse CDF over the row's candidates in
-an order fixed by its own settings), so a seed gives the same text whatever shares the batch.
+an order fixed by its own settings), so a seed gives the same text whatever shares the batch,
+as far as the row's logits are the same. On cuda they are not quite: cuBLAS picks its kernels by
+shape, so another batch makeup changes logits in their last bits, and a draw within that of a
+step of the CDF picks the neighbour (measured on an H100: top-p 0.95 over a random model's flat
+tail, steps about 1e-5 wide, diverged after five tokens; top-k's steps are far wider).
 
 Every valid setting gives a valid token: logits are shifted so each row's best is 0 before they
 are divided by the temperature, so a tiny temperature gives -inf for the others (weight 0), never
