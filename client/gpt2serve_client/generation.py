@@ -36,6 +36,10 @@ class GeneratedToken:
         return cls(data["token_id"], data["token"], data["logprob"],
                    [TokenLogprob.from_dict(t) for t in data.get("top") or []])
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "token": self.token, "logprob": self.logprob,
+                "top": [t.to_dict() for t in self.top]}
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -158,6 +162,15 @@ class GenerateChunk:
             step=GenerationStep.from_dict(data["step"]) if data.get("step") else None,
             more_tokens=[GeneratedToken.from_dict(t) for t in data.get("more_tokens") or []],
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """As dataclasses.asdict (the REST stream's event), without its deep copy on a token's message."""
+        if self.step is not None or self.usage is not None or self.timings is not None:
+            return asdict(self)
+        return {"text": self.text, "token": self.token.to_dict() if self.token is not None else None,
+                "finish_reason": self.finish_reason, "usage": None, "timings": None, "trace_id": self.trace_id,
+                "prompt_token_ids": list(self.prompt_token_ids), "step": None,
+                "more_tokens": [t.to_dict() for t in self.more_tokens]}
 
     def split(self) -> list[GenerateChunk]:
         """One chunk per token, as a reader that kept up would have had them: this one with the

@@ -30,6 +30,9 @@ class TokenLogprob:
     def from_dict(cls, data: dict[str, Any]) -> TokenLogprob:
         return cls(token_id=data["token_id"], token=data["token"], logprob=data["logprob"])
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "token": self.token, "logprob": self.logprob}
+
 
 @dataclass(frozen=True)
 class Timings:
@@ -47,6 +50,9 @@ class Timings:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Timings:
         return cls(**{k: data.get(k, 0.0) for k in ("queue_ms", "forward_ms", "total_ms")})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"queue_ms": self.queue_ms, "forward_ms": self.forward_ms, "total_ms": self.total_ms}
 
 
 def _fields_of(cls, get) -> dict[str, Any]:
@@ -243,6 +249,15 @@ class NextTokenResult:
             walkthrough=[ShapeStep.from_dict(step) for step in data.get("walkthrough") or []],
             prompt_logprobs=[PromptTokenLogprob.from_dict(p) for p in data.get("prompt_logprobs") or []],
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """As dataclasses.asdict, which spent half a REST call's transport CPU copying it."""
+        return {"token_id": self.token_id, "token": self.token, "logprob": self.logprob,
+                "top": [t.to_dict() for t in self.top], "prompt_token_ids": list(self.prompt_token_ids),
+                "timings": self.timings.to_dict(), "trace_id": self.trace_id, "batch_size": self.batch_size,
+                "layers": [asdict(layer) for layer in self.layers], "prompt_tokens": list(self.prompt_tokens),
+                "walkthrough": [asdict(step) for step in self.walkthrough],
+                "prompt_logprobs": [asdict(p) for p in self.prompt_logprobs]}
 
 
 @dataclass(frozen=True)

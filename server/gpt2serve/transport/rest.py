@@ -8,7 +8,6 @@ gpt2serve_client.status). FastAPI serves the rest and documents all of them, fro
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable
@@ -34,7 +33,7 @@ from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
 from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
 from .openai.chat import ChatMessage, conversation_prompt
-from .sse import first_and_rest, sse_event
+from .sse import first_and_rest, json_bytes, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ class BatchResults(BaseModel):
 def json_response(payload: dict) -> Response:
     """Encode results directly: re-validating our own output through pydantic on the hot path
     cost more CPU than the rest of the REST handler. `response_model` still documents it."""
-    return Response(json.dumps(payload, separators=(",", ":")), media_type="application/json")
+    return Response(json_bytes(payload), media_type="application/json")
 
 
 def request_options(request: Request, route: str, method: str,
@@ -306,7 +305,7 @@ class InferenceRoutes:
         options = request_options(request, "/v1/next-token", "NextToken", body)
         scoring = self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs)
         result = await unless_disconnected(request, scoring)
-        return json_response(asdict(result))
+        return json_response(result.to_dict())
 
     async def next_token_batch(self, request: Request, body: NextTokenBatchBody) -> Response:
         """The next token of each prompt, in order (`{"results": [...]}`)."""
@@ -314,7 +313,7 @@ class InferenceRoutes:
         options = request_options(request, "/v1/next-token/batch", "NextTokenBatch", body)
         results = await unless_disconnected(request, self.service.next_token_batch(
             prompts, body.top_k, options, body.prompt_logprobs))
-        return json_response({"results": [asdict(r) for r in results]})
+        return json_response({"results": [r.to_dict() for r in results]})
 
     async def generate(self, request: Request, body: GenerateBody) -> Response:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
@@ -334,7 +333,7 @@ class InferenceRoutes:
         async def events():
             try:
                 async for chunk in stream:
-                    yield sse_event(asdict(chunk))
+                    yield sse_event(chunk.to_dict())
             except ServeError as exc:
                 yield sse_event(self.errors.body("/v1/generate", exc), event="error")
 
