@@ -133,6 +133,14 @@ class SamplingParams:
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
     logprobs: int = 0  # top alternatives reported per token
+    # The controls on a row's logits (engine.logits_controls has their formulas and order).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_p: float = 0.0
+    min_tokens: int = 0
+    banned_early: tuple[int, ...] = ()  # the tokens min_tokens holds back: end-of-text, stop tokens
 
     @property
     def greedy(self) -> bool:

@@ -40,7 +40,8 @@ from .padding import forward_parts
 from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .riders import RiderLayout, RiderStore
-from .sampling import FINITE, LOGPROB, TOKEN, TOP, SamplingParams, choose, to_device
+from .logits_controls import TokenHistory, controlled_logits
+from .sampling import TOKEN, WARM_UP_PARAMS, SamplingParams, choose, read_choices, to_device
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,10 @@ class _Running:
     rng: random.Random
     length: int  # positions filled in its cache slot (its last sampled token, in last_ids, is fed next)
     prompt_length: int = field(default=0)
+    prompt: Sequence[int] = ()  # for its penalties' history (engine.logits_controls)
     finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
     unread: int = 0  # decode steps launched for it whose answers the host has not read yet
+    history_written: bool = False  # its prompt and tokens are in the token history
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Generator:
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
+        self.history: TokenHistory | None = None  # rows with penalties: their tokens, on the device
         self.running: list[_Running] = []
         self.chunk_tokens = chunk_tokens
         self.chunked: deque[ChunkedPrefill] = deque()  # long prompts being read, oldest first
@@ -130,6 +134,7 @@ class Generator:
             self.cache = KVCache(config, self.slots, self.capacity_blocks, self.engine.device, self.engine.kv_dtype,
                                  grow=self.engine.device.type != "cuda")
             self.last_ids = torch.zeros(self.slots, dtype=torch.long, device=self.engine.device)
+            self.history = TokenHistory(self.slots, config.n_ctx, self.engine.device)  # 4 MiB at 1,024 slots
             if self.use_graphs and self.engine.device.type == "cpu":
                 self.traces = TracedDecode(self._decode_logits, self.model, self.cache)
             elif self.use_graphs:
@@ -143,7 +148,7 @@ class Generator:
     def warm_up(self) -> None:
         """Claim the cache and run each kind of step once (first-call allocations, kernel choice)."""
         self.allocate()
-        self.prefill([NewSequence(-1, [self.engine.pad_token_id] * 8, SamplingParams(temperature=1.0, top_p=0.9), 0)])
+        self.prefill([NewSequence(-1, [self.engine.pad_token_id] * 8, WARM_UP_PARAMS, 0)])
         self.decode()
         self.remove({-1})
 
@@ -164,6 +169,8 @@ class Generator:
             if i < len(self.running):
                 self.cache.move(len(self.running), i, last.length)
                 self.last_ids[i] = self.last_ids[len(self.running)]  # a device copy: no wait for the step under way
+                if last.history_written:
+                    self.history.move(len(self.running), i)
                 self.running[i] = last  # checked again: it may be leaving too
         if self.cache is not None:
             self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
@@ -208,7 +215,7 @@ class Generator:
             hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
             if writer is not None:
                 writer.write_hidden(hidden)
-            added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), len(s.prompt))
+            added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), len(s.prompt), s.prompt)
                      for s in sequences]
             tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added, first)
             if not needs_rows_again(batch, failed):
@@ -249,7 +256,7 @@ class Generator:
             raise ValueError(f"{slot + 1} sequences for {self.slots} cache slots")
         self.cache.reserve(slot + 1, length)
         job.into_slot(self.cache, slot)
-        added = _Running(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length)
+        added = _Running(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length, sequence.prompt)
         tokens, failed = self._choose(self.engine.head(last), [added], slot)
         self.running.append(added)
         if pool is not None:
@@ -307,8 +314,7 @@ class Generator:
         if logits is None:  # eager, at the exact batch
             span = self._eager_span(B, needed)
             logits = self._decode_logits(last, to_device(lengths, device), span)
-        chosen = choose(logits, [r.params for r in rows], [r.rng.random() for r in rows])  # (B, 3 + 2n)
-        self.last_ids[:B] = chosen[:, TOKEN]  # the next step's inputs, without a trip through the host
+        chosen = self._sample(logits, rows, 0, decode=True)  # (B, 3 + 2n)
         if done is not None:
             host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
             host.copy_(chosen, non_blocking=True)
@@ -326,7 +332,7 @@ class Generator:
         if step.done is not None:
             step.done.synchronize()  # lets go of the GIL while it waits
             forward_s = step.device_started.elapsed_time(step.done) / 1000
-        tokens, failed = self._record(step.chosen.tolist(), step.rows)
+        tokens, failed = read_choices(step.chosen.tolist(), step.rows)
         for r in step.rows:
             r.unread -= 1
         return StepOutput(tokens, "decode", len(step.rows), step.tokens_in, forward_s, step.started_ns,
@@ -367,27 +373,21 @@ class Generator:
         """Sample each row's next token (into last_ids from `first_slot` on), bring the answers
         over in one copy, and record them; also the rows whose logits were not finite (see
         sampling), which get no token."""
-        chosen = choose(logits, [r.params for r in rows], [r.rng.random() for r in rows])  # (B, 3 + 2n)
-        self.last_ids[first_slot:first_slot + len(rows)] = chosen[:, TOKEN]
-        return self._record(chosen.cpu().tolist(), rows)
+        return read_choices(self._sample(logits, rows, first_slot, decode=False).cpu().tolist(), rows)
 
-    @staticmethod
-    def _record(chosen: list[list[float]], rows: Sequence[_Running]
-                ) -> tuple[dict[int, SampledToken], frozenset[int]]:
-        """The host's part of a step: each row's (3 + 2n) values from choose() become its token,
-        or mark the row failed."""
-        n = (len(chosen[0]) - TOP) // 2
-        out, failed = {}, set()
-        for r, values in zip(rows, chosen):
-            token = int(values[TOKEN])
-            if not values[FINITE]:
-                r.finite = False
-                failed.add(r.seq_id)
-                continue
-            k = r.params.logprobs
-            top = [TokenScore(int(i), v) for v, i in zip(values[TOP:TOP + k], values[TOP + n:TOP + n + k])] if k else []
-            out[r.seq_id] = SampledToken(token, values[LOGPROB], top)
-        return out, frozenset(failed)
+    def _sample(self, logits: torch.Tensor, rows: Sequence[_Running], first_slot: int, decode: bool) -> torch.Tensor:
+        """choose() each row's token under its controls (engine.logits_controls), into last_ids
+        (and the token history of rows with penalties) from `first_slot` on; (B, 3 + 2n)."""
+        slots = range(first_slot, first_slot + len(rows))
+        generated = [r.length - r.prompt_length + decode for r in rows]  # a decode feeds one not yet in the cache
+        controlled = controlled_logits(logits, rows, slots, generated, self.history)
+        chosen = choose(logits, [r.params for r in rows], [r.rng.random() for r in rows], controlled)  # (B, 3 + 2n)
+        self.last_ids[first_slot:first_slot + len(rows)] = chosen[:, TOKEN]  # the next step's inputs, on the device
+        kept = [i for i, r in enumerate(rows) if r.history_written]
+        if kept:
+            self.history.record([slots[i] for i in kept], [rows[i].prompt_length + generated[i] for i in kept],
+                                chosen[to_device(kept, chosen.device), TOKEN])
+        return chosen
 
 
 def _joined(outputs: list[StepOutput]) -> StepOutput:

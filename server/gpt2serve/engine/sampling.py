@@ -25,9 +25,15 @@ step while this one runs (engine.generator.launch_decode).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-from ..protocol import SamplingParams
+from ..protocol import SampledToken, SamplingParams, TokenScore
+
+# A warm-up sequence's: every sampling and control path runs once before the server is ready.
+WARM_UP_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, presence_penalty=0.1, repetition_penalty=1.1,
+                                logit_bias=((0, 1.0),), min_p=0.01, min_tokens=2, banned_early=(0,))
 
 # Columns of choose()'s answer before the n top logprobs and their ids.
 TOKEN, LOGPROB, FINITE, TOP = 0, 1, 2, 3
@@ -40,15 +46,22 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.lon
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
-def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float]) -> torch.Tensor:
+def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float],
+           controlled: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) logits -> (B, 3 + 2n) fp32: [token id, its logprob, finite (1.0 or 0.0), n top
     logprobs, their ids], n the most alternatives any row asked for; one tensor, so one copy to
-    the host. A row that is not finite has token 0 and must not be used."""
+    the host. A row that is not finite has token 0 and must not be used. `controlled`: the
+    logits after each row's penalties, bias and min_tokens (engine.logits_controls), which the
+    choice is made from; the logprobs reported stay the model's own."""
     logits = logits.float()
     finite = torch.isfinite(logits.amax(dim=-1))  # (B,): amax is NaN or +inf if any entry is, -inf if all are
     logits = torch.where(finite[:, None], logits, 0.0)  # (B, V): a bad row cannot poison the rest
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
-    tokens = logprobs.argmax(dim=-1)  # (B,): greedy unless sampled below
+    greedy = logprobs
+    if controlled is not None:
+        finite &= controlled.amax(dim=-1) > float("-inf")  # (B,): the controls left something to choose
+        logits = greedy = torch.where(finite[:, None], controlled, 0.0)  # (B, V)
+    tokens = greedy.argmax(dim=-1)  # (B,): greedy unless sampled below
     by_mode: dict[str, list[int]] = {}
     for row, p in enumerate(params):
         if not p.greedy:
@@ -75,12 +88,23 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], uniform: list[fl
     temperature = to_device([p.temperature for p in params], device, torch.float32)  # (S,)
     shifted = logits - logits.max(dim=-1, keepdim=True).values  # (S, V): best 0, others <= 0, never +inf
     scaled = shifted / temperature[:, None]  # (S, V): in [-inf, 0], the best one exactly 0
+    scaled = min_p_filter(scaled, [p.min_p for p in params])
     if mode == "sorted":
         return _sample_top_p(scaled, params, uniform)
     ids = None
     if mode == "top_k":
         scaled, ids = torch.topk(scaled, max(p.top_k for p in params), dim=-1)  # (S, C), best first
     return _pick(torch.softmax(scaled, dim=-1), ids, params, uniform, cut=mode != "all")  # softmax: finite, some entry is 0
+
+
+def min_p_filter(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """(S, V) logits over the temperature, each row's best exactly 0 -> the same with -inf for
+    every token less likely than min_p times the best one (the ratio of their probabilities is
+    exp(scaled)); a row's min_p of 0 keeps all (log 0 = -inf)."""
+    if not any(min_p):
+        return scaled
+    floor = to_device(min_p, scaled.device, torch.float32).log()  # (S,)
+    return scaled.masked_fill(scaled < floor[:, None], float("-inf"))
 
 
 # Sorting 50257 logits took 5 ms a row on a 2-core CPU (39 ms for 16), a top-256 0.3 ms (2 ms):
@@ -136,3 +160,20 @@ def _pick(probs: torch.Tensor, ids: torch.Tensor | None, params: list[SamplingPa
     target = to_device(uniform, device, cdf.dtype) * cdf[:, -1]  # (S,)
     picked = torch.minimum(torch.searchsorted(cdf, target[:, None], right=True), last[:, None])  # (S, 1)
     return picked[:, 0] if ids is None else ids.gather(1, picked)[:, 0]
+
+
+def read_choices(chosen: list[list[float]], rows: Sequence) -> tuple[dict[int, SampledToken], frozenset[int]]:
+    """The host's part of a step: each row's (3 + 2n) values from choose() become its token, or
+    mark the row failed (rows: engine.generator's running sequences, `finite` set False there)."""
+    n = (len(chosen[0]) - TOP) // 2
+    out, failed = {}, set()
+    for r, values in zip(rows, chosen):
+        token = int(values[TOKEN])
+        if not values[FINITE]:
+            r.finite = False
+            failed.add(r.seq_id)
+            continue
+        k = r.params.logprobs
+        top = [TokenScore(int(i), v) for v, i in zip(values[TOP:TOP + k], values[TOP + n:TOP + n + k])] if k else []
+        out[r.seq_id] = SampledToken(token, values[LOGPROB], top)
+    return out, frozenset(failed)
