@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ._proto import gpt2serve_pb2 as pb
 
@@ -88,14 +88,28 @@ def next_token_batch_json(
 def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float | None, top_k: int | None,
                     top_p: float | None, seed: int | None, stop: str | Sequence[str] | None,
                     stop_token_ids: Sequence[int] | None, logprobs: int, ignore_eos: bool,
-                    trace_layers: bool, trace_steps: bool = False) -> dict[str, Any]:
-    """A generate call's fields, the same for the proto and the JSON body (unset ones left out)."""
+                    trace_layers: bool, trace_steps: bool = False, presence_penalty: float | None = None,
+                    frequency_penalty: float | None = None, repetition_penalty: float | None = None,
+                    logit_bias: Mapping[int, float] | None = None, min_p: float | None = None,
+                    min_tokens: int | None = None) -> dict[str, Any]:
+    """A generate call's fields, the same for the proto and the JSON body (unset ones left out;
+    logit_bias keyed by int: the JSON body's keys become strings, as OpenAI's are)."""
     fields = {**prompt_fields(prompt), "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
               "top_p": top_p, "seed": seed, "logprobs": logprobs, "ignore_eos": ignore_eos,
               "trace_layers": trace_layers, "trace_steps": trace_steps or None,
               "stop": [stop] if isinstance(stop, str) else list(stop or ()),
-              "stop_token_ids": [int(t) for t in stop_token_ids or ()]}
+              "stop_token_ids": [int(t) for t in stop_token_ids or ()],
+              "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+              "repetition_penalty": repetition_penalty, "min_p": min_p, "min_tokens": min_tokens,
+              "logit_bias": {int(t): float(b) for t, b in logit_bias.items()} if logit_bias else None}
     return {name: value for name, value in fields.items() if value is not None}
+
+
+def generate_json(**options: Any) -> dict[str, Any]:
+    fields = generate_fields(**options)
+    if "logit_bias" in fields:
+        fields["logit_bias"] = {str(t): b for t, b in fields["logit_bias"].items()}
+    return fields
 
 
 def generate_proto(**options: Any) -> pb.GenerateRequest:

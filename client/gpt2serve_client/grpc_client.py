@@ -7,7 +7,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -183,14 +183,19 @@ class Client:
                         top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                         logprobs: int = 0, ignore_eos: bool = False, trace_layers: bool = False,
-                        trace_steps: bool = False, timeout: float | None = None) -> Iterator[GenerateChunk]:
+                        trace_steps: bool = False, presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                        repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
+                        min_p: float | None = None, min_tokens: int | None = None,
+                        timeout: float | None = None) -> Iterator[GenerateChunk]:
         """The generation as it goes: a GenerateChunk per token, then a closing one with the
         finish reason and usage. temperature 0 is greedy; the same seed, the same text.
         Breaking out of the loop (or closing it) cancels the generation on the server."""
         request = _requests.generate_proto(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
-            trace_layers=trace_layers, trace_steps=trace_steps)
+            trace_layers=trace_layers, trace_steps=trace_steps,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens)
         attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
         while True:
             call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False
@@ -276,12 +281,17 @@ class AsyncClient:
                               seed: int | None = None, stop: str | Sequence[str] | None = None,
                               stop_token_ids: Sequence[int] | None = None, logprobs: int = 0, ignore_eos: bool = False,
                               trace_layers: bool = False, trace_steps: bool = False,
+                              presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                              repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
+                              min_p: float | None = None, min_tokens: int | None = None,
                               timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
         """As `Client.generate_stream`, asynchronously."""
         request = _requests.generate_proto(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
-            trace_layers=trace_layers, trace_steps=trace_steps)
+            trace_layers=trace_layers, trace_steps=trace_steps,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens)
         attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
         while True:
             call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False

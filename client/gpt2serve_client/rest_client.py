@@ -7,7 +7,7 @@ import random
 import ssl
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import httpx
 
@@ -114,13 +114,18 @@ class RestClient:
                         top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                         stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                         logprobs: int = 0, ignore_eos: bool = False, trace_layers: bool = False,
-                        trace_steps: bool = False, timeout: float | None = None) -> Iterator[GenerateChunk]:
+                        trace_steps: bool = False, presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                        repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
+                        min_p: float | None = None, min_tokens: int | None = None,
+                        timeout: float | None = None) -> Iterator[GenerateChunk]:
         """As the gRPC `Client.generate_stream`, over server-sent events (not retried once the
         stream has begun). Closing the iterator closes the connection, which cancels the generation."""
-        body = _requests.generate_fields(
+        body = _requests.generate_json(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
-            trace_layers=trace_layers, trace_steps=trace_steps)
+            trace_layers=trace_layers, trace_steps=trace_steps,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens)
         timeout = self.timeout if timeout is None else timeout
         try:
             with self._http.stream("POST", "/v1/generate", json={**body, "stream": True}, timeout=timeout,
@@ -146,7 +151,7 @@ class RestClient:
     def generate(self, prompt: _requests.Prompt, timeout: float | None = None, **options) -> GenerateResult:
         """The whole generation in one JSON answer (retried like the other calls); the options
         of `generate_stream`."""
-        body = _requests.generate_fields(prompt=prompt, **{**GENERATE_DEFAULTS, **options})
+        body = _requests.generate_json(prompt=prompt, **{**GENERATE_DEFAULTS, **options})
         return GenerateResult.from_dict(self._request("POST", "/v1/generate", body, timeout))
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from support.generation import PROMPTS, lively_engine, run_joining
+from support.generation import PROMPTS, lively_engine, openai_penalties, reference_greedy, run_joining
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -51,14 +51,6 @@ def controlled(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
                            torch.tensor(row.output))
     out = controlled_logits(logits, rows, range(len(rows)), [len(r.output) for r in rows], history)
     return logits if out is None else out
-
-
-def openai_penalties(logits: torch.Tensor, output: list[int], frequency: float, presence: float) -> torch.Tensor:
-    """OpenAI's formula, written out: mu[j] - c[j] * frequency - (c[j] > 0) * presence."""
-    out = logits.clone()
-    for token, count in collections.Counter(output).items():
-        out[token] -= count * frequency + presence
-    return out
 
 
 def random_rows(seed: int, count: int) -> list[Row]:
@@ -144,22 +136,6 @@ def test_all_together_in_vllms_order_and_each_row_alone():
 
 
 # Through generation -------------------------------------------------------------------------
-
-def reference_greedy(hf, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
-    """transformers' forward, the controls written out, argmax: token by token."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
-            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(torch.tensor([ids]), logits[None])[0]
-            logits = openai_penalties(logits, out, params.frequency_penalty, params.presence_penalty)
-            for token, bias in params.logit_bias:
-                logits[token] += bias
-            token = int(logits.argmax())
-            ids.append(token)
-            out.append(token)
-    return out
-
 
 @pytest.fixture(scope="module")
 def lively(tmp_path_factory):

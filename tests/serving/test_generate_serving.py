@@ -157,7 +157,7 @@ def test_openai_token_prompt_and_errors(oai, grpc):
     with pytest.raises(openai.NotFoundError) as missing:
         oai.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert missing.value.body["code"] == "model_not_found"
-    for bad in (dict(max_tokens=5000), dict(temperature=-1), dict(n=3), dict(top_p=0), dict(logprobs=50),
+    for bad in (dict(max_tokens=5000), dict(temperature=-1), dict(n=0), dict(top_p=0), dict(logprobs=50),
                 dict(temperature="warm")):
         with pytest.raises(openai.BadRequestError) as err:
             oai.completions.create(**{"model": model, "prompt": "hi", "max_tokens": 2, **bad})

@@ -4,8 +4,11 @@ prompts of 1..46 tokens, transformers' greedy `generate`, and a scheduler run wi
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import torch
+
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator
@@ -68,3 +71,28 @@ async def run_joining(generator: Generator, requests: list[tuple[float, Generate
         return results
     finally:
         await scheduler.stop()
+
+
+def openai_penalties(logits: torch.Tensor, output: list[int], frequency: float, presence: float) -> torch.Tensor:
+    """OpenAI's formula, written out: mu[j] - c[j] * frequency - (c[j] > 0) * presence."""
+    out = logits.clone()
+    for token, count in collections.Counter(output).items():
+        out[token] -= count * frequency + presence
+    return out
+
+
+def reference_greedy(hf, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+    """transformers' forward, the controls written out in vLLM's order (bias, repetition,
+    frequency and presence), argmax: token by token."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            for token, bias in params.logit_bias:
+                logits[token] += bias
+            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(torch.tensor([ids]), logits[None])[0]
+            logits = openai_penalties(logits, out, params.frequency_penalty, params.presence_penalty)
+            token = int(logits.argmax())
+            ids.append(token)
+            out.append(token)
+    return out

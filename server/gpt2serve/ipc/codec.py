@@ -151,16 +151,29 @@ def _output(x: Any) -> NextTokenOutput:
 
 def _pack_generate(r: GenerateRequest) -> list:
     p = r.params
-    return [r.prompt, [p.temperature, p.top_k, p.top_p, p.logprobs], r.max_tokens, sorted(r.stop_token_ids),
-            r.ignore_eos, r.seed, r.deadline, _pack_trace(r.trace), r.prompt_logprobs]
+    params = [p.temperature, p.top_k, p.top_p, p.logprobs, p.presence_penalty, p.frequency_penalty,
+              p.repetition_penalty, [t for t, _ in p.logit_bias], [b for _, b in p.logit_bias], p.min_p, p.min_tokens,
+              list(p.banned_early)]
+    return [r.prompt, params, r.max_tokens, sorted(r.stop_token_ids), r.ignore_eos, r.seed, r.deadline,
+            _pack_trace(r.trace), r.prompt_logprobs]
+
+
+def _params(x: Any) -> SamplingParams:
+    (temperature, top_k, top_p, logprobs, presence, frequency, repetition, bias_ids, biases, min_p, min_tokens,
+     banned_early) = _fields(x, 12)
+    bias_ids, biases = _ids(bias_ids), _floats(biases)
+    if len(bias_ids) != len(biases):
+        raise BadFrame("expected as many biases as biased tokens")
+    return SamplingParams(_float(temperature), _int(top_k), _float(top_p), _int(logprobs), _float(presence),
+                          _float(frequency), _float(repetition), tuple(zip(bias_ids, map(float, biases))),
+                          _float(min_p), _int(min_tokens), tuple(_ids(banned_early)))
 
 
 def _generate(x: Any) -> GenerateRequest:
     prompt, params, max_tokens, stop_ids, ignore_eos, seed, deadline, trace, prompt_logprobs = _fields(x, 9)
-    temperature, top_k, top_p, logprobs = _fields(params, 4)
-    return GenerateRequest(_ids(prompt), SamplingParams(_float(temperature), _int(top_k), _float(top_p), _int(logprobs)),
-                           _int(max_tokens), frozenset(_ids(stop_ids)), _bool(ignore_eos), _optional(_int, seed),
-                           _optional(_float, deadline), _trace(trace), _optional(_int, prompt_logprobs))
+    return GenerateRequest(_ids(prompt), _params(params), _int(max_tokens), frozenset(_ids(stop_ids)),
+                           _bool(ignore_eos), _optional(_int, seed), _optional(_float, deadline), _trace(trace),
+                           _optional(_int, prompt_logprobs))
 
 
 def _pack_event(e: TokenEvent) -> list:

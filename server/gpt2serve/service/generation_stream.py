@@ -85,7 +85,8 @@ class GenerationStream:
             validator = service.validator
             prompt = self.token_ids = await validator.prompt(self.prompt, "prompt")
             trace = validator.trace(request, options)
-            generate = self.settings.request(prompt, validator.n_ctx, validator.vocab_size, options.deadline, trace)
+            generate = self.settings.request(prompt, validator.n_ctx, validator.vocab_size, options.deadline, trace,
+                                             validator.tokenizer.eos_token_id)
             if options.trace_steps:  # checked before any work
                 self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
                                          request, validator.tokenizer.token_text)

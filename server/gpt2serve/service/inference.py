@@ -164,4 +164,5 @@ class InferenceService:
         Alone, it refuses a request of several generations whole, before any of them starts."""
         self.require_model()
         token_ids = await self.validator.prompt(prompt, "prompt")
-        return settings.request(token_ids, self.validator.n_ctx, self.validator.vocab_size)
+        return settings.request(token_ids, self.validator.n_ctx, self.validator.vocab_size,
+                                eos_token_id=self.validator.tokenizer.eos_token_id)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..engine.tokenizer import Tokenizer
 from ..errors import FailedPrecondition, InvalidArgument
@@ -25,6 +25,8 @@ DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, -100..100
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,16 @@ class GenerateSettings:
     logprobs: int = 0
     ignore_eos: bool = False
     prompt_logprobs: int | None = None  # also score the prompt in the prefill, with this many alternatives
+    # The controls on the logits (engine.logits_controls has the formulas).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: Mapping[int, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
     def request(self, prompt: list[int], n_ctx: int, vocab_size: int, deadline: float | None = None,
-                trace: TraceContext | None = None) -> GenerateRequest:
+                trace: TraceContext | None = None, eos_token_id: int | None = None) -> GenerateRequest:
         """Checked against the model; a bad value is INVALID_ARGUMENT naming the field."""
         max_tokens = DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         if max_tokens < 1:
@@ -70,9 +79,37 @@ class GenerateSettings:
             raise InvalidArgument(f"stop_token_ids: {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise InvalidArgument("seed: must fit in 64 bits")
-        return GenerateRequest(prompt, SamplingParams(temperature, top_k, top_p, self.logprobs), max_tokens,
-                               frozenset(self.stop_token_ids), self.ignore_eos, self.seed, deadline, trace,
-                               self.prompt_logprobs)
+        params = SamplingParams(temperature, top_k, top_p, self.logprobs,
+                                **self.controls(vocab_size, max_tokens, eos_token_id))
+        return GenerateRequest(prompt, params, max_tokens, frozenset(self.stop_token_ids), self.ignore_eos, self.seed,
+                               deadline, trace, self.prompt_logprobs)
+
+    def controls(self, vocab_size: int, max_tokens: int, eos_token_id: int | None) -> dict:
+        """The logits controls as SamplingParams fields, each checked (ranges as OpenAI's and vLLM's)."""
+        def within(name: str, value: float | None, default: float, low: float, high: float, low_open=False) -> float:
+            value = default if value is None else value
+            if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+                raise InvalidArgument(f"{name}: {value} is outside {'(' if low_open else '['}{low:g}, {high:g}]",
+                                      param=name)
+            return float(value)
+
+        bias = []
+        for token, value in (self.logit_bias or {}).items():
+            if not 0 <= token < vocab_size:
+                raise InvalidArgument(f"logit_bias: token {token} is outside the vocabulary 0..{vocab_size - 1}",
+                                      param="logit_bias")
+            bias.append((token, within("logit_bias", value, 0.0, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)))
+        min_tokens = self.min_tokens or 0
+        if not 0 <= min_tokens <= max_tokens:
+            raise InvalidArgument(f"min_tokens: {min_tokens} is outside 0..max_tokens ({max_tokens})",
+                                  param="min_tokens")
+        early = set(self.stop_token_ids) | ({eos_token_id} if eos_token_id is not None and not self.ignore_eos else set())
+        return dict(presence_penalty=within("presence_penalty", self.presence_penalty, 0.0, -2.0, 2.0),
+                    frequency_penalty=within("frequency_penalty", self.frequency_penalty, 0.0, -2.0, 2.0),
+                    repetition_penalty=within("repetition_penalty", self.repetition_penalty, 1.0, 0.0,
+                                              MAX_REPETITION_PENALTY, low_open=True),
+                    logit_bias=tuple(sorted(bias)), min_p=within("min_p", self.min_p, 0.0, 0.0, 1.0),
+                    min_tokens=min_tokens, banned_early=tuple(sorted(early)) if min_tokens else ())
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,10 @@ def generate_settings(msg: pb.GenerateRequest) -> GenerateSettings:
     return GenerateSettings(
         max_tokens=optional("max_tokens"), temperature=optional("temperature"), top_k=optional("top_k"),
         top_p=optional("top_p"), seed=optional("seed"), stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-        logprobs=msg.logprobs, ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs, ignore_eos=msg.ignore_eos, min_tokens=optional("min_tokens"),
+        logit_bias=dict(msg.logit_bias) or None, repetition_penalty=optional("repetition_penalty"),
+        frequency_penalty=optional("frequency_penalty"), presence_penalty=optional("presence_penalty"),
+        min_p=optional("min_p"),
     )
 
 

@@ -12,8 +12,9 @@ method "ChatCompletions"), errors, tracing, drain and hang-ups are the generatio
 As vLLM does: `max_completion_tokens` (or `max_tokens`) defaults to what the context has left;
 choice i of a seeded request draws with seed + i; text parts of a message's content are joined
 with newlines; `chat_template_kwargs`, `add_generation_prompt` and `continue_final_message` go to
-the template. Tools, functions, response formats other than text, non-text content, the
-penalties, `logit_bias` and a request's own template are refused with a 400 naming the field.
+the template. The penalties, `logit_bias`, `min_p` and `min_tokens` apply as on /v1/generate
+(transport.sampling_fields). Tools, functions, response formats other than text, non-text
+content and a request's own template are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ...engine.tokenizer import Tokenizer
 from ...errors import InvalidArgument, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput
 from ..http_shared import http_options
+from ..sampling_fields import SamplingControls
 from ..sse import sse_event
 from .common import Choices, check_model, finish_reason, refuse
 from .logprobs import chat_logprob
@@ -86,7 +88,7 @@ async def conversation_prompt(service: InferenceService, messages: list[ChatMess
                     "gpt2serve.chat.prompt_tokens": len(prompt)}
 
 
-class ChatCompletionBody(BaseModel):
+class ChatCompletionBody(SamplingControls):
     # Unknown fields are ignored, as OpenAI's own server does; those it knows and we do not do are refused.
     model_config = ConfigDict(extra="ignore")
 
@@ -110,12 +112,10 @@ class ChatCompletionBody(BaseModel):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-    presence_penalty: StrictFloat | StrictInt | None = 0
-    frequency_penalty: StrictFloat | StrictInt | None = 0
-    logit_bias: dict[str, Any] | None = None
     # Not OpenAI's, but vLLM's (passed as extra_body).
     top_k: StrictInt | None = Field(None, description="gpt2serve extension: sample among the k most likely")
     ignore_eos: StrictBool = Field(False, description="gpt2serve extension: generate past the end-of-text token")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM's: stop at these tokens (not returned)")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template")
     add_generation_prompt: StrictBool = Field(True, description="End the prompt with the assistant's turn opening")
     continue_final_message: StrictBool = Field(False, description="Continue the last (assistant) message instead")
@@ -128,8 +128,6 @@ class ChatCompletionBody(BaseModel):
                 ("function_call", self.function_call in (None, "none"), no_tools),
                 ("response_format", (self.response_format or {}).get("type", "text") == "text",
                  "only {'type': 'text'}: gpt2serve has no JSON mode or schema-constrained output"),
-                ("presence_penalty", not self.presence_penalty, ""), ("frequency_penalty", not self.frequency_penalty, ""),
-                ("logit_bias", not self.logit_bias, ""),
                 ("chat_template", self.chat_template is None,
                  "a request cannot bring its own template; the server's (--chat-template, or the checkpoint's) is used")])
         if not 1 <= self.n <= max_choices:
@@ -145,7 +143,8 @@ class ChatCompletionBody(BaseModel):
         return GenerateSettings(
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-            logprobs=(self.top_logprobs or 0) if self.logprobs else 0, ignore_eos=self.ignore_eos)
+            logprobs=(self.top_logprobs or 0) if self.logprobs else 0, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids or [], **self.controls())
 
 
 class ChatCompletions:

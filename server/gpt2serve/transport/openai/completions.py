@@ -2,8 +2,9 @@
 lm-evaluation-harness and the tools built on them.
 
 Translation only, like the other transports: OpenAI's fields become service generate calls, one
-per prompt (a list of prompts runs them all at once, in the running batch, as choices 0..n-1:
-common.Choices), and their chunks become OpenAI's JSON.
+per prompt and choice (a list of prompts runs them all at once, in the running batch, prompt i's
+n choices as i * n .. i * n + n - 1: common.Choices; with best_of, that many per prompt and the n
+of highest cumulative logprob returned), and their chunks become OpenAI's JSON.
 
 `echo` returns the prompt before the completion; with `logprobs` the prompt is scored too (its
 first token's entries null), in the generation's own prefill, or, with `max_tokens: 0`, as one
@@ -16,11 +17,12 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.generation import GeneratedToken, Usage
 
@@ -28,6 +30,7 @@ from ...errors import InvalidArgument, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput
 from ...service.validation import Validator
 from ..http_shared import http_options, unless_disconnected
+from ..sampling_fields import SamplingControls
 from ..sse import sse_event
 from .common import Choices, check_model, finish_reason, usage_json
 from .logprobs import echo_logprobs, openai_token
@@ -35,7 +38,7 @@ from .logprobs import echo_logprobs, openai_token
 ROUTE = "/v1/completions"
 
 
-class CompletionBody(BaseModel):
+class CompletionBody(SamplingControls):
     # Unknown fields are ignored, as OpenAI's own server does with fields it does not know.
     model_config = ConfigDict(extra="ignore")
 
@@ -52,14 +55,12 @@ class CompletionBody(BaseModel):
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
-    presence_penalty: StrictFloat | StrictInt | None = 0
-    frequency_penalty: StrictFloat | StrictInt | None = 0
-    logit_bias: dict[str, Any] | None = None
     suffix: StrictStr | None = None
     user: StrictStr | None = None
     # Not OpenAI's, but common in OpenAI-compatible servers (vLLM): passed as extra_body.
     top_k: StrictInt | None = Field(None, description="gpt2serve extension: sample among the k most likely")
     ignore_eos: StrictBool = Field(False, description="gpt2serve extension: generate past the end-of-text token")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="vLLM's: stop at these tokens (not returned)")
 
     def prompt_inputs(self, max_prompts: int) -> list[PromptInput]:
         """One prompt (text or token ids), or a list of them."""
@@ -70,12 +71,27 @@ class CompletionBody(BaseModel):
                                   f"{max_prompts} (--max-batch-size)")
         return [PromptInput(text=p) if isinstance(p, str) else PromptInput(token_ids=p) for p in prompts]
 
+    def candidates(self, prompts: int, max_total: int) -> tuple[int, int]:
+        """(n, best_of): choices returned per prompt, and generated per prompt to pick them from."""
+        n = 1 if self.n is None else self.n
+        best_of = n if self.best_of is None else self.best_of
+        if n < 1:
+            raise InvalidArgument(f"n: {n} must be at least 1", param="n")
+        if best_of < n:
+            raise InvalidArgument(f"best_of: {best_of} must be at least n ({n})", param="best_of")
+        if best_of > n and self.stream:
+            raise InvalidArgument("best_of: its results cannot be streamed (only the best are returned)",
+                                  param="best_of")
+        if prompts * best_of > max_total:
+            name = "best_of" if self.best_of is not None else "n"
+            raise InvalidArgument(f"{name}: {prompts} prompts x {best_of} generations each exceed this server's "
+                                  f"limit of {max_total} (--max-batch-size)", param=name)
+        return n, best_of
+
     def settings(self) -> GenerateSettings:
         unsupported = [name for name, ok in (
-            ("n", self.n in (None, 1)), ("best_of", self.best_of in (None, 1)),
             ("echo", not (self.echo and self.stream)),
-            ("suffix", self.suffix is None), ("logit_bias", not self.logit_bias),
-            ("presence_penalty", not self.presence_penalty), ("frequency_penalty", not self.frequency_penalty),
+            ("suffix", self.suffix is None),
         ) if not ok]
         if unsupported == ["echo"]:
             raise InvalidArgument("echo: not supported with stream by gpt2serve; send the request without stream",
@@ -88,8 +104,20 @@ class CompletionBody(BaseModel):
         return GenerateSettings(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-            logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None)
+            logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [],
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None, **self.controls())
+
+
+def best_candidates(candidates: list[tuple[Any, Any]], n: int, best_of: int) -> list[tuple[Any, Any]]:
+    """Each prompt's n (result, stream) pairs of the highest cumulative logprob among its best_of,
+    best first (OpenAI's best_of; vLLM ranks the same way); all of them, in order, when n == best_of."""
+    if n == best_of:
+        return candidates
+    kept = []
+    for first in range(0, len(candidates), best_of):
+        group = candidates[first:first + best_of]
+        kept += sorted(group, key=lambda pair: -sum(t.logprob for t in pair[0].tokens))[:n]
+    return kept
 
 
 def logprobs_json(name: Callable[[int], str], tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
@@ -133,15 +161,22 @@ class Completions:
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"prompt[{index}]: {exc.message}", param="prompt") from None
                 prompts[index] = PromptInput(token_ids=checked.prompt)  # tokenized once
-        choices = Choices(service, [(prompt, settings) for prompt in prompts], options, coalesce=body.stream)
+        n, best_of = body.candidates(len(prompts), service.max_batch_size)
+        # Prompt i's candidates are inputs i * best_of .. (i + 1) * best_of - 1; candidate j of a
+        # seeded request draws with seed + j, as chat's choices do.
+        inputs = [(prompt, settings if j == 0 or settings.seed is None else
+                   replace(settings, seed=(settings.seed + j + 2**63) % 2**64 - 2**63))
+                  for prompt in prompts for j in range(best_of)]
+        choices = Choices(service, inputs, options, coalesce=body.stream)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             events = stream_events(completion, await choices.chunks(request), include_usage, body.logprobs,
                                    self.error_body, name)
             return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         results = await choices.results(request)
+        kept = best_candidates(list(zip(results, choices.streams)), n, best_of)
         answers = []
-        for index, (result, stream) in enumerate(zip(results, choices.streams)):
+        for index, (result, stream) in enumerate(kept):
             choice = {"index": index, "text": result.text, "finish_reason": finish_reason(result.finish_reason),
                       "logprobs": logprobs_json(name, result.tokens, [t.token for t in result.tokens], 0)
                       if body.logprobs is not None else None}
