@@ -152,3 +152,18 @@ def test_openai_stop_token_ids_end_the_text(server, hf):
     cut = oai.completions.create(model=model, prompt=PROMPTS[4], max_tokens=8, temperature=0,
                                  extra_body={"stop_token_ids": [full[3]], "ignore_eos": True}, logprobs=0)
     assert len(cut.choices[0].logprobs.tokens) == 3 and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_field_is_refused_naming_it_and_the_ignored_ones_are_taken(server, route):
+    model = httpx.get(f"{server.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    base = ({"model": model, "prompt": PROMPTS[1], "max_tokens": 2} if route == "/v1/completions" else
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    for unknown in ({"guided_choice": ["yes", "no"]}, {"guided_regex": "[0-9]+"}, {"structured_outputs": {"choice": ["a"]}},
+                    {"topk": 3}):
+        refused = httpx.post(f"{server.http_url}{route}", json={**base, **unknown}, timeout=30)
+        (field,) = unknown
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+        assert "refused, never ignored" in refused.json()["error"]["message"]
+    ignored = {"user": "u1"} if route == "/v1/completions" else {"user": "u1", "metadata": {"k": "v"}, "store": False}
+    assert httpx.post(f"{server.http_url}{route}", json={**base, **ignored}, timeout=30).status_code == 200

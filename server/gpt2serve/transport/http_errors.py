@@ -89,12 +89,16 @@ async def read_body(request: Request, body_type: type[B]) -> B:
     try:
         return body_type.model_validate_json(raw)
     except ValidationError as exc:
-        raise MalformedBody(describe_validation_errors(exc.errors(include_url=False))) from None
+        errors = exc.errors(include_url=False)
+        field = next((str(loc[0]) for loc in (e.get("loc", ()) for e in errors) if loc and loc[0] != "body"), None)
+        raise MalformedBody(describe_validation_errors(errors), param=field) from None
 
 
 def describe_validation_errors(errors: list[dict]) -> str:
     parts = []
     for err in errors:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+        message = ("not a field of this route: a field the server does not know is refused, never ignored"
+                   if err.get("type") == "extra_forbidden" else err.get("msg", "invalid"))
+        parts.append(f"{where}: {message}")
     return "; ".join(parts) or "the body is not valid for this route"

@@ -89,8 +89,10 @@ async def conversation_prompt(service: InferenceService, messages: list[ChatMess
 
 
 class ChatCompletionBody(SamplingControls):
-    # Unknown fields are ignored, as OpenAI's own server does; those it knows and we do not do are refused.
-    model_config = ConfigDict(extra="ignore")
+    # A field this server does not know is refused naming it, as OpenAI's own API does; those it
+    # knows and does not do are refused too (`check`); the few below, marked, are taken and
+    # ignored (the list: docs/generation.md).
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     messages: list[ChatMessage]
@@ -106,7 +108,21 @@ class ChatCompletionBody(SamplingControls):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     user: StrictStr | None = None
-    # Refused unless left at their defaults (see `refusals`).
+    # Accepted and ignored: bookkeeping for OpenAI's platform, none of which changes the answer
+    # (parallel_tool_calls matters only with tools, which are refused).
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # Refused unless left at their defaults (see `check`).
+    modalities: list[StrictStr] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: StrictStr | None = None
+    verbosity: StrictStr | None = None
+    web_search_options: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -128,6 +144,12 @@ class ChatCompletionBody(SamplingControls):
                 ("function_call", self.function_call in (None, "none"), no_tools),
                 ("response_format", (self.response_format or {}).get("type", "text") == "text",
                  "only {'type': 'text'}: gpt2serve has no JSON mode or schema-constrained output"),
+                ("modalities", self.modalities in (None, ["text"]), "gpt2serve answers in text only"),
+                ("audio", self.audio is None, "gpt2serve answers in text only"),
+                ("prediction", self.prediction is None, ""), ("reasoning_effort", self.reasoning_effort is None,
+                                                              "GPT-2 does not reason in a hidden channel"),
+                ("verbosity", self.verbosity is None, ""),
+                ("web_search_options", self.web_search_options is None, "gpt2serve does no web search"),
                 ("chat_template", self.chat_template is None,
                  "a request cannot bring its own template; the server's (--chat-template, or the checkpoint's) is used")])
         if not 1 <= self.n <= max_choices:

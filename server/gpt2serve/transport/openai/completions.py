@@ -39,8 +39,10 @@ ROUTE = "/v1/completions"
 
 
 class CompletionBody(SamplingControls):
-    # Unknown fields are ignored, as OpenAI's own server does with fields it does not know.
-    model_config = ConfigDict(extra="ignore")
+    # A field this server does not know is refused naming it, as OpenAI's own API does: one that
+    # would change the answer (vLLM's guided_choice, say) is never silently ignored. `user` is
+    # accepted and ignored (the list: docs/generation.md).
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
