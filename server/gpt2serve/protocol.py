@@ -141,6 +141,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     banned_early: tuple[int, ...] = ()  # the tokens min_tokens holds back: end-of-text, stop tokens
+    grammar: str = ""  # structured output: an llguidance grammar (engine.constraints); "" none
 
     @property
     def greedy(self) -> bool:

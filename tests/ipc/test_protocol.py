@@ -49,7 +49,7 @@ SAMPLES = [
     Submit(11, NextTokenRequest([[464, 3139, 286]], 2, None, 3)),
     Generate(12, GenerateRequest([1, 2], SamplingParams(), 1, prompt_logprobs=0)),
     Generate(13, GenerateRequest([5], SamplingParams(0.0, 0, 1.0, 0, 0.5, -1.25, 1.3, ((7, -100.0), (50256, 2.5)),
-                                                     0.05, 3, (13, 50256)), 8)),
+                                                     0.05, 3, (13, 50256), 'start: "a" | "b"'), 8)),
     Result(11, [NextTokenOutput([TokenScore(262, -1.5)], 0.0, 0.02, 1, 1, 2,
                                 prompt_logprobs=PromptScores([-3.5, -0.25], [7, 1], [[11, 3139], [286, 11]],
                                                              [[-1.0, -3.5], [-0.25, -2.0]]))]),

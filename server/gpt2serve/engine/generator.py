@@ -16,12 +16,10 @@ Every step ends in one copy to the host: per row [token, logprob, top logprobs, 
 sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
 them, so a step can be launched before the host has read the last one's answers (`launch_decode`,
 then `finish_decode`: the core overlaps the two on cuda). On cuda a launch copies nothing
-synchronously: inputs go through pinned memory, answers come back by a non-blocking copy.
-"""
+synchronously. Each row's own controls and grammar: engine.logits_controls."""
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from collections import deque
@@ -40,7 +38,7 @@ from .padding import forward_parts
 from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .riders import RiderLayout, RiderStore
-from .logits_controls import TokenHistory, controlled_logits
+from .logits_controls import Grammars, TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, SamplingParams, choose, read_choices, to_device
 
 
@@ -80,6 +78,7 @@ class _Running:
     length: int  # positions filled in its cache slot (its last sampled token, in last_ids, is fed next)
     prompt_length: int = field(default=0)
     prompt: Sequence[int] = ()  # for its penalties' history (engine.logits_controls)
+    matcher: object = None  # its grammar's (engine.constraints), made at its first step
     finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
     unread: int = 0  # decode steps launched for it whose answers the host has not read yet
     history_written: bool = False  # its prompt and tokens are in the token history
@@ -120,6 +119,7 @@ class Generator:
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
         self.history: TokenHistory | None = None  # rows with penalties: their tokens, on the device
+        self.grammars = Grammars(engine.loaded.tokenizer)  # structured output's compiled grammars
         self.running: list[_Running] = []
         self.chunk_tokens = chunk_tokens
         self.chunked: deque[ChunkedPrefill] = deque()  # long prompts being read, oldest first
@@ -352,7 +352,7 @@ class Generator:
         device, D = self.engine.device, len(last)
         span = self._eager_span(D, needed)
         layout = RiderLayout.of(D, riders, device)
-        prompt_ids = torch.tensor(list(itertools.chain.from_iterable(riders)), device=device)
+        prompt_ids = torch.tensor([t for p in riders for t in p], device=device)
         ids = torch.cat((last, prompt_ids))[None]  # (1, N)
         positions = torch.tensor([*lengths, *(t for p in riders for t in range(len(p)))], device=device)[None]  # (1, N)
         store = RiderStore(self.cache.decode(positions[0, :D], span), layout)
@@ -380,7 +380,7 @@ class Generator:
         (and the token history of rows with penalties) from `first_slot` on; (B, 3 + 2n)."""
         slots = range(first_slot, first_slot + len(rows))
         generated = [r.length - r.prompt_length + decode for r in rows]  # a decode feeds one not yet in the cache
-        controlled = controlled_logits(logits, rows, slots, generated, self.history)
+        controlled = controlled_logits(logits, rows, slots, generated, self.history, self.grammars)
         chosen = choose(logits, [r.params for r in rows], [r.rng.random() for r in rows], controlled)  # (B, 3 + 2n)
         self.last_ids[first_slot:first_slot + len(rows)] = chosen[:, TOKEN]  # the next step's inputs, on the device
         kept = [i for i, r in enumerate(rows) if r.history_written]

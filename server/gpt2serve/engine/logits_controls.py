@@ -7,7 +7,8 @@ alone (its neighbours in the batch are never touched), in vLLM's order:
 3. repetition_penalty p (CTRL, transformers' RepetitionPenaltyLogitsProcessor), over every token j
    in the prompt or the output so far: logit[j] / p where logit[j] > 0, else logit[j] * p;
 4. frequency and presence penalties (OpenAI), over the output so far, c[j] the times j was
-   generated: logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty.
+   generated: logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty;
+5. a grammar (structured output, engine.constraints): -inf for every token it does not allow.
 
 Then sampling divides by the temperature and applies min_p (engine.sampling): a token whose
 probability is below min_p times the most likely one's is dropped (transformers' MinPLogitsWarper).
@@ -24,6 +25,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .constraints import Grammars, allowed
 from .sampling import SamplingParams, to_device
 
 
@@ -32,7 +34,7 @@ def needs_history(p: SamplingParams) -> bool:
 
 
 def needs_controls(p: SamplingParams) -> bool:
-    return needs_history(p) or bool(p.logit_bias) or p.min_tokens > 0
+    return needs_history(p) or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.grammar)
 
 
 class Row(Protocol):
@@ -42,6 +44,7 @@ class Row(Protocol):
     prompt: Sequence[int]
     prompt_length: int
     history_written: bool
+    matcher: object  # its grammar's llguidance matcher (engine.constraints), made at its first step
 
 
 class TokenHistory:
@@ -74,7 +77,7 @@ class TokenHistory:
 
 
 def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence[int], generated: Sequence[int],
-                      history: TokenHistory | None) -> torch.Tensor | None:
+                      history: TokenHistory | None, grammars: Grammars | None = None) -> torch.Tensor | None:
     """(B, V) logits -> (B, V) fp32 logits with each row's controls applied, or None when no
     row has any. `generated[i]`: tokens row i generated before this one; the token chosen now
     will sit at position prompt_length + generated[i]."""
@@ -111,4 +114,12 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
         frequency = to_device([p.frequency_penalty for p in params], device, torch.float32)[:, None]  # (P, 1)
         presence = to_device([p.presence_penalty for p in params], device, torch.float32)[:, None]  # (P, 1)
         out[index] = x - output * frequency - (output > 0).float() * presence
+    constrained = [i for i in chosen if rows[i].params.grammar]
+    if constrained:  # last: a token its grammar does not allow is never chosen, whatever the bias
+        for i in constrained:
+            if rows[i].matcher is None:
+                rows[i].matcher = grammars.matcher(rows[i].params.grammar)
+        index = to_device(constrained, device)  # (G,)
+        mask = allowed([rows[i].matcher for i in constrained], vocab_size, device)  # (G, V)
+        out[index] = out[index].masked_fill(~mask, float("-inf"))
     return out

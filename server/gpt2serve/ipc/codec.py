@@ -153,20 +153,20 @@ def _pack_generate(r: GenerateRequest) -> list:
     p = r.params
     params = [p.temperature, p.top_k, p.top_p, p.logprobs, p.presence_penalty, p.frequency_penalty,
               p.repetition_penalty, [t for t, _ in p.logit_bias], [b for _, b in p.logit_bias], p.min_p, p.min_tokens,
-              list(p.banned_early)]
+              list(p.banned_early), p.grammar]
     return [r.prompt, params, r.max_tokens, sorted(r.stop_token_ids), r.ignore_eos, r.seed, r.deadline,
             _pack_trace(r.trace), r.prompt_logprobs]
 
 
 def _params(x: Any) -> SamplingParams:
     (temperature, top_k, top_p, logprobs, presence, frequency, repetition, bias_ids, biases, min_p, min_tokens,
-     banned_early) = _fields(x, 12)
+     banned_early, grammar) = _fields(x, 13)
     bias_ids, biases = _ids(bias_ids), _floats(biases)
     if len(bias_ids) != len(biases):
         raise BadFrame("expected as many biases as biased tokens")
     return SamplingParams(_float(temperature), _int(top_k), _float(top_p), _int(logprobs), _float(presence),
                           _float(frequency), _float(repetition), tuple(zip(bias_ids, map(float, biases))),
-                          _float(min_p), _int(min_tokens), tuple(_ids(banned_early)))
+                          _float(min_p), _int(min_tokens), tuple(_ids(banned_early)), _str(grammar))
 
 
 def _generate(x: Any) -> GenerateRequest:

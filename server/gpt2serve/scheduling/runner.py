@@ -192,6 +192,8 @@ class StepRunner:
         """Launch this decode step, then read the one before it (with overlap, still running
         on the device while this one was prepared and queued behind it); without overlap, or
         with riders (answered at once), read this one too."""
+        if self.in_flight is not None and any(r.params.grammar for r in self.in_flight[1]):
+            self.finish_in_flight()  # a grammar's next mask needs the token under way (engine.constraints)
         if riders:
             log.debug("batch: %d prompts riding a decode step of %d (%d queued)", len(riders), len(members),
                       len(self.scheduler.prompts))

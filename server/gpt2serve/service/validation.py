@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from ..engine.constraints import grammar_for
 from ..engine.tokenizer import Tokenizer
 from ..errors import FailedPrecondition, InvalidArgument
 from ..protocol import GenerateRequest, SamplingParams, TraceContext
@@ -50,6 +51,8 @@ class GenerateSettings:
     logit_bias: Mapping[int, float] | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+    # Structured output: (kind, spec, the field it came from); kinds in engine.constraints.KINDS.
+    constraint: tuple[str, str, str] | None = None
 
     def request(self, prompt: list[int], n_ctx: int, vocab_size: int, deadline: float | None = None,
                 trace: TraceContext | None = None, eos_token_id: int | None = None) -> GenerateRequest:
@@ -104,12 +107,20 @@ class GenerateSettings:
             raise InvalidArgument(f"min_tokens: {min_tokens} is outside 0..max_tokens ({max_tokens})",
                                   param="min_tokens")
         early = set(self.stop_token_ids) | ({eos_token_id} if eos_token_id is not None and not self.ignore_eos else set())
+        grammar = ""
+        if self.constraint is not None:
+            kind, spec, field = self.constraint
+            for name, clash in (("ignore_eos", self.ignore_eos), ("min_tokens", min_tokens)):
+                if clash:
+                    raise InvalidArgument(f"{name}: not with {field} (the end of text closes a structured output)",
+                                          param=name)
+            grammar = grammar_for(kind, spec, field)
         return dict(presence_penalty=within("presence_penalty", self.presence_penalty, 0.0, -2.0, 2.0),
                     frequency_penalty=within("frequency_penalty", self.frequency_penalty, 0.0, -2.0, 2.0),
                     repetition_penalty=within("repetition_penalty", self.repetition_penalty, 1.0, 0.0,
                                               MAX_REPETITION_PENALTY, low_open=True),
                     logit_bias=tuple(sorted(bias)), min_p=within("min_p", self.min_p, 0.0, 0.0, 1.0),
-                    min_tokens=min_tokens, banned_early=tuple(sorted(early)) if min_tokens else ())
+                    min_tokens=min_tokens, banned_early=tuple(sorted(early)) if min_tokens else (), grammar=grammar)
 
 
 @dataclass(frozen=True)

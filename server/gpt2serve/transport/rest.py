@@ -33,7 +33,7 @@ from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
 from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
 from .openai.chat import ChatMessage, conversation_prompt
-from .sampling_fields import SamplingControls
+from .sampling_fields import SamplingControls, StructuredOutputFields
 from .sse import first_and_rest, json_bytes, sse_event
 from .ui import add_ui_routes
 
@@ -100,7 +100,7 @@ class NextTokenBatchBody(Body):
     prompt_logprobs: StrictInt | None = PROMPT_LOGPROBS_FIELD
 
 
-class GenerateBody(Body, SamplingControls):
+class GenerateBody(Body, SamplingControls, StructuredOutputFields):
     prompt: StrictStr | None = Field(None, description="Prompt text", examples=["The capital of France is"])
     prompt_token_ids: list[StrictInt] | None = Field(None, description="Prompt as GPT-2 token ids, instead of text")
     messages: list[ChatMessage] | None = Field(
@@ -125,7 +125,8 @@ class GenerateBody(Body, SamplingControls):
         return GenerateSettings(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
-            stop_token_ids=self.stop_token_ids, logprobs=self.logprobs, ignore_eos=self.ignore_eos, **self.controls())
+            stop_token_ids=self.stop_token_ids, logprobs=self.logprobs, ignore_eos=self.ignore_eos, **self.controls(),
+            constraint=self.constraint())
 
 
 class BatchResults(BaseModel):

@@ -1,10 +1,15 @@
-"""The logits controls as JSON fields, the same on /v1/generate and OpenAI's completions and
-chat: OpenAI's names (presence_penalty, frequency_penalty, logit_bias) and vLLM's
-(repetition_penalty, min_p, min_tokens). Their formulas: engine.logits_controls."""
+"""The logits controls and structured output as JSON fields, the same on /v1/generate and
+OpenAI's completions and chat: OpenAI's names (presence_penalty, frequency_penalty, logit_bias,
+response_format) and vLLM's (repetition_penalty, min_p, min_tokens, structured_outputs and the
+older guided_json, guided_regex, guided_choice, guided_grammar). Their formulas:
+engine.logits_controls; the grammars: engine.constraints."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, StrictFloat, StrictInt
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import InvalidArgument
 
@@ -39,3 +44,74 @@ class SamplingControls(BaseModel):
         return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                     repetition_penalty=self.repetition_penalty, logit_bias=bias, min_p=self.min_p,
                     min_tokens=self.min_tokens)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of these."""
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json", description="A JSON schema")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = Field(None, description="Lark, or GBNF as llama.cpp writes it")
+    json_object: StrictBool | None = Field(None, description="Any JSON object")
+
+
+class StructuredOutputFields(BaseModel):
+    response_format: dict[str, Any] | None = Field(
+        None, description='OpenAI\'s: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", '
+                          '"json_schema": {"name": ..., "schema": {...}}}')
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's: json, regex, choice, grammar "
+                                                                           "or json_object, one of them")
+    guided_json: dict[str, Any] | StrictStr | None = Field(None, description="vLLM's older name: a JSON schema")
+    guided_regex: StrictStr | None = Field(None, description="vLLM's older name")
+    guided_choice: list[StrictStr] | None = Field(None, description="vLLM's older name")
+    guided_grammar: StrictStr | None = Field(None, description="vLLM's older name")
+
+    def constraint(self) -> tuple[str, str, str] | None:
+        """(kind, spec, field) for GenerateSettings.constraint, or None; more than one is a 400."""
+        found = []
+        if self.response_format is not None:
+            found += [c for c in [self._response_format()] if c is not None]
+        if self.structured_outputs is not None:
+            s = self.structured_outputs
+            found += [c for c in (_schema(s.json_, "structured_outputs.json"),
+                                  ("regex", s.regex, "structured_outputs.regex") if s.regex is not None else None,
+                                  _choice(s.choice, "structured_outputs.choice"),
+                                  ("grammar", s.grammar, "structured_outputs.grammar") if s.grammar is not None else None,
+                                  ("json_schema", '{"type": "object"}', "structured_outputs.json_object")
+                                  if s.json_object else None) if c is not None]
+        found += [c for c in (_schema(self.guided_json, "guided_json"),
+                              ("regex", self.guided_regex, "guided_regex") if self.guided_regex is not None else None,
+                              _choice(self.guided_choice, "guided_choice"),
+                              ("grammar", self.guided_grammar, "guided_grammar") if self.guided_grammar is not None
+                              else None) if c is not None]
+        if len(found) > 1:
+            raise InvalidArgument(f"{found[1][2]}: one structured output a request, and {found[0][2]} is one",
+                                  param=found[1][2].split(".")[0])
+        return found[0] if found else None
+
+    def _response_format(self) -> tuple[str, str, str] | None:
+        kind = self.response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return "json_schema", '{"type": "object"}', "response_format"
+        if kind == "json_schema":
+            schema = (self.response_format.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise InvalidArgument("response_format: json_schema.schema must be a JSON schema object",
+                                      param="response_format")
+            return "json_schema", json.dumps(schema), "response_format"
+        raise InvalidArgument(f"response_format: type {kind!r} is not one of text, json_object, json_schema",
+                              param="response_format")
+
+
+def _schema(schema: dict | str | None, field: str) -> tuple[str, str, str] | None:
+    if schema is None:
+        return None
+    return "json_schema", schema if isinstance(schema, str) else json.dumps(schema), field
+
+
+def _choice(choices: list[str] | None, field: str) -> tuple[str, str, str] | None:
+    return None if choices is None else ("choice", json.dumps(choices), field)

@@ -33,7 +33,7 @@ from ...engine.tokenizer import Tokenizer
 from ...errors import InvalidArgument, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput
 from ..http_shared import http_options
-from ..sampling_fields import SamplingControls
+from ..sampling_fields import SamplingControls, StructuredOutputFields
 from ..sse import sse_event
 from .common import Choices, check_model, finish_reason, refuse
 from .logprobs import chat_logprob
@@ -88,7 +88,7 @@ async def conversation_prompt(service: InferenceService, messages: list[ChatMess
                     "gpt2serve.chat.prompt_tokens": len(prompt)}
 
 
-class ChatCompletionBody(SamplingControls):
+class ChatCompletionBody(SamplingControls, StructuredOutputFields):
     # A field this server does not know is refused naming it, as OpenAI's own API does; those it
     # knows and does not do are refused too (`check`); the few below, marked, are taken and
     # ignored (the list: docs/generation.md).
@@ -127,7 +127,6 @@ class ChatCompletionBody(SamplingControls):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     # Not OpenAI's, but vLLM's (passed as extra_body).
     top_k: StrictInt | None = Field(None, description="gpt2serve extension: sample among the k most likely")
     ignore_eos: StrictBool = Field(False, description="gpt2serve extension: generate past the end-of-text token")
@@ -142,8 +141,6 @@ class ChatCompletionBody(SamplingControls):
         refuse([("tools", not self.tools, no_tools), ("tool_choice", self.tool_choice in (None, "none"), no_tools),
                 ("functions", not self.functions, no_tools),
                 ("function_call", self.function_call in (None, "none"), no_tools),
-                ("response_format", (self.response_format or {}).get("type", "text") == "text",
-                 "only {'type': 'text'}: gpt2serve has no JSON mode or schema-constrained output"),
                 ("modalities", self.modalities in (None, ["text"]), "gpt2serve answers in text only"),
                 ("audio", self.audio is None, "gpt2serve answers in text only"),
                 ("prediction", self.prediction is None, ""), ("reasoning_effort", self.reasoning_effort is None,
@@ -166,7 +163,7 @@ class ChatCompletionBody(SamplingControls):
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             logprobs=(self.top_logprobs or 0) if self.logprobs else 0, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids or [], **self.controls())
+            stop_token_ids=self.stop_token_ids or [], **self.controls(), constraint=self.constraint())
 
 
 class ChatCompletions:

@@ -30,7 +30,7 @@ from ...errors import InvalidArgument, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput
 from ...service.validation import Validator
 from ..http_shared import http_options, unless_disconnected
-from ..sampling_fields import SamplingControls
+from ..sampling_fields import SamplingControls, StructuredOutputFields
 from ..sse import sse_event
 from .common import Choices, check_model, finish_reason, usage_json
 from .logprobs import echo_logprobs, openai_token
@@ -38,7 +38,7 @@ from .logprobs import echo_logprobs, openai_token
 ROUTE = "/v1/completions"
 
 
-class CompletionBody(SamplingControls):
+class CompletionBody(SamplingControls, StructuredOutputFields):
     # A field this server does not know is refused naming it, as OpenAI's own API does: one that
     # would change the answer (vLLM's guided_choice, say) is never silently ignored. `user` is
     # accepted and ignored (the list: docs/generation.md).
@@ -107,7 +107,8 @@ class CompletionBody(SamplingControls):
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             logprobs=self.logprobs or 0, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids or [],
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None, **self.controls())
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None, **self.controls(),
+            constraint=self.constraint())
 
 
 def best_candidates(candidates: list[tuple[Any, Any]], n: int, best_of: int) -> list[tuple[Any, Any]]:
