@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -91,7 +92,9 @@ def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float |
                     trace_layers: bool, trace_steps: bool = False, presence_penalty: float | None = None,
                     frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                     logit_bias: Mapping[int, float] | None = None, min_p: float | None = None,
-                    min_tokens: int | None = None) -> dict[str, Any]:
+                    min_tokens: int | None = None, json_schema: Mapping[str, Any] | str | None = None,
+                    regex: str | None = None, choice: Sequence[str] | None = None,
+                    grammar: str | None = None) -> dict[str, Any]:
     """A generate call's fields, the same for the proto and the JSON body (unset ones left out;
     logit_bias keyed by int: the JSON body's keys become strings, as OpenAI's are)."""
     fields = {**prompt_fields(prompt), "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
@@ -101,14 +104,27 @@ def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float |
               "stop_token_ids": [int(t) for t in stop_token_ids or ()],
               "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
               "repetition_penalty": repetition_penalty, "min_p": min_p, "min_tokens": min_tokens,
-              "logit_bias": {int(t): float(b) for t, b in logit_bias.items()} if logit_bias else None}
+              "logit_bias": {int(t): float(b) for t, b in logit_bias.items()} if logit_bias else None,
+              "json_schema": json_schema if json_schema is None or isinstance(json_schema, str) else
+              json.dumps(json_schema), "regex": regex, "choice": list(choice) if choice else None,
+              "grammar": grammar}
     return {name: value for name, value in fields.items() if value is not None}
 
 
+STRUCTURED = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}  # proto -> JSON
+
+
 def generate_json(**options: Any) -> dict[str, Any]:
+    """generate_fields as /v1/generate's body: logit_bias keyed by strings, structured output
+    under vLLM's structured_outputs."""
     fields = generate_fields(**options)
     if "logit_bias" in fields:
         fields["logit_bias"] = {str(t): b for t, b in fields["logit_bias"].items()}
+    structured = {STRUCTURED[name]: fields.pop(name) for name in list(fields) if name in STRUCTURED}
+    if "json" in structured:
+        structured["json"] = json.loads(structured["json"])
+    if structured:
+        fields["structured_outputs"] = structured
     return fields
 
 

@@ -7,7 +7,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -186,16 +186,22 @@ class Client:
                         trace_steps: bool = False, presence_penalty: float | None = None, frequency_penalty: float | None = None,
                         repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
                         min_p: float | None = None, min_tokens: int | None = None,
+                        json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
+                        choice: Sequence[str] | None = None, grammar: str | None = None,
                         timeout: float | None = None) -> Iterator[GenerateChunk]:
         """The generation as it goes: a GenerateChunk per token, then a closing one with the
         finish reason and usage. temperature 0 is greedy; the same seed, the same text.
+        The penalties, logit_bias (token id -> bias), min_p and min_tokens control each step's
+        logits; json_schema (a dict or its JSON), regex, choice or grammar (Lark or GBNF)
+        constrain the output to match (docs/generation.md has the formulas and rules).
         Breaking out of the loop (or closing it) cancels the generation on the server."""
         request = _requests.generate_proto(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
             trace_layers=trace_layers, trace_steps=trace_steps,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens)
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
+            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
         attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
         while True:
             call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False
@@ -284,6 +290,8 @@ class AsyncClient:
                               presence_penalty: float | None = None, frequency_penalty: float | None = None,
                               repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
                               min_p: float | None = None, min_tokens: int | None = None,
+                              json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
+                              choice: Sequence[str] | None = None, grammar: str | None = None,
                               timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
         """As `Client.generate_stream`, asynchronously."""
         request = _requests.generate_proto(
@@ -291,7 +299,8 @@ class AsyncClient:
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
             trace_layers=trace_layers, trace_steps=trace_steps,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens)
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
+            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
         attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
         while True:
             call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False

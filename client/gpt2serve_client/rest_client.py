@@ -117,6 +117,8 @@ class RestClient:
                         trace_steps: bool = False, presence_penalty: float | None = None, frequency_penalty: float | None = None,
                         repetition_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
                         min_p: float | None = None, min_tokens: int | None = None,
+                        json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
+                        choice: Sequence[str] | None = None, grammar: str | None = None,
                         timeout: float | None = None) -> Iterator[GenerateChunk]:
         """As the gRPC `Client.generate_stream`, over server-sent events (not retried once the
         stream has begun). Closing the iterator closes the connection, which cancels the generation."""
@@ -125,7 +127,8 @@ class RestClient:
             stop=stop, stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos,
             trace_layers=trace_layers, trace_steps=trace_steps,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens)
+            repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
+            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
         timeout = self.timeout if timeout is None else timeout
         try:
             with self._http.stream("POST", "/v1/generate", json={**body, "stream": True}, timeout=timeout,

@@ -272,7 +272,7 @@ class ModelInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., weights: _Optional[str] = ..., weights_source: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[_Union[Architecture, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBreakdown, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., quantize: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., chat_completions: _Optional[bool] = ..., chat_template_source: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers", "trace_steps", "min_tokens", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers", "trace_steps", "min_tokens", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "json_schema", "regex", "choice", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,10 @@ class GenerateRequest(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -318,7 +322,11 @@ class GenerateRequest(_message.Message):
     frequency_penalty: float
     presence_penalty: float
     min_p: float
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ..., trace_steps: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
+    json_schema: str
+    regex: str
+    choice: _containers.RepeatedScalarFieldContainer[str]
+    grammar: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ..., trace_steps: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerationStep(_message.Message):
     __slots__ = ("index", "position", "context_tokens", "new_row_shape", "kv_cache_shape", "attention", "logit_lens", "top", "walkthrough", "n_layer", "n_head", "token_id", "token", "new_tokens")

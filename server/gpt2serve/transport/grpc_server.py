@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import functools
 import logging
 import time
@@ -119,8 +120,18 @@ def generate_settings(msg: pb.GenerateRequest) -> GenerateSettings:
         logprobs=msg.logprobs, ignore_eos=msg.ignore_eos, min_tokens=optional("min_tokens"),
         logit_bias=dict(msg.logit_bias) or None, repetition_penalty=optional("repetition_penalty"),
         frequency_penalty=optional("frequency_penalty"), presence_penalty=optional("presence_penalty"),
-        min_p=optional("min_p"),
+        min_p=optional("min_p"), constraint=constraint_of(msg),
     )
+
+
+def constraint_of(msg: pb.GenerateRequest) -> tuple[str, str, str] | None:
+    """The structured output a Generate asked for (GenerateSettings.constraint), at most one."""
+    given = [(kind, spec, kind) for kind, spec in (("json_schema", msg.json_schema), ("regex", msg.regex),
+                                                   ("choice", json.dumps(list(msg.choice)) if msg.choice else ""),
+                                                   ("grammar", msg.grammar)) if spec]
+    if len(given) > 1:
+        raise InvalidArgument(f"{given[1][0]}: one structured output a request, and {given[0][0]} is one")
+    return given[0] if given else None
 
 
 class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
