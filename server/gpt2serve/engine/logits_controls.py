@@ -85,7 +85,7 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
     if not chosen:
         return None
     device, vocab_size = logits.device, logits.shape[-1]
-    out = logits.float().clone()  # (B, V)
+    out = logits.float().clone(memory_format=torch.contiguous_format)  # (B, V), row-major (see sampling.choose)
     early = [(i, t) for i in chosen if generated[i] < rows[i].params.min_tokens
              for t in rows[i].params.banned_early]
     if early:
@@ -119,7 +119,10 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
         for i in constrained:
             if rows[i].matcher is None:
                 rows[i].matcher = grammars.matcher(rows[i].params.grammar)
-        index = to_device(constrained, device)  # (G,)
         mask = allowed([rows[i].matcher for i in constrained], vocab_size, device)  # (G, V)
-        out[index] = out[index].masked_fill(~mask, float("-inf"))
+        if len(constrained) == len(rows):
+            out.masked_fill_(~mask, float("-inf"))
+        else:
+            index = to_device(constrained, device)  # (G,)
+            out[index] = out[index].masked_fill(~mask, float("-inf"))
     return out

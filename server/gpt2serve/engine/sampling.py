@@ -53,7 +53,10 @@ def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[flo
     the host. A row that is not finite has token 0 and must not be used. `controlled`: the
     logits after each row's penalties, bias and min_tokens (engine.logits_controls), which the
     choice is made from; the logprobs reported stay the model's own."""
-    logits = logits.float()
+    # (B, V) row-major: on a CPU the lm_head's output is a transposed view (engine.gpt2.Linear), and
+    # each row-wise op below read it 10-60x slower than a copy costs (16 rows: amax 2.1 ms against
+    # 0.03, log_softmax 3.3 against 0.3; the copy 0.9).
+    logits = logits.float().contiguous()
     finite = torch.isfinite(logits.amax(dim=-1))  # (B,): amax is NaN or +inf if any entry is, -inf if all are
     logits = torch.where(finite[:, None], logits, 0.0)  # (B, V): a bad row cannot poison the rest
     logprobs = torch.log_softmax(logits, dim=-1)  # (B, V)
