@@ -271,14 +271,17 @@ def test_decode_graphs_generate_what_eager_decoding_does(peaked):
 def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
     """The engine core queues step N+1 while step N runs (scheduling.runner): that only overlaps
     if launching a step never waits for the device. torch's sync debug mode raises on any call
-    that would (a pageable copy, a read of a device value), for greedy and every sampling mode."""
+    that would (a pageable copy, a read of a device value), for greedy and every sampling mode,
+    with the penalties (their token history is on the device), bias, min_p and min_tokens."""
     from gpt2serve.engine.generator import Generator, NewSequence
     from gpt2serve.protocol import SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)
     generator = Generator(engine, slots=8)
-    modes = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40),
-             SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0, logprobs=3)]
+    modes = [SamplingParams(temperature=0.0, repetition_penalty=1.2, logit_bias=((11, 2.0),), min_tokens=3,
+                            banned_early=(50256,)),
+             SamplingParams(temperature=0.8, top_k=40, frequency_penalty=0.5, presence_penalty=0.3),
+             SamplingParams(temperature=0.9, top_p=0.9, min_p=0.05), SamplingParams(temperature=1.0, logprobs=3)]
     generator.prefill([NewSequence(i, p, modes[i % 4], i) for i, p in enumerate(make_prompts(8, 5))])
     generator.finish_decode(generator.launch_decode())  # its bucket's graph is captured here
     torch.cuda.set_sync_debug_mode("error")
@@ -348,3 +351,35 @@ def test_prefix_cache_hits_on_cuda_equal_the_uncached_answers_with_graphs_on(pea
         assert [t.token_id for t in a] == [t.token_id for t in b]
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a, b)) <= LOGPROB_TOLERANCE["float32"]
     assert generate() == plain_tokens
+
+
+def test_controls_and_grammars_on_cuda_under_the_overlapped_core(peaked):
+    """On cuda, with the core overlapping steps: penalized and biased streams give the tokens they
+    give without overlap (their history is written on the device by each step), and constrained
+    streams (read before the next launch) give outputs that validate."""
+    import json
+
+    import jsonschema
+    from support.generation import PROMPTS, run_joining
+
+    from gpt2serve.engine.constraints import grammar_for
+    from gpt2serve.engine.generator import Generator
+    from gpt2serve.protocol import GenerateRequest, SamplingParams
+
+    engine = cuda_engine(peaked, torch.float32)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5,
+                               logit_bias=((PROMPTS[3][0], 4.0),))
+    constrained = SamplingParams(temperature=0.9, grammar=grammar_for("json_schema", json.dumps(schema), "test"))
+    requests = [(0.002 * i, GenerateRequest(PROMPTS[i], penalized if i % 2 else constrained, 24, seed=i,
+                                            ignore_eos=bool(i % 2))) for i in range(8)]
+    overlapped = asyncio.run(run_joining(Generator(engine, slots=6), requests))
+    plain = asyncio.run(run_joining(Generator(engine, slots=6), requests, overlap=False))
+    tokenizer = engine.loaded.tokenizer
+    for (_, request), got, want in zip(requests, overlapped, plain):
+        if request.params is penalized:
+            assert got == want
+        else:
+            text = tokenizer.decode([t for t in got if t != 50256])
+            jsonschema.validate(json.loads(text), schema)

@@ -175,6 +175,22 @@ def test_generate_trace_has_its_steps_and_the_prompts_layers(traced_server, rece
         assert named[layer][0].start_ns <= prefill.start_ns  # the prompt's layers, before generating
 
 
+def test_a_generations_controls_and_structured_output_are_on_its_span(traced_server, receiver, client_tracer):
+    with client_tracer.start_as_current_span("caller") as caller, Client(traced_server.grpc_target) as client:
+        client.generate(PROMPT, max_tokens=8, temperature=0.5, presence_penalty=0.5, repetition_penalty=1.2,
+                        logit_bias={11: 1.0, 13: -1.0}, min_p=0.05, regex="[0-9]{3}")
+    trace_id = format_trace_id(caller.get_span_context().trace_id)
+    name = "gpt2serve.v1.Gpt2Serve/Generate"
+    (request,) = by_name(receiver.wait_for(trace_id, {name}))[name]
+    attributes = request.attributes
+    assert attributes["gen_ai.request.presence_penalty"] == 0.5 and "gen_ai.request.frequency_penalty" not in attributes
+    assert attributes["gpt2serve.request.repetition_penalty"] == pytest.approx(1.2)
+    assert attributes["gpt2serve.request.logit_bias_tokens"] == 2
+    assert attributes["gpt2serve.request.min_p"] == pytest.approx(0.05)
+    assert attributes["gpt2serve.structured_output.kind"] == "regex"
+    assert attributes["gpt2serve.structured_output.field"] == "regex"
+
+
 def test_traced_steps_are_spans_of_the_generation(traced_server, receiver, client_tracer, tiny_model):
     """trace_steps in a traced request: a span per step, from the token before to its own, with
     what the step's trace says (its token, cache, lens, top tokens)."""
