@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from structured_libs import SCHEMA  # noqa: E402
 
-from gpt2serve.engine.constraints import grammar_for  # noqa: E402
+from gpt2serve.engine.grammar_check import grammar_for  # noqa: E402
 from gpt2serve.engine.engine import Engine  # noqa: E402
 from gpt2serve.engine.generator import Generator, NewSequence  # noqa: E402
 from gpt2serve.engine.loading import load_model  # noqa: E402

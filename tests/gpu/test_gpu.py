@@ -362,7 +362,7 @@ def test_controls_and_grammars_on_cuda_under_the_overlapped_core(peaked):
     import jsonschema
     from support.generation import PROMPTS, run_joining
 
-    from gpt2serve.engine.constraints import grammar_for
+    from gpt2serve.engine.grammar_check import grammar_for
     from gpt2serve.engine.generator import Generator
     from gpt2serve.protocol import GenerateRequest, SamplingParams
 

@@ -272,7 +272,7 @@ def test_refusals_name_the_field(chat_server, oai, model):
     cases = [
         (dict(tools=[tool]), "tools"), (dict(tool_choice="auto"), "tool_choice"),
         (dict(extra_body={"functions": [tool["function"]]}), "functions"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "yaml"}), "response_format"), (dict(extra_body={"audio": {}}), "audio"),
         (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
         (dict(logit_bias={"50257": -100}), "logit_bias"), (dict(extra_body={"min_p": 2}), "min_p"),
         (dict(extra_body={"chat_template": "{{ 1 }}"}), "chat_template"),

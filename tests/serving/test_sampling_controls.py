@@ -159,8 +159,8 @@ def test_an_unknown_field_is_refused_naming_it_and_the_ignored_ones_are_taken(se
     model = httpx.get(f"{server.http_url}/v1/models", timeout=30).json()["data"][0]["id"]
     base = ({"model": model, "prompt": PROMPTS[1], "max_tokens": 2} if route == "/v1/completions" else
             {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-    for unknown in ({"guided_choice": ["yes", "no"]}, {"guided_regex": "[0-9]+"}, {"structured_outputs": {"choice": ["a"]}},
-                    {"topk": 3}):
+    for unknown in ({"guided_choise": ["yes", "no"]}, {"guided_decoding_backend": "xgrammar"},
+                    {"structured_output": {"choice": ["a"]}}, {"topk": 3}):
         refused = httpx.post(f"{server.http_url}{route}", json={**base, **unknown}, timeout=30)
         (field,) = unknown
         assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text

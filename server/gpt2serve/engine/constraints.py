@@ -3,8 +3,8 @@ step and no others (bench/structured_libs.py and docs/benchmarks.md say why llgu
 JSON schema compiles in about a millisecond, where the others took 0.6-1.4 s).
 
 The front end turns what a client sent (a JSON schema, a regex, a choice, a Lark or GBNF
-grammar) into one llguidance grammar and checks it (`grammar_for`), so a bad one is a 400
-quoting the library before anything runs. The engine keeps one matcher per constrained
+grammar) into one llguidance grammar and checks it (engine.grammar_check, which loads no torch),
+so a bad one is a 400 quoting the library before anything runs. The engine keeps one matcher per constrained
 sequence, copied from a pristine one per grammar (`Grammars`, cached by content), asks it for
 the allowed tokens before each sampling (`allowed`, applied as -inf elsewhere by
 engine.logits_controls) and feeds it each token read. The mask needs the last token, so a step
@@ -13,8 +13,6 @@ with a constrained sequence is read before the next is launched (scheduling.runn
 
 from __future__ import annotations
 
-import functools
-import json
 from collections import OrderedDict
 from typing import Sequence
 
@@ -22,36 +20,9 @@ import llguidance
 import numpy as np
 import torch
 
-from ..errors import InvalidArgument
 from .tokenizer import Tokenizer
 
-KINDS = ("json_schema", "regex", "choice", "grammar")  # what grammar_for takes
 CACHED_GRAMMARS = 256  # pristine matchers kept, least recently used dropped
-
-
-@functools.lru_cache(maxsize=CACHED_GRAMMARS)  # by content: a client sends the same schema again and again
-def grammar_for(kind: str, spec: str, field: str) -> str:
-    """One llguidance grammar for what a client sent, checked; a bad one is INVALID_ARGUMENT
-    quoting the library, naming `field`. kind: json_schema (a JSON schema as text), regex,
-    choice (a JSON list of strings), grammar (Lark, or GBNF as llama.cpp writes it)."""
-    try:
-        if kind == "json_schema":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": False})
-        elif kind == "choice":
-            choices = json.loads(spec)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
-                raise ValueError("a choice is a non-empty list of non-empty strings")
-            grammar = llguidance.grammar_from("choice", spec)
-        elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(spec)
-        else:
-            grammar = llguidance.grammar_from("grammar", spec)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise InvalidArgument(f"{field}: llguidance cannot use it: {exc}", param=field) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error and not error.startswith("WARNING"):
-        raise InvalidArgument(f"{field}: llguidance cannot compile it: {error}", param=field)
-    return grammar
 
 
 class Grammars:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from ..engine.constraints import grammar_for
+from ..engine.grammar_check import grammar_for
 from ..engine.tokenizer import Tokenizer
 from ..errors import FailedPrecondition, InvalidArgument
 from ..protocol import GenerateRequest, SamplingParams, TraceContext
