@@ -136,7 +136,7 @@ def prefill(self, sequences):
              for s in sequences]
     for r in added:
         r.rng.random()  # the draw choose() takes
-    tokens, failed = self._record(_chosen(added).tolist(), added)
+    tokens, failed = generator_module.read_choices(_chosen(added).tolist(), added)
     self.running.extend(added)
     return generator_module.StepOutput(tokens, "prefill", len(sequences), sum(len(s.prompt) for s in sequences),
                                        time.perf_counter() - started, started_ns, time.time_ns(), failed,
