@@ -20,9 +20,9 @@ import llguidance
 import numpy as np
 import torch
 
+from .grammar_check import CACHED_GRAMMARS
 from .tokenizer import Tokenizer
 
-CACHED_GRAMMARS = 256  # pristine matchers kept, least recently used dropped
 
 
 class Grammars:

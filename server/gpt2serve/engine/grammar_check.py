@@ -12,8 +12,7 @@ import llguidance
 
 from ..errors import InvalidArgument
 
-KINDS = ("json_schema", "regex", "choice", "grammar")  # what grammar_for takes
-CACHED_GRAMMARS = 256  # checked grammars kept, least recently used dropped
+CACHED_GRAMMARS = 256  # grammars kept by content (here checked ones; in the engine, pristine matchers)
 
 
 @functools.lru_cache(maxsize=CACHED_GRAMMARS)  # by content: a client sends the same schema again and again

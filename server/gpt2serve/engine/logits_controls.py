@@ -106,8 +106,7 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
         p_slots = [slots[i] for i in penalized]
         ends = [rows[i].prompt_length + generated[i] for i in penalized]
         output = history.counts(p_slots, [rows[i].prompt_length for i in penalized], ends, vocab_size)  # (P, V)
-        seen = output + history.counts(p_slots, [0] * len(penalized), [rows[i].prompt_length for i in penalized],
-                                       vocab_size) > 0  # (P, V): in the prompt or the output
+        seen = history.counts(p_slots, [0] * len(penalized), ends, vocab_size) > 0  # (P, V): prompt or output
         x = out[index]  # (P, V)
         repetition = to_device([p.repetition_penalty for p in params], device, torch.float32)[:, None]  # (P, 1)
         x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)

@@ -51,7 +51,7 @@ class GenerateSettings:
     logit_bias: Mapping[int, float] | None = None
     min_p: float | None = None
     min_tokens: int | None = None
-    # Structured output: (kind, spec, the field it came from); kinds in engine.constraints.KINDS.
+    # Structured output: (kind, spec, the field it came from); kinds: engine.grammar_check.grammar_for.
     constraint: tuple[str, str, str] | None = None
 
     def request(self, prompt: list[int], n_ctx: int, vocab_size: int, deadline: float | None = None,
@@ -121,6 +121,16 @@ class GenerateSettings:
                                               MAX_REPETITION_PENALTY, low_open=True),
                     logit_bias=tuple(sorted(bias)), min_p=within("min_p", self.min_p, 0.0, 0.0, 1.0),
                     min_tokens=min_tokens, banned_early=tuple(sorted(early)) if min_tokens else (), grammar=grammar)
+
+
+def one_constraint(given: list[tuple[str, str, str]]) -> tuple[str, str, str] | None:
+    """The structured output a request asked for (GenerateSettings.constraint): at most one of
+    the (kind, spec, field) it gave."""
+    if len(given) > 1:
+        field = given[1][2]
+        raise InvalidArgument(f"{field}: one structured output a request, and {given[0][2]} is one",
+                              param=field.split(".")[0])
+    return given[0] if given else None
 
 
 @dataclass(frozen=True)

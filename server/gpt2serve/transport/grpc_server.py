@@ -22,6 +22,7 @@ from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 from ..config import ServeConfig
 from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
+from ..service.validation import one_constraint
 from .guard import BearerKey, GrpcAuthInterceptor
 
 log = logging.getLogger(__name__)
@@ -126,12 +127,9 @@ def generate_settings(msg: pb.GenerateRequest) -> GenerateSettings:
 
 def constraint_of(msg: pb.GenerateRequest) -> tuple[str, str, str] | None:
     """The structured output a Generate asked for (GenerateSettings.constraint), at most one."""
-    given = [(kind, spec, kind) for kind, spec in (("json_schema", msg.json_schema), ("regex", msg.regex),
-                                                   ("choice", json.dumps(list(msg.choice)) if msg.choice else ""),
-                                                   ("grammar", msg.grammar)) if spec]
-    if len(given) > 1:
-        raise InvalidArgument(f"{given[1][0]}: one structured output a request, and {given[0][0]} is one")
-    return given[0] if given else None
+    return one_constraint([(kind, spec, kind) for kind, spec in (
+        ("json_schema", msg.json_schema), ("regex", msg.regex),
+        ("choice", json.dumps(list(msg.choice)) if msg.choice else ""), ("grammar", msg.grammar)) if spec])
 
 
 class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):

@@ -12,6 +12,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import InvalidArgument
+from ..service.validation import one_constraint
+
+ANY_OBJECT = '{"type": "object"}'  # json_object: a JSON schema that takes any object
 
 Number = StrictFloat | StrictInt
 
@@ -70,33 +73,24 @@ class StructuredOutputFields(BaseModel):
 
     def constraint(self) -> tuple[str, str, str] | None:
         """(kind, spec, field) for GenerateSettings.constraint, or None; more than one is a 400."""
-        found = []
-        if self.response_format is not None:
-            found += [c for c in [self._response_format()] if c is not None]
-        if self.structured_outputs is not None:
-            s = self.structured_outputs
-            found += [c for c in (_schema(s.json_, "structured_outputs.json"),
-                                  ("regex", s.regex, "structured_outputs.regex") if s.regex is not None else None,
-                                  _choice(s.choice, "structured_outputs.choice"),
-                                  ("grammar", s.grammar, "structured_outputs.grammar") if s.grammar is not None else None,
-                                  ("json_schema", '{"type": "object"}', "structured_outputs.json_object")
-                                  if s.json_object else None) if c is not None]
-        found += [c for c in (_schema(self.guided_json, "guided_json"),
-                              ("regex", self.guided_regex, "guided_regex") if self.guided_regex is not None else None,
-                              _choice(self.guided_choice, "guided_choice"),
-                              ("grammar", self.guided_grammar, "guided_grammar") if self.guided_grammar is not None
-                              else None) if c is not None]
-        if len(found) > 1:
-            raise InvalidArgument(f"{found[1][2]}: one structured output a request, and {found[0][2]} is one",
-                                  param=found[1][2].split(".")[0])
-        return found[0] if found else None
+        s = self.structured_outputs or StructuredOutputs()
+        given = [("json_schema", s.json_, "structured_outputs.json"), ("regex", s.regex, "structured_outputs.regex"),
+                 ("choice", s.choice, "structured_outputs.choice"),
+                 ("grammar", s.grammar, "structured_outputs.grammar"),
+                 ("json_schema", ANY_OBJECT if s.json_object else None, "structured_outputs.json_object"),
+                 ("json_schema", self.guided_json, "guided_json"), ("regex", self.guided_regex, "guided_regex"),
+                 ("choice", self.guided_choice, "guided_choice"), ("grammar", self.guided_grammar, "guided_grammar")]
+        found = [self._response_format()] if self.response_format is not None else []
+        found += [(kind, value if isinstance(value, str) else json.dumps(value), field)  # a schema or a list: JSON
+                  for kind, value, field in given if value is not None]
+        return one_constraint([c for c in found if c is not None])
 
     def _response_format(self) -> tuple[str, str, str] | None:
         kind = self.response_format.get("type")
         if kind == "text":
             return None
         if kind == "json_object":
-            return "json_schema", '{"type": "object"}', "response_format"
+            return "json_schema", ANY_OBJECT, "response_format"
         if kind == "json_schema":
             schema = (self.response_format.get("json_schema") or {}).get("schema")
             if not isinstance(schema, dict):
@@ -106,12 +100,3 @@ class StructuredOutputFields(BaseModel):
         raise InvalidArgument(f"response_format: type {kind!r} is not one of text, json_object, json_schema",
                               param="response_format")
 
-
-def _schema(schema: dict | str | None, field: str) -> tuple[str, str, str] | None:
-    if schema is None:
-        return None
-    return "json_schema", schema if isinstance(schema, str) else json.dumps(schema), field
-
-
-def _choice(choices: list[str] | None, field: str) -> tuple[str, str, str] | None:
-    return None if choices is None else ("choice", json.dumps(choices), field)

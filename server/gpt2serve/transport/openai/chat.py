@@ -35,7 +35,7 @@ from ...service import GenerateSettings, InferenceService, PromptInput
 from ..http_shared import http_options
 from ..sampling_fields import SamplingControls, StructuredOutputFields
 from ..sse import sse_event
-from .common import Choices, check_model, finish_reason, refuse
+from .common import Choices, check_model, choice_seed, finish_reason, refuse
 from .logprobs import chat_logprob
 
 ROUTE = "/v1/chat/completions"
@@ -158,9 +158,9 @@ class ChatCompletionBody(SamplingControls, StructuredOutputFields):
             raise InvalidArgument("top_logprobs: needs logprobs: true", param="top_logprobs")
 
     def settings(self, max_tokens: int, choice: int) -> GenerateSettings:
-        seed = self.seed if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
         return GenerateSettings(
-            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
+            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            seed=choice_seed(self.seed, choice),
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             logprobs=(self.top_logprobs or 0) if self.logprobs else 0, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids or [], **self.controls(), constraint=self.constraint())

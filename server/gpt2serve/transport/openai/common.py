@@ -36,6 +36,11 @@ def check_model(asked: str, served: str) -> None:
         raise ModelNotFound(f"The model '{asked}' does not exist; this server serves '{served}'", param="model")
 
 
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice i of a seeded request draws with seed + i (as vLLM's), wrapped into 64 bits."""
+    return seed if seed is None else (seed + choice + 2**63) % 2**64 - 2**63
+
+
 def refuse(unsupported: Iterable[tuple[str, bool, str]]) -> None:
     """A 400 naming the first field set to something gpt2serve does not do: `(field, is_default, why)`."""
     for name, is_default, why in unsupported:

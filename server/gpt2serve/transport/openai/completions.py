@@ -32,7 +32,7 @@ from ...service.validation import Validator
 from ..http_shared import http_options, unless_disconnected
 from ..sampling_fields import SamplingControls, StructuredOutputFields
 from ..sse import sse_event
-from .common import Choices, check_model, finish_reason, usage_json
+from .common import Choices, check_model, choice_seed, finish_reason, usage_json
 from .logprobs import echo_logprobs, openai_token
 
 ROUTE = "/v1/completions"
@@ -167,8 +167,7 @@ class Completions:
         n, best_of = body.candidates(len(prompts), service.max_batch_size)
         # Prompt i's candidates are inputs i * best_of .. (i + 1) * best_of - 1; candidate j of a
         # seeded request draws with seed + j, as chat's choices do.
-        inputs = [(prompt, settings if j == 0 or settings.seed is None else
-                   replace(settings, seed=(settings.seed + j + 2**63) % 2**64 - 2**63))
+        inputs = [(prompt, replace(settings, seed=choice_seed(settings.seed, j)) if j else settings)
                   for prompt in prompts for j in range(best_of)]
         choices = Choices(service, inputs, options, coalesce=body.stream)
         if body.stream:
