@@ -101,8 +101,9 @@ class Moment:
         return (end.at - self.at) * 1000  # ms, as cuda.Event's
 
 
-def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None):
-    if traced_rows or scored_rows:
+def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None,
+               controlled_rows=None):
+    if traced_rows or scored_rows or controlled_rows:
         raise ValueError("the stand-in device runs plain next-token batches only")
     started, started_ns = time.perf_counter(), time.time_ns()
     batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay

@@ -76,6 +76,11 @@ class GenerationStep:
     token_id: int
     token: str
     new_tokens: list[str] = field(default_factory=list)  # the rows this step computed, as text
+    # With sampling controls (penalties, logit_bias, min_tokens, structured output): the top
+    # tokens after them (temperature 1, only those left possible), and how many they left
+    # possible (under a grammar, the tokens it allowed). Empty and 0 without controls.
+    controlled_top: list[TokenLogprob] = field(default_factory=list)
+    allowed_tokens: int = 0
 
     def attention_row(self, layer: int, head: int) -> list[float]:
         """One head's attention over the cache at this step, [context_tokens]."""
@@ -86,6 +91,7 @@ class GenerationStep:
         data = asdict(self)
         return pb.GenerationStep(**{**data, "logit_lens": [pb.TokenProb(**t) for t in data["logit_lens"]],
                                     "top": [t.to_proto() for t in self.top],
+                                    "controlled_top": [t.to_proto() for t in self.controlled_top],
                                     "walkthrough": [s.to_proto() for s in self.walkthrough]})
 
     @classmethod
@@ -95,6 +101,7 @@ class GenerationStep:
                     attention=list(msg.attention), new_tokens=list(msg.new_tokens),
                     logit_lens=[TokenProb(**_fields_of(TokenProb, lambda n, t=t: getattr(t, n))) for t in msg.logit_lens],
                     top=[TokenLogprob.from_proto(t) for t in msg.top],
+                    controlled_top=[TokenLogprob.from_proto(t) for t in msg.controlled_top],
                     walkthrough=[ShapeStep.from_proto(s) for s in msg.walkthrough])
         return cls(**data)
 
@@ -102,6 +109,7 @@ class GenerationStep:
     def from_dict(cls, data: dict[str, Any]) -> GenerationStep:
         return cls(**{**data, "logit_lens": [TokenProb(**t) for t in data["logit_lens"]],
                       "top": [TokenLogprob.from_dict(t) for t in data["top"]],
+                      "controlled_top": [TokenLogprob.from_dict(t) for t in data.get("controlled_top", [])],
                       "walkthrough": [ShapeStep.from_dict(s) for s in data["walkthrough"]]})
 
 

@@ -105,6 +105,17 @@ class NextTokenRequest:
     top_k: int
     trace: TraceContext | None = None
     prompt_logprobs: int | None = None  # score every prompt position too, with this many alternatives
+    controls: StepControls | None = None  # a traced generation step's: its top tokens after them too
+
+
+@dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
+class StepControls:
+    """A traced generation step's controls (service.step_trace): its generation's sampling
+    settings, and where the output starts in the sequence, so the step's forward also shows its
+    top tokens after the penalties, bias, min_tokens and grammar (engine.logits_controls.controlled_view)."""
+
+    params: SamplingParams
+    prompt_length: int
 
 
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
@@ -121,6 +132,10 @@ class NextTokenOutput:
     walkthrough: list[ShapeStep] | None = None  # with the layers: the forward's shapes
     prompt_logprobs: PromptScores | None = None  # when the request asked for them
     cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of computed
+    # With the request's `controls`: the top tokens after them (temperature 1), and how many
+    # tokens they left possible (the vocabulary when nothing masks).
+    controlled_top: Sequence[TokenScore] | None = None
+    allowed_tokens: int = 0
 
 
 # Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.
@@ -146,6 +161,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def controlled(self) -> bool:
+        """Any control on the row's logits before sampling (engine.logits_controls)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens > 0 or self.grammar)
 
 
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
@@ -173,6 +194,7 @@ class SampledToken(NamedTuple):
     token_id: int
     logprob: float
     top: list[TokenScore] = _NO_ALTERNATIVES  # the `logprobs` best alternatives
+    allowed: int = 0  # under a grammar: how many tokens it allowed at this step; 0 without one
 
 
 class TokenEvent(NamedTuple):
@@ -266,12 +288,14 @@ class Tokens:
     tops: list[list[TokenScore]]  # each token's alternatives; [] for all when none were asked for
     forward_s: float  # the step's, shared by every token here
     batch_size: int
+    allowed: list[int]  # each token's SampledToken.allowed; [] for all when no grammar ran
 
     def events(self):
         """(request id, its TokenEvent) for each token, in order."""
-        for request_id, token_id, logprob, finish, top in zip(self.request_ids, self.token_ids, self.logprobs,
-                                                              self.finish_reasons, self.tops):
-            yield request_id, TokenEvent(SampledToken(token_id, logprob, top), finish, 0.0, self.forward_s,
+        allowed = self.allowed or [0] * len(self.request_ids)
+        for request_id, token_id, logprob, finish, top, n in zip(self.request_ids, self.token_ids, self.logprobs,
+                                                                 self.finish_reasons, self.tops, allowed):
+            yield request_id, TokenEvent(SampledToken(token_id, logprob, top, n), finish, 0.0, self.forward_s,
                                          self.batch_size)
 
 

@@ -20,8 +20,8 @@ from gpt2serve.errors import ResourceExhausted
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.zmq_client import ZmqEngineClient
 from gpt2serve.protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
-                                NextTokenOutput, NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit,
-                                TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
+                                NextTokenOutput, NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step,
+                                StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 
@@ -54,8 +54,15 @@ SAMPLES = [
                                 prompt_logprobs=PromptScores([-3.5, -0.25], [7, 1], [[11, 3139], [286, 11]],
                                                              [[-1.0, -3.5], [-0.25, -2.0]]))]),
     Step(12, TokenEvent(SampledToken(262, -0.25), "", 0.003, 0.01, 1, PromptScores([-2.0], [3], [[]], [[]]))),
-    Tokens([9, 12, 4], [262, 11, 50256], [-0.25, -1.5, -3.0], ["", "length", "eos"], [[], [], []], 0.002, 256),
-    Tokens([5, 6], [13, 198], [-0.5, -2.0], ["", ""], [[TokenScore(13, -0.5), TokenScore(11, -1.0)], []], 0.01, 2),
+    # a traced step of a generation with controls, and its answer with the top tokens after them
+    Submit(14, NextTokenRequest([[5, 6, 7]], 5, TRACE, None, StepControls(SamplingParams(
+        0.0, 0, 1.0, 0, 0.5, 0.0, 1.3, ((7, -100.0),), 0.0, 2, (50256,), 'start: "a" | "b"'), 2))),
+    Result(14, [NextTokenOutput([TokenScore(262, -1.5)], 0.0, 0.02, 1, 1, 2,
+                                controlled_top=[TokenScore(64, -0.5), TokenScore(65, -1.0)], allowed_tokens=2)]),
+    Step(14, TokenEvent(SampledToken(64, -0.25, [], 2), "", 0.003, 0.01, 1)),
+    Tokens([9, 12, 4], [262, 11, 50256], [-0.25, -1.5, -3.0], ["", "length", "eos"], [[], [], []], 0.002, 256, []),
+    Tokens([5, 6], [13, 198], [-0.5, -2.0], ["", ""], [[TokenScore(13, -0.5), TokenScore(11, -1.0)], []], 0.01, 2,
+           [0, 12]),
 ]
 
 
@@ -85,10 +92,10 @@ def test_top_scores_travel_as_their_columns_and_read_as_token_scores():
     assert fields == [[262, 11, 5], [-1.5, -2.0, -3.25]]
     (decoded,) = codec.decode(codec.encode([message]))
     assert type(decoded.outputs[0].top) is TopScores and decoded == message
-    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0]]]))
+    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]]]))
     assert whole.outputs[0].top[0] == TokenScore(262, -1.0) and type(whole.outputs[0].top[0].logprob) is float
     with pytest.raises(BadFrame):
-        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0]]]))
+        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]]]))
 
 
 def _frame(*messages: list) -> bytes:
@@ -131,6 +138,11 @@ BAD_FRAMES = {
     "prompt score top of unequal length": _with(SAMPLES[-2], 2, [[[[262], [-1.5]], 0.0, 0.02, 1, 1, 2, None, None,
                                                                  [[-3.5], [7], [[11, 3]], [[-1.0]]]]]),
     "tokens of unequal columns": _with(SAMPLES[-1], 2, [13]),
+    "tokens' allowed counts of another count": _with(SAMPLES[-1], 8, [3]),
+    "a step's allowed count not an integer": _with(Step(1, SAMPLES[8].event), 2,
+                                                   [262, -0.25, [[], []], "", 0.0, 0.0, 1, None, 0, 1.5]),
+    "step controls without their prompt length": _with(SAMPLES[-5], 2, [[[5, 6, 7]], 5, None, None,
+                                                                         [_wire(SAMPLES[13])[2][1]]]),
     "tokens' alternatives of another count": _with(SAMPLES[-1], 5, [[[13], [-0.5]]]),
     "prompt score rank not an integer": _with(SAMPLES[-1], 2, [262, -0.25, [[], []], "", 0.0, 0.0, 1,
                                                                [[-2.0], [3.5], [[]], [[]]]]),
@@ -154,7 +166,7 @@ class FakeCore:
     def __init__(self):
         self.aborted: list[int] = []
 
-    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done, wake=True):
+    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done, wake=True, controls=None):
         answers = [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
         asyncio.get_running_loop().call_soon(done, answers)  # later, on the loop, as the core answers
         return object()

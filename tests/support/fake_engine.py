@@ -20,7 +20,8 @@ class FakeEngine:
 
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
                    traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
-                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None) -> BatchOutput:
+                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
+                   controlled_rows: dict | None = None) -> BatchOutput:
         if self.oom_above is not None and len(prompts) > self.oom_above:
             raise OutOfMemory(f"fake: {len(prompts)} > {self.oom_above}")
         self.batch_sizes.append(len(prompts))

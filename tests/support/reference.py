@@ -34,12 +34,16 @@ def transformers_random_model(seed: int = 5, **config) -> GPT2LMHeadModel:
         return GPT2LMHeadModel(GPT2Config(**config)).eval()
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: a caller may change the answer in place
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """The next token's logits for one prompt, alone, no padding. (vocab,) fp32"""
+    model = as_transformers(model)
+    return model(input_ids=torch.tensor([token_ids])).logits[0, -1].float()  # (1, T, vocab) -> (vocab,)
+
+
 def reference_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """Log-probabilities of the next token for one prompt, alone, no padding. (vocab,)"""
-    model = as_transformers(model)
-    logits = model(input_ids=torch.tensor([token_ids])).logits  # (1, T, vocab)
-    return torch.log_softmax(logits[0, -1].float(), dim=-1)
+    return torch.log_softmax(reference_logits(model, token_ids), dim=-1)
 
 
 def assert_matches_reference(model, result, token_ids: list[int], top_k: int) -> None:

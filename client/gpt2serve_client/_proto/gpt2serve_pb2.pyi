@@ -329,7 +329,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ..., trace_steps: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerationStep(_message.Message):
-    __slots__ = ("index", "position", "context_tokens", "new_row_shape", "kv_cache_shape", "attention", "logit_lens", "top", "walkthrough", "n_layer", "n_head", "token_id", "token", "new_tokens")
+    __slots__ = ("index", "position", "context_tokens", "new_row_shape", "kv_cache_shape", "attention", "logit_lens", "top", "walkthrough", "n_layer", "n_head", "token_id", "token", "new_tokens", "controlled_top", "allowed_tokens")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -344,6 +344,8 @@ class GenerationStep(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLED_TOP_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     index: int
     position: int
     context_tokens: int
@@ -358,7 +360,9 @@ class GenerationStep(_message.Message):
     token_id: int
     token: str
     new_tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., position: _Optional[int] = ..., context_tokens: _Optional[int] = ..., new_row_shape: _Optional[_Iterable[int]] = ..., kv_cache_shape: _Optional[_Iterable[int]] = ..., attention: _Optional[_Iterable[float]] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ..., n_layer: _Optional[int] = ..., n_head: _Optional[int] = ..., token_id: _Optional[int] = ..., token: _Optional[str] = ..., new_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    controlled_top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    allowed_tokens: int
+    def __init__(self, index: _Optional[int] = ..., position: _Optional[int] = ..., context_tokens: _Optional[int] = ..., new_row_shape: _Optional[_Iterable[int]] = ..., kv_cache_shape: _Optional[_Iterable[int]] = ..., attention: _Optional[_Iterable[float]] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ..., n_layer: _Optional[int] = ..., n_head: _Optional[int] = ..., token_id: _Optional[int] = ..., token: _Optional[str] = ..., new_tokens: _Optional[_Iterable[str]] = ..., controlled_top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., allowed_tokens: _Optional[int] = ...) -> None: ...
 
 class GeneratedToken(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "top")

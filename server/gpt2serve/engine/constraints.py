@@ -63,10 +63,12 @@ class Grammars:
         return pristine.deep_copy()
 
 
-def allowed(matchers: Sequence[llguidance.LLMatcher], vocab_size: int, device: torch.device) -> torch.Tensor:
+def allowed(matchers: Sequence[llguidance.LLMatcher], vocab_size: int,
+            device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """(R, V) bool: the tokens each matcher allows next (one bit per token from llguidance,
-    little-endian within each byte)."""
+    little-endian within each byte); and how many each allows, counted on the host."""
     bits = np.frombuffer(b"".join(m.compute_bitmask() for m in matchers), dtype=np.uint8).reshape(len(matchers), -1)
     mask = np.unpackbits(bits, axis=1, bitorder="little")[:, :vocab_size].astype(bool)  # (R, V)
+    counts = mask.sum(axis=1).tolist()
     mask = torch.from_numpy(mask)
-    return mask if device.type == "cpu" else mask.pin_memory().to(device, non_blocking=True)
+    return (mask if device.type == "cpu" else mask.pin_memory().to(device, non_blocking=True)), counts

@@ -29,13 +29,15 @@ import torch
 
 from gpt2serve_client.types import LayerReport, ShapeStep
 
-from ..protocol import PromptScores, TopScores
+from ..protocol import PromptScores, StepControls, TopScores
 from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
 from .head import ScoredSpan, score_prompts
+from .constraints import Grammars
 from .loading import LoadedModel
+from .logits_controls import controlled_view
 from .prefix_cache import PrefixCache, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
@@ -143,6 +145,7 @@ class BatchOutput:
     failed_rows: frozenset[int] = frozenset()
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # scored row -> its positions 1..L-1
     cached_tokens: list[int] = field(default_factory=list)  # per row, prompt tokens read from the prefix cache
+    controlled: dict[int, tuple[TopScores, int]] = field(default_factory=dict)  # row -> controlled_view's
     timeline: ForwardTimeline | None = None  # stage times, when any row was traced
     probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
 
@@ -166,6 +169,7 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None  # attach_prefix_cache()
         # A batch's padded tokens per forward (engine.padding); None: the whole batch in one.
         self.forward_tokens = CPU_FORWARD_TOKENS if self.device.type == "cpu" else None
+        self.grammars = Grammars(loaded.tokenizer)  # structured output's compiled grammars (the generator's too)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -228,12 +232,15 @@ class Engine:
     @torch.inference_mode()
     def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
                    traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
-                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None) -> BatchOutput:
+                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
+                   controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
         """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection);
         `mapped_rows`, among them, those that also want full attention maps and logit lens;
         `last_row_rows`, among those, the ones that want only each map's last query row.
         `scored_rows`: row -> top-k alternatives, for prompts whose every position is scored
         (engine.head); they take the eager path, since a graph keeps only the last position.
+        `controlled_rows`: row -> a traced generation step's controls, whose top tokens after
+        them are wanted too (engine.logits_controls.controlled_view); traced rows, so eager.
         A traced batch computes every prompt whole (its reports cover every position), and
         still leaves its blocks in the prefix cache; an untraced one runs in parts of at most
         `forward_tokens` padded tokens, counted after the prefix cache (engine.padding)."""
@@ -241,9 +248,9 @@ class Engine:
         scored_rows = scored_rows or {}
 
         def forward(plans: list[RowPlan] | None) -> BatchOutput:
-            if traced_rows:
+            if traced_rows or controlled_rows:
                 return self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
-                                        plans, started, started_ns)
+                                        plans, started, started_ns, controlled_rows)
             cached = [plan.cached_tokens for plan in plans] if plans is not None else [0] * len(prompts)
             parts = forward_parts([len(p) - c for p, c in zip(prompts, cached)], self.forward_tokens)
             outputs = [self._next_token(prompts[a:b], top_ks[a:b], (), (), (),
@@ -254,19 +261,21 @@ class Engine:
 
         if self.prefix_cache is None:
             return forward(None)
-        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced_rows)
+        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows,
+                                     use_hits=not (traced_rows or controlled_rows))
 
     def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
-                    plans: list[RowPlan] | None, started: float, started_ns: int) -> BatchOutput:
+                    plans: list[RowPlan] | None, started: float, started_ns: int,
+                    controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
         hits = plans is not None and any(plan.hit for plan in plans)
         if hits:
             return self._after_prefix(prompts, top_ks, plans, scored_rows, started, started_ns)
         writes = plans is not None and any(plan.new for plan in plans)
-        eager = traced_rows or scored_rows or writes
+        eager = traced_rows or scored_rows or writes or controlled_rows
         replayed = self.graphs.run(prompts) if self.graphs is not None and not eager else None
         if replayed is None:
             output = self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
-                                 scored_rows, plans if writes else None)
+                                 scored_rows, plans if writes else None, controlled_rows)
         else:
             logprobs, (_, length) = replayed
             top, failed = self._top(logprobs, top_ks)
@@ -295,7 +304,7 @@ class Engine:
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = (),
                last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
-               plans: list[RowPlan] | None = None) -> BatchOutput:
+               plans: list[RowPlan] | None = None, controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
         """Every prompt whole, left-padded; with `plans`, its full blocks go into the prefix cache."""
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
         if self.device.type == "cuda":
@@ -322,8 +331,14 @@ class Engine:
                                                          self.model.config.vocab_size)))
         if probe:
             probe.finish()
+        controlled = {}
+        if controlled_rows:  # traced generation steps: their top tokens after their controls too
+            rows = list(controlled_rows)
+            views = controlled_view(self.head(hidden[rows, -1, :]), [prompts[r] for r in rows],  # (R, V) logits
+                                    list(controlled_rows.values()), self.grammars, max(top_ks[r] for r in rows))
+            controlled = dict(zip(rows, views))
         return BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
-                           probe=probe, failed_rows=failed, prompt_scores=scores)
+                           probe=probe, failed_rows=failed, prompt_scores=scores, controlled=controlled)
 
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""

@@ -38,7 +38,7 @@ from .padding import forward_parts
 from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .riders import RiderLayout, RiderStore
-from .logits_controls import Grammars, TokenHistory, controlled_logits
+from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, SamplingParams, choose, read_choices, to_device
 
 
@@ -79,6 +79,7 @@ class _Running:
     prompt_length: int = field(default=0)
     prompt: Sequence[int] = ()  # for its penalties' history (engine.logits_controls)
     matcher: object = None  # its grammar's (engine.constraints), made at its first step
+    allowed: int = 0  # the tokens its grammar allowed at its last step
     finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
     unread: int = 0  # decode steps launched for it whose answers the host has not read yet
     history_written: bool = False  # its prompt and tokens are in the token history
@@ -111,15 +112,13 @@ class Generator:
         a CPU (engine.traced_decode), the default; False: eager, at the exact shape. `chunk_tokens`:
         a prompt whose uncached part is longer is read in chunks of this many tokens, one a step
         (engine.chunked_prefill); 0: never."""
-        self.engine = engine
-        self.model = engine.model
-        self.slots = slots
+        self.engine, self.model, self.slots = engine, engine.model, slots
         self.n_ctx = self.model.config.n_ctx
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
         self.history: TokenHistory | None = None  # rows with penalties: their tokens, on the device
-        self.grammars = Grammars(engine.loaded.tokenizer)  # structured output's compiled grammars
+        self.grammars = engine.grammars  # structured output's compiled grammars
         self.running: list[_Running] = []
         self.chunk_tokens = chunk_tokens
         self.chunked: deque[ChunkedPrefill] = deque()  # long prompts being read, oldest first

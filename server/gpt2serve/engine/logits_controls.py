@@ -25,6 +25,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..protocol import StepControls, TopScores
 from .constraints import Grammars, allowed
 from .sampling import SamplingParams, to_device
 
@@ -34,7 +35,7 @@ def needs_history(p: SamplingParams) -> bool:
 
 
 def needs_controls(p: SamplingParams) -> bool:
-    return needs_history(p) or bool(p.logit_bias) or p.min_tokens > 0 or bool(p.grammar)
+    return p.controlled
 
 
 class Row(Protocol):
@@ -45,6 +46,7 @@ class Row(Protocol):
     prompt_length: int
     history_written: bool
     matcher: object  # its grammar's llguidance matcher (engine.constraints), made at its first step
+    allowed: int  # the tokens its grammar allowed at its last step
 
 
 class TokenHistory:
@@ -118,10 +120,45 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
         for i in constrained:
             if rows[i].matcher is None:
                 rows[i].matcher = grammars.matcher(rows[i].params.grammar)
-        mask = allowed([rows[i].matcher for i in constrained], vocab_size, device)  # (G, V)
+        mask, counts = allowed([rows[i].matcher for i in constrained], vocab_size, device)  # (G, V), (G,)
+        for i, n in zip(constrained, counts):
+            rows[i].allowed = n  # told with the token this step samples (engine.sampling.read_choices)
         if len(constrained) == len(rows):
             out.masked_fill_(~mask, float("-inf"))
         else:
             index = to_device(constrained, device)  # (G,)
             out[index] = out[index].masked_fill(~mask, float("-inf"))
     return out
+
+
+class _TracedStep:
+    """A traced generation step's sequence (service.step_trace) as controlled_logits reads a
+    running one: its prompt and the tokens before this step, its grammar's matcher fed those."""
+
+    def __init__(self, sequence: Sequence[int], controls: StepControls, grammars: Grammars):
+        self.params, self.prompt, self.prompt_length = controls.params, sequence, controls.prompt_length
+        self.history_written, self.matcher, self.allowed = False, None, 0
+        if self.params.grammar:
+            self.matcher = grammars.matcher(self.params.grammar)
+            self.matcher.consume_tokens(list(sequence[self.prompt_length:]))
+
+
+def controlled_view(logits: torch.Tensor, sequences: Sequence[Sequence[int]], controls: Sequence[StepControls],
+                    grammars: Grammars, k: int) -> list[tuple[TopScores, int]]:
+    """What the controls made of R traced steps' (R, V) logits, by the same code as the
+    generation's own steps (the token history and the grammar's state rebuilt from each
+    sequence): per row, its top-k log-probabilities after them (temperature 1; only tokens left
+    possible) and how many tokens they left possible."""
+    rows = [_TracedStep(s, c, grammars) for s, c in zip(sequences, controls)]
+    history = TokenHistory(len(rows), max(map(len, sequences)), logits.device)
+    generated = [len(s) - c.prompt_length for s, c in zip(sequences, controls)]
+    out = controlled_logits(logits, rows, range(len(rows)), generated, history, grammars)  # (R, V)
+    out = logits.float() if out is None else out
+    possible = torch.isfinite(out)  # (R, V)
+    logprobs = torch.log_softmax(out, dim=-1)  # (R, V)
+    values, ids = torch.topk(logprobs, min(k, out.shape[-1]), dim=-1)  # (R, k) each
+    views = []
+    for row_values, row_ids, n in zip(values.tolist(), ids.tolist(), possible.sum(dim=-1).tolist()):
+        shown = min(k, n)  # never a token the controls ruled out
+        views.append((TopScores(row_ids[:shown], row_values[:shown]), n))
+    return views

@@ -180,5 +180,5 @@ def read_choices(chosen: list[list[float]], rows: Sequence) -> tuple[dict[int, S
             r.matcher.consume_token(token)  # allowed by its mask, so taken (at the end: the end of text)
         k = r.params.logprobs
         top = [TokenScore(int(i), v) for v, i in zip(values[TOP:TOP + k], values[TOP + n:TOP + n + k])] if k else []
-        out[r.seq_id] = SampledToken(token, values[LOGPROB], top)
+        out[r.seq_id] = SampledToken(token, values[LOGPROB], top, r.allowed)
     return out, frozenset(failed)

@@ -14,8 +14,8 @@ import msgpack
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
-                        NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, Submit, TokenEvent,
-                        TokenScore, Tokens, TopScores, TraceContext)
+                        NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
+                        Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
 
 
 class BadFrame(ValueError):
@@ -133,7 +133,7 @@ def _pack_output(o: NextTokenOutput) -> list:
     return [_pack_scores(o.top), o.queue_s, o.forward_s, o.batch_size, o.enqueued_ns, o.batch_started_ns,
             None if o.layers is None else [asdict(r) for r in o.layers],
             None if o.walkthrough is None else [asdict(s) for s in o.walkthrough], _pack_prompt_scores(o.prompt_logprobs),
-            o.cached_tokens]
+            o.cached_tokens, None if o.controlled_top is None else _pack_scores(o.controlled_top), o.allowed_tokens]
 
 
 def _walkthrough(x: Any) -> list[ShapeStep] | None:
@@ -143,19 +143,33 @@ def _walkthrough(x: Any) -> list[ShapeStep] | None:
 
 
 def _output(x: Any) -> NextTokenOutput:
-    top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough, scores, cached = _fields(x, 10)
+    (top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough, scores, cached,
+     controlled_top, allowed) = _fields(x, 12)
     return NextTokenOutput(_scores(top), _float(queue_s), _float(forward_s), _int(batch_size), _int(enqueued_ns),
                            _int(started_ns), _layers(layers), _walkthrough(walkthrough), _prompt_scores(scores),
-                           _int(cached))
+                           _int(cached), _optional(_scores, controlled_top), _int(allowed))
+
+
+def _pack_params(p: SamplingParams) -> list:
+    return [p.temperature, p.top_k, p.top_p, p.logprobs, p.presence_penalty, p.frequency_penalty,
+            p.repetition_penalty, [t for t, _ in p.logit_bias], [b for _, b in p.logit_bias], p.min_p, p.min_tokens,
+            list(p.banned_early), p.grammar]
 
 
 def _pack_generate(r: GenerateRequest) -> list:
-    p = r.params
-    params = [p.temperature, p.top_k, p.top_p, p.logprobs, p.presence_penalty, p.frequency_penalty,
-              p.repetition_penalty, [t for t, _ in p.logit_bias], [b for _, b in p.logit_bias], p.min_p, p.min_tokens,
-              list(p.banned_early), p.grammar]
-    return [r.prompt, params, r.max_tokens, sorted(r.stop_token_ids), r.ignore_eos, r.seed, r.deadline,
-            _pack_trace(r.trace), r.prompt_logprobs]
+    return [r.prompt, _pack_params(r.params), r.max_tokens, sorted(r.stop_token_ids), r.ignore_eos, r.seed,
+            r.deadline, _pack_trace(r.trace), r.prompt_logprobs]
+
+
+def _pack_controls(c: StepControls | None) -> list | None:
+    return None if c is None else [_pack_params(c.params), c.prompt_length]
+
+
+def _controls(x: Any) -> StepControls | None:
+    if x is None:
+        return None
+    params, prompt_length = _fields(x, 2)
+    return StepControls(_params(params), _int(prompt_length))
 
 
 def _params(x: Any) -> SamplingParams:
@@ -179,28 +193,30 @@ def _generate(x: Any) -> GenerateRequest:
 def _pack_event(e: TokenEvent) -> list:
     t = e.token
     return [t.token_id, t.logprob, _pack_scores(t.top), e.finish_reason, e.queue_s, e.forward_s, e.batch_size,
-            _pack_prompt_scores(e.prompt_logprobs), e.cached_tokens]
+            _pack_prompt_scores(e.prompt_logprobs), e.cached_tokens, t.allowed]
 
 
 def _event(x: Any) -> TokenEvent:
-    token_id, logprob, top, finish, queue_s, forward_s, batch_size, scores, cached = _fields(x, 9)
-    return TokenEvent(SampledToken(_int(token_id), _float(logprob), _scores(top)), _str(finish), _float(queue_s),
-                      _float(forward_s), _int(batch_size), _prompt_scores(scores), _int(cached))
+    token_id, logprob, top, finish, queue_s, forward_s, batch_size, scores, cached, allowed = _fields(x, 10)
+    return TokenEvent(SampledToken(_int(token_id), _float(logprob), _scores(top), _int(allowed)), _str(finish),
+                      _float(queue_s), _float(forward_s), _int(batch_size), _prompt_scores(scores), _int(cached))
 
 
 def _pack_tokens(m: Tokens) -> list:
     tops = [_pack_scores(top) for top in m.tops] if any(m.tops) else []
-    return [m.request_ids, m.token_ids, m.logprobs, m.finish_reasons, tops, m.forward_s, m.batch_size]
+    return [m.request_ids, m.token_ids, m.logprobs, m.finish_reasons, tops, m.forward_s, m.batch_size,
+            m.allowed if any(m.allowed) else []]
 
 
 def _unpack_tokens(f: list) -> Tokens:
-    request_ids, token_ids, logprobs, finish_reasons, tops, forward_s, batch_size = _fields(f, 7)
+    request_ids, token_ids, logprobs, finish_reasons, tops, forward_s, batch_size, allowed = _fields(f, 8)
     n = len(_ids(request_ids))
     if (len(_ids(token_ids)) != n or len(_floats(logprobs)) != n or len(_list(finish_reasons)) != n
-            or len(_list(tops)) not in (0, n)):
+            or len(_list(tops)) not in (0, n) or len(_ids(allowed)) not in (0, n)):
         raise BadFrame("tokens: columns of unequal length")
     return Tokens(request_ids, token_ids, [float(v) for v in logprobs], [_str(r) for r in finish_reasons],
-                  [_scores(t) for t in tops] if tops else [[] for _ in range(n)], _float(forward_s), _int(batch_size))
+                  [_scores(t) for t in tops] if tops else [[] for _ in range(n)], _float(forward_s), _int(batch_size),
+                  allowed)
 
 
 def _model_info(x: Any) -> ModelInfo:
@@ -219,9 +235,9 @@ def _unpack_ready(f: list) -> EngineReady:
 
 
 def _unpack_submit(f: list) -> Submit:
-    request_id, (prompts, top_k, trace, prompt_logprobs) = _int(_fields(f, 2)[0]), _fields(f[1], 4)
+    request_id, (prompts, top_k, trace, prompt_logprobs, controls) = _int(_fields(f, 2)[0]), _fields(f[1], 5)
     return Submit(request_id, NextTokenRequest([_ids(p) for p in _list(prompts)], _int(top_k), _trace(trace),
-                                               _optional(_int, prompt_logprobs)))
+                                               _optional(_int, prompt_logprobs), _controls(controls)))
 
 
 def _unpack_result(f: list) -> Result:
@@ -239,7 +255,7 @@ _WIRE: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     0: (Hello, lambda m: [m.pid], lambda f: Hello(_int(_fields(f, 1)[0]))),
     1: (EngineReady, lambda m: [asdict(m.model_info), m.tokenizer_source, m.max_batch_size], _unpack_ready),
     2: (Submit, lambda m: [m.request_id, [m.request.prompts, m.request.top_k, _pack_trace(m.request.trace),
-                            m.request.prompt_logprobs]],
+                            m.request.prompt_logprobs, _pack_controls(m.request.controls)]],
         _unpack_submit),
     3: (Generate, lambda m: [m.request_id, _pack_generate(m.request)],
         lambda f: Generate(_int(_fields(f, 2)[0]), _generate(f[1]))),

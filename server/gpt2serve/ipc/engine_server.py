@@ -57,13 +57,14 @@ class _PeerSink:
             server._generations.pop(self.key, None)
         tokens = server._outbox.last(peer)  # only the last: a later token must not pass an earlier Step
         if type(tokens) is not Tokens or tokens.forward_s != forward_s or tokens.batch_size != batch_size:
-            tokens = Tokens([], [], [], [], [], forward_s, batch_size)
+            tokens = Tokens([], [], [], [], [], forward_s, batch_size, [])
             server._outbox.put(peer, tokens)
         tokens.request_ids.append(request_id)
         tokens.token_ids.append(token.token_id)
         tokens.logprobs.append(token.logprob)
         tokens.finish_reasons.append(finish_reason)
         tokens.tops.append(token.top)
+        tokens.allowed.append(token.allowed)
 
     def fail(self, error: Exception) -> None:
         self.server._generations.pop(self.key, None)
@@ -102,7 +103,8 @@ class EngineServer:
             try:
                 answered = functools.partial(self._answered, key)
                 self._submits[key] = self._core.queue_prompts(request.prompts, request.top_k, request.trace,
-                                                              request.prompt_logprobs, answered, wake=False)
+                                                              request.prompt_logprobs, answered, wake=False,
+                                                              controls=request.controls)
             except Exception as exc:  # refused (queue full, too many prompts, shutting down)
                 self._send_error(key, exc, "request")
         elif kind is Cancel:

@@ -19,7 +19,8 @@ class InprocEngineClient:
         self.max_batch_size = core.max_batch_size
 
     async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
-        return await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs)
+        return await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs,
+                                       request.controls)
 
     def generate(self, request: GenerateRequest, sink: TokenSink) -> Callable[[], None]:
         return functools.partial(self._core.abort, self._core.add(request, sink))

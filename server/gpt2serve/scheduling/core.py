@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 from ..engine.kv_cache import BLOCK, blocks_for
 from ..engine.padding import CPU_FORWARD_TOKENS
 from ..errors import InvalidArgument, ResourceExhausted, ShuttingDown, Unavailable
-from ..protocol import GenerateRequest, NextTokenOutput, TokenSink, TraceContext
+from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink, TraceContext
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Observer, Outputs, PromptGroup
 from .runner import StepRunner
@@ -140,7 +140,7 @@ class EngineCore:
             raise Unavailable(f"the {what} is not running")
 
     async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None = None,
-                     prompt_logprobs: int | None = None) -> list[NextTokenOutput]:
+                     prompt_logprobs: int | None = None, controls: StepControls | None = None) -> list[NextTokenOutput]:
         """Queue all prompts of one request together (or none of them) and await their answers."""
         answered = self._loop.create_future()
 
@@ -148,7 +148,7 @@ class EngineCore:
             if not answered.done():
                 answered.set_exception(result) if isinstance(result, BaseException) else answered.set_result(result)
 
-        group = self.queue_prompts(prompts, top_k, trace, prompt_logprobs, done)
+        group = self.queue_prompts(prompts, top_k, trace, prompt_logprobs, done, controls=controls)
         try:
             return await answered
         except asyncio.CancelledError:
@@ -156,7 +156,8 @@ class EngineCore:
             raise
 
     def queue_prompts(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None,
-                      prompt_logprobs: int | None, done: Callable, wake: bool = True) -> PromptGroup:
+                      prompt_logprobs: int | None, done: Callable, wake: bool = True,
+                      controls: StepControls | None = None) -> PromptGroup:
         """Queue all prompts of one request together, or none of them (refusals raise here).
         `done` is called once on the callers' loop: with every prompt's answer, in order, or
         with the error that ended the request (its other prompts then leave the queue).
@@ -169,7 +170,8 @@ class EngineCore:
 
         group = PromptGroup(len(prompts), done, self.cancel_prompts)
         group.requests = requests = [
-            EngineRequest(list(p), 0, top_k, trace=trace, prompt_logprobs=prompt_logprobs, output=group, row=row)
+            EngineRequest(list(p), 0, top_k, trace=trace, prompt_logprobs=prompt_logprobs, output=group, row=row,
+                          controls=controls)
             for row, p in enumerate(prompts)]
         with self._lock:
             if self._prompts_waiting + len(prompts) > self.max_queue:

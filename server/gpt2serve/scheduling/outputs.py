@@ -132,10 +132,12 @@ class Outputs:
                 continue
             if not with_layers and request.trace is not None and request.trace.layers_in_response:
                 continue
+            controlled_top, allowed = output.controlled.get(row, (None, 0))
             group.answer(request.row, NextTokenOutput(
                 top, started - request.arrived, output.forward_s, len(batch), request.arrived_ns, started_ns,
                 output.layers.get(row), output.walkthrough if row in output.layers else None,
-                output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0))
+                output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
+                controlled_top, allowed))
         if with_layers and self.observer is not None:
             prefix = None
             if output.cached_tokens:  # the prefix cache is on

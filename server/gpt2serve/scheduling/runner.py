@@ -84,7 +84,7 @@ class StepRunner:
         """(the prompts that ride this step's decode, the rest)."""
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            plain = (r.trace is None or not r.trace.layers_wanted) and r.prompt_logprobs is None
+            plain = (r.trace is None or not r.trace.layers_wanted) and r.prompt_logprobs is None and r.controls is None
             if plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.can_ride(r.prompt):
                 riders.append(r)
                 tokens += len(r.prompt)
@@ -113,9 +113,10 @@ class StepRunner:
         mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
         last_row_rows = [row for row, t in enumerate(traces) if t is not None and t.last_row_maps]
         scored_rows = {row: r.prompt_logprobs for row, r in enumerate(batch) if r.prompt_logprobs is not None}
+        controlled_rows = {row: r.controls for row, r in enumerate(batch) if r.controls is not None}
         try:
             output = self.engine.next_token([r.prompt for r in batch], [r.top_k for r in batch], traced_rows,
-                                            mapped_rows, last_row_rows, scored_rows)
+                                            mapped_rows, last_row_rows, scored_rows, controlled_rows)
         except OutOfMemory as exc:
             if len(batch) == 1:
                 self.fail(batch, ResourceExhausted(f"the device is out of memory even for this prompt alone "

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..protocol import SamplingParams, TraceContext
+from ..protocol import SamplingParams, StepControls, TraceContext
 from .grouping import plan_batch
 from ..engine.kv_cache import blocks_needed
 
@@ -54,6 +54,7 @@ class EngineRequest:
     params: SamplingParams = SamplingParams()  # frozen: one shared default (prompts take none)
     prompt_logprobs: int | None = None  # score every prompt position too, with this many alternatives
     trace: TraceContext | None = None
+    controls: StepControls | None = None  # a traced generation step's (service.step_trace)
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
