@@ -10,7 +10,8 @@
 #      client (--quick: neither REST nor 1 client). Each load takes 40-45 s on an H100: client
 #      processes to start, the in-process limit's model to load, warm-up, load
 #   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256)
-#   5. the prefix cache and scoring on cuda (not in --quick)
+#   5. the prefix cache, scoring, and structured output at 64 streams (a 10-field JSON schema
+#      against none) on cuda (not in --quick)
 #   6. the suite, -n over the machine's cores, until the budget is spent: the tests left then are
 #      skipped and counted as such (not in --quick; the stack, browser and helm tiers need
 #      Docker, Chromium and helm, which such a machine lacks)
@@ -136,6 +137,11 @@ if [ $quick = 0 ]; then
   (( rc != 0 )) && status=1
   tail -1 "$file" | section "scoring: bench/scoring.py --device cuda --dtype bfloat16 --clients 64 --seconds 8"
   row "scoring" "$LAST_S" "$(outcome $rc); below"
+  file=$(mktemp)
+  run 45 "$file" $python bench/structured_output.py --device cuda --streams 64 --steps 48 --rounds 3; rc=$?
+  (( rc != 0 )) && status=1
+  tail -3 "$file" | section "structured output: bench/structured_output.py --device cuda --streams 64 --rounds 3"
+  row "structured output, 64 streams" "$LAST_S" "$(outcome $rc); below"
 
   echo "== the suite, until the budget is spent"
   workers=()

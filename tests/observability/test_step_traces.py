@@ -3,11 +3,18 @@ transformers' own eager attention for every step's sequence; off by default; the
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import asdict
+
 import httpx
 import pytest
+import torch
 from support.servers import launch_server
-from support.reference import reference_logprobs, reference_maps
+from support.reference import reference_logits, reference_logprobs, reference_maps
 
+from gpt2serve.engine.constraints import Grammars, allowed
+from gpt2serve.engine.grammar_check import grammar_for
 from gpt2serve_client import Client
 from gpt2serve_client.errors import Gpt2ServeError
 
@@ -109,3 +116,78 @@ def test_trace_layers_never_refuses_step_traces(tmp_path):
         assert ok.status_code == 200
     finally:
         srv.stop()
+
+
+def test_a_controlled_step_shows_its_top_tokens_before_and_after_the_controls(server, tiny_model):
+    """With penalties and a bias, each step's `controlled_top` is the reference model's logits
+    after them, by the formulas (bias; repetition over prompt and output; presence over the
+    output), and greedy picks its first; `top` stays the model's own. Nothing masks: every
+    token is left possible."""
+    raw_best = int(reference_logits(tiny_model.model, PROMPT).argmax())
+    controls = {"repetition_penalty": 1.5, "presence_penalty": 0.75, "logit_bias": {str(raw_best): -100}}
+    data = generate(server, max_tokens=5, temperature=0, ignore_eos=True, trace_steps=True, **controls)
+    tokens = [t["token_id"] for t in data["tokens"]]
+    assert tokens[0] != raw_best  # the bias moved the choice
+    for i, step in enumerate(data["steps"]):
+        sequence, output = PROMPT + tokens[:i], tokens[:i]
+        logits = reference_logits(tiny_model.model, sequence)
+        assert [t["token_id"] for t in step["top"]] == torch.log_softmax(logits, -1).topk(5).indices.tolist()
+        logits[raw_best] -= 100
+        seen = torch.tensor(sorted(set(sequence)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / 1.5, logits[seen] * 1.5)
+        if output:
+            logits[torch.tensor(sorted(set(output)))] -= 0.75
+        want = torch.log_softmax(logits, -1).topk(5)
+        assert [t["token_id"] for t in step["controlled_top"]] == want.indices.tolist()
+        assert [t["logprob"] for t in step["controlled_top"]] == pytest.approx(want.values.tolist(), abs=TOLERANCE)
+        assert step["controlled_top"][0]["token_id"] == tokens[i]  # greedy over the controlled logits
+        assert step["allowed_tokens"] == tiny_model.model.config.vocab_size
+    plain = generate(server, max_tokens=2, temperature=0, trace_steps=True)
+    assert all(s["controlled_top"] == [] and s["allowed_tokens"] == 0 for s in plain["steps"])
+
+
+def allowed_by_choices(tokenizer, choices: list[str], text: str) -> set[int]:
+    """Brute force over the vocabulary: the tokens that keep `text` a prefix of some choice, or
+    end of text once it is one. llguidance allows a subset: not a token that splits one it
+    would rather take whole (after "y", "es" but not "e")."""
+    done = text.encode()
+    wanted = [c.encode() for c in choices if c.encode().startswith(done)]
+    allowed = {t for t in range(tokenizer.vocab_size) if tokenizer.token_bytes(t)
+               and any(w.startswith(done + tokenizer.token_bytes(t)) for w in wanted)}
+    return allowed | ({tokenizer.eos_token_id} if done in wanted else set())
+
+
+def allowed_by_llguidance(tokenizer, choices: list[str], tokens: list[int]) -> set[int]:
+    """What the library itself allows after `tokens`, asked directly."""
+    matcher = Grammars(tokenizer).matcher(grammar_for("choice", json.dumps(choices), "choice"))
+    assert matcher.consume_tokens(tokens)
+    (mask,), _ = allowed([matcher], tokenizer.vocab_size, torch.device("cpu"))
+    return set(mask.nonzero()[:, 0].tolist())
+
+
+@pytest.mark.parametrize("api", ["rest", "grpc"])
+def test_a_constrained_step_shows_what_its_grammar_allowed(server, tokenizer, api):
+    """Under a choice, each step's `allowed_tokens` is how many tokens llguidance allows there,
+    all of which keep the text on a choice (checked by brute force over the vocabulary), and its
+    top tokens after the controls are all among them. (The step that chose the end of text, like any end token, has
+    no step trace: its count is in the span, tests/observability/test_tracing.py.)"""
+    choices = ["yes please", "no thanks"]
+    if api == "rest":
+        data = generate(server, max_tokens=12, temperature=0.7, seed=4, structured_outputs={"choice": choices},
+                        trace_steps=True)
+        text, steps = data["text"], data["steps"]
+        tokens = [t["token_id"] for t in data["tokens"]]
+    else:
+        with Client(server.grpc_target) as client:
+            result = client.generate(PROMPT, max_tokens=12, temperature=0.7, seed=4, choice=choices, trace_steps=True)
+        text, steps = result.text, [asdict(s) for s in result.steps]
+        tokens = [t.token_id for t in result.tokens]
+    assert text in choices and len(steps) == len(tokens)
+    for i, step in enumerate(steps):
+        allowed = allowed_by_llguidance(tokenizer, choices, tokens[:i])
+        assert tokens[i] in allowed <= allowed_by_choices(tokenizer, choices, tokenizer.decode(tokens[:i]))
+        assert step["allowed_tokens"] == len(allowed)
+        assert {t["token_id"] for t in step["controlled_top"]} <= allowed
+        assert len(step["controlled_top"]) == min(5, len(allowed))
+        assert sum(math.exp(t["logprob"]) for t in step["controlled_top"]) <= 1.0 + 1e-5
+    assert steps[0]["allowed_tokens"] > 2  # "y", "ye", "yes", "n", "no"

@@ -189,6 +189,40 @@ def test_a_generations_controls_and_structured_output_are_on_its_span(traced_ser
     assert attributes["gpt2serve.request.min_p"] == pytest.approx(0.05)
     assert attributes["gpt2serve.structured_output.kind"] == "regex"
     assert attributes["gpt2serve.structured_output.field"] == "regex"
+    assert "gpt2serve.structured_output.steps" in attributes
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_structured_outputs_span_sums_up_what_its_grammar_allowed(traced_server, receiver, client_tracer, tmp_path,
+                                                                    workers):
+    """The generation's own count at each step (the end of text's included), in summary; the
+    traced steps, which rebuild each step apart, agree with it. With the engine in process, and
+    behind IPC (the counts travel in its token messages)."""
+    choices = ["yes please", "no thanks"]
+    server = traced_server if workers == "1" else launch_server(
+        tmp_path, "--model", "random:tiny", "--trace-sample-ratio", "0", "--workers", workers,
+        env=receiver.server_env())
+    try:
+        with client_tracer.start_as_current_span("caller") as caller, Client(server.grpc_target) as client:
+            result = client.generate(PROMPT, max_tokens=12, temperature=0.7, seed=4, choice=choices, trace_steps=True)
+    finally:
+        if server is not traced_server:
+            server.stop()
+    trace_id = format_trace_id(caller.get_span_context().trace_id)
+    name = "gpt2serve.v1.Gpt2Serve/Generate"
+    attributes = by_name(receiver.wait_for(trace_id, {name}))[name][0].attributes
+    per_step = list(attributes["gpt2serve.structured_output.allowed_tokens.per_step"])
+    assert result.finish_reason == "eos" and len(per_step) == len(result.tokens) + 1 == len(result.steps) + 1
+    assert per_step[:-1] == [step.allowed_tokens for step in result.steps]
+    assert per_step[-1] == 1  # the whole choice is out: only the end of text
+    assert attributes["gpt2serve.structured_output.steps"] == len(per_step)
+    assert attributes["gpt2serve.structured_output.allowed_tokens.min"] == min(per_step) == 1
+    assert attributes["gpt2serve.structured_output.allowed_tokens.max"] == max(per_step)
+    assert attributes["gpt2serve.structured_output.allowed_tokens.median"] == sorted(per_step)[len(per_step) // 2]
+    assert attributes["gpt2serve.structured_output.forced_steps"] == per_step.count(1)
+    (first,) = by_name(receiver.wait_for(trace_id, {"generation step 0"}))["generation step 0"]
+    assert first.attributes["gpt2serve.step.allowed_tokens"] == per_step[0]
+    assert list(first.attributes["gpt2serve.step.controlled_top.token"]) == [t.token for t in result.steps[0].controlled_top]
 
 
 def test_traced_steps_are_spans_of_the_generation(traced_server, receiver, client_tracer, tiny_model):

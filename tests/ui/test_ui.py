@@ -162,6 +162,36 @@ def test_generate_mode_walks_the_steps(server, tmp_path, tiny_model, tokenizer):
     assert re.search(r'data-columns="5" data-new="5"', prefill)  # the prefill fills the cache at once
 
 
+def test_generate_mode_shows_what_the_controls_made_of_each_step(server, tmp_path, tokenizer):
+    """A deep link with a repetition penalty and a choice: each step's table after the controls
+    and its allowed count are the server's own for the same request; without controls the
+    section stays hidden."""
+    import httpx
+
+    choices = "yes please|no thanks"
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "repetition_penalty": 1.3, "trace_steps": True,
+            "logprobs": 5, "structured_outputs": {"choice": choices.split("|")}}
+    reference = httpx.post(f"{server.http_url}/v1/generate", json=body, timeout=60).json()
+    assert reference["text"] in choices.split("|")
+    link = (f"{server.http_url}/ui?view=generate&prompt={quote(PROMPT)}&max_tokens=6&temperature=0"
+            f"&repetition_penalty=1.3&constraint=choice&constraint_text={quote(choices)}")
+    for index, step in enumerate(reference["steps"]):
+        html = dom(tmp_path, f"{link}&step={index}")
+        assert texts(html, r'<span class="seq-token gen-token[^"]*"[^>]*>([^<]*)<') == [
+            visible(t["token"]) for t in reference["tokens"]]
+        assert re.search(r'<section id="step-controlled-section">', html)  # shown
+        vocab = tokenizer.vocab_size
+        shown = texts(html, r'<p id="step-allowed">([^<]*)<')[0]
+        assert shown.startswith(f"{step['allowed_tokens']} of {vocab} tokens allowed")
+        assert shown.endswith("forced this one") == (step["allowed_tokens"] == 1)
+        table = re.search(r'<table id="step-controlled-table">(.*?)</table>', html).group(1)
+        assert texts(table, r'<td class="tok">([^<]*)<') == [visible(t["token"]) for t in step["controlled_top"]]
+        assert texts(table, r'<tr class="chosen-token"><td>\d+</td><td class="tok">([^<]*)<') == [
+            visible(reference["tokens"][index]["token"])]
+    plain = dom(tmp_path, f"{server.http_url}/ui?view=generate&prompt={quote(PROMPT)}&max_tokens=2&temperature=0")
+    assert re.search(r'<section id="step-controlled-section" hidden="">', plain)
+
+
 def test_generate_mode_takes_a_chat_message_through_the_template(server, tmp_path, tokenizer):
     """`chat=1`: the text goes as a user message; the prefill's tokens are the template's prompt."""
     import httpx

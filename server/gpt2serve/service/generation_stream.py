@@ -25,7 +25,7 @@ from gpt2serve_client.types import PromptTokenLogprob, TokenLogprob
 from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent
 from ..telemetry.records import FirstToken, RequestOptions
-from ..telemetry.spans import RequestTelemetry
+from ..telemetry.spans import RequestTelemetry, allowed_tokens_attributes
 from .context import CallContext
 from .detokenizer import Detokenizer
 from .next_token import prompt_token_logprobs
@@ -53,6 +53,7 @@ class GenerationStream:
         self._sampled: list[int] = []  # every token sampled so far (with trace_steps)
         self.prompt_logprobs: list[PromptTokenLogprob] = []  # with settings.prompt_logprobs, once the prefill ran
         self.end_token: GeneratedToken | None = None  # the end-of-text or stop token that finished it, if one did
+        self.allowed: list[int] = []  # under structured output: the tokens its grammar allowed, each step
 
     async def chunks(self, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
         """coalesce: the tokens that arrived while the caller was busy with the last chunk (a
@@ -89,7 +90,7 @@ class GenerationStream:
                                              validator.tokenizer.eos_token_id)
             if options.trace_steps:  # checked before any work
                 self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
-                                         request, validator.tokenizer.token_text)
+                                         request, validator.tokenizer.token_text, generate.params, len(prompt))
             span = request.span
             for name, value in (("max_tokens", generate.max_tokens), ("temperature", generate.params.temperature),
                                 ("top_p", generate.params.top_p), ("top_k", generate.params.top_k)):
@@ -128,6 +129,8 @@ class GenerationStream:
             self._request.span.set_attribute("gpt2serve.prefix_cache.hit_tokens", event.cached_tokens)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = prompt_token_logprobs(self.tokenizer.token_text, self.token_ids, event.prompt_logprobs)
+        if event.token.allowed:
+            self.allowed.append(event.token.allowed)
         clock = self.clock
         if clock.step(event.queue_s):
             self.service.telemetry.first_token(FirstToken(self.options.api, self.options.method,
@@ -177,6 +180,8 @@ class GenerationStream:
             self._steps.cancel()
         clock = self.clock
         if self._request is not None:
+            if self.allowed:
+                self._request.span.set_attributes(allowed_tokens_attributes(self.allowed))
             self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,
                                  time_per_output_token_s=clock.time_per_output_token_s)
 

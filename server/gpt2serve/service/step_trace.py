@@ -8,6 +8,12 @@ sequence with the layer probe and attention maps (the same weights, so the same 
 the decode step's view is that forward's last row: its attention over all the keys, its logit
 lens, its top tokens. Nothing of this runs unless asked for: `StepTracer` exists only then.
 
+A generation with sampling controls (penalties, logit_bias, min_tokens, structured output) sends
+them with each traced forward (StepControls): the engine applies them to that forward's last row
+as the generation's own step did (the same code, the token history and the grammar's state
+rebuilt from the sequence), so the step shows its top tokens before and after them and how many
+tokens they left possible.
+
     GenerationStream.put(token i) ── StepTracer.trace(i, prompt + tokens[:i]) ── Future[chunk with step]
     chunks() awaits each future in order, so steps stream as soon as each is traced.
 """
@@ -23,7 +29,7 @@ from gpt2serve_client.generation import GenerateChunk, GenerationStep
 from gpt2serve_client.types import ShapeStep, TokenLogprob
 
 from ..introspection.walkthrough import data_step as data
-from ..protocol import NextTokenOutput, NextTokenRequest, TraceContext
+from ..protocol import NextTokenOutput, NextTokenRequest, SamplingParams, StepControls, TraceContext
 from ..telemetry.spans import RequestTelemetry
 
 STEP_TOP_K = 5  # the most likely tokens shown at each step
@@ -32,8 +38,10 @@ STEP_TOP_K = 5  # the most likely tokens shown at each step
 class StepTracer:
     """The traces of one generation's steps, each a task that yields its chunk with `step` set."""
 
-    def __init__(self, engine, trace: TraceContext, request: RequestTelemetry, token_text: Callable[[int], str]):
+    def __init__(self, engine, trace: TraceContext, request: RequestTelemetry, token_text: Callable[[int], str],
+                 params: SamplingParams, prompt_length: int):
         self.engine, self.trace, self.request, self.token_text = engine, trace, request, token_text
+        self.controls = StepControls(params, prompt_length) if params.controlled else None
         self.pending: list[asyncio.Future] = []
         self.last_ns = time.time_ns()  # the previous step's end: the prefill starts with the request
 
@@ -46,7 +54,8 @@ class StepTracer:
 
     async def _traced(self, index: int, sequence: list[int], chunk: GenerateChunk, started_ns: int,
                       ended_ns: int) -> GenerateChunk:
-        [out] = await self.engine.next_token(NextTokenRequest([sequence], STEP_TOP_K, self.trace))
+        request = NextTokenRequest([sequence], STEP_TOP_K, self.trace, controls=self.controls)
+        [out] = await self.engine.next_token(request)
         step = build_step(index, sequence, out, chunk.token.token_id, self.token_text)
         self.request.step_span(step, started_ns, ended_ns)
         return replace(chunk, step=step)
@@ -74,6 +83,8 @@ def build_step(index: int, sequence: list[int], out: NextTokenOutput, token_id: 
         walkthrough=step_walkthrough(shapes, length, rows),
         n_layer=len(layers), n_head=n_head, token_id=token_id, token=token_text(token_id),
         new_tokens=[token_text(t) for t in sequence[-rows:]],
+        controlled_top=[TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in out.controlled_top or ()],
+        allowed_tokens=out.allowed_tokens,
     )
 
 

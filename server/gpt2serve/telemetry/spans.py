@@ -117,6 +117,27 @@ def step_attributes(step: GenerationStep) -> dict:
         "gpt2.logit_lens.token": [t.token for t in step.logit_lens],
         "gpt2.logit_lens.prob": [t.prob for t in step.logit_lens],
         "gpt2.attention.focus_position": focus,
+        **({"gpt2serve.step.allowed_tokens": step.allowed_tokens,
+            "gpt2serve.step.controlled_top.token": [t.token for t in step.controlled_top],
+            "gpt2serve.step.controlled_top.logprob": [t.logprob for t in step.controlled_top]}
+           if step.allowed_tokens else {}),
+    }
+
+
+ALLOWED_STEPS_SHOWN = 128  # a structured output's first steps, each with its allowed count
+
+
+def allowed_tokens_attributes(allowed: list[int]) -> dict:
+    """A structured output's allowed-token counts, one per step, in summary: the least, median
+    and most, the steps its grammar forced (one token allowed), and the first steps' counts."""
+    ordered = sorted(allowed)
+    return {
+        "gpt2serve.structured_output.steps": len(allowed),
+        "gpt2serve.structured_output.allowed_tokens.min": ordered[0],
+        "gpt2serve.structured_output.allowed_tokens.median": ordered[len(ordered) // 2],
+        "gpt2serve.structured_output.allowed_tokens.max": ordered[-1],
+        "gpt2serve.structured_output.forced_steps": sum(n == 1 for n in allowed),
+        "gpt2serve.structured_output.allowed_tokens.per_step": allowed[:ALLOWED_STEPS_SHOWN],
     }
 
 

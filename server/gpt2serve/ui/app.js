@@ -2,6 +2,7 @@
 // shape walk-through, tables and SVG. Deep links render at once:
 //   /ui?prompt=...&layer=...&head=...&click=STEP        (next token)
 //   /ui?view=generate&prompt=...&max_tokens=8&step=3   (generate.js; &chat=1: as a chat message)
+//       &repetition_penalty=1.3&constraint=choice|regex|json&constraint_text=yes|no: sampling controls
 //   /ui?view=shapes&preset=llama-3-8b&tokens=5         (shapes.js)
 //   /ui?view=score&text=...&top_k=5                     (score.js)
 "use strict";

@@ -8,6 +8,9 @@ const gen = { result: null, step: 0, head: "mean" };
 function startGenerate(params) {
   if (params.get("max_tokens")) $("gen-max").value = params.get("max_tokens");
   if (params.get("temperature")) $("gen-temperature").value = params.get("temperature");
+  if (params.get("repetition_penalty")) $("gen-repetition").value = params.get("repetition_penalty");
+  if (params.get("constraint")) $("gen-constraint").value = params.get("constraint");
+  if (params.get("constraint_text")) $("gen-constraint-text").value = params.get("constraint_text");
   $("gen-chat").checked = params.get("chat") === "1";
   gen.step = Number(params.get("step") || 0);
   if (params.get("prompt")) {
@@ -24,6 +27,11 @@ async function generate() {
   const prompt = $("gen-chat").checked ? { messages: [{ role: "user", content: text }] } : { prompt: text };
   const body = { ...prompt, max_tokens: Number($("gen-max").value) || 8,
                  temperature: Number($("gen-temperature").value), trace_steps: true, logprobs: 5 };
+  const repetition = Number($("gen-repetition").value);
+  if (repetition && repetition !== 1) body.repetition_penalty = repetition;
+  const constraint = constraintField($("gen-constraint").value, $("gen-constraint-text").value);
+  if (constraint === undefined) return;
+  if (constraint) body.structured_outputs = constraint;
   const data = await post("/v1/generate", body);
   if (!data) { $("generate-view").hidden = true; return; }
   gen.result = data;
@@ -35,6 +43,18 @@ async function generate() {
   $("generate-view").hidden = false;
   renderStep();
   clickRequested($("step-walkthrough"));
+}
+
+function constraintField(kind, text) {  // vLLM's structured_outputs; undefined: not sent (the error is shown)
+  if (!kind) return null;
+  if (kind === "choice") return { choice: text.split("|") };
+  if (kind === "regex") return { regex: text };
+  try {
+    return { json: JSON.parse(text) };
+  } catch (error) {
+    show("error", `the JSON schema is not JSON: ${error.message}`);
+    return undefined;
+  }
 }
 
 function context(upTo) {  // the tokens step `upTo` attends over: every step's new rows so far
@@ -51,6 +71,7 @@ function renderStep() {
   renderCache(step, steps[steps.length - 1].context_tokens);
   renderStepAttention(step);
   $("step-top").replaceChildren(tokenTable("step-top-table", step.top, step.token_id));
+  renderControlled(step);
   $("step-lens").replaceChildren(el("tr", {}, el("th", {}, "after block"), el("th", {}, "token"), el("th", {}, "p")),
     ...step.logit_lens.map((t, layer) => el("tr", { class: "step-lens-row" }, el("th", {}, String(layer)),
       el("td", { class: "tok", style: `background:${shade(t.prob, 1)}` }, visible(t.token)), el("td", {}, t.prob.toFixed(3)))));
@@ -58,6 +79,15 @@ function renderStep() {
     $("step-detail").replaceChildren(...stepHeader(s), el("p", {}, stepNote(s, step)));
     $("step-detail").hidden = false;
   } });
+}
+
+function renderControlled(step) {  // what the sampling controls made of this step (none: hidden)
+  $("step-controlled-section").hidden = step.allowed_tokens === 0;
+  if (step.allowed_tokens === 0) return;
+  const vocab = step.walkthrough.find((s) => s.name === "logits").shape.at(-1);
+  $("step-allowed").textContent = step.allowed_tokens === vocab ? `every one of the ${vocab} tokens left possible`
+    : `${step.allowed_tokens} of ${vocab} tokens allowed` + (step.allowed_tokens === 1 ? ": the constraint forced this one" : "");
+  $("step-controlled").replaceChildren(tokenTable("step-controlled-table", step.controlled_top, step.token_id));
 }
 
 function stepNote(s, step) {
