@@ -304,3 +304,53 @@ class Failed:
     request_id: int
     code: str  # gRPC status name (errors.error_from_code turns it back into an error)
     message: str
+
+
+@dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
+class Prompts:
+    """Plain next-token requests in columns, one message for all a front end sends in one loop
+    tick (256 unary calls are one message, not 256 Submits). Plain: one prompt, and nothing the
+    engine must keep for it (a trace not sampled and without layers, no prompt scores, no
+    controls); the others go as Submits."""
+
+    request_ids: list[int]
+    prompts: list[list[int]]
+    top_ks: list[int]
+
+    @staticmethod
+    def plain(request: NextTokenRequest) -> bool:
+        trace = request.trace
+        return (len(request.prompts) == 1 and request.prompt_logprobs is None and request.controls is None
+                and (trace is None or not (trace.sampled or trace.layers_wanted)))
+
+
+@dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
+class Answers:
+    """Plain one-prompt answers of one batch in columns, one message per front end (a batch of
+    256 unary calls is one message, not 256 Results), as generated tokens travel (`Tokens`).
+    Plain: the answer has only its top tokens and timings; the others go as Results."""
+
+    request_ids: list[int]
+    tops: list[Sequence[TokenScore]]
+    queue_s: list[float]
+    enqueued_ns: list[int]
+    cached_tokens: list[int]  # [] for all when none came from the prefix cache
+    forward_s: float  # the batch's, shared by every answer here
+    batch_size: int
+    batch_started_ns: int
+
+    @staticmethod
+    def plain(outputs: list[NextTokenOutput]) -> bool:
+        if len(outputs) != 1:
+            return False
+        o = outputs[0]
+        return o.layers is None and o.prompt_logprobs is None and o.controlled_top is None
+
+    def outputs(self):
+        """(request id, its [NextTokenOutput]) for each answer, in order."""
+        cached = self.cached_tokens or [0] * len(self.request_ids)
+        forward_s, batch_size, started_ns = self.forward_s, self.batch_size, self.batch_started_ns
+        for request_id, top, queue_s, enqueued_ns, n in zip(self.request_ids, self.tops, self.queue_s,
+                                                             self.enqueued_ns, cached):
+            yield request_id, [NextTokenOutput(top, queue_s, forward_s, batch_size, enqueued_ns, started_ns,
+                                               cached_tokens=n)]

@@ -19,8 +19,8 @@ from gpt2serve.ipc.codec import BadFrame
 from gpt2serve.errors import ResourceExhausted
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.zmq_client import ZmqEngineClient
-from gpt2serve.protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
-                                NextTokenOutput, NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step,
+from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
+                                NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
@@ -60,6 +60,10 @@ SAMPLES = [
     Result(14, [NextTokenOutput([TokenScore(262, -1.5)], 0.0, 0.02, 1, 1, 2,
                                 controlled_top=[TokenScore(64, -0.5), TokenScore(65, -1.0)], allowed_tokens=2)]),
     Step(14, TokenEvent(SampledToken(64, -0.25, [], 2), "", 0.003, 0.01, 1)),
+    Prompts([15, 16], [[464, 3139], [50256]], [5, 1]),
+    Answers([15, 16], [TopScores([262, 11], [-1.5, -2.0]), TopScores([13], [-0.25])], [0.001, 0.0], [10**18, 10**18 + 1],
+            [], 0.002, 64, 10**18 + 5),
+    Answers([17], [TopScores([262], [-1.5])], [0.0], [1], [3], 0.002, 1, 2),
     Tokens([9, 12, 4], [262, 11, 50256], [-0.25, -1.5, -3.0], ["", "length", "eos"], [[], [], []], 0.002, 256, []),
     Tokens([5, 6], [13, 198], [-0.5, -2.0], ["", ""], [[TokenScore(13, -0.5), TokenScore(11, -1.0)], []], 0.01, 2,
            [0, 12]),
@@ -113,6 +117,7 @@ def _with(message, index: int, value) -> bytes:
     return _frame(fields)
 
 
+SUBMIT_WITH_CONTROLS = next(m for m in SAMPLES if type(m) is Submit and m.request.controls is not None)
 BAD_FRAMES = {
     "not msgpack": b"\xc1\xc1\xc1",
     "truncated": codec.encode([SAMPLES[2]])[:-3],
@@ -138,10 +143,15 @@ BAD_FRAMES = {
     "prompt score top of unequal length": _with(SAMPLES[-2], 2, [[[[262], [-1.5]], 0.0, 0.02, 1, 1, 2, None, None,
                                                                  [[-3.5], [7], [[11, 3]], [[-1.0]]]]]),
     "tokens of unequal columns": _with(SAMPLES[-1], 2, [13]),
+    "prompts of unequal columns": _with(Prompts([1, 2], [[1], [2]], [1, 1]), 3, [1]),
+    "a prompt of the prompts not integers": _with(Prompts([1], [[1]], [1]), 2, [["x"]]),
+    "answers of unequal columns": _with(Answers([1], [TopScores([1], [-0.5])], [0.0], [1], [], 0.0, 1, 2), 3, [0.0, 1.0]),
+    "answers' cached counts of another count": _with(Answers([1], [TopScores([1], [-0.5])], [0.0], [1], [], 0.0, 1, 2), 5,
+                                                      [1, 2]),
     "tokens' allowed counts of another count": _with(SAMPLES[-1], 8, [3]),
     "a step's allowed count not an integer": _with(Step(1, SAMPLES[8].event), 2,
                                                    [262, -0.25, [[], []], "", 0.0, 0.0, 1, None, 0, 1.5]),
-    "step controls without their prompt length": _with(SAMPLES[-5], 2, [[[5, 6, 7]], 5, None, None,
+    "step controls without their prompt length": _with(SUBMIT_WITH_CONTROLS, 2, [[[5, 6, 7]], 5, None, None,
                                                                          [_wire(SAMPLES[13])[2][1]]]),
     "tokens' alternatives of another count": _with(SAMPLES[-1], 5, [[[13], [-0.5]]]),
     "prompt score rank not an integer": _with(SAMPLES[-1], 2, [262, -0.25, [[], []], "", 0.0, 0.0, 1,
@@ -256,3 +266,39 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
         asyncio.run(main())
     dropped = [r.getMessage() for r in caplog.records if "does not decode" in r.getMessage()]
     assert len(dropped) == 4, dropped  # three to the engine, one to the client
+
+
+def test_plain_calls_of_one_tick_travel_as_one_prompts_message_and_come_back_in_columns(tmp_path):
+    """Three plain unary calls made in one loop tick leave as one Prompts message; a call whose
+    trace is sampled (the engine links its batch span to it) still goes as a Submit. One Answers
+    message answers the three, each with its own top tokens and queue time."""
+
+    async def main():
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)
+        router.bind(f"ipc://{tmp_path}/engine.sock")
+        client = ZmqEngineClient(f"ipc://{tmp_path}/engine.sock")
+        try:
+            connecting = asyncio.create_task(client.connect())
+            peer, _ = await asyncio.wait_for(router.recv_multipart(), 5)
+            await router.send_multipart([peer, codec.encode([EngineReady(INFO, "bundled", 8)])])
+            await asyncio.wait_for(connecting, 5)
+            sampled = TraceContext("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", sampled=True)
+            calls = asyncio.gather(*(client.next_token(NextTokenRequest([[i, 2]], 2)) for i in range(3)),
+                                   client.next_token(NextTokenRequest([[7]], 1, sampled)))
+            _, frame = await asyncio.wait_for(router.recv_multipart(), 5)
+            assert codec.decode(frame) == [Prompts([0, 1, 2], [[0, 2], [1, 2], [2, 2]], [2, 2, 2]),
+                                           Submit(3, NextTokenRequest([[7]], 1, sampled))]
+            answers = Answers([2, 0, 1], [TopScores([20 + i, 5], [-0.5, -1.0]) for i in (2, 0, 1)],
+                              [0.002, 0.0, 0.001], [5, 6, 7], [], 0.01, 4, 9)
+            await router.send_multipart([peer, codec.encode([answers, Result(3, [NextTokenOutput([TokenScore(7, -0.1)],
+                                                                                                 0.0, 0.01, 4, 8, 9)])])])
+            results = await asyncio.wait_for(calls, 5)
+            assert [[(o.top[0].token_id, o.queue_s, o.enqueued_ns, o.batch_size) for o in r] for r in results] == [
+                [(20, 0.0, 6, 4)], [(21, 0.001, 7, 4)], [(22, 0.002, 5, 4)], [(7, 0.0, 8, 4)]]
+        finally:
+            await client.close()
+            router.close(0)
+            context.term()
+
+    asyncio.run(main())

@@ -13,8 +13,8 @@ import msgpack
 
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
-from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
-                        NextTokenRequest, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
+from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
+                        NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
                         Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
 
 
@@ -219,6 +219,33 @@ def _unpack_tokens(f: list) -> Tokens:
                   allowed)
 
 
+def _pack_prompts(m: Prompts) -> list:
+    return [m.request_ids, m.prompts, m.top_ks]
+
+
+def _unpack_prompts(f: list) -> Prompts:
+    request_ids, prompts, top_ks = _fields(f, 3)
+    n = len(_ids(request_ids))
+    if len(_list(prompts)) != n or len(_ids(top_ks)) != n:
+        raise BadFrame("prompts: columns of unequal length")
+    return Prompts(request_ids, [_ids(p) for p in prompts], top_ks)
+
+
+def _pack_answers(m: Answers) -> list:
+    return [m.request_ids, [_pack_scores(top) for top in m.tops], m.queue_s, m.enqueued_ns,
+            m.cached_tokens if any(m.cached_tokens) else [], m.forward_s, m.batch_size, m.batch_started_ns]
+
+
+def _unpack_answers(f: list) -> Answers:
+    request_ids, tops, queue_s, enqueued_ns, cached, forward_s, batch_size, started_ns = _fields(f, 8)
+    n = len(_ids(request_ids))
+    if (len(_list(tops)) != n or len(_floats(queue_s)) != n or len(_ids(enqueued_ns)) != n
+            or len(_ids(cached)) not in (0, n)):
+        raise BadFrame("answers: columns of unequal length")
+    return Answers(request_ids, [_scores(t) for t in tops], [float(v) for v in queue_s], enqueued_ns, cached,
+                   _float(forward_s), _int(batch_size), _int(started_ns))
+
+
 def _model_info(x: Any) -> ModelInfo:
     return _from_dicts("model info", lambda: ModelInfo.from_dict(x))
 
@@ -264,6 +291,8 @@ _WIRE: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     6: (Step, lambda m: [m.request_id, _pack_event(m.event)], lambda f: Step(_int(_fields(f, 2)[0]), _event(f[1]))),
     7: (Failed, lambda m: [m.request_id, m.code, m.message], _unpack_failed),
     8: (Tokens, _pack_tokens, _unpack_tokens),
+    9: (Prompts, _pack_prompts, _unpack_prompts),
+    10: (Answers, _pack_answers, _unpack_answers),
 }
 _TAGS = {cls: (tag, pack) for tag, (cls, pack, _) in _WIRE.items()}
 MESSAGE_TYPES = tuple(cls for cls, _, _ in _WIRE.values())

@@ -1,8 +1,9 @@
-"""The engine process's side of the IPC door (see zmq_client): each Submit becomes an
-EngineCore.queue_prompts answered by a callback (no task or future per request), each Generate
-an EngineCore.add whose tokens go back to the front end that asked: a step's plain tokens for
-one front end as one Tokens message, a first token (with its queue time and prompt scores) as a
-Step.
+"""The engine process's side of the IPC door (see zmq_client): each Submit, and each request of a
+Prompts message, becomes an EngineCore.queue_prompts answered by a callback (no task or future
+per request): a batch's plain one-prompt answers for one front end as one Answers message, the
+others as a Result. Each Generate becomes an EngineCore.add whose tokens go back to the front
+end that asked: a step's plain tokens for one front end as one Tokens message, a first token
+(with its queue time and prompt scores) as a Step.
 
 A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
 watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
@@ -22,8 +23,8 @@ import zmq
 import zmq.asyncio
 
 from ..errors import INTERNAL_MESSAGE, ServeError
-from ..protocol import (Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Result, SampledToken, Step,
-                        Submit, TokenEvent, Tokens)
+from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
+                        SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TraceContext)
 from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
@@ -98,15 +99,13 @@ class EngineServer:
                 self._generations[key] = self._core.add(message.request, _PeerSink(self, key), wake=False)
             except Exception as exc:  # refused (queue full, shutting down)
                 self._send_error(key, exc, "generation")
+        elif kind is Prompts:
+            for request_id, prompt, top_k in zip(message.request_ids, message.prompts, message.top_ks):
+                self._queue(peer, request_id, [prompt], top_k)
         elif kind is Submit:
-            key, request = (peer, message.request_id), message.request
-            try:
-                answered = functools.partial(self._answered, key)
-                self._submits[key] = self._core.queue_prompts(request.prompts, request.top_k, request.trace,
-                                                              request.prompt_logprobs, answered, wake=False,
-                                                              controls=request.controls)
-            except Exception as exc:  # refused (queue full, too many prompts, shutting down)
-                self._send_error(key, exc, "request")
+            request = message.request
+            self._queue(peer, message.request_id, request.prompts, request.top_k, request.trace,
+                        request.prompt_logprobs, request.controls)
         elif kind is Cancel:
             key = (peer, message.request_id)
             self._cancel(key)
@@ -116,11 +115,34 @@ class EngineServer:
         else:
             log.error("dropped a %s message: not one a front end sends", kind.__name__)
 
+    def _queue(self, peer: bytes, request_id: int, prompts: list[list[int]], top_k: int,
+               trace: TraceContext | None = None, prompt_logprobs: int | None = None,
+               controls: StepControls | None = None) -> None:
+        key = (peer, request_id)
+        try:
+            answered = functools.partial(self._answered, key)
+            self._submits[key] = self._core.queue_prompts(prompts, top_k, trace, prompt_logprobs, answered,
+                                                          wake=False, controls=controls)
+        except Exception as exc:  # refused (queue full, too many prompts, shutting down)
+            self._send_error(key, exc, "request")
+
     def _answered(self, key: Key, result: list[NextTokenOutput] | Exception) -> None:
         if self._submits.pop(key, None) is None:
             return  # cancelled: nobody to answer
         if isinstance(result, Exception):
             self._send_error(key, result, "request")
+        elif Answers.plain(result):  # joins the peer's Answers message of this batch
+            (o,), (peer, request_id) = result, key
+            answers = self._outbox.last(peer)  # only the last: an answer must not pass an earlier message
+            if (type(answers) is not Answers or answers.forward_s != o.forward_s or answers.batch_size != o.batch_size
+                    or answers.batch_started_ns != o.batch_started_ns):
+                answers = Answers([], [], [], [], [], o.forward_s, o.batch_size, o.batch_started_ns)
+                self._outbox.put(peer, answers)
+            answers.request_ids.append(request_id)
+            answers.tops.append(o.top)
+            answers.queue_s.append(o.queue_s)
+            answers.enqueued_ns.append(o.enqueued_ns)
+            answers.cached_tokens.append(o.cached_tokens)
         else:
             self._outbox.put(key[0], Result(key[1], result))
 

@@ -5,6 +5,9 @@
                                                     ┘
 
 Messages are protocol's dataclasses, a frame one codec.encode of those sent in one loop tick.
+Plain one-prompt next-token requests of a tick travel as one Prompts message (in columns), and
+their answers come back in columns too (Answers), so a unary call costs each side a few list
+appends instead of a message of its own.
 A generation's Step messages go straight to its sink (the service's GenerationStream) from the
 receive loop: no queue of their own. A frame that does not decode is logged and dropped.
 """
@@ -24,8 +27,8 @@ import zmq.asyncio
 from gpt2serve_client.types import ModelInfo
 
 from ..errors import ShuttingDown, Unavailable, error_from_code
-from ..protocol import (Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
-                        NextTokenRequest, Result, Step, Submit, Tokens, TokenSink)
+from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
+                        NextTokenRequest, Prompts, Result, Step, Submit, Tokens, TokenSink)
 from .framing import Outbox, deliver
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,16 @@ class ZmqEngineClient:
             raise Unavailable(self.dead_reason)
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        self._outbox.put(None, Submit(request_id, request))
+        if Prompts.plain(request):  # joins this tick's Prompts message
+            prompts = self._outbox.last(None)
+            if type(prompts) is not Prompts:
+                prompts = Prompts([], [], [])
+                self._outbox.put(None, prompts)
+            prompts.request_ids.append(request_id)
+            prompts.prompts.append(request.prompts[0])
+            prompts.top_ks.append(request.top_k)
+        else:
+            self._outbox.put(None, Submit(request_id, request))
         try:
             return await future
         except asyncio.CancelledError:
@@ -128,6 +140,12 @@ class ZmqEngineClient:
                 if message.event.finish_reason:
                     del self._sinks[message.request_id]
                 sink.put(message.event)
+        elif kind is Answers:
+            pending = self._pending
+            for request_id, outputs in message.outputs():
+                future = pending.get(request_id)
+                if future is not None and not future.done():
+                    future.set_result(outputs)
         elif kind is Result:
             future = self._pending.get(message.request_id)
             if future is not None and not future.done():
