@@ -24,7 +24,6 @@ from .grammar_check import CACHED_GRAMMARS
 from .tokenizer import Tokenizer
 
 
-
 class Grammars:
     """The engine's side: llguidance's view of the tokenizer (made at the first constrained
     request, about 0.2 s) and a pristine matcher per grammar, copied for each sequence."""

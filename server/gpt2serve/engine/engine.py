@@ -323,7 +323,8 @@ class Engine:
                                           kv=writer)  # (B, T, C)
         if writer is not None:
             writer.write_hidden(hidden)
-        top, failed = self._top(self.last_from_hidden(hidden, probe), top_ks)
+        logits = self.last_logits(hidden, probe)  # (B, V)
+        top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
         scores = {}
         if scored_rows:  # left-padded: a prompt of L tokens fills the last L columns
             spans = [ScoredSpan(row, T - len(prompts[row]), len(prompts[row]), k) for row, k in scored_rows.items()]
@@ -334,23 +335,24 @@ class Engine:
         controlled = {}
         if controlled_rows:  # traced generation steps: their top tokens after their controls too
             rows = list(controlled_rows)
-            views = controlled_view(self.head(hidden[rows, -1, :]), [prompts[r] for r in rows],  # (R, V) logits
-                                    list(controlled_rows.values()), self.grammars, max(top_ks[r] for r in rows))
+            views = controlled_view(logits[rows], [prompts[r] for r in rows], list(controlled_rows.values()),
+                                    self.grammars, max(top_ks[r] for r in rows))
             controlled = dict(zip(rows, views))
         return BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
                            probe=probe, failed_rows=failed, prompt_scores=scores, controlled=controlled)
 
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
-        return self.last_from_hidden(self.model.hidden_states(input_ids, position_ids, valid))  # (B, V)
+        logits = self.last_logits(self.model.hidden_states(input_ids, position_ids, valid))  # (B, V)
+        return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
 
-    def last_from_hidden(self, hidden: torch.Tensor, probe: LayerProbe | None = None) -> torch.Tensor:
-        """(B, T, C) residual stream after the last block -> (B, V) fp32 log-probs after the last column."""
+    def last_logits(self, hidden: torch.Tensor, probe: LayerProbe | None = None) -> torch.Tensor:
+        """(B, T, C) residual stream after the last block -> (B, V) logits after the last column."""
         last = hidden[:, -1, :]  # (B, C)
         logits = self.head(last)  # (B, V): only the last position is decoded
         if probe is not None:
             probe.unembedded(last, logits)
-        return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
+        return logits
 
     @staticmethod
     def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:

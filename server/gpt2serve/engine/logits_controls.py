@@ -34,10 +34,6 @@ def needs_history(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
-def needs_controls(p: SamplingParams) -> bool:
-    return p.controlled
-
-
 class Row(Protocol):
     """What a running sequence tells the controls (engine.generator._Running)."""
 
@@ -83,7 +79,7 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
     """(B, V) logits -> (B, V) fp32 logits with each row's controls applied, or None when no
     row has any. `generated[i]`: tokens row i generated before this one; the token chosen now
     will sit at position prompt_length + generated[i]."""
-    chosen = [i for i, r in enumerate(rows) if needs_controls(r.params)]
+    chosen = [i for i, r in enumerate(rows) if r.params.controlled]
     if not chosen:
         return None
     device, vocab_size = logits.device, logits.shape[-1]
