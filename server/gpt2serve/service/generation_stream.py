@@ -25,7 +25,7 @@ from gpt2serve_client.types import PromptTokenLogprob, TokenLogprob
 from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent
 from ..telemetry.records import FirstToken, RequestOptions
-from ..telemetry.spans import RequestTelemetry, allowed_tokens_attributes
+from ..telemetry.spans import RequestTelemetry, allowed_tokens_attributes, generation_attributes
 from .context import CallContext
 from .detokenizer import Detokenizer
 from .next_token import prompt_token_logprobs
@@ -91,26 +91,7 @@ class GenerationStream:
             if options.trace_steps:  # checked before any work
                 self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
                                          request, validator.tokenizer.token_text, generate.params, len(prompt))
-            span = request.span
-            for name, value in (("max_tokens", generate.max_tokens), ("temperature", generate.params.temperature),
-                                ("top_p", generate.params.top_p), ("top_k", generate.params.top_k)):
-                span.set_attribute(f"gen_ai.request.{name}", value)
-            if generate.seed is not None:
-                span.set_attribute("gen_ai.request.seed", generate.seed)
-            params = generate.params
-            for name, value, off in (("presence_penalty", params.presence_penalty, 0.0),
-                                     ("frequency_penalty", params.frequency_penalty, 0.0)):
-                if value != off:  # OpenTelemetry's GenAI names; the others are gpt2serve's
-                    span.set_attribute(f"gen_ai.request.{name}", value)
-            for name, value, off in (("repetition_penalty", params.repetition_penalty, 1.0),
-                                     ("min_p", params.min_p, 0.0), ("min_tokens", params.min_tokens, 0),
-                                     ("logit_bias_tokens", len(params.logit_bias), 0)):
-                if value != off:
-                    span.set_attribute(f"gpt2serve.request.{name}", value)
-            if self.settings.constraint is not None:  # structured output: which kind, from which field
-                kind, _, field = self.settings.constraint
-                span.set_attribute("gpt2serve.structured_output.kind", kind)
-                span.set_attribute("gpt2serve.structured_output.field", field)
+            request.span.set_attributes(generation_attributes(generate, self.settings.constraint))
             if trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
                 await engine.next_token(NextTokenRequest([prompt], 1, trace))
             self.tokenizer: Tokenizer = validator.tokenizer

@@ -36,7 +36,7 @@ from opentelemetry.trace import (
 from gpt2serve_client.generation import GenerationStep
 from gpt2serve_client.types import LayerReport
 
-from ..protocol import TraceContext
+from ..protocol import GenerateRequest, TraceContext
 from .metrics import Metrics
 from .records import (BatchDone, FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestOptions, RequestRefused,
                       SchedulerStats, StepDone)
@@ -122,6 +122,30 @@ def step_attributes(step: GenerationStep) -> dict:
             "gpt2serve.step.controlled_top.logprob": [t.logprob for t in step.controlled_top]}
            if step.allowed_tokens else {}),
     }
+
+
+def generation_attributes(generate: GenerateRequest, constraint: tuple[str, str, str] | None) -> dict:
+    """A generation's settings on its request span: OpenTelemetry's GenAI names where they exist,
+    gpt2serve's for the other controls (only those set), and a structured output's kind and the
+    request field it came from (`constraint`: kind, spec, field)."""
+    params = generate.params
+    attributes = {"gen_ai.request.max_tokens": generate.max_tokens, "gen_ai.request.temperature": params.temperature,
+                  "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k}
+    if generate.seed is not None:
+        attributes["gen_ai.request.seed"] = generate.seed
+    for name, value, off in (("gen_ai.request.presence_penalty", params.presence_penalty, 0.0),
+                             ("gen_ai.request.frequency_penalty", params.frequency_penalty, 0.0),
+                             ("gpt2serve.request.repetition_penalty", params.repetition_penalty, 1.0),
+                             ("gpt2serve.request.min_p", params.min_p, 0.0),
+                             ("gpt2serve.request.min_tokens", params.min_tokens, 0),
+                             ("gpt2serve.request.logit_bias_tokens", len(params.logit_bias), 0)):
+        if value != off:
+            attributes[name] = value
+    if constraint is not None:
+        kind, _, field = constraint
+        attributes["gpt2serve.structured_output.kind"] = kind
+        attributes["gpt2serve.structured_output.field"] = field
+    return attributes
 
 
 ALLOWED_STEPS_SHOWN = 128  # a structured output's first steps, each with its allowed count
