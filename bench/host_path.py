@@ -22,6 +22,9 @@ client processes speaking the engine's protocol, no front ends or gRPC in the pa
 engine runs the steps the load asks for even where a few cores cannot also carry front ends and
 gRPC clients at that rate; CPU is the engine process's over the load's window.
 
+With --codec it times the IPC door's codec alone (ipc_load.codec_table): one-prompt next-token
+calls as a message each against the same calls in columns.
+
 With --core-only it runs the engine core alone in this process over the same stand-in (no IPC,
 no front ends, no gRPC): generations whose sinks start the next one as one ends, and closed-loop
 next-token callers; CPU per token of the process and of the core's own thread.
@@ -295,8 +298,12 @@ def main() -> None:
     parser.add_argument("--pid", type=int, help="with --target: its supervisor's pid, for CPU per process")
     parser.add_argument("--ipc", action="store_true", help="load the engine process alone, through its IPC door")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone in this process")
+    parser.add_argument("--codec", action="store_true", help="the IPC codec alone: µs a next-token call")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.codec:
+        print(ipc_load.codec_table())
+        return
     if args.core_only:
         from core_alone import core_only
 

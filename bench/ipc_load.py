@@ -14,6 +14,10 @@ its fixed cost per step rather than its cost at full batch.
 Each process returns what it received in its window (tokens or answers), and the first one
 also the engine process's CPU seconds over its window (from /proc); the windows are of the same
 length and open together within the spread of the processes' start-up.
+
+`codec_table` (bench/host_path.py --codec) is the door's codec alone: a frame of one-prompt
+next-token calls as a Submit and a Result each against the same calls in columns (a Prompts and
+an Answers message), encode and decode per call (the decode builds each call's NextTokenOutput).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import os
 import time
 from pathlib import Path
 
+from gpt2serve.ipc import codec
 from gpt2serve.ipc.zmq_client import ZmqEngineClient
-from gpt2serve.protocol import GenerateRequest, NextTokenRequest, SamplingParams
+from gpt2serve.protocol import (Answers, GenerateRequest, NextTokenOutput, NextTokenRequest, Prompts, Result,
+                                SamplingParams, Submit, TopScores, TraceContext)
 
 GREEDY = SamplingParams(temperature=0.0)
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -132,3 +138,37 @@ def from_processes(kind: str, address: str, engine_pid: int, n: int, size: int, 
         parts = pool.starmap(_in_process, [(kind, address, engine_pid if i == 0 else 0, first, share, size,
                                             duration) for i, (first, share) in enumerate(zip(firsts, shares))])
     return sum(p[0] for p in parts), parts[0][1]
+
+
+def _per_call_us(messages: list, calls: int, repeats: int) -> tuple[float, float]:
+    started = time.perf_counter()
+    for _ in range(repeats):
+        frame = codec.encode(messages)
+    encode = (time.perf_counter() - started) / repeats / calls * 1e6
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for message in codec.decode(frame):
+            if type(message) is Answers:
+                for _ in message.outputs():
+                    pass
+    return encode, (time.perf_counter() - started) / repeats / calls * 1e6
+
+
+def codec_table(calls: int = 256, repeats: int = 300) -> str:
+    """The codec's µs a call, one frame of `calls` one-prompt calls with top-5, as a table."""
+    n = calls
+    top = TopScores([262, 11, 5, 7, 9], [-1.5, -2.0, -3.0, -3.5, -4.0])
+    requests = [NextTokenRequest([[464, 3139, 286, 4881, 318]], 5, TraceContext("00-ab-cd-00")) for _ in range(n)]
+    loads = {
+        "Submit each (front end -> engine)": [Submit(i, r) for i, r in enumerate(requests)],
+        "Prompts, in columns": [Prompts(list(range(n)), [r.prompts[0] for r in requests], [5] * n)],
+        "Result each (engine -> front end)": [Result(i, [NextTokenOutput(top, 0.001, 0.002, n, 10**18, 10**18 + 5)])
+                                              for i in range(n)],
+        "Answers, in columns": [Answers(list(range(n)), [top] * n, [0.001] * n, [10**18] * n, [], 0.002, n,
+                                        10**18 + 5)],
+    }
+    lines = [f"| {n} one-prompt calls in a frame | encode µs a call | decode µs a call |", "|---|---|---|"]
+    for name, messages in loads.items():
+        encode, decode = _per_call_us(messages, n, repeats)
+        lines.append(f"| {name} | {encode:.2f} | {decode:.2f} |")
+    return "\n".join(lines)
