@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
-from support.servers import launch_server, pids, requests_total
+from support.servers import launch_server, pids, requests_total, openai_client
 from support.reference import transformers_random_model
 from support.generation import LIVELY, transformers_greedy
 from support.servers import mapped_files
@@ -94,7 +94,7 @@ def own_template_server(tmp_path_factory, checkpoint):
 
 @pytest.fixture(scope="module")
 def oai(chat_server):
-    return openai.OpenAI(base_url=f"{chat_server.http_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(chat_server.http_url)
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +305,7 @@ def test_refusals_name_the_field(chat_server, oai, model):
 
 
 def test_no_template_is_a_400_naming_the_flag(server):
-    oai = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(server.http_url)
     counted = requests_total(server.http_url, "openai", "ChatCompletions", "FAILED_PRECONDITION")
     with pytest.raises(openai.BadRequestError) as refused:
         oai.chat.completions.create(model="random:tiny", messages=CONVERSATIONS[0], max_tokens=2)
@@ -330,7 +330,7 @@ def test_counted_and_traced_as_one_generation_each(chat_server, oai, model, rece
 
 @pytest.mark.slow
 def test_the_checkpoints_own_template_under_two_workers(own_template_server, hf, checkpoint):
-    oai = openai.OpenAI(base_url=f"{own_template_server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(own_template_server.http_url)
     listed = oai.models.list().data[0]
     assert listed.chat_template_source == f"checkpoint chat_template.jinja ({checkpoint})"
     for messages in CONVERSATIONS[:2]:  # a few calls: the kernel spreads them over both front ends

@@ -12,10 +12,9 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pydantic
 import pytest
-from support.servers import launch_server
+from support.servers import launch_server, openai_client
 
 from gpt2serve_client import Client, Gpt2ServeError, RestClient
 
@@ -41,7 +40,7 @@ def server(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server.http_url)
 
 
 @pytest.fixture(scope="module")

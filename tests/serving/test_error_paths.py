@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from support.servers import launch_server, requests_total
+from support.servers import launch_server, requests_total, openai_client
 
 from gpt2serve_client.status import BY_KIND, ERROR_STATUSES
 
@@ -104,7 +104,7 @@ def test_unknown_paths_and_methods_answer_in_the_error_shape(limited):
 
 
 def test_the_official_client_raises_the_matching_classes(limited):
-    client = openai.OpenAI(base_url=f"{limited.http_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(limited.http_url)
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     assert missing.value.body["param"] == "model" and missing.value.body["code"] == "model_not_found"

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from support.servers import launch_server, metric_value, requests_total
+from support.servers import launch_server, metric_value, requests_total, openai_client
 from support.reference import transformers_random_model
 from support.generation import LIVELY, PROMPTS, transformers_greedy
 
@@ -47,7 +47,7 @@ def rest(gen_server):
 
 @pytest.fixture(scope="module")
 def oai(gen_server):
-    return openai.OpenAI(base_url=f"{gen_server.http_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(gen_server.http_url)
 
 
 def ids(result) -> list[int]:
@@ -350,7 +350,7 @@ def test_no_cache_space_waits_then_resource_exhausted(one_slot, kind):
     if kind == "rest":
         assert err.value.http_status == 429
     # OpenAI's client gets the same refusal in OpenAI's shape, with the REST answers' Retry-After.
-    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(url)
     with pytest.raises(openai.RateLimitError) as limited:
         oai.completions.create(model="random:gpt2", prompt="no room", max_tokens=3)
     assert "no room in the KV cache" in limited.value.body["message"] and limited.value.response.headers["retry-after"] == "1"

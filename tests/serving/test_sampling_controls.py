@@ -10,7 +10,7 @@ import openai
 import pytest
 from support.generation import LIVELY, PROMPTS, reference_greedy
 from support.reference import transformers_random_model
-from support.servers import launch_server
+from support.servers import launch_server, openai_client
 
 from gpt2serve.protocol import SamplingParams
 from gpt2serve_client import Client, Gpt2ServeError, RestClient
@@ -54,7 +54,7 @@ def test_each_api_gives_the_references_tokens(server, hf):
         streamed = [c.token.token_id for c in rest.generate_stream(PROMPTS[4], max_tokens=16, temperature=0,
                                                                    ignore_eos=True, **CONTROLS) if c.token]
         assert streamed == want
-    oai = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(server.http_url)
     model = oai.models.list().data[0].id
     completion = oai.completions.create(
         model=model, prompt=PROMPTS[4], max_tokens=16, temperature=0, presence_penalty=1.0, frequency_penalty=1.5,
@@ -74,7 +74,7 @@ def test_min_tokens_holds_the_end_back_then_lets_it_come(server):
 
 def test_chat_takes_the_controls(server):
     """A bias of 100 on "," makes every token a comma; OpenAI's fields and vLLM's (extra_body)."""
-    oai = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(server.http_url)
     model = oai.models.list().data[0].id
     chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0.7, presence_penalty=-0.5, logit_bias={"11": 100},
@@ -112,7 +112,7 @@ def test_grpc_refuses_a_bad_value_naming_the_field(server):
 def test_completions_n_gives_each_prompts_choices_in_order_each_its_own_seed(server):
     """Choice i * n + j of prompt i draws with seed + j: the answer a one-choice request with
     that seed gets."""
-    oai = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(server.http_url)
     model = oai.models.list().data[0].id
     prompts = [PROMPTS[2], PROMPTS[6]]
     many = oai.completions.create(model=model, prompt=prompts, n=3, max_tokens=6, temperature=1.0, seed=40,
@@ -127,7 +127,7 @@ def test_completions_n_gives_each_prompts_choices_in_order_each_its_own_seed(ser
 
 
 def test_completions_best_of_returns_the_n_of_highest_cumulative_logprob(server):
-    oai = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(server.http_url)
     model = oai.models.list().data[0].id
     candidates = []
     for j in range(4):
@@ -146,7 +146,7 @@ def test_completions_best_of_returns_the_n_of_highest_cumulative_logprob(server)
 
 
 def test_openai_stop_token_ids_end_the_text(server, hf):
-    oai = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    oai = openai_client(server.http_url)
     model = oai.models.list().data[0].id
     full = reference_greedy(hf, PROMPTS[4], 8, SamplingParams(temperature=0.0))
     cut = oai.completions.create(model=model, prompt=PROMPTS[4], max_tokens=8, temperature=0,

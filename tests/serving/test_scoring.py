@@ -9,6 +9,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from support.servers import openai_client
 import torch
 from support.reference import (TOLERANCE, assert_matches_reference, assert_prompt_scores_match, reference_prompt_logprobs,
                        transformers_random_model)
@@ -180,7 +181,7 @@ def test_a_prompt_past_the_context_is_refused_naming_the_limit(server):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server.http_url)
 
 
 def test_echo_with_max_tokens_0_scores_each_prompt_of_a_list(oai, tiny_model, tokenizer):

@@ -142,3 +142,11 @@ def requests_total(http_url: str, api: str, method: str, status: str, **get_kwar
 def mapped_files(pid: int) -> set[str]:
     with open(f"/proc/{pid}/maps") as maps:
         return {line.split()[-1] for line in maps if "/" in line}
+
+
+def openai_client(http_url: str):
+    """The official `openai` SDK's client for a server's REST base URL: no key needed, and no
+    retries, so a test sees each answer the server gave."""
+    import openai  # here: most users of this module never need the SDK, slow to import
+
+    return openai.OpenAI(base_url=f"{http_url}/v1", api_key="unused", max_retries=0)
