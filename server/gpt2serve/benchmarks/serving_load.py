@@ -22,6 +22,7 @@ from gpt2serve_client import AsyncClient, Gpt2ServeError, ModelInfo
 from gpt2serve_client.types import NextTokenResult
 
 from ..config import parse_bool
+from .native_load import CpuMeter, LoadGeneratorCpu, percentile, run_native
 
 MAX_REFERENCE_BATCH = 64  # in-process reference batch size, also measured when the server's is smaller
 
@@ -57,13 +58,6 @@ def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> lis
     return [[rng.randrange(vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
 @dataclass
 class LoadSamples:
     """What closed-loop clients saw (one process's worth; `merge` joins several)."""
@@ -72,13 +66,16 @@ class LoadSamples:
     batch_sizes: list[int] = field(default_factory=list)
     timings: list = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
+    cpu_s: float = 0.0  # the client process's CPU over its load, to tell whether it was the limit
+    wall_s: float = 0.0
 
     def merge(self, other: LoadSamples) -> LoadSamples:
         errors = dict(self.errors)
         for code, count in other.errors.items():
             errors[code] = errors.get(code, 0) + count
         return LoadSamples(self.latencies + other.latencies, self.batch_sizes + other.batch_sizes,
-                           self.timings + other.timings, errors)
+                           self.timings + other.timings, errors, self.cpu_s + other.cpu_s,
+                           max(self.wall_s, other.wall_s))
 
     def summary(self, api: str, concurrency: int, duration_s: float, interleaved: bool = False,
                 prompts_per_call: int = 1) -> LoadResult:
@@ -132,9 +129,13 @@ async def run_load(call, prompts: list[list[int]], concurrency: int, duration_s:
 
 
 def load_in_process(api: str, target: str, prompts, concurrency: int, duration_s: float,
-                    warmup_s: float) -> LoadSamples:
-    """One client process's share of the load (a top-level function, for --processes)."""
-    return asyncio.run(LOADS[api](target, prompts, concurrency, duration_s, warmup_s))
+                    warmup_s: float, between=None) -> LoadSamples:
+    """One client process's share of the load (a top-level function, for --processes), with the
+    CPU that process spent on it."""
+    with CpuMeter() as meter:
+        samples = asyncio.run(LOADS[api](target, prompts, concurrency, duration_s, warmup_s, between))
+    samples.cpu_s, samples.wall_s = meter.cpu_s, meter.wall_s
+    return samples
 
 
 def load_from_processes(api: str, target: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
@@ -279,7 +280,8 @@ def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult
         f"p50 {load.p50_ms:.1f} ms, p90 {load.p90_ms:.1f} ms, p99 {load.p99_ms:.1f} ms, "
         f"mean batch {load.mean_batch_size:.1f}, errors {load.errors} {load.error_codes or ''}".rstrip(),
         f"server-side p50: queue {load.server_queue_p50_ms:.1f} ms, forward {load.server_forward_p50_ms:.1f} ms, "
-        f"total {load.server_total_p50_ms:.1f} ms",
+        f"total {load.server_total_p50_ms:.1f} ms" if load.server_total_p50_ms == load.server_total_p50_ms
+        else "server-side timings: not read (native load generator)",
         "in-process limit: " + ", ".join(
             f"batch {r.batch_size}: {r.prompts_per_s:.1f} prompts/s (forward p50 {r.forward_p50_ms:.1f} ms)"
             for r in limit),
@@ -292,6 +294,18 @@ def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult
 async def fetch_info(target: str) -> ModelInfo:
     async with AsyncClient(target) as client:
         return await client.model_info()
+
+
+def native_load(args, target: str, prompts, per_call: int) -> tuple[LoadResult, LoadGeneratorCpu]:
+    """The load from h2load or wrk (benchmarks.native_load); errors and batches as the server counted them.
+    The server's own timings travel in answers these tools do not read: NaN."""
+    run, statuses, mean_batch, generator = run_native(args.api, target, args.http_target, prompts, per_call,
+                                                      args.concurrency, args.processes, args.duration, args.warmup)
+    errors = {status: n for status, n in statuses.items() if status != "OK" and n} | (
+        {"TRANSPORT": run.transport_errors} if run.transport_errors else {})
+    return LoadResult(args.api, run.concurrency, run.duration_s, run.requests, sum(errors.values()),
+                      run.requests * per_call / run.duration_s, run.p50_s * 1000, run.p90_s * 1000, run.p99_s * 1000,
+                      mean_batch, *[float("nan")] * 3, errors), generator
 
 
 def run_bench(args) -> int:
@@ -314,13 +328,20 @@ def run_bench(args) -> int:
     # grpc-batch: groups of `per_call` prompts, each starting somewhere else in the list.
     sent = prompts if per_call == 1 else [[prompts[(start + j) % len(prompts)] for j in range(per_call)]
                                           for start in range(0, len(prompts), 7)]
-    if args.processes > 1:
-        samples = load_from_processes(args.api, target, sent, args.concurrency, args.duration, args.warmup,
-                                      args.processes)
+    if args.native:
+        load, generator = native_load(args, target, prompts, per_call)
     else:
-        samples = asyncio.run(LOADS[args.api](target, sent, args.concurrency, args.duration, args.warmup, between))
-    load = samples.summary(args.api, args.concurrency, args.duration, interleaved=between is not None,
-                           prompts_per_call=per_call)
+        if args.processes > 1:
+            samples = load_from_processes(args.api, target, sent, args.concurrency, args.duration, args.warmup,
+                                          args.processes)
+        else:
+            samples = load_in_process(args.api, target, sent, args.concurrency, args.duration, args.warmup, between)
+        load = samples.summary(args.api, args.concurrency, args.duration, interleaved=between is not None,
+                               prompts_per_call=per_call)
+        # Each client process's CPU over its own load. One interleaved client waits on every answer
+        # and runs the in-process forward between them: no headroom rule applies to it.
+        generator = None if between is not None else LoadGeneratorCpu(
+            f"python clients in {args.processes} process(es)", args.processes, samples.cpu_s, samples.wall_s)
     for size in sizes:
         times[size] += model.measure(prompts, size, args.limit_duration / 2)
     if interleaved:
@@ -331,12 +352,16 @@ def run_bench(args) -> int:
         "in_process": [asdict(r) for r in limit],
         "ratio": load.req_per_s / best_batched(limit).prompts_per_s,
         "p50_over_single_forward_ms": load.p50_ms - limit[0].forward_p50_ms,
+        "load_generator": generator.as_dict() if generator else None,
+        "rejected": generator.rejected if generator else "",
     }
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
         print(format_report(info, load, limit))
+        if generator:
+            print(generator.describe())
     return 0 if load.requests else 1
 
 
@@ -348,7 +373,10 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--batch-prompts", type=int, default=64, help="--api grpc-batch: prompts per call")
     parser.add_argument("--concurrency", "-c", type=int, default=64, help="closed-loop clients")
     parser.add_argument("--processes", "-p", type=int, default=1,
-                        help="client processes the clients are spread over (one client process can be the limit)")
+                        help="client processes the clients are spread over (one client process can be the limit); "
+                             "with --native, the load generator's threads")
+    parser.add_argument("--native", action="store_true",
+                        help="load from h2load (gRPC; Debian nghttp2-client) or wrk (REST) instead of Python clients")
     parser.add_argument("--duration", "-d", type=float, default=10.0, help="measured seconds of load")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before measuring")
     parser.add_argument("--limit-duration", type=float, default=8.0, help="seconds per in-process batch size (half before the load, half after)")
