@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 import os
 import sys
 from pathlib import Path
@@ -22,7 +23,8 @@ from .benchmarks.serving_load import add_bench_arguments, add_engine_bench_argum
 from .config import ENV_ERRORS, EnvDefaults, add_serve_arguments, config_from_args
 from .errors import ModelLoadError
 from .introspection.params import add_params_arguments, run_params
-from .launch.supervisor import chat_template_parses, resolve_workers, run_workers
+from .launch.supervisor import chat_template_parses, run_workers
+from .launch.workers_plan import plan_workers
 
 TARGET_ENV = "GPT2SERVE_TARGET"  # the one variable the client commands share: the server they talk to
 
@@ -157,15 +159,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gpt2serve serve: {exc}", file=sys.stderr)
         return 2
-    workers = resolve_workers(config)
-    if workers > 1:  # the supervisor checks the chat template once its metrics directory is set
-        return run_workers(config, workers)
+    plan = plan_workers(config)
+    if plan.workers > 1:  # the supervisor checks the chat template once its metrics directory is set
+        return run_workers(config, plan)
     if not chat_template_parses(config):
         return 2
     from .launch.single_process import run  # lazy: it imports torch, which only serving needs
 
     try:
-        run(config)
+        run(replace(config, workers=1), plan.reason())  # resolved: nothing left to measure for it
     except ModelLoadError as exc:
         print(f"gpt2serve serve: cannot load model: {exc}", file=sys.stderr)
         return 1

@@ -72,7 +72,7 @@ class ServeConfig:
     cuda_graphs: bool = True
     # Device memory the captured graphs may take; shapes past it run eagerly.
     cuda_graph_memory_mb: float = 4096.0
-    # Front-end processes around one engine process; None: auto (1 on a CPU; see launch.supervisor.resolve_workers).
+    # Front-end processes around one engine process; None: auto (1 on a CPU; see launch.workers_plan).
     workers: int | None = None
     # Generations in the running batch at most (one KV-cache slot each); None: --max-batch-size.
     max_running_sequences: int | None = None
@@ -295,7 +295,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "(tokenizer_config.json or chat_template.jinja); with neither, chat answers 400")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
-                 "auto: 1 on a CPU (one process), about min(cores - 2, 8) on a GPU")
+                 "auto: 1 on a CPU (one process); on a GPU, the front ends the engine's measured rate needs "
+                 "at about 600 us of CPU a call, at most the cores less 2 for the engine (logged)")
     parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
 
 

@@ -114,8 +114,18 @@ def prefix_cache_bytes(engine: Engine) -> int:
     return 0 if cache is None else cache.capacity_blocks * PrefixCache.bytes_per_block(cache.config, cache.dtype)
 
 
-def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
-    """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is not slow."""
+def measure_prompt_rate(engine: Engine, prompt_tokens: int = 8, forwards: int = 5) -> float:
+    """Next-token prompts a second at the engine's largest batch, warm (the median of a few
+    forwards): what `--workers auto` sizes the front ends by (launch.workers_plan)."""
+    size, vocab = engine.options.max_batch_size, engine.model.config.vocab_size
+    batch = [[(row * 31 + i * 7) % vocab for i in range(prompt_tokens)] for row in range(size)]
+    times = sorted(engine.next_token(batch, [5] * size).forward_s for _ in range(forwards))
+    return size / times[len(times) // 2]
+
+
+def load_engine(config: ServeConfig) -> tuple[Engine, Generator, float]:
+    """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is
+    not slow. Also returns the engine's measured prompts a second under --workers auto (else 0)."""
     cpus = available_cpus()
     if torch.get_num_threads() > cpus:  # a container's CPU quota below the host's cores
         torch.set_num_threads(cpus)
@@ -135,6 +145,11 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
         RESERVE.keep(loaded.device)  # before the caches are sized from what is free
     log.info("warm-up done; a forward's fixed cost is worth %.0f padded tokens (length grouping)",
              engine.fixed_cost_tokens)
+    prompts_per_s = 0.0
+    if config.workers is None:  # --workers auto: the supervisor starts the front ends this rate needs
+        prompts_per_s = measure_prompt_rate(engine)  # before the prefix cache: nothing left in it
+        log.info("%.0f next-token prompts/s at batch %d (--workers auto)", prompts_per_s,
+                 engine.options.max_batch_size)
     generator = Generator(engine, *kv_cache_size(config, engine), chunk_tokens=config.prefill_chunk_tokens)
     # Ready means warm: each kind of step has run once (on cuda the whole cache is claimed and
     # written now; on a CPU it grows with use, a few slots and positions at a time).
@@ -149,7 +164,7 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator]:
     else:
         log.info("prefix cache: up to %d tokens (%.0f MiB), %s", engine.prefix_cache.capacity_blocks * PREFIX_BLOCK,
                  prefix_cache_bytes(engine) / 2**20, "claimed now" if loaded.device.type == "cuda" else "touched as used")
-    return engine, generator
+    return engine, generator, prompts_per_s
 
 
 class EngineHost:
@@ -161,7 +176,8 @@ class EngineHost:
         config, telemetry = self.config, self.telemetry
         engine_thread = new_engine_thread()
         try:
-            engine, generator = await asyncio.get_running_loop().run_in_executor(engine_thread, load_engine, config)
+            engine, generator, self.prompts_per_s = await asyncio.get_running_loop().run_in_executor(
+                engine_thread, load_engine, config)
         except BaseException:
             engine_thread.shutdown(wait=False)
             raise
@@ -214,7 +230,7 @@ async def _engine_process(config: ServeConfig, address: str, status, parent_pid:
     server = EngineServer(address, host.core, EngineReady(host.info, host.tokenizer.source, host.core.max_batch_size))
     serving = asyncio.create_task(server.serve(), name="ipc")
     freeze_startup_heap()
-    status.send(("ready", host.info.model))
+    status.send(("ready", (host.info.model, host.prompts_per_s)))
     log.info("engine ready at %s", address)
     watch = asyncio.create_task(watch_parent(parent_pid, stop))
     while not stop.is_set() and not serving.done():  # gauges the front ends' /metrics read

@@ -41,6 +41,8 @@ async def serve(config: ServeConfig) -> None:
     log.info("shutdown complete")
 
 
-def run(config: ServeConfig) -> None:
+def run(config: ServeConfig, workers_reason: str = "") -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if workers_reason:
+        log.info("%s", workers_reason)
     asyncio.run(serve(config))

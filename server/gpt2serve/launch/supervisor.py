@@ -43,7 +43,7 @@ from dataclasses import replace
 from ..config import ServeConfig
 from ..ipc.zmq_client import engine_address
 from .process_common import ENGINE_GONE_SIGNAL, set_title
-from .resources import available_cpus
+from .workers_plan import WorkersPlan
 
 log = logging.getLogger("gpt2serve")
 CHILD_EXIT_TIMEOUT_S = 5.0  # after the engine died, or past the grace: then killed
@@ -65,8 +65,10 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 
 class Supervisor:
-    def __init__(self, config: ServeConfig, workers: int):
-        self.config, self.workers = config, workers
+    def __init__(self, config: ServeConfig, plan: WorkersPlan):
+        # --workers auto: the front ends start once the engine has said how fast it is.
+        self.config, self.plan, self.workers = config, plan, plan.workers
+        self.front_ends_started = not plan.auto
         self.run_dir = tempfile.mkdtemp(prefix="gpt2serve-")
         self.stop_requested = False
         self.draining = False
@@ -93,8 +95,11 @@ class Supervisor:
                                     http_port=reserved[1].getsockname()[1])
         self.address = engine_address(self.run_dir)
         self.spawn = multiprocessing.get_context("spawn")
-        for name in ["engine"] + [f"front-end-{i}" for i in range(1, self.workers + 1)]:
-            self._start(name)
+        self._start("engine")
+        if self.front_ends_started:
+            self._start_front_ends()
+        else:
+            log.info("%s", self.plan.reason())
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_stop_signal)
         try:
@@ -104,6 +109,11 @@ class Supervisor:
                 sock.close()
             self._reap(0)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _start_front_ends(self) -> None:
+        self.front_ends_started = True
+        for i in range(1, self.workers + 1):
+            self._start(f"front-end-{i}")
 
     def _start(self, name: str) -> None:
         # Lazy: the supervisor loads no model (engine_host imports torch) and must not import
@@ -166,7 +176,12 @@ class Supervisor:
                         ready.add(name)
                         if name != "engine":
                             self._early_deaths = 0
-                        engine_model = payload if name == "engine" else engine_model
+                        else:
+                            engine_model, prompts_per_s = payload
+                            if not self.front_ends_started:
+                                self.workers, why = self.plan.with_engine_rate(prompts_per_s)
+                                log.info("%s", why)
+                                self._start_front_ends()
                         if len(ready) == self.workers + 1 and not announced:
                             announced = True
                             print(f"gpt2serve ready: model={engine_model} workers={self.workers}", flush=True)
@@ -268,20 +283,7 @@ def chat_template_parses(config: ServeConfig) -> bool:
     return True
 
 
-def resolve_workers(config: ServeConfig) -> int:
-    """--workers auto: 1 on a CPU (the single-process path; our CI machines have 2 cores), and
-    about min(cores - 2, 8) front ends on a GPU, leaving cores for the engine and the clients."""
-    if config.workers is not None:
-        return config.workers
-    gpu = config.device.startswith("cuda")
-    if config.device == "auto":
-        import torch  # lazy: only to ask whether there is a GPU
-
-        gpu = torch.cuda.is_available()
-    return max(1, min(available_cpus() - 2, 8)) if gpu else 1  # the container's CPU quota, where there is one
-
-
-def run_workers(config: ServeConfig, workers: int) -> int:
+def run_workers(config: ServeConfig, plan: WorkersPlan) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s")
-    return Supervisor(config, workers).run()
+    return Supervisor(config, plan).run()
