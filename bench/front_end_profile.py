@@ -8,8 +8,10 @@ Loads, one at a time, each from 2 client processes on the same machine:
 - rest: 64 closed-loop REST /v1/next-token callers (gpt2serve.benchmarks.serving_load);
 - batch: 4 NextTokenBatch callers of 64 prompts (bench/host_path.py --batch-clients 4);
 - stream: 64 Generate streams of 64 tokens (bench/host_path.py --streams 64).
+With `--native`, unary, rest and batch come from h2load and wrk instead (one thread, a few
+percent of a core), so the front ends are not sharing the cores with Python clients.
 
-    .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream] [--seconds 16]
+    .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream] [--seconds 16] [--native]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
 (a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
@@ -67,8 +69,19 @@ def layer_of(stack: list[str]) -> str:
     return "other"
 
 
-def load_command(load: str, server, seconds: float) -> list[str]:
+NATIVE = {  # --native: the same loads from h2load and wrk (gpt2serve.benchmarks.native_load)
+    "unary": "run_h2load(host_port({grpc!r}), *grpc_request_body('grpc', PROMPT, 1), 64, 1, {seconds}, 1)",
+    "batch": "run_h2load(host_port({grpc!r}), *grpc_request_body('grpc-batch', PROMPT, 64), 4, 1, {seconds}, 1)",
+    "rest": "run_wrk({http!r}, [PROMPT], 64, 1, {seconds}, 1)",
+}
+
+
+def load_command(load: str, server, seconds: float, native: bool = False) -> list[str]:
     """The load's client processes (none of them loads a model, so the load starts at once)."""
+    if native and load in NATIVE:
+        call = NATIVE[load].format(grpc=server.grpc, http=server.http, seconds=seconds - 1)
+        return [PYTHON, "-c", "from gpt2serve.benchmarks.native_load import grpc_request_body, host_port, "
+                f"run_h2load, run_wrk; PROMPT = [464, 3139, 286, 4881, 318]; {call}"]
     if load == "rest":
         return [PYTHON, "-c", "from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts; "
                 f"load_from_processes('rest', {server.http!r}, make_prompts(256, 5, 50257, 0), 64, {seconds}, 1, 2)"]
@@ -87,10 +100,11 @@ UNITS = {
 }
 
 
-def profile(load: str, server, seconds: float) -> tuple[collections.Counter, float, str]:
+def profile(load: str, server, seconds: float, native: bool,
+            spy: bool = True) -> tuple[collections.Counter, float, str]:
     pids = [pid for title, pid in server.processes.items() if title.startswith("front end")]
     unit, name, labels, per = UNITS[load]
-    client = subprocess.Popen(load_command(load, server, seconds), stdout=subprocess.DEVNULL,
+    client = subprocess.Popen(load_command(load, server, seconds, native), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     time.sleep(5.0)  # past the clients' start-up and warm-up
     window = max(seconds - 7.0, 2.0)
@@ -98,9 +112,11 @@ def profile(load: str, server, seconds: float) -> tuple[collections.Counter, flo
     with tempfile.TemporaryDirectory() as tmp:
         spies = [subprocess.Popen([SPY, "record", "--pid", str(p), "--duration", str(int(window)), "--rate", "250",
                                    "--nonblocking", "--format", "raw", "-o", f"{tmp}/{p}.txt"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in pids]
-        for spy in spies:
-            spy.wait()
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in pids if spy]
+        for sampler in spies:
+            sampler.wait()
+        if not spy:
+            time.sleep(window)
         after_cpu, after_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
         layers: collections.Counter = collections.Counter()
         for p in pids:
@@ -118,11 +134,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", default="unary,rest,batch,stream")
     parser.add_argument("--seconds", type=float, default=16.0, help="of load; samples over all but the ends")
+    parser.add_argument("--native", action="store_true",
+                        help="unary, rest and batch from h2load and wrk (one thread each) instead of Python clients")
+    parser.add_argument("--no-spy", action="store_true", help="CPU per unit only: no py-spy sampling")
     args = parser.parse_args()
     server = StandinServer(workers=2, max_batch=256)
     try:
         for load in args.loads.split(","):
-            layers, us, unit = profile(load, server, args.seconds)
+            layers, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy)
             total = sum(layers.values()) or 1
             print(f"\n{load}: front ends' CPU {us:.0f} us {unit} (2 front ends, /proc over /metrics)")
             print("| layer | share of the front ends' working samples |\n|---|---|")
