@@ -56,6 +56,7 @@ class Metrics:
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
         self._gauges: list[tuple[Gauge, Callable[[SchedulerStats], float]]] = []  # set by refresh() (multiprocess mode)
         self._stats: Callable[[], SchedulerStats] | None = None
+        self._children: dict[tuple, object] = {}  # (metric, label values) -> its child (see _child)
         r = self.registry
         self.requests = Counter("gpt2serve_requests", "Requests answered, by API, method and status code",
                                 ["api", "method", "status"], registry=r)
@@ -157,29 +158,43 @@ class Metrics:
         for gauge, read in self._gauges:
             gauge.set(read(stats))
 
+    def _child(self, metric, **labels):
+        """metric.labels(**labels), kept: labels() validates and takes a lock on every call
+        (about 2 µs), and each request asks for five. Label values come from small fixed sets."""
+        key = (metric, *labels.values())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**labels)
+        return child
+
     def request_done(self, record: RequestDone) -> None:
         api, method = record.api, record.method
-        self.requests.labels(api=api, method=method, status=record.status).inc()
+        self._child(self.requests, api=api, method=method, status=record.status).inc()
         if record.status != "OK":
             return
         exemplar = _exemplar(record.trace_id)
-        self.request_duration.labels(api=api, method=method).observe(record.duration_s, exemplar)
+        self._child(self.request_duration, api=api, method=method).observe(record.duration_s, exemplar)
         if method not in GENERATING_METHODS:  # a next token is the first token
-            self.time_to_first_token.labels(api=api, method=method).observe(record.duration_s, exemplar)
-        self.prompt_tokens.labels(api=api).inc(record.prompt_tokens)
-        self.generated_tokens.labels(api=api).inc(record.output_tokens)
+            self._child(self.time_to_first_token, api=api, method=method).observe(record.duration_s, exemplar)
+        # A count of 0 writes nothing new; the series exists from its child's creation on.
+        prompt_tokens, generated_tokens = self._child(self.prompt_tokens, api=api), \
+            self._child(self.generated_tokens, api=api)
+        if record.prompt_tokens:
+            prompt_tokens.inc(record.prompt_tokens)
+        if record.output_tokens:
+            generated_tokens.inc(record.output_tokens)
         for queue_s in record.queue_s:
             self.queue_duration.observe(queue_s, exemplar)
         if record.time_per_output_token_s is not None:
-            self.time_per_output_token.labels(api=api).observe(record.time_per_output_token_s, exemplar)
+            self._child(self.time_per_output_token, api=api).observe(record.time_per_output_token_s, exemplar)
 
     def request_refused(self, record: RequestRefused) -> None:
         """A request refused before it reached the service: counted with its status, no duration."""
-        self.requests.labels(api=record.api, method=record.method, status=record.code).inc()
+        self._child(self.requests, api=record.api, method=record.method, status=record.code).inc()
 
     def first_token(self, record: FirstToken) -> None:
-        self.time_to_first_token.labels(api=record.api, method=record.method).observe(record.seconds,
-                                                                                  _exemplar(record.trace_id))
+        self._child(self.time_to_first_token, api=record.api, method=record.method).observe(
+            record.seconds, _exemplar(record.trace_id))
 
     def batch(self, size: int, forward_s: float) -> None:
         self.batch_size.observe(size)
