@@ -59,7 +59,12 @@ def main() -> int:
     args = parser.parse_args()
 
     ours, _, ours_url = launch("random:gpt2", None, "--dtype", "float32", *args.serve_flags)
-    theirs = start_litserve(args.litserve_port, Path(args.deps))
+    try:
+        theirs = start_litserve(args.litserve_port, Path(args.deps))
+    except BaseException:  # e.g. LitServe not installed: ours must not outlive the bench
+        os.killpg(ours.pid, signal.SIGTERM)
+        ours.wait(timeout=60)
+        raise
     urls = {"gpt2serve": ours_url, "litserve": f"http://127.0.0.1:{args.litserve_port}"}
     prompts = make_prompts(256, 5, 50257)
     rates: dict[str, list[float]] = {"gpt2serve": [], "litserve": []}
