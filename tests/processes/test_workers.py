@@ -42,6 +42,11 @@ def workers(tmp_path_factory, receiver):
     srv.stop()
 
 
+def test_each_front_end_runs_on_uvloop(workers):
+    assert len(re.findall(r"front-end\[\d+\].*event loop: uvloop", workers.log())) == 2
+    assert not re.search(r"engine\[\d+\].*event loop", workers.log())  # the engine keeps asyncio's (zmq.asyncio)
+
+
 def test_two_front_ends_and_one_engine_answer_both_transports_correctly(workers, tiny_model):
     assert len(pids(workers, "front-end")) == 2 and len(pids(workers, "engine")) == 1
     before = {api: requests_total(workers.http_url, api, "NextToken", "OK") for api in ("grpc", "rest")}

@@ -91,3 +91,7 @@ def test_the_supervisor_starts_the_front_ends_the_measured_rate_needs(tmp_path):
             assert client.next_token([464, 3139, 286]).batch_size >= 1
     finally:
         assert srv.stop() == 0
+
+
+def test_the_single_process_server_runs_on_uvloop(server):
+    assert "event loop: uvloop" in server.log()

@@ -35,7 +35,7 @@ from ..telemetry.tracing import flush_traces, setup_tracing
 from ..transport.grpc_server import GrpcTransport
 from ..transport.http_connections import bounded_http_protocol
 from ..transport.rest import create_app
-from .process_common import ENGINE_GONE_SIGNAL, child_setup, freeze_startup_heap, watch_parent
+from .process_common import ENGINE_GONE_SIGNAL, child_setup, freeze_startup_heap, run_front_end_loop, watch_parent
 
 log = logging.getLogger("gpt2serve")
 # Once the drain is over, the transports close within this: the calls it waited for are answered
@@ -176,7 +176,7 @@ class FrontEnd:
 def front_end_main(config: ServeConfig, address: str, status, parent_pid: int, title: str,
                    restarted: bool = False) -> None:
     child_setup(config, "front-end", title)
-    raise SystemExit(asyncio.run(_front_end_process(config, address, status, parent_pid, restarted)))
+    raise SystemExit(run_front_end_loop(_front_end_process(config, address, status, parent_pid, restarted)))
 
 
 async def _front_end_process(config: ServeConfig, address: str, status, parent_pid: int, restarted: bool) -> int:

@@ -11,7 +11,7 @@ from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
 from .engine_host import EngineHost
 from .front_end import FrontEnd, until_signalled
-from .process_common import freeze_startup_heap
+from .process_common import freeze_startup_heap, run_front_end_loop
 
 log = logging.getLogger("gpt2serve")
 
@@ -45,4 +45,4 @@ def run(config: ServeConfig, workers_reason: str = "") -> None:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if workers_reason:
         log.info("%s", workers_reason)
-    asyncio.run(serve(config))
+    run_front_end_loop(serve(config))
