@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -160,13 +160,15 @@ def grpc_frame(message: bytes) -> bytes:
 
 
 def grpc_request_body(api: str, prompt: list[int], per_call: int) -> tuple[str, bytes]:
-    from gpt2serve_client._proto import gpt2serve_pb2 as pb  # the client's generated messages
+    """The method's HTTP/2 path and one framed request, from the client's generated messages."""
+    from gpt2serve_client._proto import gpt2serve_pb2 as pb
 
+    service = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
     if api == "grpc-batch":
         message = pb.NextTokenBatchRequest(prompts=[pb.Prompt(prompt_token_ids=prompt)] * per_call, top_k=5)
-        return "/gpt2serve.v1.Gpt2Serve/NextTokenBatch", grpc_frame(message.SerializeToString())
-    return "/gpt2serve.v1.Gpt2Serve/NextToken", grpc_frame(pb.NextTokenRequest(prompt_token_ids=prompt,
-                                                                                  top_k=5).SerializeToString())
+        return f"/{service}/NextTokenBatch", grpc_frame(message.SerializeToString())
+    message = pb.NextTokenRequest(prompt_token_ids=prompt, top_k=5)
+    return f"/{service}/NextToken", grpc_frame(message.SerializeToString())
 
 
 def run_h2load(target: str, path: str, body: bytes, concurrency: int, threads: int, duration_s: float,
@@ -258,7 +260,7 @@ def run_native(api: str, target: str, http_target: str, prompts: list[list[int]]
                warmup_s: float) -> tuple[NativeRun, dict[str, int], float, LoadGeneratorCpu]:
     """One native load: the run, the server's answers by status over it, its mean batch, and
     the load generator's CPU."""
-    method = "NextTokenBatch" if api == "grpc-batch" else "NextToken"
+    label, method = ("rest" if api == "rest" else "grpc"), ("NextTokenBatch" if api == "grpc-batch" else "NextToken")
     before = scrape(http_target)
     with CpuMeter() as meter:
         if api == "rest":
@@ -267,8 +269,7 @@ def run_native(api: str, target: str, http_target: str, prompts: list[list[int]]
             path, body = grpc_request_body(api, prompts[0], per_call)
             run = run_h2load(host_port(target), path, body, concurrency, threads, duration_s, warmup_s)
     after = scrape(http_target)
-    statuses = status_delta(answered_by_status(before, "rest" if api == "rest" else "grpc", method),
-                            answered_by_status(after, "rest" if api == "rest" else "grpc", method))
+    statuses = status_delta(answered_by_status(before, label, method), answered_by_status(after, label, method))
     # Both tools stop by closing their connections, so the calls then in flight end CANCELLED on
     # the server: up to one per call in flight, once per tool run (wrk runs twice: its warm-up).
     runs = 2 if api == "rest" and warmup_s > 0 else 1

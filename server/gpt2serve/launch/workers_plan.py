@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ServeConfig
 from .resources import available_cpus
@@ -78,4 +78,4 @@ def plan_workers(config: ServeConfig, cores: int | None = None) -> WorkersPlan:
     if config.workers is not None:
         return WorkersPlan(config.workers, False, cores, engine_cores, gpu)
     plan = WorkersPlan(1, True, cores, engine_cores, gpu)
-    return WorkersPlan(plan.most, True, cores, engine_cores, gpu)
+    return replace(plan, workers=plan.most)  # an upper bound until the engine has measured its rate

@@ -177,8 +177,8 @@ class Metrics:
         if method not in GENERATING_METHODS:  # a next token is the first token
             self._child(self.time_to_first_token, api=api, method=method).observe(record.duration_s, exemplar)
         # A count of 0 writes nothing new; the series exists from its child's creation on.
-        prompt_tokens, generated_tokens = self._child(self.prompt_tokens, api=api), \
-            self._child(self.generated_tokens, api=api)
+        prompt_tokens = self._child(self.prompt_tokens, api=api)
+        generated_tokens = self._child(self.generated_tokens, api=api)
         if record.prompt_tokens:
             prompt_tokens.inc(record.prompt_tokens)
         if record.output_tokens:
