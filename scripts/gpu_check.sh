@@ -99,20 +99,23 @@ until grep -q "gpt2serve ready" "$out/serve.log" || ! kill -0 $server 2>/dev/nul
 done
 if grep -q "gpt2serve ready" "$out/serve.log"; then
   row "server start" $(( $(date +%s) - started )) "ready"
-  loads=("-c 512 -p 8" "--api grpc-batch -c 16 -p 4" "--api rest --http-target http://127.0.0.1:8081 -c 512 -p 8" "-c 1")
+  loads=("-c 512 -p 8" "--api grpc-batch -c 16 -p 4" "--api rest -c 512 -p 8" "-c 1")
   [ $quick = 1 ] && loads=("-c 512 -p 8" "--api grpc-batch -c 16 -p 4")
   # h2load and wrk where the machine has them (they are not the limit); else Python clients, whose
   # CPU the bench prints and judges (REJECTED when they had no headroom). One client stays Python:
   # its in-process forward is timed between its calls.
-  native=$(command -v h2load >/dev/null && command -v wrk >/dev/null && echo --native)
+  # .whl/native/bin: the two tools copied from a Debian machine (scripts/bundle_native_tools.sh).
+  [ -d .whl/native/bin ] && export PATH=$PWD/.whl/native/bin:$PATH
+  native=$(h2load --version >/dev/null 2>&1 && wrk -v 2>&1 | grep -q '^wrk' && echo --native)
+  echo "load generators: ${native:-Python clients (h2load or wrk missing)}"
   for load in "${loads[@]}"; do
     file=$(mktemp)
     [ "$load" = "-c 1" ] && how="" || how=$native
-    run ${caps[3]} "$file" $python -m gpt2serve.cli bench --target 127.0.0.1:50081 $how $load -d ${caps[4]} \
-        --limit-duration 4; rc=$?
+    run ${caps[3]} "$file" $python -m gpt2serve.cli bench --target 127.0.0.1:50081 \
+        --http-target http://127.0.0.1:8081 $how $load -d ${caps[4]} --limit-duration 4; rc=$?
     (( rc != 0 )) && status=1
     grep -v WARN "$file" | section "served next-token: gpt2serve bench --target ... $how $load -d ${caps[4]}"
-    row "next-token ${load/--http-target http:\/\/127.0.0.1:8081 /}" "$LAST_S" "$(outcome $rc); below"
+    row "next-token $load" "$LAST_S" "$(outcome $rc); below"
   done
   streams=1,16,64,256
   [ $quick = 1 ] && streams=1,256
