@@ -87,7 +87,10 @@ def controlled_logits(logits: torch.Tensor, rows: Sequence[Row], slots: Sequence
     early = [(i, t) for i in chosen if generated[i] < rows[i].params.min_tokens
              for t in rows[i].params.banned_early]
     if early:
-        out[to_device([i for i, _ in early], device), to_device([t for _, t in early], device)] = float("-inf")
+        # The value a tensor already on the device: a Python float would be copied there from
+        # pageable memory, which waits for the device (and so breaks the core's overlap).
+        out.index_put_((to_device([i for i, _ in early], device), to_device([t for _, t in early], device)),
+                       out.new_full((len(early),), float("-inf")))
     biased = [(i, t, b) for i in chosen for t, b in rows[i].params.logit_bias]
     if biased:
         out.index_put_((to_device([i for i, _, _ in biased], device), to_device([t for _, t, _ in biased], device)),
