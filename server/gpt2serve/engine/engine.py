@@ -197,7 +197,7 @@ class Engine:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Before the server says ready: capture the common graphs, run the eager and traced
-        paths once (first-call allocations, kernel choice), and measure `fixed_cost_tokens`,
+        paths (first-call allocations, kernel choice and loading), and measure `fixed_cost_tokens`,
         fixed / c below: the scheduler's length grouping needs it (large on a GPU, tens of
         tokens on a CPU)."""
         if self.graphs is not None:
@@ -206,8 +206,9 @@ class Engine:
             self.graphs.warm_up([(b, t) for b in buckets.batch for t in buckets.length if t <= WARM_GRAPH_MAX_LEN])
             log.info("captured %d CUDA graphs in %.1f s (%.0f MiB)", self.graphs.graphs,
                      time.perf_counter() - started, self.graphs.memory_used_bytes / 2**20)
-        prompt = [self.pad_token_id] * 8
-        self.layer_reports(self.next_token([prompt], [1], traced_rows=[0]))  # the eager path, with taps
+        # Eager with taps at an aligned and unaligned length, two ks: cuda loads each kernel on first use.
+        for length, top_k in ((8, 1), (5, 5)):
+            self.layer_reports(self.next_token([[self.pad_token_id] * length], [top_k], traced_rows=[0]))
         if self.options.fixed_cost_tokens is not None:  # pinned (--fixed-cost-tokens): nothing to measure
             return
         # A forward costs about fixed + r * rows + c * padded tokens (rows: the last-position
