@@ -106,7 +106,8 @@ if grep -q "gpt2serve ready" "$out/serve.log"; then
   # its in-process forward is timed between its calls.
   # .whl/native/bin: the two tools copied from a Debian machine (scripts/bundle_native_tools.sh).
   [ -d .whl/native/bin ] && export PATH=$PWD/.whl/native/bin:$PATH
-  native=$(h2load --version >/dev/null 2>&1 && wrk -v 2>&1 | grep -q '^wrk' && echo --native)
+  # (wrk -v exits 1 after its version: under pipefail only grep's status may count)
+  native=$(h2load --version >/dev/null 2>&1 && { wrk -v 2>&1 || true; } | grep -q '^wrk' && echo --native)
   echo "load generators: ${native:-Python clients (h2load or wrk missing)}"
   for load in "${loads[@]}"; do
     file=$(mktemp)
