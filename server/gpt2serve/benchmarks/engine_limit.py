@@ -121,7 +121,8 @@ def run_engine_bench(args) -> int:
     options = EngineOptions(max_batch_size=max(sizes), cuda_graphs=args.cuda_graphs)
     engine = Engine(loaded, options)
     warm_s = timed(engine.warm_up)
-    prompts = make_prompts(max(sizes), args.prompt_tokens, loaded.model.config.vocab_size, args.seed)
+    # two at least: the first-request figures use two different prompts, so neither meets a warm cache
+    prompts = make_prompts(max(*sizes, 2), args.prompt_tokens, loaded.model.config.vocab_size, args.seed)
     firsts = {"untraced": first_request(engine, prompts[0], traced=False),
               "traced": first_request(engine, prompts[1], traced=True)}
     hf = TransformersSide(engine)
