@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 
 import msgpack
 import pytest
@@ -175,10 +176,14 @@ class FakeCore:
 
     def __init__(self):
         self.aborted: list[int] = []
+        self.outputs_loop = None
+
+    def hand_outputs_to(self, loop) -> None:
+        self.outputs_loop = loop  # the engine server's IPC thread
 
     def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done, wake=True, controls=None):
         answers = [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
-        asyncio.get_running_loop().call_soon(done, answers)  # later, on the loop, as the core answers
+        self.outputs_loop.call_soon_threadsafe(done, answers)  # later, handed over, as the core answers
         return object()
 
     def cancel_prompts(self, group) -> None:
@@ -190,9 +195,12 @@ class FakeCore:
     def add(self, request, sink, wake=True) -> int:
         if request.prompt[0] == 0:
             raise ResourceExhausted("queue full")
-        loop = asyncio.get_running_loop()
-        loop.call_soon(sink.put, TokenEvent(SampledToken(request.prompt[0], -0.1)))
-        loop.call_soon(sink.put, TokenEvent(SampledToken(request.prompt[0] + 1, -0.2), "length"))
+        def core_thread():  # as the core's thread hands its tokens over: from a thread of its own
+            loop = self.outputs_loop
+            loop.call_soon_threadsafe(sink.put, TokenEvent(SampledToken(request.prompt[0], -0.1)))
+            loop.call_soon_threadsafe(sink.put, TokenEvent(SampledToken(request.prompt[0] + 1, -0.2), "length"))
+
+        threading.Thread(target=core_thread).start()
         return request.prompt[0]
 
     def abort(self, seq_id: int) -> None:
@@ -218,7 +226,7 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
 
     async def main():
         server = EngineServer(address, FakeCore(), EngineReady(INFO, "bundled", 8))
-        serving = asyncio.create_task(server.serve())
+        server.start()
         context = zmq.asyncio.Context()
         raw = context.socket(zmq.DEALER)
         raw.connect(address)
@@ -241,7 +249,7 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
             await asyncio.wait_for(refused.done.wait(), 5)
             assert [(e.code, e.message) for e in refused.errors] == [("RESOURCE_EXHAUSTED", "queue full")]
             await client.close()
-            assert not serving.done()
+            assert server.serving
             # The client side: an "engine" (a raw ROUTER) answers Hello with a bad frame first;
             # the client drops it and connects on the EngineReady that follows.
             router = context.socket(zmq.ROUTER)
@@ -259,7 +267,7 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
         finally:
             raw.close(0)
             context.term()
-            serving.cancel()
+            server.stop()
             server.close()
 
     with caplog.at_level(logging.ERROR):

@@ -9,18 +9,24 @@ A front end whose caller leaves sends Cancel. A front end that dies sends nothin
 watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
 cancels all of its work then, so its KV-cache slots come free. A frame that does not decode is
 logged and dropped; the front ends' other requests go on.
+
+It runs on a thread of its own, on blocking zmq sockets, not on an event loop (vLLM v1's engine
+core has its IO threads the same way): one poll waits for a frame, the core's outputs (handed
+over with an eventfd wake-up) or a front end's exit, then everything that arrived is handled and
+each front end's messages go out as one frame. So a lone request's answer costs no event-loop
+pass, and message handling runs while the core's thread waits on the device.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Callable
 
 import zmq
-import zmq.asyncio
 
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
@@ -33,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
+FRAMES_A_PASS = 64  # frames read before the outputs waiting are sent: neither side starves the other
 
 
 class _PeerSink:
@@ -74,22 +81,84 @@ class _PeerSink:
 
 class EngineServer:
     def __init__(self, address: str, core: EngineCore, ready: EngineReady):
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
-        self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]))
+        self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]), flushed_by_owner=True)
         self._core = core
         self._ready = ready
         self._submits: dict[Key, PromptGroup] = {}
         self._generations: dict[Key, int] = {}  # -> the core's generation id
-        self._watched: dict[bytes, int] = {}  # front end (zmq identity) -> pidfd of its process
+        self._watched: dict[bytes, tuple[int, int]] = {}  # front end (zmq identity) -> (pidfd, pid) of its process
+        self._posted: deque[tuple[Callable, tuple]] = deque()  # from the core's thread
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what ended the IPC thread, if not stop()
+        core.hand_outputs_to(self)  # the core's answers run on this server's thread
 
-    async def serve(self) -> None:
-        while True:
-            peer, frame = await self._socket.recv_multipart()
+    # Any thread ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="ipc", daemon=True)
+        self._thread.start()
+
+    @property
+    def serving(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def call_soon_threadsafe(self, fn: Callable, *args) -> None:
+        """fn(*args) on the IPC thread, in order (the core hands its outputs over here)."""
+        self._posted.append((fn, args))
+        os.eventfd_write(self._wake_fd, 1)
+
+    def stop(self) -> None:
+        """The IPC thread ends after its pass; what it had not sent is dropped (the front ends
+        have drained by now: the supervisor stops them first)."""
+        self._stopping = True
+        os.eventfd_write(self._wake_fd, 1)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # The IPC thread ------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        try:
+            while not self._stopping:
+                ready = dict(self._poller.poll())
+                if self._wake_fd in ready:
+                    os.eventfd_read(self._wake_fd)  # before the queue is read: a later post wakes the poll again
+                    self._run_posted()
+                if self._socket in ready:
+                    self._receive()
+                for peer, (fd, pid) in list(self._watched.items()):
+                    if fd in ready:
+                        self._front_end_gone(peer, fd, pid)
+                self._outbox.flush()
+        except BaseException as exc:  # the door is shut: the engine process ends (launch.engine_host)
+            self.failure = exc
+            log.error("the IPC thread failed", exc_info=exc)
+
+    def _receive(self) -> None:
+        """The frames that have arrived (up to FRAMES_A_PASS), then one wake-up of the core."""
+        for _ in range(FRAMES_A_PASS):
+            try:
+                peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
             deliver(frame, functools.partial(self._dispatch, peer), "a front end")
-            self._core.wake()  # once for the frame's requests (queued with wake=False)
+        self._core.wake()  # once for the frames' requests (queued with wake=False)
+
+    def _run_posted(self) -> None:
+        posted = self._posted
+        while posted:
+            fn, args = posted.popleft()
+            try:
+                fn(*args)
+            except Exception:  # one output's failure is not the others'
+                log.exception("engine core: handing an output over failed")
 
     def _dispatch(self, peer: bytes, message) -> None:
         kind = type(message)
@@ -169,12 +238,12 @@ class EngineServer:
         except (OSError, AttributeError) as exc:  # no pidfds (old kernel), or it is gone already
             log.warning("cannot watch front end %d (%s); its work is cancelled only by its own Cancels", pid, exc)
             return
-        self._watched[peer] = fd
-        asyncio.get_running_loop().add_reader(fd, self._front_end_gone, peer, pid)
+        self._watched[peer] = (fd, pid)
+        self._poller.register(fd, zmq.POLLIN)
 
-    def _front_end_gone(self, peer: bytes, pid: int) -> None:
-        fd = self._watched.pop(peer)
-        asyncio.get_running_loop().remove_reader(fd)
+    def _front_end_gone(self, peer: bytes, fd: int, pid: int) -> None:
+        del self._watched[peer]
+        self._poller.unregister(fd)
         os.close(fd)
         keys = [key for key in [*self._submits, *self._generations] if key[0] == peer]
         for key in keys:
@@ -185,11 +254,12 @@ class EngineServer:
             log.info("front end %d exited with no request in the engine", pid)
 
     def close(self) -> None:
+        """After stop(): cancel what is left, close the socket and the descriptors."""
         for key in [*self._submits, *self._generations]:
             self._cancel(key)
-        for fd in self._watched.values():
-            asyncio.get_running_loop().remove_reader(fd)
+        for fd, _ in self._watched.values():
             os.close(fd)
         self._watched.clear()
         self._socket.close(0)
         self._context.term()
+        os.close(self._wake_fd)

@@ -1,7 +1,8 @@
-"""Both ends of the IPC door frame messages the same way: what one event-loop tick sends goes out
-as one frame per peer (64 answers of one batch cost one frame per front end, not 64), and each
-frame received is handed over message by message; a frame that does not decode is logged and
-dropped, and one message's failure is never the receive loop's."""
+"""Both ends of the IPC door frame messages the same way: what one event-loop tick (or one pass of
+the engine's IPC thread) sends goes out as one frame per peer (64 answers of one batch cost one
+frame per front end, not 64), and each frame received is handed over message by message; a frame
+that does not decode is logged and dropped, and one message's failure is never the receive
+loop's."""
 
 from __future__ import annotations
 
@@ -16,13 +17,17 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    def __init__(self, send: Callable[[Any, bytes], None]):
+    """What is put in one tick, a frame per peer. On an event loop it flushes itself at the end of
+    the tick; with `flushed_by_owner` (a plain IO thread) the owner calls flush() after each pass."""
+
+    def __init__(self, send: Callable[[Any, bytes], None], flushed_by_owner: bool = False):
         self._send = send  # send(peer, frame)
         self._messages: dict[Hashable, list] = {}
+        self._on_loop = not flushed_by_owner
 
     def put(self, peer: Hashable, message: Any) -> None:
-        if not self._messages:
-            asyncio.get_running_loop().call_soon(self._flush)
+        if not self._messages and self._on_loop:
+            asyncio.get_running_loop().call_soon(self.flush)
         self._messages.setdefault(peer, []).append(message)
 
     def last(self, peer: Hashable) -> Any:
@@ -30,7 +35,9 @@ class Outbox:
         messages = self._messages.get(peer)
         return messages[-1] if messages else None
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        if not self._messages:
+            return
         messages, self._messages = self._messages, {}
         for peer, batch in messages.items():
             self._send(peer, codec.encode(batch))

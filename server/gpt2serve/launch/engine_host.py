@@ -227,19 +227,19 @@ async def _engine_process(config: ServeConfig, address: str, status, parent_pid:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # also while loading
     host = EngineHost(config, telemetry)
     await host.start()
+    # The IPC door runs on its own thread (ipc.engine_server); this loop only starts and stops
+    # things and writes the gauges.
     server = EngineServer(address, host.core, EngineReady(host.info, host.tokenizer.source, host.core.max_batch_size))
-    serving = asyncio.create_task(server.serve(), name="ipc")
+    server.start()
     freeze_startup_heap()
     status.send(("ready", (host.info.model, host.prompts_per_s)))
     log.info("engine ready at %s", address)
     watch = asyncio.create_task(watch_parent(parent_pid, stop))
-    while not stop.is_set() and not serving.done():  # gauges the front ends' /metrics read
+    while not stop.is_set() and server.serving:  # gauges the front ends' /metrics read
         telemetry.metrics.refresh()
         await asyncio.wait([asyncio.create_task(stop.wait())], timeout=REFRESH_S)
     watch.cancel()
-    if serving.done() and not serving.cancelled() and serving.exception() is not None:
-        log.error("the IPC server failed", exc_info=serving.exception())
-    serving.cancel()
+    server.stop()
     await host.stop()
     server.close()
     if tracer_provider is not None:

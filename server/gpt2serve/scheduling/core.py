@@ -1,6 +1,6 @@
 """The engine core: one plain loop, in the engine's own thread, that runs every step.
 
-    caller's event loop                          engine thread (EngineCore._run)
+    callers' loop or IPC thread                  engine thread (EngineCore._run)
     submit() / add() / abort() ── intake ──────> Scheduler.schedule() -> Step -> StepRunner.run:
                                                    free leaving slots, prefill admitted generations,
                                                    decode running ones (overlapped with the device
@@ -12,8 +12,9 @@ A next-token prompt that arrives while generations run is answered from their ne
 where it can ride it: untraced, unscored, nothing for the prefix cache, within the step's token
 budget, and on a device whose decode steps are not CUDA graphs (Generator.can_ride).
 
-The loop never runs on the callers' event loop: while a forward runs, that loop decodes and
-encodes messages (vLLM v1's busy loop beside its IO threads). Refusals (queue full, a prompt that
+The loop never runs on the callers' event loop: while a forward runs, that loop (or, in the
+engine process, the IPC thread: ipc.engine_server) decodes and encodes messages (vLLM v1's busy
+loop beside its IO threads). Refusals (queue full, a prompt that
 can never fit) raise in the caller's thread at once; everything else the loop does, and its
 answers reach callers on their own loop: futures resolved, sinks told. Outputs of a caller that
 left are dropped there.
@@ -123,6 +124,12 @@ class EngineCore:
     def start(self) -> None:
         self._loop = self._post.loop = asyncio.get_running_loop()
         self._task = self._loop.run_in_executor(self._executor, self._run)
+
+    def hand_outputs_to(self, loop) -> None:
+        """Answers and token events go to `loop` (its call_soon_threadsafe) instead of the loop
+        that started the core: the engine process's IPC thread (ipc.engine_server), so they
+        never wait on an event loop."""
+        self._post.loop = loop
 
     async def stop(self) -> None:
         self._stopping = True
