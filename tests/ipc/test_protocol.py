@@ -186,6 +186,15 @@ class FakeCore:
         self.outputs_loop.call_soon_threadsafe(done, answers)  # later, handed over, as the core answers
         return object()
 
+    def queue_calls(self, prompts, top_ks, calls):
+        def core_thread():  # answered from a thread of its own, as the core answers
+            for prompt, call in zip(prompts, calls):
+                self.outputs_loop.call_soon_threadsafe(call.answer_top, TopScores([sum(prompt)], [-0.5]), 0.0, 0.001,
+                                                       len(prompts), 1, 2, 0)
+
+        threading.Thread(target=core_thread).start()
+        return len(prompts), None
+
     def cancel_prompts(self, group) -> None:
         pass
 
@@ -240,6 +249,9 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
             await asyncio.wait_for(client.connect(), 5)
             outputs = await asyncio.wait_for(client.next_token(NextTokenRequest([[1, 2], [3]], 1)), 5)
             assert [o.top[0].token_id for o in outputs] == [3, 3]
+            plain = await asyncio.wait_for(asyncio.gather(*(client.next_token(NextTokenRequest([[4, i]], 1))
+                                                            for i in range(3))), 5)  # one Prompts message
+            assert [[o.top[0].token_id for o in r] for r in plain] == [[4], [5], [6]]
             sink = ListSink()
             client.generate(GenerateRequest([40], SamplingParams(), 2), sink)
             await asyncio.wait_for(sink.done.wait(), 5)

@@ -9,6 +9,7 @@ import time
 
 from support.fake_engine import FakeEngine
 
+from gpt2serve.errors import ResourceExhausted, ShuttingDown
 from gpt2serve.scheduling.core import EngineCore
 
 DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
@@ -116,3 +117,74 @@ def test_prompts_count_as_waiting_then_running():
     during, after = asyncio.run(main())
     assert during == (4, 6)
     assert after == (0, 0)
+
+
+class ColumnCall:
+    """A one-prompt call answered from its top tokens alone (as ipc.engine_server._PlainCall)."""
+
+    answers_top = True
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: EngineCore):
+        self.requests, self.finished, self.core = [], False, core
+        self.answered = loop.create_future()
+
+    def answer_top(self, top, queue_s, forward_s, batch_size, enqueued_ns, batch_started_ns, cached_tokens):
+        self.finished, self.requests = True, []
+        self.answered.set_result((top, batch_size))
+
+    def fail(self, error):
+        if not self.finished:
+            self.core.cancel_prompts(self)
+            self.answered.set_exception(error)
+
+    def release(self):
+        self.finished, self.requests = True, []
+
+
+def test_calls_queued_together_are_answered_one_by_one_and_refused_past_the_queue():
+    """queue_calls (the IPC door's Prompts message): the calls the queue has room for are queued
+    under one lock and answered each from its top tokens; the rest get queue full, and none of
+    them counts as waiting once answered."""
+    engine = FakeEngine(forward_s=0.05)
+
+    async def main():
+        core = batcher_for(engine, max_queue=6)
+        core.start()
+        try:
+            loop = asyncio.get_running_loop()
+            calls = [ColumnCall(loop, core) for _ in range(8)]
+            queued, refusal = core.queue_calls([[i, 1] for i in range(8)], [2] * 8, calls)
+            waiting = core.queue_depth
+            core.wake()
+            answers = await asyncio.gather(*(c.answered for c in calls[:queued]))
+            return queued, refusal, waiting, answers, core.queue_depth
+        finally:
+            await core.stop()
+
+    queued, refusal, waiting, answers, after = asyncio.run(main())
+    assert (queued, waiting, after) == (6, 6, 0)
+    assert isinstance(refusal, ResourceExhausted) and "queue full" in refusal.message
+    assert [[s.token_id for s in top] for top, _ in answers] == [[i + 1, i + 2] for i in range(6)]
+    assert {size for _, size in answers} == {6}  # one batch
+
+
+def test_a_call_that_fails_stops_counting_as_waiting():
+    """A queued call told an error (the core stopping) leaves the waiting count as a group would."""
+    engine = FakeEngine(forward_s=0.3)
+
+    async def main():
+        core = batcher_for(engine, max_batch_size=1)
+        core.start()
+        loop = asyncio.get_running_loop()
+        calls = [ColumnCall(loop, core) for _ in range(3)]
+        core.queue_calls([[i] for i in range(3)], [1] * 3, calls)
+        core.wake()
+        await asyncio.sleep(0.1)  # the first in its forward, two waiting
+        waiting = core.queue_depth
+        await core.stop()
+        results = await asyncio.gather(*(c.answered for c in calls), return_exceptions=True)
+        return waiting, results, core.queue_depth
+
+    waiting, results, after = asyncio.run(main())
+    assert waiting == 2 and after == 0
+    assert any(isinstance(r, ShuttingDown) for r in results), results

@@ -1,9 +1,10 @@
-"""The engine process's side of the IPC door (see zmq_client): each Submit, and each request of a
-Prompts message, becomes an EngineCore.queue_prompts answered by a callback (no task or future
-per request): a batch's plain one-prompt answers for one front end as one Answers message, the
-others as a Result. Each Generate becomes an EngineCore.add whose tokens go back to the front
-end that asked: a step's plain tokens for one front end as one Tokens message, a first token
-(with its queue time and prompt scores) as a Step.
+"""The engine process's side of the IPC door (see zmq_client): each Submit becomes an
+EngineCore.queue_prompts answered by a callback (no task or future per request). A Prompts
+message's one-prompt calls are queued together (EngineCore.queue_calls), each answered straight
+into its front end's Answers message of the batch (_PlainCall): a batch's plain answers for one
+front end are one message, the others Results. Each Generate becomes an EngineCore.add whose
+tokens go back to the front end that asked: a step's plain tokens for one front end as one
+Tokens message, a first token (with its queue time and prompt scores) as a Step.
 
 A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
 watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
@@ -79,6 +80,47 @@ class _PeerSink:
         self.server._send_error(self.key, error, "generation")
 
 
+class _PlainCall:
+    """A one-prompt call of a Prompts message, in the core's queue as its prompt's output: its
+    answer goes straight into its front end's Answers message of the batch, with no PromptGroup
+    and no NextTokenOutput made for it. What the core calls: answer_top, fail, release (and it
+    sets `requests`)."""
+
+    __slots__ = ("server", "key", "requests", "finished")
+    answers_top = True
+
+    def __init__(self, server: EngineServer, key: Key):
+        self.server, self.key, self.requests, self.finished = server, key, [], False
+
+    def answer_top(self, top, queue_s: float, forward_s: float, batch_size: int, enqueued_ns: int,
+                   batch_started_ns: int, cached_tokens: int) -> None:
+        self.finished, self.requests = True, []
+        server, (peer, request_id) = self.server, self.key
+        if server._submits.pop(self.key, None) is None:
+            return  # cancelled: nobody to answer
+        answers = server._outbox.last(peer)  # only the last: an answer must not pass an earlier message
+        if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
+                or answers.batch_started_ns != batch_started_ns):
+            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns)
+            server._outbox.put(peer, answers)
+        answers.request_ids.append(request_id)
+        answers.tops.append(top)
+        answers.queue_s.append(queue_s)
+        answers.enqueued_ns.append(enqueued_ns)
+        answers.cached_tokens.append(cached_tokens)
+
+    def fail(self, error: Exception) -> None:
+        if self.finished:
+            return
+        server = self.server
+        server._core.cancel_prompts(self)  # as a PromptGroup's failure: it stops counting as waiting
+        if server._submits.pop(self.key, None) is not None:
+            server._send_error(self.key, error, "request")
+
+    def release(self) -> None:
+        self.finished, self.requests = True, []
+
+
 class EngineServer:
     def __init__(self, address: str, core: EngineCore, ready: EngineReady):
         self._context = zmq.Context()
@@ -88,7 +130,7 @@ class EngineServer:
         self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]), flushed_by_owner=True)
         self._core = core
         self._ready = ready
-        self._submits: dict[Key, PromptGroup] = {}
+        self._submits: dict[Key, PromptGroup | _PlainCall] = {}
         self._generations: dict[Key, int] = {}  # -> the core's generation id
         self._watched: dict[bytes, tuple[int, int]] = {}  # front end (zmq identity) -> (pidfd, pid) of its process
         self._posted: deque[tuple[Callable, tuple]] = deque()  # from the core's thread
@@ -169,8 +211,7 @@ class EngineServer:
             except Exception as exc:  # refused (queue full, shutting down)
                 self._send_error(key, exc, "generation")
         elif kind is Prompts:
-            for request_id, prompt, top_k in zip(message.request_ids, message.prompts, message.top_ks):
-                self._queue(peer, request_id, [prompt], top_k)
+            self._queue_calls(peer, message)
         elif kind is Submit:
             request = message.request
             self._queue(peer, message.request_id, request.prompts, request.top_k, request.trace,
@@ -194,6 +235,20 @@ class EngineServer:
                                                           wake=False, controls=controls)
         except Exception as exc:  # refused (queue full, too many prompts, shutting down)
             self._send_error(key, exc, "request")
+
+    def _queue_calls(self, peer: bytes, message: Prompts) -> None:
+        """A Prompts message's calls, queued together (EngineCore.queue_calls); those the queue
+        has no room for are refused one by one."""
+        calls = [_PlainCall(self, (peer, request_id)) for request_id in message.request_ids]
+        try:
+            queued, refusal = self._core.queue_calls(message.prompts, message.top_ks, calls)
+        except Exception as exc:  # not running: every call is refused
+            queued, refusal = 0, exc
+        submits = self._submits
+        for call in calls[:queued]:
+            submits[call.key] = call
+        for call in calls[queued:]:
+            self._send_error(call.key, refusal, "request")
 
     def _answered(self, key: Key, result: list[NextTokenOutput] | Exception) -> None:
         if self._submits.pop(key, None) is None:

@@ -189,6 +189,28 @@ class EngineCore:
             self._wake.set()
         return group
 
+    def queue_calls(self, prompts: Sequence[list[int]], top_ks: Sequence[int],
+                    outputs: Sequence) -> tuple[int, Exception | None]:
+        """One-prompt calls (the IPC door's Prompts message), each answered alone through its
+        output (outputs.PromptGroup's interface, or `answers_top` and answer_top()), under one
+        lock and one clock read: the first n are queued while the queue has room. Returns n and
+        the error for the others (queue full), or None. Not running: raises, none queued.
+        The caller wakes the core (as queue_prompts(wake=False))."""
+        self._check_running("model worker")
+        now, now_ns = time.perf_counter(), time.time_ns()
+        with self._lock:
+            waiting = self._prompts_waiting
+            n = min(max(self.max_queue - waiting, 0), len(prompts))
+            requests = [EngineRequest(prompts[i], 0, top_ks[i], output=outputs[i], arrived=now, arrived_ns=now_ns)
+                        for i in range(n)]
+            for output, request in zip(outputs, requests):
+                output.requests = [request]
+            self._prompts_waiting += n
+            self._intake += requests
+        if n == len(prompts):
+            return n, None
+        return n, ResourceExhausted(f"queue full ({waiting} of {self.max_queue} waiting); retry later")
+
     def wake(self) -> None:
         """The loop looks at what arrived (after queue_prompts(wake=False) or add(wake=False))."""
         self._wake.set()

@@ -64,6 +64,7 @@ class PromptGroup:
     that rate made the garbage collector's full passes a third of the engine's CPU."""
 
     __slots__ = ("answers", "left", "done", "on_error", "finished", "requests")
+    answers_top = False  # see ipc.engine_server._PlainCall: an output answered from its top tokens alone
 
     def __init__(self, size: int, done: Callable[[Union[list[NextTokenOutput], Exception]], None],
                  on_error: Callable[[PromptGroup], None]):
@@ -131,6 +132,10 @@ class Outputs:
                 group.fail(NonFiniteOutput("the model's output for this prompt was not finite (a numerical overflow)"))
                 continue
             if not with_layers and request.trace is not None and request.trace.layers_in_response:
+                continue
+            if group.answers_top:  # a plain one-prompt call: no NextTokenOutput made
+                group.answer_top(top, started - request.arrived, output.forward_s, len(batch), request.arrived_ns,
+                                 started_ns, output.cached_tokens[row] if output.cached_tokens else 0)
                 continue
             controlled_top, allowed = output.controlled.get(row, (None, 0))
             group.answer(request.row, NextTokenOutput(
