@@ -28,7 +28,9 @@ from support.prometheus_server import scalar
 
 from gpt2serve_client import Client
 
-pytestmark = pytest.mark.stack
+# The first test's set-up builds the images on a machine that has none (debootstrap, four
+# images: about 5 minutes on 2 cores), past the suite's 300 s per test; stack.sh up has 900.
+pytestmark = [pytest.mark.stack, pytest.mark.timeout(960)]
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "gpt2serve-stacktest"

@@ -2,7 +2,8 @@
 server, and `lm_eval --model hf` in process, on the same checkpoint saved here and on our own
 local tasks (tests/support/lm_eval_tasks: a LAMBADA-style loglikelihood, a multiple choice, and
 loglikelihood_rolling over documents, one longer than the context). Every item's log-likelihood
-agrees within 1e-4, every is-greedy flag and the accuracies exactly."""
+agrees within 1e-4 (plus a few float32 ulps for long documents' sums), every is-greedy flag and
+the accuracies exactly."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def test_lm_eval_against_the_server_agrees_with_lm_eval_in_process(checkpoint, t
         served, local = samples(tmp_path / "served", task), samples(tmp_path / "local", task)
         assert served.keys() == local.keys() and served
         for key, (logprob, greedy) in local.items():
-            assert abs(served[key][0] - logprob) <= 1e-4 * max(1.0, abs(logprob) / 1000), (task, key, served[key], logprob)
+            # hf's value is a float32 sum: a few of its ulps (2**-23 relative) at this size, and 1e-4
+            assert abs(served[key][0] - logprob) <= 1e-4 + 4 * 2**-23 * abs(logprob), (task, key, served[key], logprob)
             assert served[key][1] == greedy, (task, key)
     served_metrics, local_metrics = metrics(tmp_path / "served"), metrics(tmp_path / "local")
     for task in ("gpt2serve_cloze", "gpt2serve_choice"):
