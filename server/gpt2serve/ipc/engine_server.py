@@ -11,7 +11,7 @@ watches each front end's process (a pidfd from its Hello, readable the moment it
 cancels all of its work then, so its KV-cache slots come free. A frame that does not decode is
 logged and dropped; the front ends' other requests go on.
 
-It runs on a thread of its own, on blocking zmq sockets, not on an event loop (vLLM v1's engine
+It runs on a thread of its own, over a blocking zmq socket, not on an event loop (vLLM v1's engine
 core has its IO threads the same way): one poll waits for a frame, the core's outputs (handed
 over with an eventfd wake-up) or a front end's exit, then everything that arrived is handled and
 each front end's messages go out as one frame. So a lone request's answer costs no event-loop
@@ -132,7 +132,7 @@ class EngineServer:
         self._ready = ready
         self._submits: dict[Key, PromptGroup | _PlainCall] = {}
         self._generations: dict[Key, int] = {}  # -> the core's generation id
-        self._watched: dict[bytes, tuple[int, int]] = {}  # front end (zmq identity) -> (pidfd, pid) of its process
+        self._watched: dict[bytes, tuple[int, int]] = {}  # front end (zmq identity) -> its process's (pidfd, pid)
         self._posted: deque[tuple[Callable, tuple]] = deque()  # from the core's thread
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller = zmq.Poller()
@@ -140,7 +140,6 @@ class EngineServer:
         self._poller.register(self._wake_fd, zmq.POLLIN)
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.failure: BaseException | None = None  # what ended the IPC thread, if not stop()
         core.hand_outputs_to(self)  # the core's answers run on this server's thread
 
     # Any thread ---------------------------------------------------------------------------------------
@@ -179,9 +178,8 @@ class EngineServer:
                     if fd in ready:
                         self._front_end_gone(peer, fd, pid)
                 self._outbox.flush()
-        except BaseException as exc:  # the door is shut: the engine process ends (launch.engine_host)
-            self.failure = exc
-            log.error("the IPC thread failed", exc_info=exc)
+        except BaseException:  # the door is shut: the engine process ends (launch.engine_host)
+            log.exception("the IPC thread failed")
 
     def _receive(self) -> None:
         """The frames that have arrived (up to FRAMES_A_PASS), then one wake-up of the core."""
