@@ -32,6 +32,7 @@ import zmq
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
                         SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TraceContext)
+from ..scheduling.outputs import run_posted
 from .framing import Outbox, deliver
 
 if TYPE_CHECKING:
@@ -95,19 +96,11 @@ class _PlainCall:
     def answer_top(self, top, queue_s: float, forward_s: float, batch_size: int, enqueued_ns: int,
                    batch_started_ns: int, cached_tokens: int) -> None:
         self.finished, self.requests = True, []
-        server, (peer, request_id) = self.server, self.key
+        server = self.server
         if server._submits.pop(self.key, None) is None:
             return  # cancelled: nobody to answer
-        answers = server._outbox.last(peer)  # only the last: an answer must not pass an earlier message
-        if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
-                or answers.batch_started_ns != batch_started_ns):
-            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns)
-            server._outbox.put(peer, answers)
-        answers.request_ids.append(request_id)
-        answers.tops.append(top)
-        answers.queue_s.append(queue_s)
-        answers.enqueued_ns.append(enqueued_ns)
-        answers.cached_tokens.append(cached_tokens)
+        server._answer_in_columns(self.key, top, queue_s, enqueued_ns, cached_tokens, forward_s, batch_size,
+                                  batch_started_ns)
 
     def fail(self, error: Exception) -> None:
         if self.finished:
@@ -171,7 +164,7 @@ class EngineServer:
                 ready = dict(self._poller.poll())
                 if self._wake_fd in ready:
                     os.eventfd_read(self._wake_fd)  # before the queue is read: a later post wakes the poll again
-                    self._run_posted()
+                    run_posted(self._posted)
                 if self._socket in ready:
                     self._receive()
                 for peer, (fd, pid) in list(self._watched.items()):
@@ -190,15 +183,6 @@ class EngineServer:
                 break
             deliver(frame, functools.partial(self._dispatch, peer), "a front end")
         self._core.wake()  # once for the frames' requests (queued with wake=False)
-
-    def _run_posted(self) -> None:
-        posted = self._posted
-        while posted:
-            fn, args = posted.popleft()
-            try:
-                fn(*args)
-            except Exception:  # one output's failure is not the others'
-                log.exception("engine core: handing an output over failed")
 
     def _dispatch(self, peer: bytes, message) -> None:
         kind = type(message)
@@ -253,20 +237,27 @@ class EngineServer:
             return  # cancelled: nobody to answer
         if isinstance(result, Exception):
             self._send_error(key, result, "request")
-        elif Answers.plain(result):  # joins the peer's Answers message of this batch
-            (o,), (peer, request_id) = result, key
-            answers = self._outbox.last(peer)  # only the last: an answer must not pass an earlier message
-            if (type(answers) is not Answers or answers.forward_s != o.forward_s or answers.batch_size != o.batch_size
-                    or answers.batch_started_ns != o.batch_started_ns):
-                answers = Answers([], [], [], [], [], o.forward_s, o.batch_size, o.batch_started_ns)
-                self._outbox.put(peer, answers)
-            answers.request_ids.append(request_id)
-            answers.tops.append(o.top)
-            answers.queue_s.append(o.queue_s)
-            answers.enqueued_ns.append(o.enqueued_ns)
-            answers.cached_tokens.append(o.cached_tokens)
+        elif Answers.plain(result):
+            (o,) = result
+            self._answer_in_columns(key, o.top, o.queue_s, o.enqueued_ns, o.cached_tokens, o.forward_s, o.batch_size,
+                                    o.batch_started_ns)
         else:
             self._outbox.put(key[0], Result(key[1], result))
+
+    def _answer_in_columns(self, key: Key, top, queue_s: float, enqueued_ns: int, cached_tokens: int,
+                           forward_s: float, batch_size: int, batch_started_ns: int) -> None:
+        """A plain answer joins its front end's Answers message of this batch."""
+        peer, request_id = key
+        answers = self._outbox.last(peer)  # only the last: an answer must not pass an earlier message
+        if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
+                or answers.batch_started_ns != batch_started_ns):
+            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns)
+            self._outbox.put(peer, answers)
+        answers.request_ids.append(request_id)
+        answers.tops.append(top)
+        answers.queue_s.append(queue_s)
+        answers.enqueued_ns.append(enqueued_ns)
+        answers.cached_tokens.append(cached_tokens)
 
     def _cancel(self, key: Key) -> None:
         group, seq_id = self._submits.pop(key, None), self._generations.pop(key, None)

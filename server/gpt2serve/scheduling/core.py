@@ -182,7 +182,7 @@ class EngineCore:
             for row, p in enumerate(prompts)]
         with self._lock:
             if self._prompts_waiting + len(prompts) > self.max_queue:
-                raise ResourceExhausted(f"queue full ({self._prompts_waiting} of {self.max_queue} waiting); retry later")
+                raise self._queue_full(self._prompts_waiting)
             self._prompts_waiting += len(prompts)
             self._intake += requests
         if wake:
@@ -209,7 +209,10 @@ class EngineCore:
             self._intake += requests
         if n == len(prompts):
             return n, None
-        return n, ResourceExhausted(f"queue full ({waiting} of {self.max_queue} waiting); retry later")
+        return n, self._queue_full(waiting)
+
+    def _queue_full(self, waiting: int) -> ResourceExhausted:
+        return ResourceExhausted(f"queue full ({waiting} of {self.max_queue} waiting); retry later")
 
     def wake(self) -> None:
         """The loop looks at what arrived (after queue_prompts(wake=False) or add(wake=False))."""

@@ -46,13 +46,17 @@ class Handover:
     def _run_posted(self) -> None:
         """On the callers' loop: everything handed over so far, in order."""
         self._wake_posted = False  # first: a post from now on wakes the loop again
-        posted = self._posted
-        while posted:
-            fn, args = posted.popleft()
-            try:
-                fn(*args)
-            except Exception:  # one answer's failure is not the others'
-                log.exception("engine core: handing an output over failed")
+        run_posted(self._posted)
+
+
+def run_posted(posted: deque[tuple[Callable, tuple]]) -> None:
+    """Each fn(*args) handed over, in order, until none is left; one's failure is not the others'."""
+    while posted:
+        fn, args = posted.popleft()
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("engine core: handing an output over failed")
 
 
 class PromptGroup:
