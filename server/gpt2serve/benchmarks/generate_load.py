@@ -137,7 +137,9 @@ def run_generate_bench(args) -> int:
     for streams in stream_counts:
         batch = prompts[:streams]
         served_rates, limit_rates, ratios, tpot, ttft, tokens, errors = [], [], [], [], [], 0, 0
-        reference.seconds(batch, 2)  # this batch's first-call costs (on a GPU, kernels chosen per shape)
+        # This batch's first-call costs, at every sequence length the timed calls reach: on a GPU
+        # some kernels are chosen per shape, and a call at new lengths ran 10x slower on an H200.
+        reference.seconds(batch, args.new_tokens)
         # Alternating rounds, each ratio from a pair measured back to back: a shared machine's
         # speed drifts by more than the difference we look for.
         for _ in range(rounds):
