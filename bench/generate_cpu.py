@@ -64,12 +64,11 @@ def bench_mode(args, mode: str, prompts: list[list[int]], reference: Transformer
                         reference.tokens_per_s(prompts[:streams], args.new_tokens, args.limit_duration)))
                 if streams == 1:
                     steps.append(engine_step_ms(generator, prompts[0], args.new_tokens))
-                rate, _, round_tpot, round_ttft, errors = serve_from_processes(
-                    target, prompts, streams, args.new_tokens, args.duration, 1)
-                assert not errors, f"{errors} errors"
-                served.append(rate)
-                tpot += round_tpot
-                ttft += round_ttft
+                streamed = serve_from_processes(target, prompts, streams, args.new_tokens, args.duration, 1)
+                assert not streamed.errors, f"{streamed.errors} errors"
+                served.append(streamed.tokens_per_s)
+                tpot += streamed.time_per_output_token_ms
+                ttft += streamed.time_to_first_token_ms
             rss, peak = memory_mib(proc.pid)
             row = {"mode": mode, "streams": streams, "tokens_per_s": statistics.median(served),
                    "tpot_p50_ms": statistics.median(tpot), "ttft_p50_ms": statistics.median(ttft),

@@ -180,7 +180,7 @@ def generation(server: RunningServer, streams: int, new_tokens: int, duration: f
 
     wall, cpu, made, done, clients, result = measure(
         server, lambda: serve_from_processes(server.grpc, prompts, streams, new_tokens, duration, processes), tokens)
-    rate = result[0]
+    rate = result.tokens_per_s
     return scenario("generation", f"{streams} streams", rate, STANDIN and streams / DECODE.seconds(streams), made,
                     done, cpu, clients, wall)
 

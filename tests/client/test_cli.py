@@ -223,3 +223,4 @@ def test_bench_generate_against_transformers_generate(server):
         assert 0 < r["time_to_first_token_p50_ms"] and 0 < r["time_per_output_token_p50_ms"]
         assert len(r["round_ratios"]) == 2 and r["transformers_tokens_per_s"] > 0
         assert min(r["round_ratios"]) <= r["ratio"] <= max(r["round_ratios"])
+        assert 0 < r["busiest_client"] < 1.5  # one client process's own CPU, in cores

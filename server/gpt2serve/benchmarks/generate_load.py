@@ -33,18 +33,30 @@ class StreamsResult:
     time_per_output_token_p50_ms: float
     time_to_first_token_p50_ms: float
     errors: int
+    busiest_client: float  # the busiest client process's CPU over its window, in cores (1.0: saturated)
     transformers_tokens_per_s: float  # its generate on a batch of `streams` prompts, median of rounds
     ratio: float  # median over rounds of served / transformers, each pair measured back to back
     round_ratios: list[float]
 
 
+@dataclass
+class ServedStreams:
+    tokens_per_s: float  # the client processes' rates added up
+    tokens: int
+    time_per_output_token_ms: list[float]  # per request
+    time_to_first_token_ms: list[float]
+    errors: int
+    busiest_client: float  # CPU cores the busiest client process used over its window
+
+
 async def serve_streams(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float
-                        ) -> tuple[int, float, list[float], list[float], int]:
-    """(tokens, seconds, per-request time per output token, time to first token, errors)."""
+                        ) -> tuple[int, float, list[float], list[float], int, float]:
+    """(tokens, seconds, per-request time per output token, time to first token, errors, this
+    process's CPU seconds over the same window)."""
     tokens, tpot, ttft, errors = 0, [], [], 0
     async with AsyncClient(target, timeout=600) as client:
         await client.generate(prompts[0], max_tokens=2, temperature=0)  # connection and first-call costs
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         stop_at = started + duration_s
 
         async def stream(index: int) -> None:
@@ -63,21 +75,21 @@ async def serve_streams(target: str, prompts: list[list[int]], streams: int, new
                 i += streams
 
         await asyncio.gather(*(stream(i) for i in range(streams)))
-        return tokens, time.perf_counter() - started, tpot, ttft, errors
+        return tokens, time.perf_counter() - started, tpot, ttft, errors, time.process_time() - cpu_started
 
 
 def streams_in_process(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float
-                       ) -> tuple[int, float, list[float], list[float], int]:
+                       ) -> tuple[int, float, list[float], list[float], int, float]:
     """One client process's share of the streams (a top-level function, for --processes)."""
     return asyncio.run(serve_streams(target, prompts, streams, new_tokens, duration_s))
 
 
 def serve_from_processes(target: str, prompts: list[list[int]], streams: int, new_tokens: int, duration_s: float,
-                         processes: int) -> tuple[float, int, list[float], list[float], int]:
-    """(tokens/s, tokens, time per output token, time to first token, errors), the streams
-    spread over client processes, each on its own connection (so, with --workers, its own front
-    end): one client process receiving a message per token is otherwise what gets measured.
-    Each process's rate is measured over its own window; the rates add up."""
+                         processes: int) -> ServedStreams:
+    """The streams spread over client processes, each on its own connection (so, with
+    --workers, its own front end): one client process receiving a message per token is otherwise
+    what gets measured, and `busiest_client` near 1.0 says it still is. Each process's rate is
+    measured over its own window; the rates add up."""
     processes = max(1, min(processes, streams))
     if processes == 1:
         parts = [streams_in_process(target, prompts, streams, new_tokens, duration_s)]
@@ -86,8 +98,9 @@ def serve_from_processes(target: str, prompts: list[list[int]], streams: int, ne
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             parts = pool.starmap(streams_in_process, [(target, prompts[i::processes], share, new_tokens, duration_s)
                                                       for i, share in enumerate(shares)])
-    return (sum(tokens / seconds for tokens, seconds, *_ in parts), sum(p[0] for p in parts),
-            [x for p in parts for x in p[2]], [x for p in parts for x in p[3]], sum(p[4] for p in parts))
+    return ServedStreams(sum(tokens / seconds for tokens, seconds, *_ in parts), sum(p[0] for p in parts),
+                         [x for p in parts for x in p[2]], [x for p in parts for x in p[3]], sum(p[4] for p in parts),
+                         max(p[5] / p[1] for p in parts))
 
 
 class TransformersGenerate:
@@ -136,7 +149,7 @@ def run_generate_bench(args) -> int:
     rounds, results = args.rounds or 3, []
     for streams in stream_counts:
         batch = prompts[:streams]
-        served_rates, limit_rates, ratios, tpot, ttft, tokens, errors = [], [], [], [], [], 0, 0
+        served_rates, limit_rates, ratios, tpot, ttft, tokens, errors, busiest = [], [], [], [], [], 0, 0, 0.0
         # This batch's first-call costs, at every sequence length the timed calls reach: on a GPU
         # some kernels are chosen per shape, and a call at new lengths ran 10x slower on an H200.
         reference.seconds(batch, args.new_tokens)
@@ -144,17 +157,18 @@ def run_generate_bench(args) -> int:
         # speed drifts by more than the difference we look for.
         for _ in range(rounds):
             limit = statistics.median(reference.tokens_per_s(batch, args.new_tokens, args.limit_duration))
-            rate, round_tokens, round_tpot, round_ttft, round_errors = serve_from_processes(
-                args.target, prompts, streams, args.new_tokens, args.duration, args.processes)
-            served_rates.append(rate)
+            served = serve_from_processes(args.target, prompts, streams, args.new_tokens, args.duration,
+                                          args.processes)
+            served_rates.append(served.tokens_per_s)
             limit_rates.append(limit)
             ratios.append(served_rates[-1] / limit)
-            tokens, errors = tokens + round_tokens, errors + round_errors
-            tpot += round_tpot
-            ttft += round_ttft
+            tokens, errors = tokens + served.tokens, errors + served.errors
+            busiest = max(busiest, served.busiest_client)
+            tpot += served.time_per_output_token_ms
+            ttft += served.time_to_first_token_ms
         results.append(StreamsResult(streams, tokens, statistics.median(served_rates),
                                      statistics.median(tpot) if tpot else float("nan"),
-                                     statistics.median(ttft) if ttft else float("nan"), errors,
+                                     statistics.median(ttft) if ttft else float("nan"), errors, busiest,
                                      statistics.median(limit_rates), statistics.median(ratios),
                                      ratios))
     if args.json:
@@ -172,12 +186,13 @@ def format_generate_report(info: ModelInfo, new_tokens: int, prompt_tokens: int,
              f"streams of {new_tokens} tokens after {prompt_tokens}-token prompts, greedy; "
              f"medians of {rounds} alternating round(s)",
              "| streams | served tokens/s | time per output token p50 | time to first token p50 "
-             "| transformers generate (batch) tokens/s | served / transformers |",
-             "|---|---|---|---|---|---|"]
+             "| transformers generate (batch) tokens/s | served / transformers | busiest client process |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.streams} | {r.tokens_per_s:.0f} | {r.time_per_output_token_p50_ms:.1f} ms "
                      f"| {r.time_to_first_token_p50_ms:.1f} ms | {r.transformers_tokens_per_s:.0f} "
-                     f"| {r.ratio:.2f} ({', '.join(f'{x:.2f}' for x in r.round_ratios)}) |"
+                     f"| {r.ratio:.2f} ({', '.join(f'{x:.2f}' for x in r.round_ratios)}) "
+                     f"| {r.busiest_client:.2f} cores{' (saturated: the clients set this rate)' if r.busiest_client > 0.9 else ''} |"
                      + (f" ({r.errors} errors)" if r.errors else ""))
     return "\n".join(lines)
 
