@@ -69,6 +69,8 @@ def main() -> None:
     rows = []
     for size in sizes:
         batch, ratios, prefill, step = prompts[:size], [], [], []
+        reference.seconds(batch, args.new_tokens)  # first-call costs at this batch's shapes (on a GPU, seconds)
+        engine_seconds(generator, batch, 2)
         for _ in range(args.rounds):
             prefill_s, decode_s = engine_seconds(generator, batch, args.new_tokens)
             ours = prefill_s + decode_s * (args.new_tokens - 1)
@@ -85,11 +87,12 @@ def main() -> None:
         return
     print(f"{args.model}, {args.dtype} on {loaded.device}; {args.new_tokens} tokens after "
           f"{args.prompt_tokens}-token prompts, greedy; medians of {args.rounds} alternating rounds")
-    print("| batch | prefill ms | decode step ms | engine / transformers (whole generate) |")
-    print("|---|---|---|---|")
+    print("| batch | prefill ms | decode step ms | engine decode tokens/s | engine / transformers (whole generate) |")
+    print("|---|---|---|---|---|")
     for r in rows:
         spread = ", ".join(f"{x:.2f}" for x in r["round_ratios"])
-        print(f"| {r['batch']} | {r['prefill_ms']:.1f} | {r['decode_step_ms']:.1f} | {r['ratio']:.2f} ({spread}) |")
+        print(f"| {r['batch']} | {r['prefill_ms']:.1f} | {r['decode_step_ms']:.2f} | {r['engine_tokens_per_s']:,.0f} "
+              f"| {r['ratio']:.2f} ({spread}) |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 #      client processes, NextTokenBatch (64 prompts a call, 16 clients over 4 processes), and 1
 #      client (--quick: neither REST nor 1 client). Each load takes 40-45 s on an H100: client
 #      processes to start, the in-process limit's model to load, warm-up, load
-#   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256)
+#   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256), then
+#      the engine alone at the same batches in process (bench/generate_engine.py)
 #   5. the prefix cache, scoring, and structured output at 64 streams (a 10-field JSON schema
 #      against none) on cuda (not in --quick)
 #   6. the suite, -n over the machine's cores, until the budget is spent: the tests left then are
@@ -88,6 +89,8 @@ for model in ${MODELS:-random:gpt2}; do
   row "in process, $model" "$LAST_S" "$(outcome $rc); below"
 done
 
+streams=1,16,64,256
+[ $quick = 1 ] && streams=1,256
 echo "== served, random:gpt2 bf16, --workers auto"
 cap=$(capped ${caps[2]})
 $python -m gpt2serve.cli serve --model random:gpt2 --device cuda --dtype bfloat16 --workers auto \
@@ -118,8 +121,6 @@ if grep -q "gpt2serve ready" "$out/serve.log"; then
     grep -v WARN "$file" | section "served next-token: gpt2serve bench --target ... $how $load -d ${caps[4]}"
     row "next-token $load" "$LAST_S" "$(outcome $rc); below"
   done
-  streams=1,16,64,256
-  [ $quick = 1 ] && streams=1,256
   file=$(mktemp)
   run ${caps[5]} "$file" $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50081 \
       --streams $streams -p 8 -d ${caps[6]} --rounds 1 --limit-duration 4; rc=$?
@@ -131,6 +132,14 @@ else
   status=1
 fi
 kill $server 2>/dev/null; wait $server 2>/dev/null
+
+# The engine alone at the same stream counts: what the served generation above could reach.
+echo "== generation in process"
+file=$(mktemp)
+run 70 "$file" $python bench/generate_engine.py --device cuda --dtype bfloat16 --batch-sizes $streams --rounds 2; rc=$?
+(( rc != 0 )) && status=1
+grep -v WARN "$file" | section "generation in process: bench/generate_engine.py --device cuda --dtype bfloat16 --batch-sizes $streams --rounds 2"
+row "generation in process" "$LAST_S" "$(outcome $rc); below"
 
 if [ $quick = 0 ]; then
   echo "== prefix cache and scoring on cuda"
