@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -34,7 +33,7 @@ from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
-from .head import ScoredSpan, score_prompts
+from .head import ScoredSpan, score_prompts, top_k_rows
 from .constraints import Grammars
 from .loading import LoadedModel
 from .logits_controls import controlled_view
@@ -162,7 +161,7 @@ class Engine:
         pinned = options.fixed_cost_tokens
         self.fixed_cost_tokens = DEFAULT_FIXED_COST_TOKENS if pinned is None else pinned  # else measured by warm_up()
         config = self.model.config
-        assert config.vocab_size < 2**24, "token ids travel to the host as float32 (see _top)"
+        assert config.vocab_size < 2**24, "token ids travel to the host as float32 (see head.top_k_rows)"
         self.graphs: BucketedForward | None = None
         if self.device.type == "cuda" and options.cuda_graphs:
             self.graphs = self.bucketed(capture=True)
@@ -279,7 +278,7 @@ class Engine:
                                  scored_rows, plans if writes else None, controlled_rows)
         else:
             logprobs, (_, length) = replayed
-            top, failed = self._top(logprobs, top_ks)
+            top, failed = top_k_rows(logprobs, top_ks)
             output = BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(),
                                  cuda_graph=True, failed_rows=failed)
         return output if plans is None else replace(output, cached_tokens=[0] * len(prompts))  # looked up, no hit
@@ -295,7 +294,7 @@ class Engine:
             hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
             writer.write_hidden(hidden)
             logits = self.head(store.last_hidden(hidden))  # (B, V)
-            top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
+            top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
             if not needs_rows_again(batch, failed):
                 break
         scores = store.scores(hidden, prompts, scored_rows, self.head, self.model.config.vocab_size)
@@ -325,7 +324,7 @@ class Engine:
         if writer is not None:
             writer.write_hidden(hidden)
         logits = self.last_logits(hidden, probe)  # (B, V)
-        top, failed = self._top(torch.log_softmax(logits.float(), dim=-1), top_ks)
+        top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
         scores = {}
         if scored_rows:  # left-padded: a prompt of L tokens fills the last L columns
             spans = [ScoredSpan(row, T - len(prompts[row]), len(prompts[row]), k) for row, k in scored_rows.items()]
@@ -354,19 +353,6 @@ class Engine:
         if probe is not None:
             probe.unembedded(last, logits)
         return logits
-
-    @staticmethod
-    def _top(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
-        """Each row's top-k, with one device-to-host copy: values and ids travel as one tensor
-        (ids are exact in float32 below 2**24). Also the rows that are not finite: any NaN or
-        +inf logit makes log_softmax NaN across the row, so its best value tells."""
-        values, ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max) each
-        both = torch.stack((values, ids.float())).cpu()  # (2, B, k_max): one copy
-        values, ids = both[0].tolist(), both[1].int().tolist()
-        failed = frozenset(row for row, row_values in enumerate(values) if not math.isfinite(row_values[0]))
-        if all(k == len(ids[0]) for k in top_ks):  # every row asked for as many: no slicing
-            return list(map(TopScores, ids, values)), failed
-        return [TopScores(row_ids[:k], row_values[:k]) for row_ids, row_values, k in zip(ids, values, top_ks)], failed
 
     @oom_as_out_of_memory
     @torch.inference_mode()

@@ -33,6 +33,7 @@ from .decode_graphs import DecodeGraphs
 from .traced_decode import TracedDecode
 from ..protocol import PromptScores, SampledToken, TokenScore
 from .engine import Engine, oom_as_out_of_memory
+from .head import top_k_rows
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
 from .padding import forward_parts
 from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
@@ -303,7 +304,7 @@ class Generator:
         logits, rider_tops, rider_failed = None, [], frozenset()
         if riders:
             logits, rider_logits = self._decode_with_riders(last, lengths, needed, riders)
-            rider_tops, rider_failed = self.engine._top(torch.log_softmax(rider_logits.float(), dim=-1), rider_top_ks)
+            rider_tops, rider_failed = top_k_rows(torch.log_softmax(rider_logits.float(), dim=-1), rider_top_ks)
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
         elif self.traces is not None:  # cpu: one trace per span, any number of rows

@@ -18,12 +18,13 @@ HEAD_CHUNK_BYTES whatever the batch; measured in bench/scoring.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from ..protocol import PromptScores
+from ..protocol import PromptScores, TopScores
 
 # What one chunk may take, all its (chunk, V) tensors together; see chunk_rows.
 HEAD_CHUNK_BYTES = 192 * 2**20
@@ -84,3 +85,20 @@ def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence
                                     block[:, 2 + k:2 + k + kk].int().tolist(), block[:, 2:2 + kk].tolist()))
     return results
 
+
+
+def top_k_rows(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
+    """(B, V) log-probs of each row's next token -> each row's top-k (read_top_k), with one
+    device-to-host copy: values and ids travel as one tensor (ids are exact in float32 below 2**24)."""
+    values, ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max) each
+    return read_top_k(torch.stack((values, ids.float())).cpu(), top_ks)  # (2, B, k_max): one copy
+
+
+def read_top_k(both: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
+    """(2, B, k_max) values and ids on the host -> each row's TopScores, and the rows that are
+    not finite: any NaN or +inf logit makes log_softmax NaN across the row, so its best value tells."""
+    values, ids = both[0].tolist(), both[1].int().tolist()
+    failed = frozenset(row for row, row_values in enumerate(values) if not math.isfinite(row_values[0]))
+    if all(k == len(ids[0]) for k in top_ks):  # every row asked for as many: no slicing
+        return list(map(TopScores, ids, values)), failed
+    return [TopScores(row_ids[:k], row_values[:k]) for row_ids, row_values, k in zip(ids, values, top_ks)], failed
