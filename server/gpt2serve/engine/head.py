@@ -1,5 +1,7 @@
-"""The LM head over every position of a prompt, for scoring it: each position's distribution
-over the vocabulary is reduced, as soon as it exists, to what the caller asked for.
+"""The LM head's outputs read back: the last position's top-k of every row (top_k_rows, what a
+next-token answer carries), and every position of a prompt, for scoring it (score_prompts): each
+position's distribution over the vocabulary is reduced, as soon as it exists, to what the
+caller asked for.
 
 A prompt of L tokens has L-1 scored positions: the hidden state at position i predicts token
 i+1; token 0 has nothing before it, so it has no log-probability. Running ln_f + lm_head over
@@ -84,7 +86,6 @@ def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence
         results.append(PromptScores(block[:, 0].tolist(), block[:, 1].int().tolist(),
                                     block[:, 2 + k:2 + k + kk].int().tolist(), block[:, 2:2 + kk].tolist()))
     return results
-
 
 
 def top_k_rows(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
