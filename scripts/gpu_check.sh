@@ -122,9 +122,13 @@ if grep -q "gpt2serve ready" "$out/serve.log"; then
     row "next-token $load" "$LAST_S" "$(outcome $rc); below"
   done
   file=$(mktemp)
+  steps_before=$(mktemp)
+  $python bench/step_metrics.py http://127.0.0.1:8081 --save "$steps_before" 2>/dev/null
   run ${caps[5]} "$file" $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50081 \
       --streams $streams -p 8 -d ${caps[6]} --rounds 1 --limit-duration 4; rc=$?
   (( rc != 0 )) && status=1
+  # The server's own step times over the generation (prefill against decode: time to first token)
+  { echo; $python bench/step_metrics.py http://127.0.0.1:8081 --since "$steps_before" 2>&1; } >>"$file"
   grep -v WARN "$file" | section "generation: gpt2serve bench --generate --streams $streams -p 8 -d ${caps[6]}"
   row "generation, $streams streams" "$LAST_S" "$(outcome $rc); below"
 else

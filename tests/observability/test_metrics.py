@@ -76,6 +76,27 @@ def test_counters_move_by_what_was_sent(metered_server):
     assert value(after, "gpt2serve_in_flight_requests") == 0
 
 
+def test_generation_steps_are_timed_by_kind(metered_server):
+    """A generation of 6 tokens alone: one prefill of one sequence (its first token), then five
+    decode steps of one sequence each."""
+    srv = metered_server
+    before = scrape(srv)
+    with Client(srv.grpc_target) as client:
+        result = client.generate([464, 3139, 286], max_tokens=6, temperature=0, ignore_eos=True)
+    assert result.usage.completion_tokens == 6
+    after = scrape(srv)
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    for kind, steps in (("prefill", 1), ("decode", 5)):
+        assert delta("gpt2serve_step_duration_seconds_count", kind=kind) == steps
+        assert delta("gpt2serve_step_sequences_count", kind=kind) == steps
+        assert delta("gpt2serve_step_sequences_sum", kind=kind) == steps  # one sequence in each
+        assert delta("gpt2serve_step_duration_seconds_sum", kind=kind) > 0
+    assert delta("gpt2serve_step_duration_seconds_bucket", kind="decode", le="+Inf") == 5
+
+
 def test_openmetrics_exemplars_carry_the_trace_id(metered_server):
     with Client(metered_server.grpc_target) as client:
         traced = client.next_token([464, 3139, 286], trace_layers=True)

@@ -35,6 +35,8 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A generation step: half a millisecond (a decode step on a card) to a second (a long prefill on a CPU).
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024)
 # gen_ai.server.time_per_output_token buckets, with finer ones below 10 ms for GPUs.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 GENERATING_METHODS = ("Generate", "Completions", "ChatCompletions")  # their first token is not their answer
@@ -74,6 +76,12 @@ class Metrics:
                                           buckets=DURATION_BUCKETS, registry=r)
         self.batch_size = Histogram("gpt2serve_batch_size", "Prompts per forward pass",
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.step_duration = Histogram("gpt2serve_step_duration_seconds",
+                                       "One generation step, by kind: prefill (new sequences' prompts, each "
+                                       "giving its first token) or decode (a token for every running sequence)",
+                                       ["kind"], buckets=STEP_BUCKETS, registry=r)
+        self.step_sequences = Histogram("gpt2serve_step_sequences", "Sequences in one generation step, by kind",
+                                        ["kind"], buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.prompt_tokens = Counter("gpt2serve_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
         self.generated_tokens = Counter("gpt2serve_generated_tokens", "Tokens generated", ["api"], registry=r)
         self.prefix_cache_queries = Counter("gpt2serve_prefix_cache_queries",
@@ -199,6 +207,10 @@ class Metrics:
     def batch(self, size: int, forward_s: float) -> None:
         self.batch_size.observe(size)
         self.forward_duration.observe(forward_s)
+
+    def step(self, kind: str, sequences: int, seconds: float) -> None:
+        self._child(self.step_duration, kind=kind).observe(seconds)
+        self._child(self.step_sequences, kind=kind).observe(sequences)
 
     def prefix_cache(self, use: PrefixCacheUse) -> None:
         counts = {self.prefix_cache_queries: use.queried_tokens, self.prefix_cache_hits: use.hit_tokens}
