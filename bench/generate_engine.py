@@ -66,6 +66,11 @@ def main() -> None:
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(max(sizes))]
     reference.seconds(prompts[:2], 4)  # first-call costs
 
+    if not args.json:  # each row as it is measured: a run cut short (a capped GPU check) keeps what it had
+        print(f"{args.model}, {args.dtype} on {loaded.device}; {args.new_tokens} tokens after "
+              f"{args.prompt_tokens}-token prompts, greedy; medians of {args.rounds} alternating rounds")
+        print("| batch | prefill ms | decode step ms | engine decode tokens/s | engine / transformers (whole generate) |")
+        print("|---|---|---|---|---|", flush=True)
     rows = []
     for size in sizes:
         batch, ratios, prefill, step = prompts[:size], [], [], []
@@ -77,23 +82,17 @@ def main() -> None:
             ratios.append(reference.seconds(batch, args.new_tokens) / ours)
             prefill.append(prefill_s)
             step.append(decode_s)
-        rows.append({"batch": size, "prefill_ms": 1e3 * statistics.median(prefill),
-                     "decode_step_ms": 1e3 * statistics.median(step),
-                     "engine_tokens_per_s": size / statistics.median(step),
-                     "ratio": statistics.median(ratios), "round_ratios": ratios})
+        r = {"batch": size, "prefill_ms": 1e3 * statistics.median(prefill),
+             "decode_step_ms": 1e3 * statistics.median(step), "engine_tokens_per_s": size / statistics.median(step),
+             "ratio": statistics.median(ratios), "round_ratios": ratios}
+        rows.append(r)
+        if not args.json:
+            spread = ", ".join(f"{x:.2f}" for x in r["round_ratios"])
+            print(f"| {r['batch']} | {r['prefill_ms']:.1f} | {r['decode_step_ms']:.2f} | {r['engine_tokens_per_s']:,.0f} "
+                  f"| {r['ratio']:.2f} ({spread}) |", flush=True)
     if args.json:
         print(json.dumps({"model": args.model, "device": str(loaded.device), "dtype": args.dtype, "rows": rows},
                          indent=2))
-        return
-    print(f"{args.model}, {args.dtype} on {loaded.device}; {args.new_tokens} tokens after "
-          f"{args.prompt_tokens}-token prompts, greedy; medians of {args.rounds} alternating rounds")
-    print("| batch | prefill ms | decode step ms | engine decode tokens/s | engine / transformers (whole generate) |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        spread = ", ".join(f"{x:.2f}" for x in r["round_ratios"])
-        print(f"| {r['batch']} | {r['prefill_ms']:.1f} | {r['decode_step_ms']:.2f} | {r['engine_tokens_per_s']:,.0f} "
-              f"| {r['ratio']:.2f} ({spread}) |")
-
 
 if __name__ == "__main__":
     main()
