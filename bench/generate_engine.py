@@ -64,7 +64,6 @@ def main() -> None:
     rng = random.Random(0)
     vocab = loaded.model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(max(sizes))]
-    reference.seconds(prompts[:2], 4)  # first-call costs
 
     if not args.json:  # each row as it is measured: a run cut short (a capped GPU check) keeps what it had
         print(f"{args.model}, {args.dtype} on {loaded.device}; {args.new_tokens} tokens after "

@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
+from gpt2serve.benchmarks.native_load import scrape
 
 SERIES = ("gpt2serve_step_duration_seconds_count", "gpt2serve_step_duration_seconds_sum",
           "gpt2serve_step_sequences_sum")
 
 
-def scrape(url: str) -> dict[str, float]:
-    """'name|kind' -> value, for the step histograms' counts and sums."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    return {f"{s.name}|{s.labels['kind']}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name in SERIES and "kind" in s.labels}
+def step_samples(url: str) -> dict[str, float]:
+    """'name|kind' -> value, for the step histograms' counts and sums (a form --save can write)."""
+    return {f"{name}|{dict(labels)['kind']}": value for (name, labels), value in scrape(url).items() if name in SERIES}
 
 
 def main() -> None:
@@ -33,7 +29,7 @@ def main() -> None:
     parser.add_argument("--save", help="write this scrape here (for a later --since)")
     parser.add_argument("--since", help="report only what came after this saved scrape")
     args = parser.parse_args()
-    now = scrape(args.url)
+    now = step_samples(args.url)
     if args.save:
         with open(args.save, "w") as f:
             json.dump(now, f)

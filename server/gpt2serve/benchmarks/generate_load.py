@@ -145,7 +145,6 @@ def run_generate_bench(args) -> int:
     stream_counts = [int(s) for s in args.streams.split(",")]
     prompts = make_prompts(max(stream_counts) * 4, args.prompt_tokens, info.architecture.vocab_size, args.seed)
     reference = TransformersGenerate.like(info)
-    reference.seconds(prompts[:2], 4)  # first-call costs
     rounds, results = args.rounds or 3, []
     for streams in stream_counts:
         batch = prompts[:streams]
