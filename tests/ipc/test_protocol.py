@@ -188,9 +188,10 @@ class FakeCore:
 
     def queue_calls(self, prompts, top_ks, calls):
         def core_thread():  # answered from a thread of its own, as the core answers
-            for prompt, call in zip(prompts, calls):
-                self.outputs_loop.call_soon_threadsafe(call.answer_top, TopScores([sum(prompt)], [-0.5]), 0.0, 0.001,
-                                                       len(prompts), 1, 2, 0)
+            for prompt, call in zip(prompts, calls):  # one batch each, in turn
+                self.outputs_loop.call_soon_threadsafe(
+                    type(call).answer_tops, [(call, TopScores([sum(prompt)], [-0.5]), 0.0, 1, 0)], 0.001,
+                    len(prompts), 2)
 
         threading.Thread(target=core_thread).start()
         return len(prompts), None

@@ -128,9 +128,11 @@ class ColumnCall:
         self.requests, self.finished, self.core = [], False, core
         self.answered = loop.create_future()
 
-    def answer_top(self, top, queue_s, forward_s, batch_size, enqueued_ns, batch_started_ns, cached_tokens):
-        self.finished, self.requests = True, []
-        self.answered.set_result((top, batch_size))
+    @staticmethod
+    def answer_tops(answered, forward_s, batch_size, batch_started_ns):
+        for call, top, queue_s, enqueued_ns, cached_tokens in answered:
+            call.finished, call.requests = True, []
+            call.answered.set_result((top, batch_size))
 
     def fail(self, error):
         if not self.finished:

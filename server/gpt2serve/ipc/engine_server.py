@@ -31,7 +31,7 @@ import zmq
 
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
-                        SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TraceContext)
+                        SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TopScores, TraceContext)
 from ..scheduling.outputs import run_posted
 from .framing import Outbox, deliver
 
@@ -84,8 +84,8 @@ class _PeerSink:
 class _PlainCall:
     """A one-prompt call of a Prompts message, in the core's queue as its prompt's output: its
     answer goes straight into its front end's Answers message of the batch, with no PromptGroup
-    and no NextTokenOutput made for it. What the core calls: answer_top, fail, release (and it
-    sets `requests`)."""
+    and no NextTokenOutput made for it. What the core calls: answer_tops (once a batch, for all
+    of its plain calls), fail, release (and it sets `requests`)."""
 
     __slots__ = ("server", "key", "requests", "finished")
     answers_top = True
@@ -93,14 +93,26 @@ class _PlainCall:
     def __init__(self, server: EngineServer, key: Key):
         self.server, self.key, self.requests, self.finished = server, key, [], False
 
-    def answer_top(self, top, queue_s: float, forward_s: float, batch_size: int, enqueued_ns: int,
-                   batch_started_ns: int, cached_tokens: int) -> None:
-        self.finished, self.requests = True, []
-        server = self.server
-        if server._submits.pop(self.key, None) is None:
-            return  # cancelled: nobody to answer
-        server._answer_in_columns(self.key, top, queue_s, enqueued_ns, cached_tokens, forward_s, batch_size,
-                                  batch_started_ns)
+    @staticmethod
+    def answer_tops(answered: list[tuple[_PlainCall, TopScores, float, int, int]], forward_s: float,
+                    batch_size: int, batch_started_ns: int) -> None:
+        """(call, top, queue_s, enqueued_ns, cached_tokens) of each plain call a batch answered,
+        in one pass: each front end's answers join its Answers message of the batch."""
+        server = answered[0][0].server
+        submits, by_peer = server._submits, {}
+        for call, top, queue_s, enqueued_ns, cached_tokens in answered:
+            call.finished, call.requests = True, []  # no cycle left with its request
+            if submits.pop(call.key, None) is None:
+                continue  # cancelled: nobody to answer
+            peer, request_id = call.key
+            answers = by_peer.get(peer)
+            if answers is None:
+                answers = by_peer[peer] = server._answers_of_batch(peer, forward_s, batch_size, batch_started_ns)
+            answers.request_ids.append(request_id)
+            answers.tops.append(top)
+            answers.queue_s.append(queue_s)
+            answers.enqueued_ns.append(enqueued_ns)
+            answers.cached_tokens.append(cached_tokens)
 
     def fail(self, error: Exception) -> None:
         if self.finished:
@@ -248,16 +260,22 @@ class EngineServer:
                            forward_s: float, batch_size: int, batch_started_ns: int) -> None:
         """A plain answer joins its front end's Answers message of this batch."""
         peer, request_id = key
-        answers = self._outbox.last(peer)  # only the last: an answer must not pass an earlier message
-        if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
-                or answers.batch_started_ns != batch_started_ns):
-            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns)
-            self._outbox.put(peer, answers)
+        answers = self._answers_of_batch(peer, forward_s, batch_size, batch_started_ns)
         answers.request_ids.append(request_id)
         answers.tops.append(top)
         answers.queue_s.append(queue_s)
         answers.enqueued_ns.append(enqueued_ns)
         answers.cached_tokens.append(cached_tokens)
+
+    def _answers_of_batch(self, peer: bytes, forward_s: float, batch_size: int, batch_started_ns: int) -> Answers:
+        """The front end's Answers message of this batch, to extend: its last message when that
+        is one (an answer must not pass an earlier message), else a new one."""
+        answers = self._outbox.last(peer)
+        if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
+                or answers.batch_started_ns != batch_started_ns):
+            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns)
+            self._outbox.put(peer, answers)
+        return answers
 
     def _cancel(self, key: Key) -> None:
         group, seq_id = self._submits.pop(key, None), self._generations.pop(key, None)

@@ -192,7 +192,7 @@ class EngineCore:
     def queue_calls(self, prompts: Sequence[list[int]], top_ks: Sequence[int],
                     outputs: Sequence) -> tuple[int, Exception | None]:
         """One-prompt calls (the IPC door's Prompts message), each answered alone through its
-        output (outputs.PromptGroup's interface, or `answers_top` and answer_top()), under one
+        output (outputs.PromptGroup's interface, or `answers_top` and answer_tops()), under one
         lock and one clock read: the first n are queued while the queue has room. Returns n and
         the error for the others (queue full), or None. Not running: raises, none queued.
         The caller wakes the core (as queue_prompts(wake=False))."""

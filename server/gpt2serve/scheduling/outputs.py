@@ -68,7 +68,7 @@ class PromptGroup:
     that rate made the garbage collector's full passes a third of the engine's CPU."""
 
     __slots__ = ("answers", "left", "done", "on_error", "finished", "requests")
-    answers_top = False  # see ipc.engine_server._PlainCall: an output answered from its top tokens alone
+    answers_top = False  # see ipc.engine_server._PlainCall: outputs answered from their top tokens alone
 
     def __init__(self, size: int, done: Callable[[Union[list[NextTokenOutput], Exception]], None],
                  on_error: Callable[[PromptGroup], None]):
@@ -127,7 +127,7 @@ class Outputs:
                        with_layers: bool) -> None:
         """Answer the batch's prompts (with_layers=False: only those not waiting for layer
         reports), then tell telemetry."""
-        failed_rows = output.failed_rows
+        failed_rows, plain = output.failed_rows, []
         for row, (request, top) in enumerate(zip(batch, output.top)):
             group = request.output
             if group.finished:
@@ -137,9 +137,9 @@ class Outputs:
                 continue
             if not with_layers and request.trace is not None and request.trace.layers_in_response:
                 continue
-            if group.answers_top:  # a plain one-prompt call: no NextTokenOutput made
-                group.answer_top(top, started - request.arrived, output.forward_s, len(batch), request.arrived_ns,
-                                 started_ns, output.cached_tokens[row] if output.cached_tokens else 0)
+            if group.answers_top:  # a plain one-prompt call: no NextTokenOutput made, answered below
+                plain.append((group, top, started - request.arrived, request.arrived_ns,
+                              output.cached_tokens[row] if output.cached_tokens else 0))
                 continue
             controlled_top, allowed = output.controlled.get(row, (None, 0))
             group.answer(request.row, NextTokenOutput(
@@ -147,6 +147,8 @@ class Outputs:
                 output.layers.get(row), output.walkthrough if row in output.layers else None,
                 output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
                 controlled_top, allowed))
+        if plain:  # in one call: per front end, its answers of this batch are one message
+            plain[0][0].answer_tops(plain, output.forward_s, len(batch), started_ns)
         if with_layers and self.observer is not None:
             prefix = None
             if output.cached_tokens:  # the prefix cache is on
