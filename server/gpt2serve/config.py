@@ -110,6 +110,10 @@ class ServeConfig:
     http_keep_alive_s: float = 5.0
     http_request_timeout_s: float = 30.0
     http_max_connections: int = 1024
+    # A streamed generation (gRPC Generate, SSE) sends its tokens this many at a time, as vLLM's
+    # --stream-interval: its first token at once, then every this many and whatever is left at its
+    # end. 1: each token as it comes. Tokens a slow reader has not taken go together at any interval.
+    stream_interval: int = 1
     # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
     chat_template: str | None = None
 
@@ -289,6 +293,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="open REST connections per front end; a new one past it takes the place of the oldest "
                  "connection without a request's headers (gpt2serve_connections_evicted_total), or is closed at "
                  "once when every one is busy with a request (gpt2serve_connections_refused_total)")
+    env.add("--stream-interval", type=int, default=d.stream_interval,
+            help="a streamed generation (gRPC Generate, SSE) sends its tokens this many at a time: its first at "
+                 "once, then every this many, the rest at its end (as vLLM's); fewer messages for less front-end "
+                 "CPU a token; 1: each token as it comes")
     env.add("--chat-template", default=d.chat_template,
             help="Jinja chat template for /v1/chat/completions: a file, or the template inline (rendered as "
                  "transformers' apply_chat_template renders it); default: the checkpoint's own "
@@ -360,6 +368,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--grpc-handshake-timeout-s must be > 0")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
+    if config.stream_interval < 1:
+        problems.append("--stream-interval must be >= 1")
     if config.shutdown_grace_s < 0:
         problems.append("--shutdown-grace-s must be >= 0")
     for port in (config.grpc_port, config.http_port):

@@ -74,7 +74,7 @@ def test_defaults_follow_the_contract():
 
 
 @pytest.mark.parametrize("argv", [["serve", "--max-batch-size", "0"], ["serve", "--max-batch-tokens", "0"],
-                                  ["serve", "--grpc-port", "70000"]])
+                                  ["serve", "--grpc-port", "70000"], ["serve", "--stream-interval", "0"]])
 def test_bad_serve_flags_exit_2(argv):
     out = run_cli(*argv)
     assert out.returncode == 2 and ("must be" in out.stderr or "outside" in out.stderr), out.stderr

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from gpt2serve.service.generation_stream import _End, _joined
+from gpt2serve.service.generation_stream import _End, _joined_with_queued
 from gpt2serve_client import AsyncClient, Client, RestClient
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
@@ -84,11 +84,11 @@ def test_a_chunk_is_joined_only_with_token_chunks_already_queued():
 
     async def run():
         queue: asyncio.Queue = asyncio.Queue()
-        alone = _joined(first, queue)
+        alone = _joined_with_queued(first, queue)
         closing = GenerateChunk("", None, finish_reason="length", usage=Usage(3, 3, 6))
         for item in (GenerateChunk("b", _token(2)), GenerateChunk("c", _token(3)), closing, _End()):
             queue.put_nowait(item)
-        joined = _joined(first, queue)
+        joined = _joined_with_queued(first, queue)
         return alone, joined, queue.qsize()
 
     alone, (chunk, held), left = asyncio.run(run())
@@ -102,3 +102,18 @@ def test_a_chunk_is_joined_only_with_token_chunks_already_queued():
                                     "more_tokens": [{"token_id": 2, "token": "<2>", "logprob": -2.0, "top": []}]}
                                    ).more_tokens == [_token(2)]
     assert GenerateResult.from_chunks([chunk, held]).tokens == [_token(1), _token(2), _token(3)]
+
+
+def test_a_chunk_joined_already_keeps_its_tokens_when_joined_again():
+    """A chunk of a --stream-interval (several tokens already) behind a slow reader's chunk."""
+    first = GenerateChunk("a", _token(1))
+
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(GenerateChunk("bcd", _token(2), more_tokens=[_token(3), _token(4)]))
+        queue.put_nowait(GenerateChunk("e", _token(5)))
+        return _joined_with_queued(first, queue)
+
+    chunk, held = asyncio.run(run())
+    assert held is None
+    assert chunk.text == "abcde" and [chunk.token, *chunk.more_tokens] == [_token(i) for i in range(1, 6)]

@@ -16,6 +16,7 @@ class CallContext(Protocol):
     telemetry: Telemetry
     validator: Validator
     max_batch_size: int
+    stream_interval: int  # --stream-interval: a streamed generation's tokens, this many a message
 
     def require_model(self) -> tuple[EngineClient, ModelInfo]:
         """The engine client, or UNAVAILABLE while loading and to calls taken after the drain began."""

@@ -54,11 +54,16 @@ class GenerationStream:
         self.prompt_logprobs: list[PromptTokenLogprob] = []  # with settings.prompt_logprobs, once the prefill ran
         self.end_token: GeneratedToken | None = None  # the end-of-text or stop token that finished it, if one did
         self.allowed: list[int] = []  # under structured output: the tokens its grammar allowed, each step
+        self._interval = 1  # tokens a queued chunk (--stream-interval, for a streaming caller)
+        self._held: list[GenerateChunk] = []  # plain token chunks not queued yet (interval > 1)
 
     async def chunks(self, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
-        """coalesce: the tokens that arrived while the caller was busy with the last chunk (a
-        transport waiting for a slow reader) come as one chunk (GenerateChunk.more_tokens); a
-        caller that keeps up still gets each token as it comes."""
+        """coalesce (a streaming caller): the tokens that arrived while the caller was busy with
+        the last chunk (a transport waiting for a slow reader) come as one chunk
+        (GenerateChunk.more_tokens), and so do the tokens of each --stream-interval; with an
+        interval of 1, a caller that keeps up gets each token as it comes."""
+        if coalesce:
+            self._interval = self.service.stream_interval
         await self._start()
         queue, held = self._queue, None  # held: an item taken while joining, not joinable
         try:
@@ -71,7 +76,7 @@ class GenerationStream:
                         raise item.error
                     return
                 if coalesce and not queue.empty() and _plain(item):
-                    item, held = _joined(item, queue)
+                    item, held = _joined_with_queued(item, queue)
                 yield item
         except BaseException as exc:  # the caller left (cancelled, or closed the iteration)
             self._end(exc)
@@ -126,8 +131,12 @@ class GenerationStream:
         if self._steps is not None:
             self._queue.put_nowait(self._steps.trace_step(clock.steps - 1, self.token_ids + self._sampled, chunk))
             self._sampled.append(token.token_id)
-        else:
+        elif self._interval == 1 or clock.tokens == 1:  # the first token goes at once, whatever the interval
             self._queue.put_nowait(chunk)
+        else:
+            self._held.append(chunk)
+            if len(self._held) >= self._interval:
+                self._release_held()
         if self.text.stopped:
             self._close("stop")
         elif finish:
@@ -135,14 +144,22 @@ class GenerationStream:
 
     def fail(self, error: Exception) -> None:
         if not self._done:
+            self._release_held()  # the tokens generated before the error still reach the caller
             self._queue.put_nowait(_End(error))
             self._end(error)
+
+    def _release_held(self) -> None:
+        """The tokens held for the interval, queued as one chunk."""
+        if self._held:
+            self._queue.put_nowait(joined(self._held))
+            self._held = []
 
     # The end, whichever way it comes -----------------------------------------------------------------
 
     def _close(self, finish: str) -> None:
         """Finished: the closing chunk, then the end marker."""
         clock, prompt, request = self.clock, self.token_ids, self._request
+        self._release_held()
         self._queue.put_nowait(closing_chunk(self.text.finish(), finish, prompt, clock, request.trace_id))
         self._queue.put_nowait(_End())
         span = request.span
@@ -172,18 +189,29 @@ def _plain(item) -> bool:
     return type(item) is GenerateChunk and item.token is not None and not (item.finish_reason or item.step)
 
 
-def _joined(first: GenerateChunk, queue: asyncio.Queue) -> tuple[GenerateChunk, object]:
+def _joined_with_queued(first: GenerateChunk, queue: asyncio.Queue) -> tuple[GenerateChunk, object]:
     """`first` and the plain token chunks queued right behind it, as one chunk; and the first
     item taken that was not one (a closing chunk, a traced step, the end), to be sent next."""
-    texts, more, held = [first.text], [], None
+    chunks, held = [first], None
     while not queue.empty():
         item = queue.get_nowait()
         if not _plain(item):
             held = item
             break
-        texts.append(item.text)
-        more.append(item.token)
-    return (GenerateChunk("".join(texts), first.token, more_tokens=more) if more else first), held
+        chunks.append(item)
+    return joined(chunks), held
+
+
+def joined(chunks: list[GenerateChunk]) -> GenerateChunk:
+    """Plain token chunks (each perhaps joined already) as one: their text, the first token, the
+    others in more_tokens."""
+    if len(chunks) == 1:
+        return chunks[0]
+    more = [*chunks[0].more_tokens]
+    for chunk in chunks[1:]:
+        more.append(chunk.token)
+        more += chunk.more_tokens
+    return GenerateChunk("".join(chunk.text for chunk in chunks), chunks[0].token, more_tokens=more)
 
 
 def generated_token(tokenizer: Tokenizer, token: SampledToken) -> GeneratedToken:

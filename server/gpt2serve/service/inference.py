@@ -53,6 +53,7 @@ class InferenceService:
         self.config = config
         self.telemetry = telemetry or Telemetry()
         self.max_batch_size = 0  # set by attach(): --max-batch-size, resolved for the device
+        self.stream_interval = config.stream_interval
         self.ready = False
         self.accepting = True  # False once shutdown begins: new requests get UNAVAILABLE.
         self._calls: dict[int, AcceptedCall] = {}  # what the drain waits for
