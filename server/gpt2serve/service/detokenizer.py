@@ -21,7 +21,8 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.text = ""  # decoded output so far (stop string cut off once found)
+        self._longest_stop = max(map(len, self.stop), default=0)
+        self.text = ""  # with stop strings: decoded output so far (cut off once one is found)
         self.released = 0  # characters of `text` handed out
         self.stopped = False  # a stop string was found
         self._undecoded: list[int] = []  # tokens of an incomplete character
@@ -30,14 +31,20 @@ class Detokenizer:
         """The text this token makes certain ("" while something is held)."""
         if self.stopped:
             return ""
-        self._undecoded.append(token_id)
-        # One token alone (nearly always): its text is cached; only held bytes need a decode.
-        held = len(self._undecoded) > 1
-        piece = self.tokenizer.decode(self._undecoded) if held else self.tokenizer.token_text(token_id)
-        if piece.endswith(REPLACEMENT) and len(self._undecoded) < MAX_HELD_TOKENS:
-            return ""
-        self._undecoded = []
-        searched_from = max(len(self.text) - max((len(s) for s in self.stop), default=0), 0)
+        if self._undecoded:  # the bytes of a character held: decoded with this token's
+            self._undecoded.append(token_id)
+            piece = self.tokenizer.decode(self._undecoded)
+            if piece.endswith(REPLACEMENT) and len(self._undecoded) < MAX_HELD_TOKENS:
+                return ""
+            self._undecoded = []
+        else:  # one token alone (nearly always): its text is cached
+            piece = self.tokenizer.token_text(token_id)
+            if piece.endswith(REPLACEMENT):
+                self._undecoded = [token_id]
+                return ""
+        if not self.stop:  # nothing can hold it back (and no text is kept: a per-token copy of it all)
+            return piece
+        searched_from = max(len(self.text) - self._longest_stop, 0)
         self.text += piece
         found = [i for i in (self.text.find(s, searched_from) for s in self.stop) if i >= 0]
         if found:
@@ -48,13 +55,16 @@ class Detokenizer:
     def finish(self) -> str:
         """The rest, once generation has ended (held bytes decode as they are)."""
         if self._undecoded and not self.stopped:
-            self.text += self.tokenizer.decode(self._undecoded)
+            piece = self.tokenizer.decode(self._undecoded)
             self._undecoded = []
+            if not self.stop:
+                return piece
+            self.text += piece
         return self._release(len(self.text))
 
     def _maybe_stop_suffix(self) -> int:
         """Length of the longest end of `text` that begins some stop string."""
-        for n in range(min(len(self.text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+        for n in range(min(len(self.text), self._longest_stop - 1), 0, -1):
             tail = self.text[-n:]
             if any(s.startswith(tail) for s in self.stop):
                 return n

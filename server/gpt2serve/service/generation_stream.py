@@ -55,7 +55,7 @@ class GenerationStream:
         self.end_token: GeneratedToken | None = None  # the end-of-text or stop token that finished it, if one did
         self.allowed: list[int] = []  # under structured output: the tokens its grammar allowed, each step
         self._interval = 1  # tokens a queued chunk (--stream-interval, for a streaming caller)
-        self._held: list[GenerateChunk] = []  # plain token chunks not queued yet (interval > 1)
+        self._held: list[tuple[str, GeneratedToken]] = []  # tokens not queued yet (interval > 1), with their text
 
     async def chunks(self, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
         """coalesce (a streaming caller): the tokens that arrived while the caller was busy with
@@ -127,14 +127,15 @@ class GenerationStream:
             return self._close(finish)
         clock.tokens += 1
         token = event.token
-        chunk = GenerateChunk(self.text.add(token.token_id), generated_token(self.tokenizer, token))
+        text, generated = self.text.add(token.token_id), generated_token(self.tokenizer, token)
         if self._steps is not None:
+            chunk = GenerateChunk(text, generated)
             self._queue.put_nowait(self._steps.trace_step(clock.steps - 1, self.token_ids + self._sampled, chunk))
             self._sampled.append(token.token_id)
         elif self._interval == 1 or clock.tokens == 1:  # the first token goes at once, whatever the interval
-            self._queue.put_nowait(chunk)
-        else:
-            self._held.append(chunk)
+            self._queue.put_nowait(GenerateChunk(text, generated))
+        else:  # no chunk made per token: one per interval
+            self._held.append((text, generated))
             if len(self._held) >= self._interval:
                 self._release_held()
         if self.text.stopped:
@@ -151,7 +152,8 @@ class GenerationStream:
     def _release_held(self) -> None:
         """The tokens held for the interval, queued as one chunk."""
         if self._held:
-            self._queue.put_nowait(joined(self._held))
+            texts, tokens = zip(*self._held)
+            self._queue.put_nowait(GenerateChunk("".join(texts), tokens[0], more_tokens=list(tokens[1:])))
             self._held = []
 
     # The end, whichever way it comes -----------------------------------------------------------------
@@ -199,10 +201,10 @@ def _joined_with_queued(first: GenerateChunk, queue: asyncio.Queue) -> tuple[Gen
             held = item
             break
         chunks.append(item)
-    return joined(chunks), held
+    return _join(chunks), held
 
 
-def joined(chunks: list[GenerateChunk]) -> GenerateChunk:
+def _join(chunks: list[GenerateChunk]) -> GenerateChunk:
     """Plain token chunks (each perhaps joined already) as one: their text, the first token, the
     others in more_tokens."""
     if len(chunks) == 1:
