@@ -10,6 +10,12 @@ their answers come back in columns too (Answers), so a unary call costs each sid
 appends instead of a message of its own.
 A generation's Step messages go straight to its sink (the service's GenerationStream) from the
 receive loop: no queue of their own. A frame that does not decode is logged and dropped.
+
+The socket is a plain one, read from the event loop's own reader on its file descriptor:
+zmq.asyncio's future, poller registration and enum flags for each receive were a fifth of a
+streaming front end's CPU (docs/benchmarks.md). Its descriptor is edge-triggered (it signals a
+change, not a state), so every wake-up, and every send (which may take in a frame on the way),
+reads until nothing is left.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import os
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 
 from gpt2serve_client.types import ModelInfo
 
@@ -32,6 +37,8 @@ from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Generate
 from .framing import Outbox, deliver
 
 log = logging.getLogger(__name__)
+# As plain ints: pyzmq's enum flags cost more than the check they make (Flag.__and__ on each read).
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def engine_address(directory: str) -> str:
@@ -40,16 +47,17 @@ def engine_address(directory: str) -> str:
 
 class ZmqEngineClient:
     def __init__(self, address: str):
-        self._context = zmq.asyncio.Context()
+        self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 0)  # never full, so a send never blocks: the engine reads at once
         self._socket.connect(address)
-        self._outbox = Outbox(lambda _peer, frame: self._socket.send(frame))
+        self._outbox = Outbox(self._send)
         self._pending: dict[int, asyncio.Future] = {}  # next-token requests
         self._sinks: dict[int, TokenSink] = {}  # generations
         self._ids = itertools.count()
         self._ready = asyncio.Event()
-        self._receiver: asyncio.Task | None = None
+        self._reading: asyncio.AbstractEventLoop | None = None  # the loop whose reader is on the socket
         self.dead_reason = ""
         self.model_info: ModelInfo | None = None
         self.tokenizer_source = ""
@@ -57,7 +65,8 @@ class ZmqEngineClient:
 
     async def connect(self) -> None:
         """Say hello and wait for EngineReady (sent once the model is loaded and warm)."""
-        self._receiver = asyncio.create_task(self._receive(), name="engine-client")
+        self._reading = asyncio.get_running_loop()
+        self._reading.add_reader(self._socket.getsockopt(zmq.FD), self._receive)
         self._outbox.put(None, Hello(os.getpid()))
         await self._ready.wait()
 
@@ -114,15 +123,21 @@ class ZmqEngineClient:
         """Calls still waiting are told the server shut down (the engine frees their slots as
         this process exits: ipc.engine_server watches it)."""
         self._fail_all(ShuttingDown("server is shutting down"))
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._reading is not None:
+            self._reading.remove_reader(self._socket.getsockopt(zmq.FD))
+            self._reading = None
         self._socket.close(0)
         self._context.term()
 
-    async def _receive(self) -> None:
-        while True:
-            deliver(await self._socket.recv(), self._dispatch, "the engine")
+    def _send(self, _peer, frame: bytes) -> None:
+        self._socket.send(frame, _NOBLOCK)
+        self._receive()  # a frame the send took in would not wake the reader (see the module doc)
+
+    def _receive(self) -> None:
+        """Every frame that has arrived, each handed over as it is read."""
+        socket = self._socket
+        while self._reading is not None and socket.get(_EVENTS) & _POLLIN:
+            deliver(socket.recv(_NOBLOCK), self._dispatch, "the engine")
 
     def _dispatch(self, message) -> None:
         kind = type(message)

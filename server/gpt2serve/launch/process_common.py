@@ -39,7 +39,7 @@ def run_front_end_loop(main) -> object:
     """asyncio.run(main) on uvloop where it is installed (a dependency of the server): a front
     end's CPU is mostly its event loop's, and uvloop's costs a REST call a quarter less and a
     unary gRPC call about a tenth (docs/benchmarks.md). The engine process keeps asyncio's own
-    loop: its IPC door is zmq.asyncio's, measured on that loop."""
+    loop: it only starts and stops things there (its IPC door has a thread of its own)."""
     try:
         import uvloop
     except ImportError:  # a server installed without it: the standard loop serves the same
