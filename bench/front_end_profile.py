@@ -12,6 +12,7 @@ With `--native`, unary, rest and batch come from h2load and wrk instead (one thr
 percent of a core), so the front ends are not sharing the cores with Python clients.
 
     .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream] [--seconds 16] [--native]
+        [--stream-interval N]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
 (a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
@@ -137,8 +138,9 @@ def main() -> None:
     parser.add_argument("--native", action="store_true",
                         help="unary, rest and batch from h2load and wrk (one thread each) instead of Python clients")
     parser.add_argument("--no-spy", action="store_true", help="CPU per unit only: no py-spy sampling")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     args = parser.parse_args()
-    server = StandinServer(workers=2, max_batch=256)
+    server = StandinServer(workers=2, max_batch=256, extra_args=("--stream-interval", str(args.stream_interval)))
     try:
         for load in args.loads.split(","):
             layers, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy)

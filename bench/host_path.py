@@ -120,13 +120,13 @@ class RunningServer:
 class StandinServer(RunningServer):
     """bench/standin_server.py started here, on ephemeral ports, stopped by stop()."""
 
-    def __init__(self, workers: int, max_batch: int):
+    def __init__(self, workers: int, max_batch: int, extra_args: tuple[str, ...] = ()):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("standin_server.py")), "serve", "--model", "random:gpt2",
              "--device", "cpu", "--workers", str(workers), "--max-batch-size", str(max_batch),
              "--max-running-sequences", str(max_batch), "--max-queue", "4096", "--prefix-cache-mb", "0",
-             "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0"],
+             "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):
