@@ -33,8 +33,10 @@ def test_left_padding_into_a_larger_bucket_adds_padding_rows_and_columns():
 
 def test_left_padding_matches_a_plain_loop_on_random_batches():
     rng = random.Random(0)
-    for _ in range(50):
-        prompts = [[rng.randrange(50000) for _ in range(rng.randint(1, 20))] for _ in range(rng.randint(1, 30))]
+    for i in range(100):
+        one_length = rng.randint(1, 20)  # every other batch of one length: left_pad_into's path of plain slices
+        prompts = [[rng.randrange(50000) for _ in range(one_length if i % 2 else rng.randint(1, 20))]
+                   for _ in range(rng.randint(1, 30))]
         B, T = len(prompts) + rng.randint(0, 3), max(map(len, prompts)) + rng.randint(0, 5)
         got = left_pad(prompts, PAD, B, T)
         want = torch.zeros(3, B, T, dtype=torch.long)

@@ -49,13 +49,19 @@ def left_pad_into(out: torch.Tensor, prompts: Sequence[Sequence[int]], pad_id: i
     lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=P)  # (P,)
     flat = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=int(lengths.sum()))  # (N,)
     T = out.shape[2]
+    batch = out.numpy()  # (3, B, T), the same memory
+    batch[IDS].fill(pad_id)
+    batch[POSITIONS:].fill(0)
+    if P and (lengths == lengths[0]).all():  # prompts of one length (a bench's, or a client's batch): plain slices
+        n = int(lengths[0])
+        batch[IDS, :P, T - n:] = flat.reshape(P, n)
+        batch[POSITIONS, :P, T - n:] = np.arange(n)
+        batch[VALID, :P, T - n:] = 1
+        return out
     rows = np.repeat(np.arange(P), lengths)  # (N,) each token's prompt
     starts = np.cumsum(lengths) - lengths  # (P,) each prompt's offset in `flat`
     offsets = np.arange(flat.size) - starts[rows]  # (N,) position within its prompt
     cols = (T - lengths)[rows] + offsets  # (N,) its column once left-padded
-    batch = out.numpy()  # (3, B, T), the same memory
-    batch[IDS].fill(pad_id)
-    batch[POSITIONS:].fill(0)
     batch[IDS, rows, cols] = flat
     batch[POSITIONS, rows, cols] = offsets
     batch[VALID, rows, cols] = 1

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
 FRAMES_A_PASS = 64  # frames read before the outputs waiting are sent: neither side starves the other
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enum flags cost more
 
 
 class _PeerSink:
@@ -188,11 +189,11 @@ class EngineServer:
 
     def _receive(self) -> None:
         """The frames that have arrived (up to FRAMES_A_PASS), then one wake-up of the core."""
+        socket = self._socket
         for _ in range(FRAMES_A_PASS):
-            try:
-                peer, frame = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            if not socket.get(_EVENTS) & _POLLIN:  # a check, not a raised zmq.Again (6 µs) each pass
                 break
+            peer, frame = socket.recv_multipart(_NOBLOCK)
             deliver(frame, functools.partial(self._dispatch, peer), "a front end")
         self._core.wake()  # once for the frames' requests (queued with wake=False)
 

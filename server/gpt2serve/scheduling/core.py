@@ -283,8 +283,7 @@ class EngineCore:
         self._wake.clear()  # before the intake is read: a later arrival sets it again
         with self._lock:
             arrived, self._intake = self._intake, []
-        for request in arrived:
-            self.scheduler.add(request)
+        self.scheduler.add(arrived)
         now = time.perf_counter()
         for request in self.scheduler.expired(now):
             self.runner.fail([request], ResourceExhausted(

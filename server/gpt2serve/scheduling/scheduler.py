@@ -119,12 +119,17 @@ class Scheduler:
         self._last_answered = -math.inf
 
     # Intake (the core's thread) -------------------------------------------------------------------
-    def add(self, request: EngineRequest) -> None:
-        if request.new_tokens:
-            self.waiting.append(request)
-        else:
-            self.prompts.append(request)
-            self._last_arrival = max(self._last_arrival, request.arrived)
+    def add(self, arrived: list[EngineRequest]) -> None:
+        """Arrivals, in order: generations wait for a slot, next-token prompts for a forward."""
+        prompts, waiting, last = self.prompts, self.waiting, self._last_arrival
+        for request in arrived:
+            if request.new_tokens:
+                waiting.append(request)
+            else:
+                prompts.append(request)
+                if request.arrived > last:
+                    last = request.arrived
+        self._last_arrival = last
 
     def staying(self) -> list[EngineRequest]:
         return [r for r in list(self.running.values()) if r.state == "running" and not r.cancelled]
