@@ -56,12 +56,17 @@ async def _streams(address: str, engine_pid: int, first: int, streams: int, new_
     received, counting, stop_at = [0], [False], [float("inf")]
     idle = asyncio.Event()
     live, failures = [0], []
+    first_token_s: list[float] = []
 
     class Restart:
         def __init__(self, i: int):
-            self.i = i
+            self.i, self.sent = i, time.perf_counter()
 
         def put(self, event) -> None:
+            if self.sent:  # its first token: the time from sending the request (the engine's share of TTFT)
+                if counting[0]:
+                    first_token_s.append(time.perf_counter() - self.sent)
+                self.sent = 0.0
             if counting[0]:
                 received[0] += 1
             if event.finish_reason:
@@ -92,7 +97,7 @@ async def _streams(address: str, engine_pid: int, first: int, streams: int, new_
     await client.close()
     if failures:
         raise RuntimeError(f"{len(failures)} generation(s) failed, the first: {failures[0]!r}")
-    return received[0], cpu
+    return received[0], cpu, first_token_s
 
 
 async def _callers(address: str, engine_pid: int, first: int, callers: int, per_call: int, duration: float
@@ -116,28 +121,29 @@ async def _callers(address: str, engine_pid: int, first: int, callers: int, per_
     stop_at[0] = time.perf_counter()
     await asyncio.gather(*tasks)
     await client.close()
-    return answered[0], cpu
+    return answered[0], cpu, []
 
 
 def _in_process(kind: str, address: str, engine_pid: int, first: int, n: int, size: int, duration: float
-                ) -> tuple[int, float]:
+                ) -> tuple[int, float, list[float]]:
     if kind == "streams":
         return asyncio.run(_streams(address, engine_pid, first, n, size, duration))
     return asyncio.run(_callers(address, engine_pid, first, n, size, duration))
 
 
 def from_processes(kind: str, address: str, engine_pid: int, n: int, size: int, duration: float,
-                   processes: int) -> tuple[int, float]:
-    """(units received in the windows, the engine's CPU seconds in the first one): `kind`
-    "streams" (`size` new tokens each) or "callers" (`size` prompts a request), n of them
-    spread over `processes` processes."""
+                   processes: int) -> tuple[int, float, list[float]]:
+    """(units received in the windows, the engine's CPU seconds in the first one, each stream's
+    seconds from sending its request to its first token in the windows): `kind` "streams"
+    (`size` new tokens each) or "callers" (`size` prompts a request), n of them spread over
+    `processes` processes."""
     processes = max(1, min(processes, n))
     shares = [n // processes + (i < n % processes) for i in range(processes)]
     firsts = [sum(shares[:i]) for i in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         parts = pool.starmap(_in_process, [(kind, address, engine_pid if i == 0 else 0, first, share, size,
                                             duration) for i, (first, share) in enumerate(zip(firsts, shares))])
-    return sum(p[0] for p in parts), parts[0][1]
+    return sum(p[0] for p in parts), parts[0][1], sorted(s for p in parts for s in p[2])
 
 
 def _per_call_us(messages: list, calls: int, repeats: int) -> tuple[float, float]:
