@@ -155,13 +155,17 @@ def test_sigterm_drains_60_in_flight_across_front_ends(tmp_path):
 
     reference = load_model("random:gpt2", "cpu", "float32", seed=0).model
     srv = launch_server(tmp_path, "--model", "random:gpt2", "--workers", "2", "--max-batch-size", "16")
-    prompts = [[464, 3139, 286, i + 1] for i in range(60)]
+    # Prompts long enough that a batch of 16 takes longer than the 60 calls take to arrive: with
+    # 4-token prompts the first answers came back before the last calls were in (57-59 at once).
+    prompts = [[464, 3139, 286] * 64 + [i + 1] for i in range(60)]
 
     async def main():
         clients = [AsyncClient(srv.grpc_target, retries=0, timeout=120) for _ in range(6)]
         try:
             calls = [asyncio.create_task(clients[i % 6].next_token(p, top_k=3)) for i, p in enumerate(prompts)]
+            deadline = time.monotonic() + 60
             while metric_value(srv.http_url, "gpt2serve_in_flight_requests") < 60:
+                assert time.monotonic() < deadline and not any(c.done() for c in calls), "never 60 in flight at once"
                 await asyncio.sleep(0.01)
             srv.proc.send_signal(signal.SIGTERM)
             return await asyncio.gather(*calls)

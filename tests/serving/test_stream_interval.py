@@ -42,8 +42,10 @@ def test_grpc_messages_bring_the_tokens_an_interval_at_a_time(server, interval_s
         messages = list(pb_grpc.Gpt2ServeStub(channel).Generate(request, timeout=60))
     counts = tokens_a_message(messages)
     assert counts[0] == 1  # the first token at once: time to first token is not the interval's
-    # Then whole intervals (two may go as one when the reader is behind) and the rest at the end.
-    assert all(n % INTERVAL == 0 for n in counts[1:-1]) and 0 < counts[-1] <= INTERVAL, counts
+    # Then whole intervals and the rest at the end; a reader behind may get queued ones joined
+    # (two intervals as one, or the last interval with the rest), never a part of an interval.
+    assert all(n % INTERVAL == 0 for n in counts[1:-1]), counts
+    assert counts[-1] % INTERVAL == (TOKENS - 1) % INTERVAL and sum(counts) == TOKENS, counts
     assert len(counts) <= 1 + -(-(TOKENS - 1) // INTERVAL), counts
     ids = [t.token_id for m in messages for t in ([m.token] if m.HasField("token") else []) + list(m.more_tokens)]
     assert ids == [t.token_id for t in want.tokens]
