@@ -58,6 +58,7 @@ from ipc_load import process_cpu  # noqa: E402
 from standin_server import DECODE, NEXT_TOKEN, STEPS_FILE  # noqa: E402
 
 from gpt2serve.benchmarks.generate_load import serve_from_processes  # noqa: E402
+from gpt2serve.benchmarks.native_load import percentile  # noqa: E402
 from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts  # noqa: E402
 from gpt2serve_client import AsyncClient  # noqa: E402
 
@@ -262,7 +263,7 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
         result = scenario("generation (IPC)", f"{n} streams", units / duration, n / DECODE.seconds(n), units, 0,
                           {"engine": engine_cpu}, 0.0, duration)
         if first_token_s:
-            p50, p90 = (1000 * first_token_s[int(q * (len(first_token_s) - 1))] for q in (0.5, 0.9))
+            p50, p90 = (1000 * percentile(first_token_s, q) for q in (0.5, 0.9))
             result.first_token_ms = f"{p50:.1f} / {p90:.1f}"
         return result
     rows = min(n * size, max_batch)
