@@ -70,13 +70,14 @@ class Transports:
         """Listening, not serving yet: probes answer (alive, not ready) while the model loads."""
         grpc_transport = GrpcTransport(service, config)  # grpc sets SO_REUSEPORT itself on Linux
         http_socket = bind_http_socket(config.host, config.http_port, reuse_port)
+        app, direct = create_app(service, config)
         http_server = uvicorn.Server(uvicorn.Config(
-            create_app(service, config), log_level=config.log_level, access_log=False, lifespan="off",
+            app, log_level=config.log_level, access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
             timeout_keep_alive=config.http_keep_alive_s,
             http=bounded_http_protocol(config.http_max_connections, config.http_request_timeout_s,
                                        lambda: service.telemetry.connection_refused("rest"),
-                                       lambda: service.telemetry.connection_evicted("rest")),
+                                       lambda: service.telemetry.connection_evicted("rest"), direct),
         ))
         await grpc_transport.start()
         await grpc_transport.set_serving(False)

@@ -12,11 +12,11 @@ OpenAPI docs, which describe the API and hold no data; `/metrics` is open unless
 from __future__ import annotations
 
 import hmac
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterable
 
 import grpc
 
-from ..errors import PayloadTooLarge, Unauthenticated
+from ..errors import PayloadTooLarge, ServeError, Unauthenticated
 from .http_errors import HttpErrors
 from .ui import PAGE_PATHS, PAGE_PREFIXES
 
@@ -27,6 +27,7 @@ AUTH_HINT = "send 'authorization: Bearer <key>'"
 
 # abort(context, error, method): answers a call with its error status and counts it
 # (grpc_server.abort_with, the one place gRPC refusals are counted).
+Headers = list[tuple[bytes, bytes]]
 Abort = Callable[[grpc.aio.ServicerContext, Exception, str], Awaitable[None]]
 
 
@@ -82,18 +83,10 @@ class HttpGuard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        headers = dict(scope.get("headers") or ())
-        open_path = path in self.open_paths or path.startswith(PAGE_PREFIXES)
-        if self.key is not None and not open_path and not self.key.accepts(headers.get(b"authorization")):
-            return await self.errors.send(scope, send, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"),
-                                          [(b"www-authenticate", b"Bearer")])
-        try:
-            declared = int(headers.get(b"content-length", b"0"))
-        except ValueError:
-            declared = 0
-        if declared > self.max_body_bytes:
-            return await self.errors.send(scope, send, self.too_large(), [(b"connection", b"close")])
+        refusal = self.refusal(scope.get("path", ""), scope.get("headers") or ())
+        if refusal is not None:
+            error, headers = refusal
+            return await self.errors.send(scope, send, error, headers)
         limit, received = self.max_body_bytes, 0
 
         async def counted_receive():
@@ -107,6 +100,26 @@ class HttpGuard:
             return message
 
         await self.app(scope, counted_receive, send)
+
+    def refusal(self, path: str, headers: Iterable[tuple[bytes, bytes]]) -> tuple[ServeError, Headers] | None:
+        """Why a request is refused before its body is read, with the answer's extra headers; None
+        if it is not. `headers`: the request's, names in lower case."""
+        authorization, length = None, b"0"
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"content-length":
+                length = value
+        open_path = path in self.open_paths or path.startswith(PAGE_PREFIXES)
+        if self.key is not None and not open_path and not self.key.accepts(authorization):
+            return Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"), [(b"www-authenticate", b"Bearer")]
+        try:
+            declared = int(length)
+        except ValueError:
+            declared = 0
+        if declared > self.max_body_bytes:
+            return self.too_large(), [(b"connection", b"close")]
+        return None
 
     def too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"the body exceeds {self.max_body_bytes} bytes (--max-message-bytes)")

@@ -25,17 +25,31 @@ from typing import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .http_direct import DirectRoutes
+
 
 def bounded_http_protocol(max_connections: int, request_timeout_s: float, refused: Callable[[], None],
-                          evicted: Callable[[], None] = lambda: None) -> type:
+                          evicted: Callable[[], None] = lambda: None, direct: DirectRoutes | None = None) -> type:
     """uvicorn's `http` protocol class with this front end's limits; `refused()` counts a
-    refusal, `evicted()` a connection closed to make room for a new one."""
+    refusal, `evicted()` a connection closed to make room for a new one. POSTs to `direct`'s
+    paths are answered by it, not through ASGI (transport.http_direct)."""
+    direct_paths = direct.paths if direct is not None else frozenset()
 
     class BoundedHttpProtocol(HttpToolsProtocol):
         _refused = False
         _request_clock: asyncio.TimerHandle | None = None
         # Since when it has been waiting for a request's headers (monotonic); None: busy with a request.
         _waiting_since: float | None = None
+        _direct: tuple = ()  # (cycle, task) of the direct route answering this connection's request
+
+        def _start_asgi_task(self, cycle, app) -> None:
+            scope = cycle.scope
+            if scope["path"] not in direct_paths or scope["method"] != "POST":
+                return super()._start_asgi_task(cycle, app)
+            task = self.loop.create_task(direct.serve(cycle))
+            task.add_done_callback(self.tasks.discard)
+            self.tasks.add(task)  # the graceful shutdown waits for it
+            self._direct = (cycle, task)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections and not self._evict_one():  # this server's connections
@@ -73,6 +87,11 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 return
             self._stop_clock()
             super().connection_lost(exc)
+            if self._direct:
+                cycle, task = self._direct
+                if not task.done() and not cycle.response_complete:
+                    cycle.disconnected = True
+                    task.cancel()  # a hang-up: the call leaves the queue (http_direct.DirectRoutes.serve)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -80,11 +80,18 @@ def as_serve_error(error: Exception, path: str) -> ServeError:
 
 
 async def read_body(request: Request, body_type: type[B]) -> B:
-    """The route's JSON body, or the error that says why not: 415 for another content type, 422
-    for invalid JSON or UTF-8, JSON nested too deep (pydantic's parser stops at depth 200), wrong
-    types, missing or unknown fields; 413 raises from the guard while a chunked body streams in."""
-    raw = await request.body()
-    if "json" not in request.headers.get("content-type", ""):
+    """The route's JSON body, or the error that says why not (parse_body); 413 raises from the
+    guard while a chunked body streams in."""
+    return parse_body(await request.body(), request.headers.get("content-type"), body_type)
+
+
+def parse_body(raw: bytes, content_type: str | bytes | None, body_type: type[B]) -> B:
+    """`raw` read as the route's JSON body, or the error that says why not: 415 for another
+    content type, 422 for invalid JSON or UTF-8, JSON nested too deep (pydantic's parser stops at
+    depth 200), wrong types, missing or unknown fields."""
+    if isinstance(content_type, bytes):
+        content_type = content_type.decode("latin-1")
+    if "json" not in (content_type or ""):
         raise UnsupportedMediaType("the body must be a JSON object sent with 'Content-Type: application/json'")
     try:
         return body_type.model_validate_json(raw)

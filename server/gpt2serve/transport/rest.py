@@ -27,8 +27,9 @@ from ..config import ServeConfig
 from ..errors import InvalidArgument, MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
+from .http_direct import CallHead, DirectRoute, DirectRoutes
 from .http_errors import HttpErrors, describe_validation_errors, read_body
-from .http_shared import ClientDisconnected, http_options, unless_disconnected
+from .http_shared import ClientDisconnected, call_options, http_options, unless_disconnected
 from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
 from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
@@ -136,13 +137,17 @@ class BatchResults(BaseModel):
 def json_response(payload: dict) -> Response:
     """Encode results directly: re-validating our own output through pydantic on the hot path
     cost more CPU than the rest of the REST handler. `response_model` still documents it."""
-    return Response(json_bytes(payload), media_type="application/json")
+    return json_response_bytes(json_bytes(payload))
 
 
-def request_options(request: Request, route: str, method: str,
+def json_response_bytes(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def request_options(head: CallHead, route: str, method: str,
                     body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
     """The next-token routes' options: what the body asked to see."""
-    return http_options(request, route, method, trace_layers=body.trace_layers, include_layers=body.include_layers,
+    return call_options(head, route, method, trace_layers=body.trace_layers, include_layers=body.include_layers,
                         attention_maps=getattr(body, "attention_maps", False))  # /v1/next-token only
 
 
@@ -154,15 +159,19 @@ def batch_prompt(item: str | list[int]) -> PromptInput:
     return PromptInput(text=item) if isinstance(item, str) else PromptInput(token_ids=item)
 
 
-def create_app(service: InferenceService, config: ServeConfig | None = None):
-    """The ASGI app: the guard (API key, body size) in front of the inference routes and FastAPI."""
+def create_app(service: InferenceService, config: ServeConfig | None = None) -> tuple[HttpGuard, DirectRoutes]:
+    """The ASGI app, the guard (API key, body size) in front of the inference routes and FastAPI;
+    and the routes the front end's HTTP protocol answers itself (transport.http_direct)."""
     config = config or ServeConfig()
     errors = HttpErrors(service.count_refusal, method_of, OPENAI_PATHS)
     routes = InferenceRoutes(service, errors)
-    return HttpGuard(routes.asgi(create_fastapi(service, routes, errors, config)),
-                     key=BearerKey(config.api_key) if config.api_key else None,
-                     max_body_bytes=config.max_message_bytes, metrics_open=not config.metrics_require_key,
-                     errors=errors)
+    guard = HttpGuard(routes.asgi(create_fastapi(service, routes, errors, config)),
+                      key=BearerKey(config.api_key) if config.api_key else None,
+                      max_body_bytes=config.max_message_bytes, metrics_open=not config.metrics_require_key,
+                      errors=errors)
+    direct = {path: DirectRoute(route.body_type, route.handler) for path, route in routes.routes.items()
+              if route.direct}
+    return guard, DirectRoutes(direct, guard, errors, service.accepted)
 
 
 def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: HttpErrors,
@@ -265,10 +274,17 @@ class Route:
     response_model: Any = None
     summary: str = ""
     responses: dict = field(default_factory=dict)  # OpenAPI, beyond the errors
+    # Answered whole by the front end's HTTP protocol (transport.http_direct): the handler takes
+    # (CallHead, body) and returns the answer's JSON.
+    direct: bool = False
 
     def documented(self):
-        """An endpoint FastAPI can read the body type from (for OpenAPI); it calls the handler."""
+        """An endpoint FastAPI can read the body type from (for OpenAPI); it calls the handler
+        (for a direct route, only under an ASGI server other than the front end's)."""
         async def endpoint(request: Request, body) -> Response:
+            if self.direct:
+                head = CallHead(request.scope["headers"], request.scope.get("scheme", "http"))
+                return json_response_bytes(await self.handler(head, body))
             return await self.handler(request, body)
 
         endpoint.__annotations__ = {"request": Request, "body": self.body_type, "return": Response}
@@ -292,30 +308,29 @@ class InferenceRoutes:
         self.errors = errors
         self.openai = OpenAIRoutes(service, lambda error: errors.body(COMPLETIONS_ROUTE, error))
         self.routes = {
-            "/v1/next-token": Route(NextTokenBody, self.next_token, NextTokenResult, "Next token of one prompt"),
+            "/v1/next-token": Route(NextTokenBody, self.next_token, NextTokenResult, "Next token of one prompt",
+                                    direct=True),
             "/v1/next-token/batch": Route(NextTokenBatchBody, self.next_token_batch, BatchResults,
-                                          "Next token of many prompts, in order"),
+                                          "Next token of many prompts, in order", direct=True),
             "/v1/generate": Route(GenerateBody, self.generate, GenerateResult, "Generate text", SSE),
             COMPLETIONS_ROUTE: Route(CompletionBody, self.openai.completions.completions, None, "OpenAI completions",
                                      SSE),
             CHAT_ROUTE: Route(ChatCompletionBody, self.openai.chat.completions, None, "OpenAI chat completions", SSE),
         }
 
-    async def next_token(self, request: Request, body: NextTokenBody) -> Response:
+    async def next_token(self, head: CallHead, body: NextTokenBody) -> bytes:
         """The next token of one prompt, with its top-k (and per-layer reports when asked)."""
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
-        options = request_options(request, "/v1/next-token", "NextToken", body)
-        scoring = self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs)
-        result = await unless_disconnected(request, scoring)
-        return json_response(result.to_dict())
+        options = request_options(head, "/v1/next-token", "NextToken", body)
+        result = await self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs)
+        return json_bytes(result.to_dict())
 
-    async def next_token_batch(self, request: Request, body: NextTokenBatchBody) -> Response:
+    async def next_token_batch(self, head: CallHead, body: NextTokenBatchBody) -> bytes:
         """The next token of each prompt, in order (`{"results": [...]}`)."""
         prompts = [batch_prompt(p) for p in body.prompts]
-        options = request_options(request, "/v1/next-token/batch", "NextTokenBatch", body)
-        results = await unless_disconnected(request, self.service.next_token_batch(
-            prompts, body.top_k, options, body.prompt_logprobs))
-        return json_response({"results": [r.to_dict() for r in results]})
+        options = request_options(head, "/v1/next-token/batch", "NextTokenBatch", body)
+        results = await self.service.next_token_batch(prompts, body.top_k, options, body.prompt_logprobs)
+        return json_bytes({"results": [r.to_dict() for r in results]})
 
     async def generate(self, request: Request, body: GenerateBody) -> Response:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
@@ -355,7 +370,7 @@ class InferenceRoutes:
         async def app(scope, receive, send) -> None:
             path = scope.get("path")
             route = self.routes.get(path) if scope["type"] == "http" else None
-            if route is None or scope.get("method") != "POST":
+            if route is None or route.direct or scope.get("method") != "POST":
                 return await fallback(scope, receive, send)
             request = Request(scope, receive)
             with self.service.accepted(f"POST {path}"):  # until the last byte (or event) is sent
