@@ -30,6 +30,7 @@ from ..engine.tokenizer import Tokenizer, load_tokenizer
 from ..ipc.zmq_client import ZmqEngineClient
 from ..protocol import EngineClient
 from ..service import InferenceService
+from ..telemetry.deferred_writes import defer_metric_writes
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
 from ..transport.grpc_server import GrpcTransport
@@ -185,6 +186,7 @@ async def _front_end_process(config: ServeConfig, address: str, status, parent_p
     while the model loads); a restarted one listens only once ready, as its siblings serve
     meanwhile and a caller it took would get a 503."""
     tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
+    defer_metric_writes(asyncio.get_running_loop())  # before Telemetry() makes the metrics
     front = FrontEnd(config, Telemetry(), reuse_port=True)
 
     async def listen() -> Transports:
