@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -205,6 +205,12 @@ class RequestTelemetry:
             self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
             prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
 
+    def __enter__(self) -> RequestTelemetry:
+        return self
+
+    def __exit__(self, _type, error: BaseException | None, _traceback) -> None:
+        self.finish(error)  # no-op once finished: the body finishes it with its token counts
+
     def step_span(self, step: GenerationStep, start_ns: int, end_ns: int) -> None:
         """A traced generation step (trace_steps), from the previous token to this one. Steps are
         traced beside the generation, so the last may end after the request span did."""
@@ -225,17 +231,10 @@ class Telemetry:
     def start_request(self, options: RequestOptions) -> RequestTelemetry:
         return RequestTelemetry(self, options)
 
-    @contextlib.contextmanager
-    def request_span(self, options: RequestOptions) -> Iterator[RequestTelemetry]:
-        """A request from start to answer: what is raised inside fails it (and still raises)."""
-        request = self.start_request(options)
-        try:
-            yield request
-        except BaseException as exc:
-            request.finish(exc)
-            raise
-        finally:
-            request.finish()  # no-op once finished: the body finishes it with its token counts
+    def request_span(self, options: RequestOptions) -> RequestTelemetry:
+        """A request from start to answer, as a context: what is raised inside fails it (and
+        still raises)."""
+        return RequestTelemetry(self, options)
 
     def model_loaded(self, record: ModelLoaded, stats: Callable[[], SchedulerStats],
                      device_memory: Callable[[], float], compat: str | None = None) -> None:

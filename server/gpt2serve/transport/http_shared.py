@@ -4,10 +4,11 @@ whether its client hangs up while it waits."""
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, TypeVar
+from typing import Awaitable, Iterable, TypeVar
 
 from fastapi import Request
 from opentelemetry import propagate
+from opentelemetry.context import Context
 
 from ..service import RequestOptions
 from .http_direct import CallHead
@@ -26,11 +27,26 @@ def call_options(head: CallHead, route: str, method: str, api: str = "rest", att
                  **asked: bool) -> RequestOptions:
     """Span name and attributes (the route's own `attributes` too), the caller's W3C trace context
     (headers), and what it asked to see (`asked`: trace_layers, include_layers, attention_maps)."""
-    carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in head.headers}
     return RequestOptions(
-        api=api, method=method, span_name=f"POST {route}", parent=propagate.extract(carrier),
+        api=api, method=method, span_name=f"POST {route}", parent=trace_parent(head.headers),
         attributes={"http.request.method": "POST", "http.route": route, "url.scheme": head.scheme,
                     **(attributes or {})}, **asked)
+
+
+_trace_fields: tuple[object, frozenset[bytes]] = (None, frozenset())  # (the propagator, the headers it reads)
+
+
+def trace_parent(headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
+    """The caller's trace context from the headers the configured propagators read (W3C's
+    traceparent, tracestate and baggage unless OTEL_PROPAGATORS says otherwise); None when it
+    sent none of them, the common case, which skips the propagators' work."""
+    global _trace_fields
+    textmap = propagate.get_global_textmap()
+    if _trace_fields[0] is not textmap:
+        _trace_fields = (textmap, frozenset(field.lower().encode("latin-1") for field in textmap.fields))
+    fields = _trace_fields[1]
+    carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers if name in fields}
+    return propagate.extract(carrier) if carrier else None
 
 
 class ClientDisconnected(Exception):
