@@ -79,7 +79,7 @@ class PromptScores:
         return len(self.token_logprobs)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
 class TraceContext:
     """What telemetry needs of a request on the engine side: its span (W3C traceparent,
     "00-<32 hex trace id>-<16 hex span id>-<flags>") and what it asked to see."""

@@ -35,7 +35,7 @@ GENERATE = RequestOptions(method="Generate", span_name="generate")
 _TAKEN_BEFORE_DRAIN: ContextVar[bool] = ContextVar("gpt2serve_taken_before_drain", default=False)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
 class AcceptedCall:
     """A call from the moment its transport took it until its answer was sent (or its caller left)."""
 

@@ -133,7 +133,7 @@ def one_constraint(given: list[tuple[str, str, str]]) -> tuple[str, str, str] | 
     return given[0] if given else None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
 class PromptInput:
     """A prompt as it arrives: text or token ids (exactly one of them)."""
 

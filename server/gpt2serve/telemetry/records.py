@@ -16,7 +16,7 @@ from gpt2serve_client.types import LayerReport
 from ..protocol import TraceContext
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
 class RequestOptions:
     """How a request arrived and what it asked to see; transports fill this in, and the request
     span and metrics take it whole."""
@@ -37,7 +37,7 @@ class RequestOptions:
         return self.include_layers or self.attention_maps
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
 class RequestDone:
     """A request the service answered, or failed (status: the gRPC status name)."""
 

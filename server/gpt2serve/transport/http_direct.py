@@ -28,7 +28,7 @@ Headers = list[tuple[bytes, bytes]]
 JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
 class CallHead:
     """What a route reads of the request besides its body: the headers (lower-case names, as
     the parser gave them) and the scheme."""
