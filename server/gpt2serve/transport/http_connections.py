@@ -13,8 +13,9 @@
 - between requests, uvicorn's keep-alive limit (`--http-keep-alive-s`) closes idle connections.
 
 uvicorn has the keep-alive limit but neither of the others, so they are a subclass of its
-httptools protocol: the clock starts when a connection opens or a request begins, and stops
-once the request has been read (a slow answer, a long stream, is the server's own time).
+httptools protocol: the request's clock starts when a connection opens or a request begins, and
+stops once the request has been read (a slow answer, a long stream, is the server's own time).
+Both limits are deadlines one sweep a server reads (ClockSweep), not a timer each.
 """
 
 from __future__ import annotations
@@ -36,11 +37,18 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
     direct_paths = direct.paths if direct is not None else frozenset()
 
     class BoundedHttpProtocol(HttpToolsProtocol):
+        """Both time limits are deadlines on the connection, read by one sweep a front end
+        (ClockSweep), not timers of their own: uvicorn armed and cancelled a keep-alive timer for
+        each answer, and the request clock two more, about a tenth of a REST call's HTTP work."""
+
         _refused = False
-        _request_clock: asyncio.TimerHandle | None = None
+        # By when (monotonic) the connection must have read its request, or begun the next one
+        # when idle between requests; None: busy with a request (its answer is the server's own time).
+        _deadline: float | None = None
         # Since when it has been waiting for a request's headers (monotonic); None: busy with a request.
         _waiting_since: float | None = None
         _direct: tuple = ()  # (cycle, task) of the direct route answering this connection's request
+        _sweep: ClockSweep | None = None  # the class's: its server's
 
         def _start_asgi_task(self, cycle, app) -> None:
             scope = cycle.scope
@@ -58,8 +66,12 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 transport.abort()  # no answer: reading a request would already cost what the limit saves
                 return
             super().connection_made(transport)
-            self._waiting_since = time.monotonic()
-            self._start_clock()
+            self._waiting_since = now = time.monotonic()
+            self._deadline = now + request_timeout_s
+            cls = type(self)
+            if cls._sweep is None:  # one class a server (Transports.start), so one sweep a server
+                cls._sweep = ClockSweep(self.loop, self.connections, min(request_timeout_s, self.timeout_keep_alive))
+            cls._sweep.start()
 
         def _evict_one(self) -> bool:
             """Close the connection that has waited longest without a request's headers, if any."""
@@ -72,20 +84,35 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             evicted()
             return True
 
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._deadline = time.monotonic() + request_timeout_s
+
         def on_headers_complete(self) -> None:
             self._waiting_since = None  # a request under way: its connection stays
             super().on_headers_complete()
 
+        def on_message_complete(self) -> None:
+            self._deadline = None
+            super().on_message_complete()
+
         def on_response_complete(self) -> None:
-            idle = not self.pipeline  # else a pipelined request starts now
-            super().on_response_complete()
-            if idle and not self.transport.is_closing():
-                self._waiting_since = time.monotonic()  # kept alive for the next request's headers
+            """uvicorn's, with the keep-alive limit as a deadline instead of a timer."""
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            if self.pipeline:  # a pipelined request starts now
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:  # kept alive for the next request's headers
+                self._waiting_since = now = time.monotonic()
+                self._deadline = now + self.timeout_keep_alive
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._refused:
                 return
-            self._stop_clock()
+            self._deadline = None
             super().connection_lost(exc)
             if self._direct:
                 cycle, task = self._direct
@@ -93,27 +120,30 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                     cycle.disconnected = True
                     task.cancel()  # a hang-up: the call leaves the queue (http_direct.DirectRoutes.serve)
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._start_clock()
-
-        def on_message_complete(self) -> None:
-            self._stop_clock()
-            super().on_message_complete()
-
-        def _start_clock(self) -> None:
-            self._stop_clock()
-            self._request_clock = self.loop.call_later(request_timeout_s, self._too_slow)
-
-        def _stop_clock(self) -> None:
-            if self._request_clock is not None:
-                self._request_clock.cancel()
-                self._request_clock = None
-
-        def _too_slow(self) -> None:
-            """The request is not in after its time: close the connection (no handler has started)."""
-            self._request_clock = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
     return BoundedHttpProtocol
+
+
+class ClockSweep:
+    """The time limits of one server's connections: every tenth of the shortest limit (within
+    50 ms .. 1 s), close each connection past its deadline (no handler has started on it). The
+    sweep stops when no connection is left, and the next one to open starts it again."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set, shortest_s: float):
+        self.loop, self.connections = loop, connections
+        self.period_s = min(max(shortest_s / 10, 0.05), 1.0)
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.timer is None:
+            self.timer = self.loop.call_later(self.period_s, self.sweep)
+
+    def sweep(self) -> None:
+        self.timer = None
+        now = time.monotonic()
+        for connection in list(self.connections):
+            deadline = getattr(connection, "_deadline", None)
+            if deadline is not None and now >= deadline and not connection.transport.is_closing():
+                connection._deadline = None
+                connection.transport.close()
+        if self.connections:
+            self.start()
