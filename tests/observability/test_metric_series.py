@@ -1,6 +1,7 @@
 """Metrics.request_done's held series and its observe(): the same samples as prometheus_client's
 own Histogram.observe, for values on, just under and just over every bucket bound; and an
-answered request moves its counters and histograms by exactly one call's worth."""
+answered request moves its counters and histograms by exactly one call's worth, and leaves the
+in-flight gauge where it was."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def test_observe_matches_the_library_on_every_bound():
 def test_an_answered_request_moves_each_series_by_one_call():
     metrics = Metrics()
     before = samples(metrics.registry)
+    for _ in range(3):
+        metrics.request_started()
     metrics.request_done(RequestDone("rest", "NextToken", "OK", 0.03, "", 5, 1, (0.002,), None))
     metrics.request_done(RequestDone("grpc", "Generate", "OK", 0.5, "", 7, 16, (0.001,), 0.004))
     metrics.request_done(RequestDone("rest", "NextToken", "INVALID_ARGUMENT", 0.001))

@@ -97,7 +97,7 @@ class GenerationStream:
                 self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
                                          request, validator.tokenizer.token_text, generate.params, len(prompt))
             request.span.set_attributes(generation_attributes(generate, self.settings.constraint))
-            if trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
+            if trace is not None and trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
                 await engine.next_token(NextTokenRequest([prompt], 1, trace))
             self.tokenizer: Tokenizer = validator.tokenizer
             self.text = Detokenizer(self.tokenizer, self.settings.stop)

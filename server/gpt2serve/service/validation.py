@@ -215,12 +215,15 @@ class Validator:
         return TraceContext(traceparent(request.span), layers_wanted=True, layers_in_response=True,
                             attention_maps=True, last_row_maps=True)
 
-    def trace(self, request: RequestTelemetry, options: RequestOptions) -> TraceContext:
-        """What the engine side is to record for this request (per-layer reports, spans)."""
+    def trace(self, request: RequestTelemetry, options: RequestOptions) -> TraceContext | None:
+        """What the engine side is to record for this request (per-layer reports, spans); None
+        when nothing: the request is not sampled and wants no layers (most, and the cheapest)."""
         in_response = options.layers_in_response
         if self.trace_layers_mode == "never" and (options.trace_layers or in_response):
             raise FailedPrecondition("per-layer reports are off on this server (--trace-layers never)")
         sampled = bool(request.trace_id)
+        if not sampled and not in_response:
+            return None
         layer_spans = sampled and (options.trace_layers or self.trace_layers_mode == "always")
         return TraceContext(traceparent(request.span), sampled=sampled, layers_wanted=layer_spans or in_response,
                             layer_spans=layer_spans, layers_in_response=in_response,

@@ -101,6 +101,7 @@ class Metrics:
         self._compat_counters: list[tuple[Counter, Counter]] = []  # (ours, under another server's name)
         live_sum = dict(multiprocess_mode="livesum")  # across the processes alive (multiprocess mode)
         self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r, **live_sum)
+        self.in_flight_value = self.in_flight._value  # request_started / request_done: an add each, no checks
         self.queue_depth = Gauge("gpt2serve_queue_depth", "Prompts waiting for a batch", registry=r, **live_sum)
         self.running_sequences = Gauge("gpt2serve_running_sequences", "Generations in the running batch",
                                        registry=r, **live_sum)
@@ -178,7 +179,11 @@ class Metrics:
             child = self._children[key] = metric.labels(**labels)
         return child
 
+    def request_started(self) -> None:
+        self.in_flight_value.inc(1)
+
     def request_done(self, record: RequestDone) -> None:
+        self.in_flight_value.inc(-1)
         api, method = record.api, record.method
         if record.status != "OK":
             self._child(self.requests, api=api, method=method, status=record.status).inc()

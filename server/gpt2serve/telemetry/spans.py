@@ -178,7 +178,7 @@ class RequestTelemetry:
                                                 set_status_on_exception=False)
         self.trace_id = exported_trace_id(self.span)  # the exemplar for the histograms
         self.finished = False
-        telemetry.metrics.in_flight.inc()
+        telemetry.metrics.request_started()
 
     def finish(self, error: BaseException | None = None, *, prompt_tokens: int = 0, output_tokens: int = 0,
                queue_s: Sequence[float] = (), time_per_output_token_s: float | None = None) -> None:
@@ -200,7 +200,6 @@ class RequestTelemetry:
             status = "DEADLINE_EXCEEDED" if deadline is not None and \
                 time.monotonic() >= deadline - DEADLINE_SLACK_S else "CANCELLED"
         span.end()
-        self.telemetry.metrics.in_flight.dec()
         self.telemetry.metrics.request_done(RequestDone(
             self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
             prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
