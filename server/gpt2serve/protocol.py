@@ -339,6 +339,15 @@ class Answers:
     batch_size: int
     batch_started_ns: int
 
+    def add(self, request_id: int, top: Sequence[TokenScore], queue_s: float, enqueued_ns: int,
+            cached_tokens: int) -> None:
+        """One more answer of the batch, a value in each column."""
+        self.request_ids.append(request_id)
+        self.tops.append(top)
+        self.queue_s.append(queue_s)
+        self.enqueued_ns.append(enqueued_ns)
+        self.cached_tokens.append(cached_tokens)
+
     @staticmethod
     def plain(outputs: list[NextTokenOutput]) -> bool:
         if len(outputs) != 1:

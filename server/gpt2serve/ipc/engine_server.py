@@ -33,7 +33,7 @@ from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
                         SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TopScores, TraceContext)
 from ..scheduling.outputs import run_posted
-from .framing import Outbox, deliver
+from .framing import EVENTS, NOBLOCK, POLLIN, Outbox, deliver
 
 if TYPE_CHECKING:
     from ..scheduling.core import EngineCore
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
 FRAMES_A_PASS = 64  # frames read before the outputs waiting are sent: neither side starves the other
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # ints: pyzmq's enum flags cost more
 
 
 class _PeerSink:
@@ -109,11 +108,7 @@ class _PlainCall:
             answers = by_peer.get(peer)
             if answers is None:
                 answers = by_peer[peer] = server._answers_of_batch(peer, forward_s, batch_size, batch_started_ns)
-            answers.request_ids.append(request_id)
-            answers.tops.append(top)
-            answers.queue_s.append(queue_s)
-            answers.enqueued_ns.append(enqueued_ns)
-            answers.cached_tokens.append(cached_tokens)
+            answers.add(request_id, top, queue_s, enqueued_ns, cached_tokens)
 
     def fail(self, error: Exception) -> None:
         if self.finished:
@@ -191,9 +186,9 @@ class EngineServer:
         """The frames that have arrived (up to FRAMES_A_PASS), then one wake-up of the core."""
         socket = self._socket
         for _ in range(FRAMES_A_PASS):
-            if not socket.get(_EVENTS) & _POLLIN:  # a check, not a raised zmq.Again (6 µs) each pass
+            if not socket.get(EVENTS) & POLLIN:  # a check, not a raised zmq.Again (6 µs) each pass
                 break
-            peer, frame = socket.recv_multipart(_NOBLOCK)
+            peer, frame = socket.recv_multipart(NOBLOCK)
             deliver(frame, functools.partial(self._dispatch, peer), "a front end")
         self._core.wake()  # once for the frames' requests (queued with wake=False)
 
@@ -261,12 +256,8 @@ class EngineServer:
                            forward_s: float, batch_size: int, batch_started_ns: int) -> None:
         """A plain answer joins its front end's Answers message of this batch."""
         peer, request_id = key
-        answers = self._answers_of_batch(peer, forward_s, batch_size, batch_started_ns)
-        answers.request_ids.append(request_id)
-        answers.tops.append(top)
-        answers.queue_s.append(queue_s)
-        answers.enqueued_ns.append(enqueued_ns)
-        answers.cached_tokens.append(cached_tokens)
+        self._answers_of_batch(peer, forward_s, batch_size, batch_started_ns).add(
+            request_id, top, queue_s, enqueued_ns, cached_tokens)
 
     def _answers_of_batch(self, peer: bytes, forward_s: float, batch_size: int, batch_started_ns: int) -> Answers:
         """The front end's Answers message of this batch, to extend: its last message when that

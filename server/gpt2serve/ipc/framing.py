@@ -10,10 +10,15 @@ import asyncio
 import logging
 from typing import Any, Callable, Hashable
 
+import zmq
+
 from . import codec
 from .codec import BadFrame
 
 log = logging.getLogger(__name__)
+# The socket options and flags both ends use on every pass, as plain ints: pyzmq's enum members
+# cost more to pass than the calls they go with.
+EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 class Outbox:

@@ -34,11 +34,10 @@ from gpt2serve_client.types import ModelInfo
 from ..errors import ShuttingDown, Unavailable, error_from_code
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, Result, Step, Submit, Tokens, TokenSink)
-from .framing import Outbox, deliver
+from .framing import EVENTS, NOBLOCK, POLLIN, Outbox, deliver
 
 log = logging.getLogger(__name__)
 # As plain ints: pyzmq's enum flags cost more than the check they make (Flag.__and__ on each read).
-_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 
 
 def engine_address(directory: str) -> str:
@@ -130,14 +129,14 @@ class ZmqEngineClient:
         self._context.term()
 
     def _send(self, _peer, frame: bytes) -> None:
-        self._socket.send(frame, _NOBLOCK)
+        self._socket.send(frame, NOBLOCK)
         self._receive()  # a frame the send took in would not wake the reader (see the module doc)
 
     def _receive(self) -> None:
         """Every frame that has arrived, each handed over as it is read."""
         socket = self._socket
-        while self._reading is not None and socket.get(_EVENTS) & _POLLIN:
-            deliver(socket.recv(_NOBLOCK), self._dispatch, "the engine")
+        while self._reading is not None and socket.get(EVENTS) & POLLIN:
+            deliver(socket.recv(NOBLOCK), self._dispatch, "the engine")
 
     def _dispatch(self, message) -> None:
         kind = type(message)
