@@ -37,7 +37,10 @@ class CallHead:
     scheme: str = "http"
 
     def header(self, name: bytes) -> bytes | None:
-        return next((value for key, value in self.headers if key == name), None)
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,8 @@ async def write(cycle: RequestResponseCycle, status: int, headers: Headers, body
         await cycle.flow.drain()
     if cycle.disconnected:
         return
-    if any(name == b"connection" and value.lower() == b"close" for name, value in headers):
-        cycle.keep_alive = False  # a refusal before the body was read: the rest of it is not wanted
+    if headers is not JSON_HEADERS and (b"connection", b"close") in headers:
+        cycle.keep_alive = False  # a refusal before the body was read (the guard's): the rest is not wanted
     content = [STATUS_LINE[status]]
     for name, value in (*cycle.default_headers, *headers):
         if name not in (b"content-length", b"connection"):
