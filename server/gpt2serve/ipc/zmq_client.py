@@ -37,7 +37,6 @@ from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Generate
 from .framing import EVENTS, NOBLOCK, POLLIN, Outbox, deliver
 
 log = logging.getLogger(__name__)
-# As plain ints: pyzmq's enum flags cost more than the check they make (Flag.__and__ on each read).
 
 
 def engine_address(directory: str) -> str:

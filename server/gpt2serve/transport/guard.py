@@ -25,9 +25,9 @@ OPEN_GRPC_SERVICES = frozenset({"grpc.health.v1.Health", "grpc.reflection.v1alph
                                 "grpc.reflection.v1.ServerReflection"})
 AUTH_HINT = "send 'authorization: Bearer <key>'"
 
+Headers = list[tuple[bytes, bytes]]  # (name, value), names in lower case
 # abort(context, error, method): answers a call with its error status and counts it
 # (grpc_server.abort_with, the one place gRPC refusals are counted).
-Headers = list[tuple[bytes, bytes]]
 Abort = Callable[[grpc.aio.ServicerContext, Exception, str], Awaitable[None]]
 
 

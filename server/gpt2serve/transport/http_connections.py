@@ -141,7 +141,7 @@ class ClockSweep:
         self.timer = None
         now = time.monotonic()
         for connection in list(self.connections):
-            deadline = getattr(connection, "_deadline", None)
+            deadline = connection._deadline
             if deadline is not None and now >= deadline and not connection.transport.is_closing():
                 connection._deadline = None
                 connection.transport.close()

@@ -20,11 +20,9 @@ from typing import Any, Awaitable, Callable, Iterable
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
 
-from ..errors import PayloadTooLarge
-from .guard import HttpGuard
+from .guard import Headers, HttpGuard
 from .http_errors import HttpErrors, as_serve_error, parse_body
 
-Headers = list[tuple[bytes, bytes]]
 JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
 
 
@@ -35,6 +33,11 @@ class CallHead:
 
     headers: Iterable[tuple[bytes, bytes]]
     scheme: str = "http"
+
+    @classmethod
+    def of(cls, scope: dict) -> CallHead:
+        """An ASGI scope's (uvicorn's request cycle and Starlette's Request carry one)."""
+        return cls(scope["headers"], scope.get("scheme", "http"))
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -71,7 +74,7 @@ class DirectRoutes:
             await write(cycle, status, headers, body)
 
     async def answer(self, cycle: RequestResponseCycle, path: str) -> tuple[int, Headers, bytes]:
-        head = CallHead(cycle.scope["headers"], cycle.scope["scheme"])
+        head = CallHead.of(cycle.scope)
         route = self.routes[path]
         extra: Headers = []
         try:
@@ -79,7 +82,7 @@ class DirectRoutes:
             if refusal is not None:
                 error, extra = refusal
                 raise error
-            raw = await read_whole(cycle, self.guard.max_body_bytes)
+            raw = await read_whole(cycle, self.guard)
             body = parse_body(raw, head.header(b"content-type"), route.body_type)
             return 200, JSON_HEADERS, await route.handler(head, body)
         except asyncio.CancelledError:
@@ -89,9 +92,10 @@ class DirectRoutes:
             return status, headers + extra, body
 
 
-async def read_whole(cycle: RequestResponseCycle, limit: int) -> bytes:
-    """The request's body, whole (most often already in: it came with the headers). Raises
-    PayloadTooLarge past `limit` bytes, so a chunked body cannot grow without end."""
+async def read_whole(cycle: RequestResponseCycle, guard: HttpGuard) -> bytes:
+    """The request's body, whole (most often already in: it came with the headers). Raises the
+    guard's PayloadTooLarge past its limit, so a chunked body cannot grow without end."""
+    limit = guard.max_body_bytes
     parts = []
     size = 0
     while True:
@@ -101,7 +105,7 @@ async def read_whole(cycle: RequestResponseCycle, limit: int) -> bytes:
         parts.append(message["body"])
         size += len(message["body"])
         if size > limit:
-            raise PayloadTooLarge(f"the body exceeds {limit} bytes (--max-message-bytes)")
+            raise guard.too_large()
         if not message["more_body"]:
             return b"".join(parts)
 

@@ -19,8 +19,7 @@ T = TypeVar("T")
 def http_options(request: Request, route: str, method: str, api: str = "rest", attributes: dict | None = None,
                  **asked: bool) -> RequestOptions:
     """call_options for a Starlette request."""
-    return call_options(CallHead(request.scope["headers"], request.scope.get("scheme", "http")), route, method, api,
-                        attributes, **asked)
+    return call_options(CallHead.of(request.scope), route, method, api, attributes, **asked)
 
 
 def call_options(head: CallHead, route: str, method: str, api: str = "rest", attributes: dict | None = None,

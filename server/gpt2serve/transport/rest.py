@@ -283,8 +283,7 @@ class Route:
         (for a direct route, only under an ASGI server other than the front end's)."""
         async def endpoint(request: Request, body) -> Response:
             if self.direct:
-                head = CallHead(request.scope["headers"], request.scope.get("scheme", "http"))
-                return json_response_bytes(await self.handler(head, body))
+                return json_response_bytes(await self.handler(CallHead.of(request.scope), body))
             return await self.handler(request, body)
 
         endpoint.__annotations__ = {"request": Request, "body": self.body_type, "return": Response}
