@@ -94,6 +94,31 @@ def test_bucketed_path_gives_each_prompt_its_answer_alone(bucketed_engine, tiny_
         assert_matches_reference(tiny_model.model, as_result(prompt, top), prompt, k)
 
 
+def test_a_bucket_is_captured_from_its_first_launchs_own_inputs(tiny_model):
+    """A capture executes the step (its warm-up runs), so it runs from the launch's real inputs:
+    a decode or prefill bucket first met mid-generation then writes only its own rows' keys and
+    values, where placeholder inputs would write over running sequences' slots. The capture
+    here stands in for torch.cuda.graph (no GPU on this machine); test_gpu captures for real."""
+    engine = Engine(tiny_model, EngineOptions(max_batch_size=16))
+    bucketed = engine.bucketed(capture=False)
+    bucketed.capture = True  # as on cuda
+    captured_from = []
+
+    def capture(bucket):
+        captured_from.append(bucket.inputs.clone())
+        bucketed._step(bucket)
+        return None  # no graph: the launch then runs the step itself
+
+    bucketed._capture = capture
+    prompts = [[464, 3139, 286], [15496]]
+    first, _ = bucketed.run(prompts)
+    first = first.clone()
+    again, shape = bucketed.run(prompts)
+    assert len(captured_from) == 1 and shape == (2, 8)  # one try per shape
+    assert captured_from[0][IDS, 0, -3:].tolist() == [464, 3139, 286] and captured_from[0][IDS, 1, -1] == 15496
+    assert torch.equal(first, again)
+
+
 def test_bucketed_path_equals_the_eager_path(bucketed_engine, tiny_model):
     rng = random.Random(1)
     eager = Engine(tiny_model, EngineOptions(max_batch_size=16))

@@ -75,6 +75,36 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
     assert not generator.running  # every slot was given back
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_prefills_from_buckets_match_transformers_alone(saved, overlap):
+    """The prefill graphs' path (engine.prefill_graphs: right-padded buckets, each row's keys and
+    values written into its slot, padding rows into free slots after the new ones), run eagerly
+    from the same buffers as a CPU runs it: sequences arriving three at a time join a running
+    batch and each one's tokens are its own alone. A padding row or column written over a
+    running sequence's slot would change that sequence's next tokens."""
+    hf, engine = saved
+    generator = Generator(engine, slots=8)
+    generator.allocate()
+    generator.prefill_graphs = buckets = generator.prefill_buckets(capture=False)
+    ran = []
+    run_prefill = buckets.run_prefill
+
+    def counting(prompts, first_slot):
+        ran.append((len(prompts), first_slot, buckets.shape_for(prompts, first_slot)))
+        return run_prefill(prompts, first_slot)
+
+    buckets.run_prefill = counting
+    lengths = [6 + 5 * (i % 4) for i in range(16)]
+    requests = [(0.004 * (i // 3), GenerateRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    got = asyncio.run(run_joining(generator, requests, overlap))
+    for prompt, n, tokens in zip(PROMPTS, lengths, got):
+        assert tokens == transformers_greedy(hf, prompt, n), prompt
+    assert any(first > 0 for _, first, _ in ran), "no bucketed prefill joined a running batch"
+    assert any(shape[0] > rows for rows, _, shape in ran), ("no bucket had padding rows", ran)
+    assert any(shape[1] > 8 for _, _, shape in ran), ("every prompt fit the smallest column bucket", ran)
+    assert not generator.running
+
+
 def test_forward_parts_keep_each_forward_within_the_budget():
     assert forward_parts([200, 200, 200], 512) == [(0, 2), (2, 3)]  # rows x the longest new part
     assert forward_parts([100] * 5, 512) == [(0, 5)]

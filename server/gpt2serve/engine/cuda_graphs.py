@@ -9,8 +9,8 @@ and the mask keeps both out of every real row's answer.
 Each bucket owns a (3, B, T) input buffer on the device. Every bucket writes its log-probs into
 one shared (max batch, V) output buffer, and all graphs share one memory pool: a replay's
 intermediates are dead once it returns, and replays never overlap (one engine thread).
-Graphs for common shapes are captured at warm-up, the rest lazily while the memory they took
-stays within the budget; other shapes run eagerly. Without capture (on the CPU, in tests) the
+Graphs for common shapes are captured at warm-up, the rest at their first launch (from that
+launch's own inputs) while the memory they took stays within the budget; other shapes run eagerly. Without capture (on the CPU, in tests) the
 same buffers and padding run eagerly, so that path is tested everywhere.
 """
 
@@ -36,6 +36,7 @@ class _Bucket:
     inputs: torch.Tensor  # (3, B, T) int64 on the device: what the graph reads
     shape: tuple[int, int]
     graph: torch.cuda.CUDAGraph | None = None  # None: run eagerly from the same buffers
+    capture: bool = False  # to be captured at its first launch
 
 
 class BucketedForward:
@@ -72,17 +73,30 @@ class BucketedForward:
         batch, length = shape
         staged = left_pad_into(self.staging[:3 * batch * length].view(3, batch, length), prompts, self.pad_id)
         bucket.inputs.copy_(staged, non_blocking=True)
-        if bucket.graph is not None:
-            bucket.graph.replay()
-        else:
-            self._step(bucket)
+        self._launch(bucket)
         return self.output[:len(prompts)], shape
 
     @torch.inference_mode()
     def warm_up(self, shapes: Sequence[tuple[int, int]]) -> None:
-        """Capture these bucket shapes now, largest first, so the shared pool is sized once."""
+        """Capture these bucket shapes now, largest first, so the shared pool is sized once.
+        From the buckets' initial inputs: only before anything runs that their step could
+        overwrite (a generation's steps write the KV cache)."""
         for shape in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
-            self._bucket(shape)
+            bucket = self._bucket(shape)
+            if bucket is not None:
+                self._capture_once(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        """Run the bucket's step from its inputs as they stand: replayed, captured first if it
+        has not been. Capture comes after the inputs are in place because its warm-up runs
+        execute the step: from the real inputs they write only what the replay writes again (a
+        decode or prefill step writes its rows' keys and values into the KV cache), where
+        placeholder inputs would have written over running sequences' slots."""
+        self._capture_once(bucket)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            self._step(bucket)
 
     def _step(self, bucket: _Bucket) -> None:
         """The captured computation: the forward from the bucket's inputs into the shared output."""
@@ -94,27 +108,30 @@ class BucketedForward:
         return torch.zeros((3, *shape), dtype=torch.long, device=self.device)  # (3, B, T)
 
     def _bucket(self, shape: tuple[int, int]) -> _Bucket | None:
+        """The bucket for this shape, made if new (its graph is captured at its first launch);
+        None once the graphs' memory budget is spent (that shape runs eagerly, at its own size)."""
         if shape in self.ready:
             return self.ready[shape]
         if shape in self.refused:
             return None
-        bucket = _Bucket(self._new_inputs(shape), shape)
-        if self.capture:
-            if self.memory_used_bytes >= self.memory_budget_bytes:
-                log.info("CUDA graph memory budget spent (%.0f MiB): shape %s runs eagerly",
-                         self.memory_used_bytes / 2**20, shape)
-                self.refused.add(shape)
-                return None
-            try:
-                bucket.graph = self._capture(bucket)
-            except RuntimeError as exc:  # out of memory, or an op that cannot be captured
-                torch.cuda.empty_cache()
-                log.warning("capturing a CUDA graph for shape %s failed (%s); it runs eagerly", shape,
-                            str(exc).splitlines()[0])
-                self.refused.add(shape)
-                return None
-        self.ready[shape] = bucket
+        if self.capture and self.memory_used_bytes >= self.memory_budget_bytes:
+            log.info("CUDA graph memory budget spent (%.0f MiB): shape %s runs eagerly",
+                     self.memory_used_bytes / 2**20, shape)
+            self.refused.add(shape)
+            return None
+        bucket = self.ready[shape] = _Bucket(self._new_inputs(shape), shape, capture=self.capture)
         return bucket
+
+    def _capture_once(self, bucket: _Bucket) -> None:
+        if not bucket.capture:
+            return
+        bucket.capture = False  # one try: a shape that cannot be captured runs eagerly from its buffers
+        try:
+            bucket.graph = self._capture(bucket)
+        except RuntimeError as exc:  # out of memory, or an op that cannot be captured
+            torch.cuda.empty_cache()
+            log.warning("capturing a CUDA graph for shape %s failed (%s); it runs eagerly", bucket.shape,
+                        str(exc).splitlines()[0])
 
     def _capture(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
         reserved = torch.cuda.memory_reserved(self.device)

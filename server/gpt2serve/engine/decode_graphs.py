@@ -48,10 +48,7 @@ class DecodeGraphs(BucketedForward):
         bucket.inputs[POSITIONS].copy_(staged, non_blocking=True)
         bucket.inputs[TOKENS, :rows].copy_(tokens)
         bucket.inputs[TOKENS, rows:] = self.pad_id
-        if bucket.graph is not None:
-            bucket.graph.replay()
-        else:
-            self._step(bucket)
+        self._launch(bucket)
         return self.output[:rows]
 
     def _new_inputs(self, shape: tuple[int, int]) -> torch.Tensor:

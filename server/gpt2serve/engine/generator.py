@@ -4,7 +4,8 @@ The scheduler (scheduling.scheduler) decides who runs; this module runs them, in
 thread, in two kinds of step:
 - prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
   fills their slots and gives each its first token; blocks found in the prefix cache are copied
-  into the slot, not computed (engine.prefix_forward); out of memory, it leaves no row behind;
+  into the slot, not computed (engine.prefix_forward); out of memory, it leaves no row behind.
+  On cuda, prompts that need nothing from the prefix cache replay a graph (engine.prefill_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
   (engine.traced_decode); or, with next-token prompts riding it, one eager forward for both
@@ -20,18 +21,17 @@ synchronously. Each row's own controls and grammar: engine.logits_controls."""
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
 import torch
 
 from .chunked_prefill import ChunkedPrefill
 from .decode_graphs import DecodeGraphs
+from .prefill_graphs import PrefillGraphs
 from .traced_decode import TracedDecode
-from ..protocol import PromptScores, SampledToken, TokenScore
+from ..protocol import SampledToken
 from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
@@ -40,66 +40,8 @@ from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .riders import RiderLayout, RiderStore
 from .logits_controls import TokenHistory, controlled_logits
-from .sampling import TOKEN, WARM_UP_PARAMS, SamplingParams, choose, read_choices, to_device
-
-
-@dataclass(frozen=True)
-class NewSequence:
-    seq_id: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int  # of the sequence's own generator: the same seed, the same draws
-    prompt_logprobs: int | None = None  # score the prompt's positions too, with this many alternatives
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    tokens: dict[int, SampledToken]  # seq_id -> its new token
-    kind: str  # "prefill" or "decode"
-    rows: int  # sequences in the forward
-    tokens_in: int  # tokens the forward read: prompt tokens (prefill) or one per row (decode)
-    forward_s: float
-    started_ns: int  # wall clock, for the step's span
-    ended_ns: int
-    # Sequences whose logits were not finite (a numerical overflow): no token; the scheduler
-    # fails them alone, and frees their slots at the next step.
-    failed: frozenset[int] = frozenset()
-    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
-    cached_tokens: dict[int, int] = field(default_factory=dict)  # prefill: seq_id -> prompt tokens from the prefix cache
-    # decode with riders (engine.riders): each rider's top-k next tokens, and the riders not finite
-    rider_tops: list[list[TokenScore]] = field(default_factory=list)
-    rider_failed: frozenset[int] = frozenset()
-
-
-@dataclass
-class _Running:
-    seq_id: int
-    params: SamplingParams
-    rng: random.Random
-    length: int  # positions filled in its cache slot (its last sampled token, in last_ids, is fed next)
-    prompt_length: int = field(default=0)
-    prompt: Sequence[int] = ()  # for its penalties' history (engine.logits_controls)
-    matcher: object = None  # its grammar's (engine.constraints), made at its first step
-    allowed: int = 0  # the tokens its grammar allowed at its last step
-    finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
-    unread: int = 0  # decode steps launched for it whose answers the host has not read yet
-    history_written: bool = False  # its prompt and tokens are in the token history
-
-
-@dataclass
-class DecodeLaunch:
-    """A decode step on its way: its answers are in `chosen` once `done` has fired."""
-
-    rows: list[_Running]
-    chosen: torch.Tensor  # (B, 3 + 2n) fp32 on the host (pinned on cuda): choose()'s answers
-    done: "torch.cuda.Event | None"  # cuda: fires when the copy into `chosen` has landed; None: there
-    device_started: "torch.cuda.Event | None"  # cuda: the step's start on the device, for its time
-    tokens_in: int
-    started: float
-    started_ns: int
-    forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
-    rider_tops: list[list[TokenScore]] = field(default_factory=list)
-    rider_failed: frozenset[int] = frozenset()
+from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device
+from .steps import DecodeLaunch, NewSequence, Running, StepOutput, joined
 
 
 class Generator:
@@ -120,12 +62,13 @@ class Generator:
         self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
         self.history: TokenHistory | None = None  # rows with penalties: their tokens, on the device
         self.grammars = engine.grammars  # structured output's compiled grammars
-        self.running: list[_Running] = []
+        self.running: list[Running] = []
         self.chunk_tokens = chunk_tokens
         self.chunked: deque[ChunkedPrefill] = deque()  # long prompts being read, oldest first
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
+        self.prefill_graphs: PrefillGraphs | None = None  # cuda: short prompts' prefills (engine.prefill_graphs)
         self.traces: TracedDecode | None = None  # cpu
 
     def allocate(self) -> KVCache:
@@ -143,11 +86,21 @@ class Generator:
                     vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id,
                     capture=self.engine.device.type == "cuda",
                     memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20))
+                self.prefill_graphs = self.prefill_buckets(capture=True)
         return self.cache
+
+    def prefill_buckets(self, capture: bool) -> PrefillGraphs:
+        """Bucketed prefills (without capture: the same padding and buffers, run eagerly)."""
+        config = self.model.config
+        return PrefillGraphs(self._prefill_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,
+                             vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id, capture=capture,
+                             memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20))
 
     def warm_up(self) -> None:
         """Claim the cache and run each kind of step once (first-call allocations, kernel choice)."""
         self.allocate()
+        if self.prefill_graphs is not None:  # before any sequence holds a slot: captures write slots from 0
+            self.prefill_graphs.warm_up()
         self.prefill([NewSequence(-1, [self.engine.pad_token_id] * 8, WARM_UP_PARAMS, 0)])
         self.decode()
         self.remove({-1})
@@ -189,11 +142,14 @@ class Generator:
         prompts = [s.prompt for s in sequences]
 
         def forward(plans: list[RowPlan]) -> StepOutput:
+            graphed = self._prefill_graphed(sequences, prompts, plans, first, started, started_ns)
+            if graphed is not None:
+                return graphed
             parts = forward_parts([len(p) - plan.cached_tokens for p, plan in zip(prompts, plans)],
                                   self.engine.forward_tokens)
             outputs = [self._prefill(sequences[a:b], prompts[a:b], plans[a:b], first + a, started, started_ns)
                        for a, b in parts]
-            return outputs[0] if len(outputs) == 1 else _joined(outputs)
+            return outputs[0] if len(outputs) == 1 else joined(outputs)
 
         pool = self.engine.prefix_cache
         try:
@@ -215,8 +171,7 @@ class Generator:
             hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
             if writer is not None:
                 writer.write_hidden(hidden)
-            added = [_Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), len(s.prompt), s.prompt)
-                     for s in sequences]
+            added = [Running.of(s) for s in sequences]
             tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added, first)
             if not needs_rows_again(batch, failed):
                 break
@@ -227,6 +182,26 @@ class Generator:
                           started_ns, time.time_ns(), failed,
                           {sequences[row].seq_id: score for row, score in scores.items()},
                           {s.seq_id: cached for s, cached in zip(sequences, batch.cached)})
+
+    def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
+                         first: int, started: float, started_ns: int) -> StepOutput | None:
+        """The prefill from a graph (engine.prefill_graphs): prompts that read and keep nothing in
+        the prefix cache and score nothing. None where it does not apply or no bucket holds them."""
+        if (self.prefill_graphs is None or any(plan.hit or plan.new for plan in plans)
+                or any(s.prompt_logprobs is not None for s in sequences)):
+            return None
+        shape = self.prefill_graphs.shape_for(prompts, first)
+        if shape is None:
+            return None
+        self.cache.reserve(first + shape[0], shape[1])  # padding rows and columns write there too (a CPU's cache grows)
+        logits = self.prefill_graphs.run_prefill(prompts, first)  # (P, V)
+        if logits is None:  # over the graphs' memory budget
+            return None
+        added = [Running.of(s) for s in sequences]
+        tokens, failed = self._choose(logits, added, first)
+        self.running.extend(added)
+        return StepOutput(tokens, "prefill", len(sequences), sum(map(len, prompts)), time.perf_counter() - started,
+                          started_ns, time.time_ns(), failed, {}, {s.seq_id: 0 for s in sequences})
 
     def reads_in_chunks(self, sequence: NewSequence) -> bool:
         """Read in chunks (engine.chunked_prefill): more uncached tokens than a chunk, no scores."""
@@ -256,7 +231,7 @@ class Generator:
             raise ValueError(f"{slot + 1} sequences for {self.slots} cache slots")
         self.cache.reserve(slot + 1, length)
         job.into_slot(self.cache, slot)
-        added = _Running(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length, sequence.prompt)
+        added = Running.of(sequence, length)
         tokens, failed = self._choose(self.engine.head(last), [added], slot)
         self.running.append(added)
         if pool is not None:
@@ -368,14 +343,21 @@ class Generator:
                                           mask=store.mask())  # (B, 1, C)
         return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
 
-    def _choose(self, logits: torch.Tensor, rows: Sequence[_Running], first_slot: int
+    def _prefill_logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                        last: torch.Tensor) -> torch.Tensor:
+        """(B, T) right-padded prompts into their slots (B,) -> (B, V) logits after each row's
+        `last` column. What a prefill graph captures."""
+        hidden = self.model.hidden_states(ids, positions, None, kv=self.cache.prefill(slots, positions))  # (B, T, C)
+        return self.engine.head(hidden[torch.arange(len(ids), device=ids.device), last])  # (B, V)
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int
                 ) -> tuple[dict[int, SampledToken], frozenset[int]]:
         """Sample each row's next token (into last_ids from `first_slot` on), bring the answers
         over in one copy, and record them; also the rows whose logits were not finite (see
         sampling), which get no token."""
         return read_choices(self._sample(logits, rows, first_slot, decode=False).cpu().tolist(), rows)
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[_Running], first_slot: int, decode: bool) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int, decode: bool) -> torch.Tensor:
         """choose() each row's token under its controls (engine.logits_controls), into last_ids
         (and the token history of rows with penalties) from `first_slot` on; (B, 3 + 2n)."""
         slots = range(first_slot, first_slot + len(rows))
@@ -388,13 +370,3 @@ class Generator:
             self.history.record([slots[i] for i in kept], [rows[i].prompt_length + generated[i] for i in kept],
                                 chosen[to_device(kept, chosen.device), TOKEN])
         return chosen
-
-
-def _joined(outputs: list[StepOutput]) -> StepOutput:
-    """One prefill step's output from its parts' (each part's forward_s counts from the step's start)."""
-    last = outputs[-1]
-    return StepOutput({k: v for o in outputs for k, v in o.tokens.items()}, "prefill", sum(o.rows for o in outputs),
-                      sum(o.tokens_in for o in outputs), last.forward_s, outputs[0].started_ns, last.ended_ns,
-                      frozenset().union(*(o.failed for o in outputs)),
-                      {k: v for o in outputs for k, v in o.prompt_scores.items()},
-                      {k: v for o in outputs for k, v in o.cached_tokens.items()})

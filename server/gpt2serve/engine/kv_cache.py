@@ -133,6 +133,27 @@ class KVCache:
     def decode(self, positions: torch.Tensor, span: int) -> DecodeStore:
         return DecodeStore(self, positions, span)
 
+    def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> PrefillSlots:
+        return PrefillSlots(self, slots, positions)
+
+
+class PrefillSlots:
+    """Prompts from column 0 of each row, right-padded (B, T): row b's keys and values written at
+    `positions` (B, T) of slot `slots[b]`; the forward attends over its own (causal), as
+    nothing is cached before them. What a prefill graph captures (engine.prefill_graphs)."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
+        self.cache, self.slots, self.positions = cache, slots, positions
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Advanced indices on dims 0 and 2 around a slice: the target is (B, T, nh, hs).
+        self.cache.keys[layer, self.slots[:, None], :, self.positions] = k.transpose(1, 2).to(self.cache.dtype)
+        self.cache.values[layer, self.slots[:, None], :, self.positions] = v.transpose(1, 2).to(self.cache.dtype)
+        return k, v  # (B, nh, T, hs)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None  # through `attend`
+
 
 class DecodeStore:
     """One new token for each of slots 0..B-1, at `positions` (B,): written there, then attended

@@ -1,0 +1,87 @@
+"""What the generator's steps take and give: a new sequence, a running one, a step's output, and
+a decode step on its way (engine.generator runs them)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..protocol import PromptScores, SampledToken, SamplingParams, TokenScore
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # of the sequence's own generator: the same seed, the same draws
+    prompt_logprobs: int | None = None  # score the prompt's positions too, with this many alternatives
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    tokens: dict[int, SampledToken]  # seq_id -> its new token
+    kind: str  # "prefill" or "decode"
+    rows: int  # sequences in the forward
+    tokens_in: int  # tokens the forward read: prompt tokens (prefill) or one per row (decode)
+    forward_s: float
+    started_ns: int  # wall clock, for the step's span
+    ended_ns: int
+    # Sequences whose logits were not finite (a numerical overflow): no token; the scheduler
+    # fails them alone, and frees their slots at the next step.
+    failed: frozenset[int] = frozenset()
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prefill: seq_id -> prompt tokens from the prefix cache
+    # decode with riders (engine.riders): each rider's top-k next tokens, and the riders not finite
+    rider_tops: list[list[TokenScore]] = field(default_factory=list)
+    rider_failed: frozenset[int] = frozenset()
+
+
+@dataclass
+class Running:
+    seq_id: int
+    params: SamplingParams
+    rng: random.Random
+    length: int  # positions filled in its cache slot (its last sampled token, in last_ids, is fed next)
+    prompt_length: int = field(default=0)
+    prompt: Sequence[int] = ()  # for its penalties' history (engine.logits_controls)
+    matcher: object = None  # its grammar's (engine.constraints), made at its first step
+    allowed: int = 0  # the tokens its grammar allowed at its last step
+    finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
+    unread: int = 0  # decode steps launched for it whose answers the host has not read yet
+    history_written: bool = False  # its prompt and tokens are in the token history
+
+    @classmethod
+    def of(cls, sequence: NewSequence, length: int | None = None) -> Running:
+        """A sequence joining with its prompt in its slot (`length`: positions filled, default all)."""
+        length = len(sequence.prompt) if length is None else length
+        return cls(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length, sequence.prompt)
+
+
+@dataclass
+class DecodeLaunch:
+    """A decode step on its way: its answers are in `chosen` once `done` has fired."""
+
+    rows: list[Running]
+    chosen: torch.Tensor  # (B, 3 + 2n) fp32 on the host (pinned on cuda): choose()'s answers
+    done: "torch.cuda.Event | None"  # cuda: fires when the copy into `chosen` has landed; None: there
+    device_started: "torch.cuda.Event | None"  # cuda: the step's start on the device, for its time
+    tokens_in: int
+    started: float
+    started_ns: int
+    forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
+    rider_tops: list[list[TokenScore]] = field(default_factory=list)
+    rider_failed: frozenset[int] = frozenset()
+
+
+def joined(outputs: list[StepOutput]) -> StepOutput:
+    """One prefill step's output from its parts' (each part's forward_s counts from the step's start)."""
+    last = outputs[-1]
+    return StepOutput({k: v for o in outputs for k, v in o.tokens.items()}, "prefill", sum(o.rows for o in outputs),
+                      sum(o.tokens_in for o in outputs), last.forward_s, outputs[0].started_ns, last.ended_ns,
+                      frozenset().union(*(o.failed for o in outputs)),
+                      {k: v for o in outputs for k, v in o.prompt_scores.items()},
+                      {k: v for o in outputs for k, v in o.cached_tokens.items()})
