@@ -77,3 +77,33 @@ def test_an_answered_request_moves_each_series_by_one_call():
         ("gpt2serve_time_per_output_token_seconds_count", grpc): 1,
         ("gpt2serve_time_per_output_token_seconds_sum", grpc): 0.004,
     }
+
+
+def test_every_answered_kind_has_its_series_before_its_first_request():
+    """prepare_answered (called as a front end starts) makes each (api, method)'s series at 0, so
+    the first request of a kind only moves values; the kinds listed are those the transports
+    answer (their method names, read from their source), no more, no fewer."""
+    import re
+    from pathlib import Path
+
+    import gpt2serve.transport as transport
+    from gpt2serve.telemetry.metrics import ANSWERED
+
+    used = set()
+    for path in Path(transport.__file__).parent.rglob("*.py"):
+        text = path.read_text()
+        used |= {("grpc", m) for m in re.findall(r'request_options\("(\w+)", request', text)}
+        used |= {("rest", m) for m in re.findall(r'request_options\(head, "[^"]+", "(\w+)"', text)}
+        used |= {(api or "rest", m) for m, api in
+                 re.findall(r'http_options\(request, [^,]+, "(\w+)"(?:, api="(\w+)")?', text)}
+    assert used == set(ANSWERED)
+
+    metrics = Metrics()
+    metrics.prepare_answered()
+    before = samples(metrics.registry)
+    assert all(before[("gpt2serve_requests_total", (("api", api), ("method", method), ("status", "OK")))] == 0
+               for api, method in ANSWERED)
+    for api, method in ANSWERED:
+        metrics.request_done(RequestDone(api, method, "OK", 0.03, "", 5, 1, (0.002,), None))
+    assert set(samples(metrics.registry)) == set(before), "a request made a series prepare_answered had not"
+

@@ -154,6 +154,9 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator, float]:
     # Ready means warm: each kind of step has run once (on cuda the whole cache is claimed and
     # written now; on a CPU it grows with use, a few slots and positions at a time).
     generator.warm_up()
+    if generator.prefill_graphs is not None:
+        log.info("prefill graphs: %d captured (%.0f MiB), for prompts of up to %d tokens", generator.prefill_graphs.graphs,
+                 generator.prefill_graphs.memory_used_bytes / 2**20, generator.prefill_graphs.buckets.length[-1])
     log.info("KV cache: up to %d sequences and %d tokens (%.0f MiB, %s), %s", generator.slots,
              generator.capacity_blocks * BLOCK,
              generator.capacity_blocks * BLOCK * KVCache.bytes_per_token(loaded.model.config, engine.kv_dtype) / 2**20,

@@ -109,6 +109,7 @@ async def until_signalled(stop: asyncio.Event, *also: asyncio.Task,
 class FrontEnd:
     def __init__(self, config: ServeConfig, telemetry: Telemetry, reuse_port: bool = False):
         self.config, self.reuse_port = config, reuse_port
+        telemetry.metrics.prepare_answered()  # the first request of each kind does not make its series
         self.service = InferenceService(config, telemetry)
         self.transports: Transports | None = None
 
