@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -49,6 +49,26 @@ class LayerTraceSampler(Sampler):
 
     def get_description(self) -> str:
         return f"LayerTraceSampler(ratio={self.ratio})"
+
+
+_trace_fields: tuple[object, frozenset[str]] = (None, frozenset())  # (the propagator, the fields it reads)
+
+
+def propagated_fields() -> frozenset[str]:
+    """The header (gRPC metadata) names the configured propagators read, lower-case: W3C's
+    traceparent, tracestate and baggage unless OTEL_PROPAGATORS says otherwise."""
+    global _trace_fields
+    textmap = propagate.get_global_textmap()
+    if _trace_fields[0] is not textmap:
+        _trace_fields = (textmap, frozenset(field.lower() for field in textmap.fields))
+    return _trace_fields[1]
+
+
+def trace_parent(carrier: dict[str, str]) -> Context | None:
+    """The caller's trace context from the fields it sent that the propagators read (see
+    propagated_fields); None when it sent none of them, the common case, which skips the
+    propagators' work (several µs a call)."""
+    return propagate.extract(carrier) if carrier else None
 
 
 def setup_tracing(exporter: str | None, sample_ratio: float) -> TracerProvider | None:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry import propagate
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -23,6 +22,7 @@ from ..config import ServeConfig
 from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
+from ..telemetry.tracing import propagated_fields, trace_parent
 from .guard import BearerKey, GrpcAuthInterceptor
 
 log = logging.getLogger(__name__)
@@ -99,10 +99,11 @@ def prompt_input(msg: pb.NextTokenRequest | pb.Prompt) -> PromptInput:
 
 def request_options(method: str, request, context: grpc.aio.ServicerContext) -> RequestOptions:
     """Span name and attributes, the caller's W3C trace context (metadata), and what it asked to see."""
-    metadata = {key: value for key, value in (context.invocation_metadata() or ()) if isinstance(value, str)}
+    fields = propagated_fields()
+    carrier = {key: value for key, value in (context.invocation_metadata() or ()) if key in fields and isinstance(value, str)}
     remaining = context.time_remaining()
     return RequestOptions(
-        api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=propagate.extract(metadata),
+        api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=trace_parent(carrier),
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
         trace_layers=request.trace_layers, include_layers=getattr(request, "include_layers", False),
         attention_maps=getattr(request, "attention_maps", False),  # NextToken only

@@ -7,10 +7,10 @@ import asyncio
 from typing import Awaitable, Iterable, TypeVar
 
 from fastapi import Request
-from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from ..service import RequestOptions
+from ..telemetry.tracing import propagated_fields, trace_parent as tracing_parent
 from .http_direct import CallHead
 
 T = TypeVar("T")
@@ -32,20 +32,17 @@ def call_options(head: CallHead, route: str, method: str, api: str = "rest", att
                     **(attributes or {})}, **asked)
 
 
-_trace_fields: tuple[object, frozenset[bytes]] = (None, frozenset())  # (the propagator, the headers it reads)
+_header_fields: tuple[frozenset[str], frozenset[bytes]] = (frozenset(), frozenset())  # propagated_fields(), as bytes
 
 
 def trace_parent(headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
-    """The caller's trace context from the headers the configured propagators read (W3C's
-    traceparent, tracestate and baggage unless OTEL_PROPAGATORS says otherwise); None when it
-    sent none of them, the common case, which skips the propagators' work."""
-    global _trace_fields
-    textmap = propagate.get_global_textmap()
-    if _trace_fields[0] is not textmap:
-        _trace_fields = (textmap, frozenset(field.lower().encode("latin-1") for field in textmap.fields))
-    fields = _trace_fields[1]
-    carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in headers if name in fields}
-    return propagate.extract(carrier) if carrier else None
+    """The caller's trace context from its headers (telemetry.tracing.trace_parent)."""
+    global _header_fields
+    fields = propagated_fields()
+    if _header_fields[0] is not fields:
+        _header_fields = (fields, frozenset(field.encode("latin-1") for field in fields))
+    wanted = _header_fields[1]
+    return tracing_parent({name.decode("latin-1"): value.decode("latin-1") for name, value in headers if name in wanted})
 
 
 class ClientDisconnected(Exception):
