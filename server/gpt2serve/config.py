@@ -245,7 +245,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--cuda-graphs", type=parse_bool, default=d.cuda_graphs,
             help="on cuda, replay captured CUDA graphs for bucketed batch shapes (on/off)")
     env.add("--cuda-graph-memory-mb", type=float, default=d.cuda_graph_memory_mb,
-            help="device memory the captured CUDA graphs may take; other shapes run eagerly")
+            help="device memory each kind of captured CUDA graph (next-token forwards, prefills, decode steps) "
+                 "may take; other shapes run eagerly")
     env.add("--trace-ui-url", default=d.trace_ui_url,
             help="link each /ui answer to its trace, e.g. http://localhost:16686/trace/{trace_id} (Jaeger)")
     env.add("--max-running-sequences", type=auto_or_int, default="auto",

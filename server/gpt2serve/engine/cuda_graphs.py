@@ -10,8 +10,9 @@ Each bucket owns a (3, B, T) input buffer on the device. Every bucket writes its
 one shared (max batch, V) output buffer, and all graphs share one memory pool: a replay's
 intermediates are dead once it returns, and replays never overlap (one engine thread).
 Graphs for common shapes are captured at warm-up, the rest at their first launch (from that
-launch's own inputs) while the memory they took stays within the budget; other shapes run eagerly. Without capture (on the CPU, in tests) the
-same buffers and padding run eagerly, so that path is tested everywhere.
+launch's own inputs) while the memory they took stays within the budget; other shapes run
+eagerly. Without capture (on the CPU, in tests) the same buffers and padding run eagerly, so
+that path is tested everywhere.
 """
 
 from __future__ import annotations
