@@ -27,7 +27,6 @@ import bisect
 import functools
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -146,8 +145,7 @@ def prefill(self, sequences):
         raise ValueError("the stand-in device does not score prompts")
     batch = left_pad([s.prompt for s in sequences], self.engine.pad_token_id)  # (3, B, T)
     device_wait(NEXT_TOKEN.seconds(len(sequences)))
-    added = [generator_module._Running(s.seq_id, s.params, random.Random(s.seed), len(s.prompt), len(s.prompt))
-             for s in sequences]
+    added = [generator_module.Running.of(s) for s in sequences]
     for r in added:
         r.rng.random()  # the draw choose() takes
     tokens, failed = generator_module.read_choices(_chosen(added).tolist(), added)

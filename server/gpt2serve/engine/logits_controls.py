@@ -35,7 +35,7 @@ def needs_history(p: SamplingParams) -> bool:
 
 
 class Row(Protocol):
-    """What a running sequence tells the controls (engine.generator._Running)."""
+    """What a running sequence tells the controls (engine.steps.Running)."""
 
     params: SamplingParams
     prompt: Sequence[int]
