@@ -38,6 +38,7 @@ from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine.head import read_top_k
 from gpt2serve.engine.padding import left_pad
+from gpt2serve.engine.prompt_launch import PromptLaunch
 from gpt2serve.launch import engine_host
 
 STEPS_FILE = Path(os.environ.get("STANDIN_STEPS", Path(__file__).with_name("h200_steps.json")))
@@ -137,6 +138,16 @@ def _chosen(rows) -> torch.Tensor:
     return _chosen_rows[n][:len(rows)]
 
 
+def launch_prompts(self, prompts, top_ks):
+    """A plain next-token batch queued on the stand-in device (engine.prompt_launch); the real
+    finish_prompts() waits for it and reads it."""
+    started, started_ns = time.perf_counter(), time.time_ns()
+    batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
+    start, end = Device.queue(NEXT_TOKEN.seconds(len(prompts)))
+    both = _top_k_rows(max(top_ks))[:, :len(prompts)]  # what the copy back brings
+    return PromptLaunch(both, Moment(end), Moment(start), list(top_ks), batch.shape[2], started, started_ns, False)
+
+
 def prefill(self, sequences):
     started, started_ns = time.perf_counter(), time.time_ns()
     if len(self.running) + len(sequences) > self.slots:
@@ -180,6 +191,7 @@ def engine_warm_up(self):
 
 
 engine_module.Engine.next_token = next_token
+engine_module.Engine.launch_prompts = launch_prompts
 engine_module.Engine.warm_up = engine_warm_up
 generator_module.Generator.prefill = prefill
 generator_module.Generator.launch_decode = launch_decode

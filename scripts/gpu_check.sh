@@ -9,8 +9,9 @@
 #      client processes, NextTokenBatch (64 prompts a call, 16 clients over 4 processes), and 1
 #      client (--quick: neither REST nor 1 client). Each load takes 40-45 s on an H100: client
 #      processes to start, the in-process limit's model to load, warm-up, load
-#   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256), then
-#      the engine alone at the same batches in process (bench/generate_engine.py)
+#   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256), the
+#      engine process's CPU under 256 streams where py-spy is there (bench/engine_profile.py; not
+#      in --quick), then the engine alone at the same batches in process (bench/generate_engine.py)
 #   5. the prefix cache, scoring, and structured output at 64 streams (a 10-field JSON schema
 #      against none) on cuda (not in --quick)
 #   6. the suite, -n over the machine's cores, until the budget is spent: the tests left then are
@@ -131,6 +132,28 @@ if grep -q "gpt2serve ready" "$out/serve.log"; then
   { echo; $python bench/step_metrics.py http://127.0.0.1:8081 --since "$steps_before" 2>&1; } >>"$file"
   grep -v WARN "$file" | section "generation: gpt2serve bench --generate --streams $streams -p 8 -d ${caps[6]}"
   row "generation, $streams streams" "$LAST_S" "$(outcome $rc); below"
+  # Where the engine process's CPU goes under 256 streams (py-spy, where the wheels carried it).
+  spy=$(command -v py-spy || ls /tmp/site/bin/py-spy 2>/dev/null)
+  if [ $quick = 0 ] && [ -n "$spy" ] && (( $(left) > 60 )); then
+    file=$(mktemp)
+    $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50081 --streams 256 -p 8 -d 15 --rounds 1 \
+        --limit-duration 1 >/dev/null 2>&1 &
+    load=$!
+    # The bench runs transformers' reference first: wait for the server's steps to move.
+    $python -c "
+import time
+from gpt2serve.benchmarks.native_load import scrape
+def steps():
+    return sum(v for (name, _), v in scrape('http://127.0.0.1:8081').items() if name == 'gpt2serve_step_duration_seconds_count')
+first, t0 = steps(), time.time()
+while steps() - first < 500 and time.time() - t0 < 30:
+    time.sleep(0.5)
+" 2>/dev/null
+    PATH=$(dirname "$spy"):$PATH run 30 "$file" $python bench/engine_profile.py --seconds 5; rc=$?
+    kill $load 2>/dev/null; wait $load 2>/dev/null
+    section "the engine process under 256 streams: bench/engine_profile.py --seconds 5" <"$file"
+    row "engine profile, 256 streams" "$LAST_S" "$(outcome $rc); below"
+  fi
 else
   row "server start" $(( $(date +%s) - started )) "NOT READY (serve.log)"
   status=1

@@ -230,3 +230,47 @@ def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_ge
         assert [e.token.token_id for e in got] == transformers_greedy(hf, PROMPTS[i], 8)
     assert running_ids[0] == []  # the failed prefill left no row behind
     assert len(running_ids[2]) == len(set(running_ids[2])) == 4  # each sequence in one slot
+
+
+def test_next_token_batches_launch_before_the_last_is_read_and_answer_as_alone(saved):
+    """On cuda the core launches a plain next-token batch (engine.prompt_launch) and reads the one
+    before it while it runs. Here the bucketed path without capture, overlap forced as on cuda:
+    callers arriving in waves over one another's batches each get their prompt's own answer; a
+    batch was launched while another was in flight; and a lone caller, with nothing launched
+    behind it, is answered all the same."""
+    hf, engine = saved
+    engine.graphs = engine.bucketed(capture=False)
+    log: list[tuple[str, int]] = []
+    launch, finish = engine.launch_prompts, engine.finish_prompts
+    engine.launch_prompts = lambda prompts, top_ks: log.append(("launch", len(prompts))) or launch(prompts, top_ks)
+    engine.finish_prompts = lambda launched: log.append(("read", len(launched.top_ks))) or finish(launched)
+    prompts = [PROMPTS[i % len(PROMPTS)][:12] for i in range(48)]
+
+    async def main():
+        core = generation_core(Generator(engine, slots=2), overlap=True)
+        core.start()
+        try:
+            async def caller(i: int):
+                await asyncio.sleep(0.002 * (i % 6))
+                (answer,) = await core.submit([prompts[i]], top_k=3)
+                return answer
+            answers = await asyncio.gather(*(caller(i) for i in range(len(prompts))))
+            (alone,) = await asyncio.wait_for(core.submit([PROMPTS[3]], top_k=2), 10)
+            return answers, alone
+        finally:
+            await core.stop()
+
+    try:
+        answers, alone = asyncio.run(main())
+    finally:
+        del engine.launch_prompts, engine.finish_prompts
+        engine.graphs = None
+    for prompt, answer in zip(prompts, answers):
+        assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=3)
+    assert_matches_reference(hf, as_result(PROMPTS[3], alone.top), PROMPTS[3], top_k=2)
+    in_flight, most = 0, 0
+    for kind, _ in log:
+        in_flight += 1 if kind == "launch" else -1
+        most = max(most, in_flight)
+    assert most == 2, ("no batch was launched while another was in flight", log)
+    assert in_flight == 0 and sum(n for kind, n in log if kind == "launch") == len(prompts) + 1

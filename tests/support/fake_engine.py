@@ -33,3 +33,9 @@ class FakeEngine:
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput:
         return output
+
+    def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> None:
+        return None  # no graphs: every batch runs whole (next_token)
+
+    def finish_prompts(self, launch) -> BatchOutput:
+        raise AssertionError("nothing was launched")

@@ -52,8 +52,10 @@ class BucketedForward:
         self.memory_used_bytes = 0  # device memory the captures took (reserved by their pool)
         max_batch, max_len = buckets.batch[-1], buckets.length[-1]
         self.output = torch.empty(max_batch, vocab_size, dtype=torch.float32, device=device)  # (B_max, V)
-        # Host staging for the inputs: pinned on cuda, so the copy to the device is asynchronous.
-        self.staging = torch.empty(3 * max_batch * max_len, dtype=torch.long, pin_memory=device.type == "cuda")
+        # Host staging for the inputs on a CPU; on cuda each run stages into pinned memory of its own
+        # (the copy to the device is asynchronous, and a batch launched before may still be copying:
+        # engine.prompt_launch).
+        self.staging = torch.empty(3 * max_batch * max_len, dtype=torch.long) if device.type != "cuda" else None
         self.ready: dict[tuple[int, int], _Bucket] = {}
         self.refused: set[tuple[int, int]] = set()  # over the memory budget, or the capture failed
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -72,7 +74,9 @@ class BucketedForward:
         if bucket is None:
             return None
         batch, length = shape
-        staged = left_pad_into(self.staging[:3 * batch * length].view(3, batch, length), prompts, self.pad_id)
+        staging = (self.staging[:3 * batch * length] if self.staging is not None
+                   else torch.empty(3 * batch * length, dtype=torch.long, pin_memory=True))
+        staged = left_pad_into(staging.view(3, batch, length), prompts, self.pad_id)
         bucket.inputs.copy_(staged, non_blocking=True)
         self._launch(bucket)
         return self.output[:len(prompts)], shape

@@ -36,8 +36,8 @@ class DecodeGraphs(BucketedForward):
         """(B,) tokens on the device (the generator's last_ids) at these positions -> (B, V) logits
         for the rows' next tokens, a view of the shared output (valid until the next run); None
         when no bucket holds this step (run it eagerly). Waits for nothing: the positions go
-        through a pinned buffer of their own (the last step's may still be in flight, so the
-        shared staging buffer would be overwritten under its copy)."""
+        through a pinned buffer of their own (the last step's may still be in flight, its copy
+        from its own buffer not yet done)."""
         shape = self.buckets.shape_for(len(tokens), max(positions) + 1)
         bucket = self._bucket(shape) if shape is not None else None
         if bucket is None:

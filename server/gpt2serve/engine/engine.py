@@ -40,6 +40,7 @@ from .logits_controls import controlled_view
 from .prefix_cache import PrefixCache, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
+from .prompt_launch import PromptLaunch, launch_prompts, read_launch
 
 log = logging.getLogger(__name__)
 
@@ -263,6 +264,17 @@ class Engine:
             return forward(None)
         return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows,
                                      use_hits=not (traced_rows or controlled_rows))
+
+    @oom_as_out_of_memory
+    @torch.inference_mode()
+    def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> PromptLaunch | None:
+        """A plain batch queued, not waited for (engine.prompt_launch); None: use next_token()."""
+        return launch_prompts(self.graphs, self.prefix_cache, prompts, top_ks)
+
+    def finish_prompts(self, launch: PromptLaunch) -> BatchOutput:
+        top, failed, forward_s = read_launch(launch)
+        return BatchOutput(top, forward_s, launch.padded_len, launch.started_ns, launch.started_ns + int(forward_s * 1e9),
+                           cuda_graph=True, failed_rows=failed, cached_tokens=[0] * len(top) if launch.looked_up else [])
 
     def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
                     plans: list[RowPlan] | None, started: float, started_ns: int,

@@ -67,8 +67,7 @@ class PrefillGraphs(BucketedForward):
         if bucket is None:
             return None
         B, T = shape
-        # A buffer of its own, pinned on cuda: a step launched before may still be copying from
-        # the shared staging buffer (the decode steps' positions go the same way).
+        # A buffer of its own, pinned on cuda (an asynchronous copy), as every launch stages its inputs.
         staged = torch.empty((3, B, T), dtype=torch.long, pin_memory=self.device.type == "cuda")
         staged[IDS].fill_(self.pad_id)
         staged[POSITIONS] = torch.arange(T)  # padding columns and rows too: in range, never read

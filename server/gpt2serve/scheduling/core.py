@@ -58,9 +58,10 @@ class EngineCore:
                  max_batch_delay_s: float, max_queue: int, max_batch_tokens: int, max_queue_wait_s: float = 60.0,
                  eos_token_id: int | None = None, engine_thread: ThreadPoolExecutor | None = None,
                  observer: Observer | None = None, overlap: bool | None = None):
-        """overlap: launch each decode step before reading the last one's answers (default: where
-        the device runs on by itself, cuda); on a CPU the launch is the whole step, so it only
-        makes each token a step later (tests force it on there)."""
+        """overlap: launch each decode step, and each plain next-token batch, before reading the
+        last one's answers (default: where the device runs on by itself, cuda); on a CPU the
+        launch is the whole step, so it only makes each token a step later (tests force it on
+        there)."""
         self.engine, self.generator = engine, generator
         self.outputs = Outputs(observer)  # the callers' side: answers, on their loop
         self.max_batch_size, self.max_queue, self.max_queue_wait_s = max_batch_size, max_queue, max_queue_wait_s
@@ -270,6 +271,7 @@ class EngineCore:
             except Exception:  # a bug in the loop itself: log it, keep serving
                 log.exception("engine core: a step failed")
         self.runner.finish_in_flight()
+        self.runner.finish_prompts_in_flight()
 
     def _prompts_started(self, batch: list[EngineRequest]) -> None:
         """The runner took these prompts into a forward: they stop counting as waiting."""
@@ -294,6 +296,9 @@ class EngineCore:
             self.runner.finish_in_flight()
         step = self.scheduler.schedule(now)
         if not isinstance(step, Step):
+            if self.runner.prompts_in_flight is not None:  # nothing to launch behind it: its callers wait
+                self.runner.finish_prompts_in_flight()
+                return
             if self.runner.in_flight is not None:  # its answers may change what comes next
                 self.runner.finish_in_flight()
                 return

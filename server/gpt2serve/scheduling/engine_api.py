@@ -8,6 +8,7 @@ from typing import Protocol, Sequence
 
 from ..engine.engine import BatchOutput
 from ..engine.generator import NewSequence, StepOutput
+from ..engine.prompt_launch import PromptLaunch
 
 
 class PromptEngine(Protocol):
@@ -20,6 +21,11 @@ class PromptEngine(Protocol):
                    scored_rows: dict[int, int] | None = None, controlled_rows: dict | None = None) -> BatchOutput: ...
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
+
+    # A plain batch queued without waiting for it (engine.prompt_launch); None: run it with next_token.
+    def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> PromptLaunch | None: ...
+
+    def finish_prompts(self, launch: PromptLaunch) -> BatchOutput: ...
 
 
 class GenerationEngine(Protocol):

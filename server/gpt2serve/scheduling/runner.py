@@ -5,7 +5,9 @@ the engine and the generator, and hands every answer to the callers' side (sched
     admitted  one prefill, which gives each its first token; a long prompt is read instead in
               chunks, one chunk a step (engine.chunked_prefill), the oldest first
     prompts   next-token prompts: riding this step's decode (engine.riders) where they can, the
-              others in a forward of their own
+              others in a forward of their own; with overlap a plain batch is launched and the
+              batch before it read while it runs (engine.prompt_launch), and a batch with none
+              launched behind it is read at the next step, or at once when there is none
     decode    launched; then the step before it is read. With overlap (on cuda) the two are
               different steps: this one is queued behind the one still running on the device,
               whose answers are read while it runs, so the host's work hides behind the device's
@@ -28,6 +30,7 @@ import time
 from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
+from ..engine.prompt_launch import PromptLaunch
 from ..engine.chunked_prefill import ChunkedPrefill
 from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
@@ -55,11 +58,15 @@ class StepRunner:
         self.overlap, self.rider_tokens, self.eos_token_id = overlap, rider_tokens, eos_token_id
         self._prompts_started, self._wake = prompts_started, wake
         self.in_flight: tuple[DecodeLaunch, list[EngineRequest]] | None = None  # launched, not yet read
+        # a next-token batch launched, not yet read: (launch, its requests, started, started_ns)
+        self.prompts_in_flight: tuple[PromptLaunch, list[EngineRequest], float, int] | None = None
         self.prompts_running = 0  # next-token prompts in the forward under way
         self.steps_run = 0
         self.batches_run = 0
 
     def run(self, step: Step) -> None:
+        if not step.prompts:  # a batch in flight is read now unless the next one launches first
+            self.finish_prompts_in_flight()
         if step.leaving and self.generator is not None:
             self.generator.remove({r.request_id for r in step.leaving})
         if step.admitted:
@@ -95,15 +102,51 @@ class StepRunner:
     # Next-token prompts ---------------------------------------------------------------------------
     def _prompts_start(self, batch: list[EngineRequest]) -> None:
         self._prompts_started(batch)
-        self.prompts_running = len(batch)
+        self.prompts_running += len(batch)
+
+    def _settle_running(self) -> None:
+        """The running count back to what is in flight (after a step, whatever it raised)."""
+        self.prompts_running = len(self.prompts_in_flight[1]) if self.prompts_in_flight is not None else 0
 
     def _prompt_step(self, batch: list[EngineRequest]) -> None:
         log.debug("batch: %d prompts in their own forward (%d queued)", len(batch), len(self.scheduler.prompts))
         self._prompts_start(batch)
         try:
-            self._forward_prompts(batch)
+            if not (self.overlap and self._launch_prompts(batch)):
+                self.finish_prompts_in_flight()  # answers in the order the batches ran
+                self._forward_prompts(batch)
         finally:
-            self.prompts_running = 0
+            self._settle_running()
+
+    def _launch_prompts(self, batch: list[EngineRequest]) -> bool:
+        """Queue a plain batch (engine.prompt_launch), then read the one before it, which ran on
+        the device meanwhile; False where it cannot be launched so (then it runs whole)."""
+        if any(r.prompt_logprobs is not None or r.controls is not None or (r.trace is not None and r.trace.layers_wanted)
+               for r in batch):
+            return False
+        started, started_ns = time.perf_counter(), time.time_ns()
+        try:
+            launch = self.engine.launch_prompts([r.prompt for r in batch], [r.top_k for r in batch])
+        except Exception as exc:  # out of memory too: the whole-batch path fails or splits it
+            log.warning("launching a batch of %d failed (%s); running it whole", len(batch), exc)
+            return False
+        if launch is None:
+            return False
+        self.finish_prompts_in_flight()
+        self.prompts_in_flight = (launch, batch, started, started_ns)
+        return True
+
+    def finish_prompts_in_flight(self) -> None:
+        """Read the launched batch and answer it."""
+        if self.prompts_in_flight is None:
+            return
+        (launch, batch, started, started_ns), self.prompts_in_flight = self.prompts_in_flight, None
+        try:
+            output = self.engine.finish_prompts(launch)
+        except Exception as exc:
+            self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
+            return
+        self._answer(batch, output, started, started_ns)
 
     def _forward_prompts(self, batch: list[EngineRequest]) -> None:
         """Forward one batch and answer it. Out of device memory: each half on its own."""
@@ -132,6 +175,9 @@ class StepRunner:
         except Exception as exc:  # fail this batch only; keep serving
             self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
             return
+        self._answer(batch, output, started, started_ns)
+
+    def _answer(self, batch: list[EngineRequest], output: BatchOutput, started: float, started_ns: int) -> None:
         self.batches_run += 1
         self.scheduler.prompts_answered(len(batch), output.forward_s)
         if output.probe is not None:
@@ -255,7 +301,7 @@ class StepRunner:
             self.fail(members + list(riders), ServeError(f"the {kind} step failed; {INTERNAL_MESSAGE}"), exc,
                       f"{kind} step")
         finally:
-            self.prompts_running = 0
+            self._settle_running()
         return None
 
     def _took(self, output: StepOutput, members: list[EngineRequest]) -> None:
