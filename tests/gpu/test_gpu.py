@@ -293,6 +293,28 @@ def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
     assert all(len(step.tokens) == 8 and not step.failed for step in steps)
 
 
+def test_launched_next_token_batches_wait_for_nothing_and_answer_as_next_token_does(peaked):
+    """engine.prompt_launch on cuda: two plain batches launched back to back under torch's sync
+    debug mode (a launch that waited for the device would raise), then read, give each prompt
+    the top-k a whole next_token() call gives it."""
+    engine = cuda_engine(peaked, torch.float32)
+    first, second = make_prompts(64, seed=11, max_len=12), make_prompts(40, seed=12, max_len=12)
+    engine.launch_prompts(first, [5] * len(first))  # captures any bucket not yet captured
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = [engine.launch_prompts(first, [5] * len(first)), engine.launch_prompts(second, [3] * len(second))]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(launch is not None for launch in launched)
+    for prompts, k, launch in zip((first, second), (5, 3), launched):
+        got, want = engine.finish_prompts(launch), engine.next_token(prompts, [k] * len(prompts))
+        assert got.cuda_graph and not got.failed_rows
+        for mine, theirs in zip(got.top, want.top):
+            assert [s.token_id for s in mine] == [s.token_id for s in theirs]
+            assert [s.logprob for s in mine] == pytest.approx([s.logprob for s in theirs], abs=1e-4)
+
+
 def test_the_overlapped_core_on_cuda_generates_what_it_does_without_overlap(peaked):
     """On cuda the core launches each decode step before reading the last one (its default
     there): streams joining and leaving, greedy and seeded, give the tokens they give without it.
