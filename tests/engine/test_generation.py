@@ -78,9 +78,10 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_prefills_from_buckets_match_transformers_alone(saved, overlap):
     """The prefill graphs' path (engine.prefill_graphs: right-padded buckets, each row's keys and
-    values written into its slot, padding rows into free slots after the new ones), run eagerly
+    values written into its slot, padding rows writing back what one slot holds), run eagerly
     from the same buffers as a CPU runs it: sequences arriving three at a time join a running
-    batch and each one's tokens are its own alone. A padding row or column written over a
+    batch and each one's tokens are its own alone, the cache full after some prefills (their
+    padding rows then target a running sequence's slot). A padding row or column that changed a
     running sequence's slot would change that sequence's next tokens."""
     hf, engine = saved
     generator = Generator(engine, slots=8)
@@ -101,6 +102,7 @@ def test_prefills_from_buckets_match_transformers_alone(saved, overlap):
         assert tokens == transformers_greedy(hf, prompt, n), prompt
     assert any(first > 0 for _, first, _ in ran), "no bucketed prefill joined a running batch"
     assert any(shape[0] > rows for rows, _, shape in ran), ("no bucket had padding rows", ran)
+    assert any(shape[0] > rows and first + rows == 8 for rows, first, shape in ran), ("never full with padding", ran)
     assert any(shape[1] > 8 for _, _, shape in ran), ("every prompt fit the smallest column bucket", ran)
     assert not generator.running
 

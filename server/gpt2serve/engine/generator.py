@@ -193,7 +193,8 @@ class Generator:
         shape = self.prefill_graphs.shape_for(prompts, first)
         if shape is None:
             return None
-        self.cache.reserve(first + shape[0], shape[1])  # padding rows and columns write there too (a CPU's cache grows)
+        # Padding columns write there too, and padding rows the slot after the new ones (a CPU's cache grows).
+        self.cache.reserve(min(first + len(prompts) + 1, self.slots), shape[1])
         logits = self.prefill_graphs.run_prefill(prompts, first)  # (P, V)
         if logits is None:  # over the graphs' memory budget
             return None
@@ -344,10 +345,11 @@ class Generator:
         return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
 
     def _prefill_logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                        last: torch.Tensor) -> torch.Tensor:
+                        last: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """(B, T) right-padded prompts into their slots (B,) -> (B, V) logits after each row's
-        `last` column. What a prefill graph captures."""
-        hidden = self.model.hidden_states(ids, positions, None, kv=self.cache.prefill(slots, positions))  # (B, T, C)
+        `last` column; rows not `real` (B,) change no slot. What a prefill graph captures."""
+        store = self.cache.prefill(slots, positions, real)
+        hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (B, T, C)
         return self.engine.head(hidden[torch.arange(len(ids), device=ids.device), last])  # (B, V)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int

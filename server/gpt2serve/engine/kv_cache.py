@@ -133,22 +133,26 @@ class KVCache:
     def decode(self, positions: torch.Tensor, span: int) -> DecodeStore:
         return DecodeStore(self, positions, span)
 
-    def prefill(self, slots: torch.Tensor, positions: torch.Tensor) -> PrefillSlots:
-        return PrefillSlots(self, slots, positions)
+    def prefill(self, slots: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> PrefillSlots:
+        return PrefillSlots(self, slots, positions, real)
 
 
 class PrefillSlots:
     """Prompts from column 0 of each row, right-padded (B, T): row b's keys and values written at
     `positions` (B, T) of slot `slots[b]`; the forward attends over its own (causal), as
-    nothing is cached before them. What a prefill graph captures (engine.prefill_graphs)."""
+    nothing is cached before them. Rows not `real` (B,) are padding: they write back what their
+    target holds, so several of them may share a slot that a sequence holds. What a prefill
+    graph captures (engine.prefill_graphs)."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, real: torch.Tensor):
         self.cache, self.slots, self.positions = cache, slots, positions
+        self.real = real[:, None, None, None]  # (B, 1, 1, 1)
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Advanced indices on dims 0 and 2 around a slice: the target is (B, T, nh, hs).
-        self.cache.keys[layer, self.slots[:, None], :, self.positions] = k.transpose(1, 2).to(self.cache.dtype)
-        self.cache.values[layer, self.slots[:, None], :, self.positions] = v.transpose(1, 2).to(self.cache.dtype)
+        where = (layer, self.slots[:, None], slice(None), self.positions)
+        for cache, new in ((self.cache.keys, k), (self.cache.values, v)):
+            cache[where] = torch.where(self.real, new.transpose(1, 2).to(cache.dtype), cache[where])
         return k, v  # (B, nh, T, hs)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

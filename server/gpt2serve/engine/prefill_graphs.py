@@ -10,12 +10,13 @@ no new block to keep: engine.prefix_forward does those) is captured per bucket (
 Prompts are right-padded, so attention is causal and a real token never sees padding. Each row
 writes its keys and values at positions 0..T-1 of its own slot (columns past its prompt write
 positions past its length, which the decode mask hides and the next decode steps overwrite).
-Rows past the prompts are padding: they write into slots no sequence holds (those after the
-new ones: the cache keeps running sequences in slots 0..n-1), so a bucket whose padding rows
-would not fit behind the new ones does not run here (the caller prefills eagerly).
+Rows past the prompts are padding: they all target one slot that is not a new one's (the first
+after them, or where the cache is full the last before them) and write back what is there, so
+they change nothing, whichever of them lands last (engine.kv_cache.PrefillSlots).
 
-The (3, B, T) input buffer holds ids, positions, and in its third plane each row's slot and
-last real column. Without capture (the CPU, tests) the same buffers run eagerly.
+The (3, B, T) input buffer holds ids, positions, and in its third plane each row's slot, last
+real column and whether it is real. Without capture (the CPU, tests) the same buffers run
+eagerly.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ MAX_LEN = 128  # longest prompt prefilled from a graph; longer ones are few and 
 MIN_LEN = 8
 WARM_LEN = 8  # the column bucket captured at warm-up for every row bucket (short prompts); others lazily
 IDS, POSITIONS, ROWS = 0, 1, 2
-SLOT, LAST = 0, 1  # columns of the ROWS plane
+SLOT, LAST, REAL = 0, 1, 2  # columns of the ROWS plane
 
-# (B, T) ids, (B, T) positions, (B,) slots, (B,) last columns -> (B, V) logits after each row's last token
+# (B, T) ids, (B, T) positions, (B,) slots, (B,) last columns, (B,) real rows (1, else padding)
+#   -> (B, V) logits after each row's last token
 PrefillForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -51,11 +53,10 @@ class PrefillGraphs(BucketedForward):
 
     def shape_for(self, prompts: Sequence[Sequence[int]], first_slot: int) -> tuple[int, int] | None:
         """The bucket these prompts (into slots first_slot, ...) would run at; None: prefill them
-        eagerly (too long, or their padding rows would not fit in free slots)."""
-        shape = self.buckets.shape_for(len(prompts), max(len(p) for p in prompts))
-        if shape is None or first_slot + shape[0] > self.slots:
+        eagerly (too long, or more than the slots)."""
+        if first_slot + len(prompts) > self.slots:
             return None
-        return shape
+        return self.buckets.shape_for(len(prompts), max(len(p) for p in prompts))
 
     @torch.inference_mode()
     def run_prefill(self, prompts: Sequence[Sequence[int]], first_slot: int) -> torch.Tensor | None:
@@ -72,7 +73,10 @@ class PrefillGraphs(BucketedForward):
         staged[IDS].fill_(self.pad_id)
         staged[POSITIONS] = torch.arange(T)  # padding columns and rows too: in range, never read
         staged[ROWS].zero_()
-        staged[ROWS, :, SLOT] = torch.arange(first_slot, first_slot + B)  # padding rows: free slots after
+        P = len(prompts)
+        staged[ROWS, :P, SLOT] = torch.arange(first_slot, first_slot + P)
+        staged[ROWS, :P, REAL] = 1
+        staged[ROWS, P:, SLOT] = first_slot + P if first_slot + P < self.slots else first_slot - 1  # not a new one's
         for row, prompt in enumerate(prompts):
             staged[IDS, row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
             staged[ROWS, row, LAST] = len(prompt) - 1
@@ -84,10 +88,12 @@ class PrefillGraphs(BucketedForward):
         inputs = torch.zeros((3, *shape), dtype=torch.long, device=self.device)  # (3, B, T)
         inputs[POSITIONS] = torch.arange(shape[1], device=self.device)
         inputs[ROWS, :, SLOT] = torch.arange(shape[0], device=self.device)  # distinct slots for the capture's runs
+        inputs[ROWS, :, REAL] = 1
         return inputs
 
     def _step(self, bucket: _Bucket) -> None:
         inputs = bucket.inputs
-        rows = inputs[ROWS]  # (B, T): slot and last column in the first two columns
-        logits = self.forward(inputs[IDS], inputs[POSITIONS], rows[:, SLOT], rows[:, LAST])  # (B, V)
+        rows = inputs[ROWS]  # (B, T): slot, last column and real in the first three columns
+        logits = self.forward(inputs[IDS], inputs[POSITIONS], rows[:, SLOT], rows[:, LAST],
+                              rows[:, REAL].bool())  # (B, V)
         self.output[:inputs.shape[1]].copy_(logits)
