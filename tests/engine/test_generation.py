@@ -90,9 +90,9 @@ def test_prefills_from_buckets_match_transformers_alone(saved, overlap):
     ran = []
     run_prefill = buckets.run_prefill
 
-    def counting(prompts, first_slot):
-        ran.append((len(prompts), first_slot, buckets.shape_for(prompts, first_slot)))
-        return run_prefill(prompts, first_slot)
+    def counting(prompts, first_slot, shape):
+        ran.append((len(prompts), first_slot, shape))
+        return run_prefill(prompts, first_slot, shape)
 
     buckets.run_prefill = counting
     lengths = [6 + 5 * (i % 4) for i in range(16)]

@@ -40,7 +40,7 @@ from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .riders import RiderLayout, RiderStore
 from .logits_controls import TokenHistory, controlled_logits
-from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device
+from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
 from .steps import DecodeLaunch, NewSequence, Running, StepOutput, joined
 
 
@@ -190,12 +190,12 @@ class Generator:
         if (self.prefill_graphs is None or any(plan.hit or plan.new for plan in plans)
                 or any(s.prompt_logprobs is not None for s in sequences)):
             return None
-        shape = self.prefill_graphs.shape_for(prompts, first)
+        shape = self.prefill_graphs.shape_for(prompts)
         if shape is None:
             return None
         # Padding columns write there too, and padding rows the slot after the new ones (a CPU's cache grows).
         self.cache.reserve(min(first + len(prompts) + 1, self.slots), shape[1])
-        logits = self.prefill_graphs.run_prefill(prompts, first)  # (P, V)
+        logits = self.prefill_graphs.run_prefill(prompts, first, shape)  # (P, V)
         if logits is None:  # over the graphs' memory budget
             return None
         added = [Running.of(s) for s in sequences]
@@ -292,10 +292,7 @@ class Generator:
             logits = self._decode_logits(last, to_device(lengths, device), span)
         chosen = self._sample(logits, rows, 0, decode=True)  # (B, 3 + 2n)
         if done is not None:
-            host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-            host.copy_(chosen, non_blocking=True)
-            done.record()
-            chosen = host
+            chosen = to_host(chosen, done)
         for r in rows:
             r.length += 1
             r.unread += 1

@@ -91,8 +91,14 @@ def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence
 def top_k_rows(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
     """(B, V) log-probs of each row's next token -> each row's top-k (read_top_k), with one
     device-to-host copy: values and ids travel as one tensor (ids are exact in float32 below 2**24)."""
+    return read_top_k(top_k_table(logprobs, top_ks).cpu(), top_ks)  # one copy
+
+
+def top_k_table(logprobs: torch.Tensor, top_ks: Sequence[int]) -> torch.Tensor:
+    """(B, V) log-probs -> (2, B, k_max) on their device: the best values and their ids, one
+    tensor for one copy to the host (ids are exact in float32 below 2**24)."""
     values, ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (B, k_max) each
-    return read_top_k(torch.stack((values, ids.float())).cpu(), top_ks)  # (2, B, k_max): one copy
+    return torch.stack((values, ids.float()))
 
 
 def read_top_k(both: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:

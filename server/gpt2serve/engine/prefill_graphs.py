@@ -34,9 +34,9 @@ WARM_LEN = 8  # the column bucket captured at warm-up for every row bucket (shor
 IDS, POSITIONS, ROWS = 0, 1, 2
 SLOT, LAST, REAL = 0, 1, 2  # columns of the ROWS plane
 
-# (B, T) ids, (B, T) positions, (B,) slots, (B,) last columns, (B,) real rows (1, else padding)
+# (B, T) ids, (B, T) positions, (B,) slots, (B,) last columns, (B,) bool real rows (else padding)
 #   -> (B, V) logits after each row's last token
-PrefillForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PrefillForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class PrefillGraphs(BucketedForward):
@@ -51,20 +51,18 @@ class PrefillGraphs(BucketedForward):
         """Capture every row bucket at WARM_LEN columns (the default), largest first."""
         super().warm_up(shapes if shapes is not None else [(b, WARM_LEN) for b in self.buckets.batch])
 
-    def shape_for(self, prompts: Sequence[Sequence[int]], first_slot: int) -> tuple[int, int] | None:
-        """The bucket these prompts (into slots first_slot, ...) would run at; None: prefill them
-        eagerly (too long, or more than the slots)."""
-        if first_slot + len(prompts) > self.slots:
-            return None
+    def shape_for(self, prompts: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+        """The bucket these prompts would run at; None: prefill them eagerly (too long)."""
         return self.buckets.shape_for(len(prompts), max(len(p) for p in prompts))
 
     @torch.inference_mode()
-    def run_prefill(self, prompts: Sequence[Sequence[int]], first_slot: int) -> torch.Tensor | None:
-        """Each prompt's keys and values into slots first_slot, first_slot + 1, ... and (P, V)
-        logits of the token after each one, a view of the shared output (valid until the next
-        run); None when no bucket holds this step (see shape_for, and the memory budget)."""
-        shape = self.shape_for(prompts, first_slot)
-        bucket = self._bucket(shape) if shape is not None else None
+    def run_prefill(self, prompts: Sequence[Sequence[int]], first_slot: int,
+                    shape: tuple[int, int]) -> torch.Tensor | None:
+        """Each prompt's keys and values into slots first_slot, first_slot + 1, ... (all within
+        the slots) and (P, V) logits of the token after each one, a view of the shared output
+        (valid until the next run), at bucket `shape` (shape_for); None over the graphs' memory
+        budget."""
+        bucket = self._bucket(shape)
         if bucket is None:
             return None
         B, T = shape

@@ -24,8 +24,9 @@ import torch
 
 from ..protocol import TopScores
 from .cuda_graphs import BucketedForward
-from .head import read_top_k
+from .head import read_top_k, top_k_table
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache
+from .sampling import to_host
 
 
 @dataclass(slots=True)
@@ -58,13 +59,9 @@ def launch_prompts(graphs: BucketedForward | None, pool: PrefixCache | None, pro
     if replayed is None:
         return None
     logprobs, (_, length) = replayed  # (P, V), a view of the graphs' shared output
-    values, ids = torch.topk(logprobs, k=max(top_ks), dim=-1)  # (P, k_max) each
-    both = torch.stack((values, ids.float()))  # (2, P, k_max): ids are exact in float32 below 2**24
+    both = top_k_table(logprobs, top_ks)  # (2, P, k_max)
     if on_cuda:
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        host.copy_(both, non_blocking=True)
-        done.record()
-        both = host
+        both = to_host(both, done)
     return PromptLaunch(both, done, device_started, list(top_ks), length, started, started_ns, pool is not None)
 
 

@@ -46,6 +46,15 @@ def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.lon
     return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
+def to_host(values: torch.Tensor, done: torch.cuda.Event) -> torch.Tensor:
+    """A cuda tensor copied into pinned host memory without waiting for it; `done` is recorded
+    behind the copy, so it fires once the values have landed (a launched step's answers)."""
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done.record()
+    return host
+
+
 def choose(logits: torch.Tensor, params: list[SamplingParams], uniform: list[float],
            controlled: torch.Tensor | None = None) -> torch.Tensor:
     """(B, V) logits -> (B, 3 + 2n) fp32: [token id, its logprob, finite (1.0 or 0.0), n top

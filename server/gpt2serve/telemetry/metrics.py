@@ -190,7 +190,7 @@ class Metrics:
         first request of each kind paid (tests/gpu: the first request after ready). Dashboards
         then also read 0 for a method not yet called, not "no data"."""
         for api, method in ANSWERED:
-            self._series.get((api, method)) or self._request_series(api, method)
+            self._request_series(api, method)
 
     def request_started(self) -> None:
         self.in_flight_value.inc(1)
