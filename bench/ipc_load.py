@@ -1,6 +1,6 @@
 """Load on the engine process alone, through its IPC door, for bench/host_path.py --ipc.
 
-Client processes speak the engine's own protocol (gpt2serve.ipc.zmq_client, as a front end
+Client processes speak the engine's own protocol (gpt2serve.ipc.socket_client, as a front end
 does) with nothing in front: no gRPC, no service, no tokenizer. On a machine with few cores
 the front ends and the gRPC clients otherwise take most of the CPU, the engine runs small steps
 (a 256-stream load kept ~14 sequences running on 2 cores), and its per-token figure measures
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from gpt2serve.ipc import codec
-from gpt2serve.ipc.zmq_client import ZmqEngineClient
+from gpt2serve.ipc.socket_client import SocketEngineClient
 from gpt2serve.protocol import (Answers, GenerateRequest, NextTokenOutput, NextTokenRequest, Prompts, Result,
                                 SamplingParams, Submit, TopScores, TraceContext)
 
@@ -51,7 +51,7 @@ def _prompt(i: int) -> list[int]:
 
 async def _streams(address: str, engine_pid: int, first: int, streams: int, new_tokens: int, duration: float
                    ) -> tuple[int, float]:
-    client = ZmqEngineClient(address)
+    client = SocketEngineClient(address)
     await client.connect()
     received, counting, stop_at = [0], [False], [float("inf")]
     idle = asyncio.Event()
@@ -102,7 +102,7 @@ async def _streams(address: str, engine_pid: int, first: int, streams: int, new_
 
 async def _callers(address: str, engine_pid: int, first: int, callers: int, per_call: int, duration: float
                    ) -> tuple[int, float]:
-    client = ZmqEngineClient(address)
+    client = SocketEngineClient(address)
     await client.connect()
     answered, counting, stop_at = [0], [False], [float("inf")]
 

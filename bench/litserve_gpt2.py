@@ -7,7 +7,7 @@ loads both servers with the same REST load generator. Run by that script; by han
     PYTHONPATH=.bench-deps .venv/bin/python bench/litserve_gpt2.py --port 8090 [--max-batch-size 64]
 
 (LitServe itself: `pip install --no-deps --target .bench-deps litserve==0.2.19`; its dependencies,
-FastAPI, uvicorn and pyzmq, are gpt2serve's own.)
+FastAPI and uvicorn, are gpt2serve's own, and pyzmq is in its dev extra.)
 """
 
 from __future__ import annotations

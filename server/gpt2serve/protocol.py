@@ -4,7 +4,7 @@ model); ipc.codec puts them on the IPC wire.
     front end                                        engine side
     service ── EngineClient ──────────────────────── scheduling.EngineCore
                ├ ipc.inproc_client (--workers 1: plain calls, no encoding)
-               └ ipc.zmq_client ── ipc.codec ── ipc:// ── ipc.engine_server (--workers N)
+               └ ipc.socket_client ── ipc.codec ── Unix socket ── ipc.engine_server (--workers N)
 
 What crosses is plain data: token ids, numbers, layer reports, errors as (code, message) and the
 W3C `traceparent` of the request span as a string. No torch and no OpenTelemetry SDK here, so a

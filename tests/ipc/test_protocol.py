@@ -1,7 +1,7 @@
 """The front-end/engine protocol: every message survives the codec unchanged, and a frame that
 is not one (garbage, unknown kinds, wrong shapes or types) is a BadFrame, never a crash. Then
-the same over a real ipc:// socket: the engine server and the zmq client drop a bad frame, log
-why, and go on serving."""
+the same over a real Unix socket: the engine server and the socket client drop a bad frame, log
+why, and go on serving; the byte stream is cut back into the frames sent, however it arrives."""
 
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ import threading
 
 import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from gpt2serve.ipc import codec
 from gpt2serve.ipc.codec import BadFrame
-from gpt2serve.errors import ResourceExhausted
+from gpt2serve.errors import ResourceExhausted, Unavailable
 from gpt2serve.ipc.engine_server import EngineServer
-from gpt2serve.ipc.zmq_client import ZmqEngineClient
+from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
+from gpt2serve.ipc.socket_client import SocketEngineClient
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
@@ -231,22 +230,46 @@ class ListSink:
         self.done.set()
 
 
+class RawPeer:
+    """The other end of the engine's socket, as bytes: frames written with their length, read
+    back through a FrameReader."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer, self.frames = reader, writer, FrameReader()
+        self.received: list[bytes] = []
+
+    @classmethod
+    async def connect(cls, path: str) -> RawPeer:
+        return cls(*await asyncio.open_unix_connection(path))
+
+    def send(self, frame: bytes) -> None:
+        self.writer.write(LENGTH.pack(len(frame)) + frame)
+
+    async def recv(self) -> bytes:
+        while not self.received:
+            data = await self.reader.read(1 << 16)
+            assert data, "the other end closed"
+            self.received += self.frames.feed(data)
+        return self.received.pop(0)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, caplog):
-    address = f"ipc://{tmp_path}/engine.sock"
+    address = f"{tmp_path}/engine.sock"
 
     async def main():
         server = EngineServer(address, FakeCore(), EngineReady(INFO, "bundled", 8))
         server.start()
-        context = zmq.asyncio.Context()
-        raw = context.socket(zmq.DEALER)
-        raw.connect(address)
+        raw = await RawPeer.connect(address)
         try:
             for frame in (b"garbage", _frame([99]), _with(Cancel(1), 1, "x")):
-                await raw.send(frame)
-            await raw.send(codec.encode([Hello(0)]))  # pid 0 cannot be watched: logged, still answered
+                raw.send(frame)
+            raw.send(codec.encode([Hello(0)]))
             (ready,) = codec.decode(await asyncio.wait_for(raw.recv(), 5))
             assert ready == EngineReady(INFO, "bundled", 8)
-            client = ZmqEngineClient(address)
+            client = SocketEngineClient(address)
             await asyncio.wait_for(client.connect(), 5)
             outputs = await asyncio.wait_for(client.next_token(NextTokenRequest([[1, 2], [3]], 1)), 5)
             assert [o.top[0].token_id for o in outputs] == [3, 3]
@@ -263,25 +286,43 @@ def test_engine_server_and_client_drop_bad_frames_and_keep_serving(tmp_path, cap
             assert [(e.code, e.message) for e in refused.errors] == [("RESOURCE_EXHAUSTED", "queue full")]
             await client.close()
             assert server.serving
-            # The client side: an "engine" (a raw ROUTER) answers Hello with a bad frame first;
-            # the client drops it and connects on the EngineReady that follows.
-            router = context.socket(zmq.ROUTER)
-            router.bind(f"ipc://{tmp_path}/raw.sock")
-            client = ZmqEngineClient(f"ipc://{tmp_path}/raw.sock")
+            # A stream that no longer starts at a frame (a length past any frame's): that
+            # connection is closed, the server goes on.
+            broken = await RawPeer.connect(address)
+            broken.writer.write(LENGTH.pack(MAX_FRAME_BYTES + 1) + b"xx")
+            assert await asyncio.wait_for(broken.reader.read(), 5) == b""
+            broken.close()
+            assert server.serving
+            # The client side: an "engine" (a raw listener) answers Hello with a bad frame first;
+            # the client drops it and connects on the EngineReady that follows. It was started
+            # before the engine listened: it keeps trying until the socket is there.
+            client = SocketEngineClient(f"{tmp_path}/raw.sock")
             connecting = asyncio.create_task(client.connect())
-            peer, hello = await asyncio.wait_for(router.recv_multipart(), 5)
-            assert codec.decode(hello) == [Hello(os.getpid())]
-            await router.send_multipart([peer, b"\x00not a frame"])
-            await router.send_multipart([peer, codec.encode([EngineReady(INFO, "bundled", 8)])])
+            await asyncio.sleep(0.05)
+            accepted: asyncio.Queue[RawPeer] = asyncio.Queue()
+            listener = await asyncio.start_unix_server(lambda r, w: accepted.put_nowait(RawPeer(r, w)),
+                                                       f"{tmp_path}/raw.sock")
+            engine = await asyncio.wait_for(accepted.get(), 5)
+            assert codec.decode(await asyncio.wait_for(engine.recv(), 5)) == [Hello(os.getpid())]
+            engine.send(b"\x00not a frame")
+            engine.send(codec.encode([EngineReady(INFO, "bundled", 8)]))
             await asyncio.wait_for(connecting, 5)
             assert client.model_info == INFO and client.max_batch_size == 8
+            # The engine's end closes: every call waiting, and every new one, is UNAVAILABLE.
+            waiting = asyncio.create_task(client.next_token(NextTokenRequest([[1]], 1)))
+            await asyncio.wait_for(engine.recv(), 5)
+            engine.close()
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(waiting, 5)
+            with pytest.raises(Unavailable):
+                await client.next_token(NextTokenRequest([[1]], 1))
             await client.close()
-            router.close(0)
+            listener.close()
         finally:
-            raw.close(0)
-            context.term()
+            raw.close()
             server.stop()
             server.close()
+        assert not os.path.exists(address)  # the engine's socket file goes with it
 
     with caplog.at_level(logging.ERROR):
         asyncio.run(main())
@@ -295,31 +336,46 @@ def test_plain_calls_of_one_tick_travel_as_one_prompts_message_and_come_back_in_
     message answers the three, each with its own top tokens and queue time."""
 
     async def main():
-        context = zmq.asyncio.Context()
-        router = context.socket(zmq.ROUTER)
-        router.bind(f"ipc://{tmp_path}/engine.sock")
-        client = ZmqEngineClient(f"ipc://{tmp_path}/engine.sock")
+        accepted: asyncio.Queue[RawPeer] = asyncio.Queue()
+        listener = await asyncio.start_unix_server(lambda r, w: accepted.put_nowait(RawPeer(r, w)),
+                                                   f"{tmp_path}/engine.sock")
+        client = SocketEngineClient(f"{tmp_path}/engine.sock")
         try:
             connecting = asyncio.create_task(client.connect())
-            peer, _ = await asyncio.wait_for(router.recv_multipart(), 5)
-            await router.send_multipart([peer, codec.encode([EngineReady(INFO, "bundled", 8)])])
+            engine = await asyncio.wait_for(accepted.get(), 5)
+            await asyncio.wait_for(engine.recv(), 5)  # Hello
+            engine.send(codec.encode([EngineReady(INFO, "bundled", 8)]))
             await asyncio.wait_for(connecting, 5)
             sampled = TraceContext("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", sampled=True)
             calls = asyncio.gather(*(client.next_token(NextTokenRequest([[i, 2]], 2)) for i in range(3)),
                                    client.next_token(NextTokenRequest([[7]], 1, sampled)))
-            _, frame = await asyncio.wait_for(router.recv_multipart(), 5)
+            frame = await asyncio.wait_for(engine.recv(), 5)
             assert codec.decode(frame) == [Prompts([0, 1, 2], [[0, 2], [1, 2], [2, 2]], [2, 2, 2]),
                                            Submit(3, NextTokenRequest([[7]], 1, sampled))]
             answers = Answers([2, 0, 1], [TopScores([20 + i, 5], [-0.5, -1.0]) for i in (2, 0, 1)],
                               [0.002, 0.0, 0.001], [5, 6, 7], [], 0.01, 4, 9)
-            await router.send_multipart([peer, codec.encode([answers, Result(3, [NextTokenOutput([TokenScore(7, -0.1)],
-                                                                                                 0.0, 0.01, 4, 8, 9)])])])
+            engine.send(codec.encode([answers, Result(3, [NextTokenOutput([TokenScore(7, -0.1)],
+                                                                          0.0, 0.01, 4, 8, 9)])]))
             results = await asyncio.wait_for(calls, 5)
             assert [[(o.top[0].token_id, o.queue_s, o.enqueued_ns, o.batch_size) for o in r] for r in results] == [
                 [(20, 0.0, 6, 4)], [(21, 0.001, 7, 4)], [(22, 0.002, 5, 4)], [(7, 0.0, 8, 4)]]
         finally:
             await client.close()
-            router.close(0)
-            context.term()
+            listener.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("piece", [1, 3, 4, 5, 7, 4096])
+def test_the_stream_is_cut_back_into_the_frames_sent_however_it_arrives(piece):
+    """Frames of 0 bytes to 100 kB, sent back to back, read in pieces of `piece` bytes: the
+    reader gives back each frame whole, in order, once its last byte is in."""
+    frames = [b"", b"a", bytes(range(256)) * 400, b"xyz" * 7, codec.encode(SAMPLES)]
+    stream = b"".join(LENGTH.pack(len(f)) + f for f in frames)
+    reader, out = FrameReader(), []
+    for at in range(0, len(stream), piece):
+        out += reader.feed(stream[at:at + piece])
+    assert out == frames
+    assert FrameReader().feed(stream[:-1]) == frames[:-1]  # the last is not whole yet
+    with pytest.raises(BrokenStream):
+        FrameReader().feed(LENGTH.pack(MAX_FRAME_BYTES + 1) + b"\0" * 8)

@@ -44,7 +44,7 @@ def workers(tmp_path_factory, receiver):
 
 def test_each_front_end_runs_on_uvloop(workers):
     assert len(re.findall(r"front-end\[\d+\].*event loop: uvloop", workers.log())) == 2
-    assert not re.search(r"engine\[\d+\].*event loop", workers.log())  # the engine keeps asyncio's (zmq.asyncio)
+    assert not re.search(r"engine\[\d+\].*event loop", workers.log())  # the engine keeps asyncio's: its IPC door is a thread of its own
 
 
 def test_two_front_ends_and_one_engine_answer_both_transports_correctly(workers, tiny_model):

@@ -1,4 +1,4 @@
-"""The engine process's side of the IPC door (see zmq_client): each Submit becomes an
+"""The engine process's side of the IPC door (see socket_client): each Submit becomes an
 EngineCore.queue_prompts answered by a callback (no task or future per request). A Prompts
 message's one-prompt calls are queued together (EngineCore.queue_calls), each answered straight
 into its front end's Answers message of the batch (_PlainCall): a batch's plain answers for one
@@ -6,42 +6,44 @@ front end are one message, the others Results. Each Generate becomes an EngineCo
 tokens go back to the front end that asked: a step's plain tokens for one front end as one
 Tokens message, a first token (with its queue time and prompt scores) as a Step.
 
-A front end whose caller leaves sends Cancel. A front end that dies sends nothing: the server
-watches each front end's process (a pidfd from its Hello, readable the moment it exits) and
-cancels all of its work then, so its KV-cache slots come free. A frame that does not decode is
-logged and dropped; the front ends' other requests go on.
+A front end whose caller leaves sends Cancel. A front end that dies sends nothing, but the
+kernel closes its socket: the server cancels all of its work then, so its KV-cache slots come
+free. A frame that does not decode is logged and dropped; the front ends' other requests go on.
 
-It runs on a thread of its own, over a blocking zmq socket, not on an event loop (vLLM v1's engine
-core has its IO threads the same way): one poll waits for a frame, the core's outputs (handed
-over with an eventfd wake-up) or a front end's exit, then everything that arrived is handled and
-each front end's messages go out as one frame. So a lone request's answer costs no event-loop
-pass, and message handling runs while the core's thread waits on the device.
+It runs on a thread of its own, not on an event loop (vLLM v1's engine core has its IO threads
+the same way), over a listening Unix socket and one connection per front end (ipc.framing: a
+frame is its length, then its bytes). One epoll waits for frames, new front ends, the socket
+room a backed-up front end was waiting for, and the core's outputs (handed over with an eventfd
+wake-up); then everything that arrived is handled and each front end's messages go out as one
+frame, written straight into its socket. So a lone request's answer costs no event-loop pass and
+no other thread, and message handling runs while the core's thread waits on the device.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
+import select
+import socket
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Callable
-
-import zmq
 
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
                         SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TopScores, TraceContext)
 from ..scheduling.outputs import run_posted
-from .framing import EVENTS, NOBLOCK, POLLIN, Outbox, deliver
+from .framing import LENGTH, BrokenStream, FrameReader, Outbox, deliver
 
 if TYPE_CHECKING:
     from ..scheduling.core import EngineCore
     from ..scheduling.outputs import PromptGroup
 
 log = logging.getLogger(__name__)
-Key = tuple[bytes, int]  # (front end's zmq identity, its request id)
-FRAMES_A_PASS = 64  # frames read before the outputs waiting are sent: neither side starves the other
+Key = tuple[int, int]  # (front end's connection number, its request id)
+READ_BYTES = 1 << 18  # read from one front end a pass: neither side starves the other
 
 
 class _PeerSink:
@@ -122,23 +124,41 @@ class _PlainCall:
         self.finished, self.requests = True, []
 
 
+class _FrontEnd:
+    """One front end's connection: the frames it has sent in part, what its socket has not
+    taken yet, and its pid (from its Hello, for the log)."""
+
+    __slots__ = ("number", "sock", "reader", "unsent", "pid")
+
+    def __init__(self, number: int, sock: socket.socket):
+        self.number, self.sock = number, sock
+        self.reader = FrameReader()
+        self.unsent = bytearray()  # written when its socket has room (EPOLLOUT)
+        self.pid = 0
+
+
 class EngineServer:
     def __init__(self, address: str, core: EngineCore, ready: EngineReady):
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
-        self._outbox = Outbox(lambda peer, frame: self._socket.send_multipart([peer, frame]), flushed_by_owner=True)
+        """`address`: the path of the Unix socket to listen on (an earlier engine's file there is replaced)."""
+        if os.path.exists(address):
+            os.unlink(address)  # left by an engine that died; no other listens in this run directory
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(address)
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+        self._front_ends: dict[int, _FrontEnd] = {}  # by connection number (a Key's first half)
+        self._by_fd: dict[int, _FrontEnd] = {}
+        self._numbers = itertools.count()
+        self._outbox = Outbox(self._write, flushed_by_owner=True)
         self._core = core
         self._ready = ready
         self._submits: dict[Key, PromptGroup | _PlainCall] = {}
         self._generations: dict[Key, int] = {}  # -> the core's generation id
-        self._watched: dict[bytes, tuple[int, int]] = {}  # front end (zmq identity) -> its process's (pidfd, pid)
         self._posted: deque[tuple[Callable, tuple]] = deque()  # from the core's thread
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._epoll = select.epoll()
+        self._epoll.register(self._listener.fileno(), select.EPOLLIN)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
         self._stopping = False
         self._thread: threading.Thread | None = None
         core.hand_outputs_to(self)  # the core's answers run on this server's thread
@@ -167,32 +187,89 @@ class EngineServer:
 
     # The IPC thread ------------------------------------------------------------------------------------
     def _serve(self) -> None:
+        listener, wake_fd, by_fd = self._listener.fileno(), self._wake_fd, self._by_fd
         try:
             while not self._stopping:
-                ready = dict(self._poller.poll())
-                if self._wake_fd in ready:
-                    os.eventfd_read(self._wake_fd)  # before the queue is read: a later post wakes the poll again
-                    run_posted(self._posted)
-                if self._socket in ready:
-                    self._receive()
-                for peer, (fd, pid) in list(self._watched.items()):
-                    if fd in ready:
-                        self._front_end_gone(peer, fd, pid)
+                received = False
+                for fd, events in self._epoll.poll():
+                    if fd == wake_fd:
+                        os.eventfd_read(wake_fd)  # before the queue is read: a later post wakes the poll again
+                        run_posted(self._posted)
+                    elif fd == listener:
+                        self._accept()
+                    elif (front_end := by_fd.get(fd)) is not None:
+                        if events & select.EPOLLOUT:
+                            self._write_unsent(front_end)
+                        if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                            received |= self._receive(front_end)
+                if received:
+                    self._core.wake()  # once for the pass's requests (queued with wake=False)
                 self._outbox.flush()
         except BaseException:  # the door is shut: the engine process ends (launch.engine_host)
             log.exception("the IPC thread failed")
 
-    def _receive(self) -> None:
-        """The frames that have arrived (up to FRAMES_A_PASS), then one wake-up of the core."""
-        socket = self._socket
-        for _ in range(FRAMES_A_PASS):
-            if not socket.get(EVENTS) & POLLIN:  # a check, not a raised zmq.Again (6 µs) each pass
-                break
-            peer, frame = socket.recv_multipart(NOBLOCK)
-            deliver(frame, functools.partial(self._dispatch, peer), "a front end")
-        self._core.wake()  # once for the frames' requests (queued with wake=False)
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            front_end = _FrontEnd(next(self._numbers), sock)
+            self._front_ends[front_end.number] = self._by_fd[sock.fileno()] = front_end
+            self._epoll.register(sock.fileno(), select.EPOLLIN)
 
-    def _dispatch(self, peer: bytes, message) -> None:
+    def _receive(self, front_end: _FrontEnd) -> bool:
+        """What one front end sent (up to READ_BYTES), each frame handed over; False when it is gone."""
+        try:
+            data = front_end.sock.recv(READ_BYTES)
+            frames = front_end.reader.feed(data) if data else None
+        except BlockingIOError:
+            return False
+        except (OSError, BrokenStream) as exc:
+            log.error("front end %d's connection failed: %s", front_end.pid, exc)
+            frames = None
+        if frames is None:  # closed: it exited, or died
+            self._front_end_gone(front_end)
+            return False
+        dispatch = functools.partial(self._dispatch, front_end.number)
+        for frame in frames:
+            deliver(frame, dispatch, "a front end")
+        return True
+
+    def _write(self, number: int, frame: bytes) -> None:
+        """A frame to a front end: into its socket now, or what it cannot take yet kept for EPOLLOUT."""
+        front_end = self._front_ends.get(number)
+        if front_end is None:
+            return  # gone: its work was cancelled
+        if front_end.unsent:
+            front_end.unsent += LENGTH.pack(len(frame))
+            front_end.unsent += frame
+            return
+        length = LENGTH.pack(len(frame))
+        try:
+            sent = front_end.sock.sendmsg((length, frame))
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return  # it hung up; its read side says so next
+        if sent < 4 + len(frame):
+            front_end.unsent += (length + frame)[sent:]
+            self._epoll.modify(front_end.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
+
+    def _write_unsent(self, front_end: _FrontEnd) -> None:
+        try:
+            sent = front_end.sock.send(front_end.unsent)
+        except BlockingIOError:
+            return
+        except OSError:
+            front_end.unsent.clear()
+            sent = 0
+        del front_end.unsent[:sent]
+        if not front_end.unsent:
+            self._epoll.modify(front_end.sock.fileno(), select.EPOLLIN)
+
+    def _dispatch(self, peer: int, message) -> None:
         kind = type(message)
         if kind is Generate:
             key = (peer, message.request_id)
@@ -210,12 +287,12 @@ class EngineServer:
             key = (peer, message.request_id)
             self._cancel(key)
         elif kind is Hello:
-            self._watch(peer, message.pid)
+            self._front_ends[peer].pid = message.pid
             self._outbox.put(peer, self._ready)
         else:
             log.error("dropped a %s message: not one a front end sends", kind.__name__)
 
-    def _queue(self, peer: bytes, request_id: int, prompts: list[list[int]], top_k: int,
+    def _queue(self, peer: int, request_id: int, prompts: list[list[int]], top_k: int,
                trace: TraceContext | None = None, prompt_logprobs: int | None = None,
                controls: StepControls | None = None) -> None:
         key = (peer, request_id)
@@ -226,7 +303,7 @@ class EngineServer:
         except Exception as exc:  # refused (queue full, too many prompts, shutting down)
             self._send_error(key, exc, "request")
 
-    def _queue_calls(self, peer: bytes, message: Prompts) -> None:
+    def _queue_calls(self, peer: int, message: Prompts) -> None:
         """A Prompts message's calls, queued together (EngineCore.queue_calls); those the queue
         has no room for are refused one by one."""
         calls = [_PlainCall(self, (peer, request_id)) for request_id in message.request_ids]
@@ -259,7 +336,7 @@ class EngineServer:
         self._answers_of_batch(peer, forward_s, batch_size, batch_started_ns).add(
             request_id, top, queue_s, enqueued_ns, cached_tokens)
 
-    def _answers_of_batch(self, peer: bytes, forward_s: float, batch_size: int, batch_started_ns: int) -> Answers:
+    def _answers_of_batch(self, peer: int, forward_s: float, batch_size: int, batch_started_ns: int) -> Answers:
         """The front end's Answers message of this batch, to extend: its last message when that
         is one (an answer must not pass an earlier message), else a new one."""
         answers = self._outbox.last(peer)
@@ -283,37 +360,31 @@ class EngineServer:
             log.error("engine %s failed", what, exc_info=error)
             self._outbox.put(key[0], Failed(key[1], "INTERNAL", INTERNAL_MESSAGE))
 
-    def _watch(self, peer: bytes, pid: int) -> None:
-        """Cancel a front end's work the moment its process exits (see the module doc)."""
-        if peer in self._watched:
-            return
-        try:
-            fd = os.pidfd_open(pid)
-        except (OSError, AttributeError) as exc:  # no pidfds (old kernel), or it is gone already
-            log.warning("cannot watch front end %d (%s); its work is cancelled only by its own Cancels", pid, exc)
-            return
-        self._watched[peer] = (fd, pid)
-        self._poller.register(fd, zmq.POLLIN)
-
-    def _front_end_gone(self, peer: bytes, fd: int, pid: int) -> None:
-        del self._watched[peer]
-        self._poller.unregister(fd)
-        os.close(fd)
-        keys = [key for key in [*self._submits, *self._generations] if key[0] == peer]
+    def _front_end_gone(self, front_end: _FrontEnd) -> None:
+        """Its socket closed (an exit, a drain's or a death's): its requests leave the queue and
+        its generations free their KV-cache slots."""
+        del self._front_ends[front_end.number], self._by_fd[front_end.sock.fileno()]
+        self._epoll.unregister(front_end.sock.fileno())
+        front_end.sock.close()
+        keys = [key for key in [*self._submits, *self._generations] if key[0] == front_end.number]
         for key in keys:
-            self._cancel(key)  # requests leave the queue; generations free their KV-cache slots
+            self._cancel(key)
         if keys:
-            log.error("front end %d is gone: cancelled its %d request(s)", pid, len(keys))
+            log.error("front end %d is gone: cancelled its %d request(s)", front_end.pid, len(keys))
         else:  # it exited with nothing left here: a drain, or a death between requests
-            log.info("front end %d exited with no request in the engine", pid)
+            log.info("front end %d exited with no request in the engine", front_end.pid)
 
     def close(self) -> None:
-        """After stop(): cancel what is left, close the socket and the descriptors."""
+        """After stop(): cancel what is left, close the sockets and the descriptors."""
         for key in [*self._submits, *self._generations]:
             self._cancel(key)
-        for fd, _ in self._watched.values():
-            os.close(fd)
-        self._watched.clear()
-        self._socket.close(0)
-        self._context.term()
+        for front_end in self._front_ends.values():
+            front_end.sock.close()
+        self._front_ends.clear()
+        self._by_fd.clear()
+        address = self._listener.getsockname()
+        self._listener.close()
+        if address and os.path.exists(address):
+            os.unlink(address)
+        self._epoll.close()
         os.close(self._wake_fd)

@@ -2,23 +2,69 @@
 the engine's IPC thread) sends goes out as one frame per peer (64 answers of one batch cost one
 frame per front end, not 64), and each frame received is handed over message by message; a frame
 that does not decode is logged and dropped, and one message's failure is never the receive
-loop's."""
+loop's.
+
+On the socket (a Unix stream socket, ipc.engine_server) a frame is its length, 4 bytes little
+endian, then its bytes; FrameReader cuts the stream back into frames.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from typing import Any, Callable, Hashable
-
-import zmq
 
 from . import codec
 from .codec import BadFrame
 
 log = logging.getLogger(__name__)
-# The socket options and flags both ends use on every pass, as plain ints: pyzmq's enum members
-# cost more to pass than the calls they go with.
-EVENTS, POLLIN, NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+LENGTH = struct.Struct("<I")  # a frame's length, before it on the socket
+MAX_FRAME_BYTES = 1 << 30  # a length past this is a broken stream, not a frame
+
+
+class BrokenStream(ValueError):
+    """The byte stream no longer starts at a frame: the connection is closed."""
+
+
+class FrameReader:
+    """A socket's bytes, as they come, cut into whole frames. A frame that came in pieces is
+    joined once, when its last piece is in (not at every piece)."""
+
+    __slots__ = ("_pieces", "_size", "_need")
+
+    def __init__(self):
+        self._pieces: list[bytes] = []  # bytes after the last whole frame
+        self._size = 0  # their length
+        self._need = 4  # the length the pieces must reach before another frame can be cut
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The frames `data` completes, in order."""
+        if self._pieces:
+            self._pieces.append(data)
+            self._size += len(data)
+            if self._size < self._need:
+                return []
+            data = b"".join(self._pieces)
+            self._pieces.clear()
+        frames = []
+        at, end = 0, len(data)
+        while end - at >= 4:
+            (size,) = LENGTH.unpack_from(data, at)
+            if size > MAX_FRAME_BYTES:
+                raise BrokenStream(f"a frame of {size} bytes")
+            if end - at - 4 < size:
+                break
+            frames.append(data[at + 4:at + 4 + size])
+            at += 4 + size
+        if at < end:
+            rest = data[at:]
+            self._pieces.append(rest)
+            self._size = len(rest)
+            self._need = 4 if len(rest) < 4 else 4 + LENGTH.unpack_from(rest)[0]
+            if self._need > 4 + MAX_FRAME_BYTES:
+                raise BrokenStream(f"a frame of {self._need - 4} bytes")
+        return frames
 
 
 class Outbox:

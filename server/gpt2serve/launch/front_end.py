@@ -4,7 +4,7 @@
     FrontEnd.serve()    the service attached to the engine client; ready, health SERVING
     FrontEnd.stop()     drain (not ready at once, new work UNAVAILABLE, accepted work answered),
                         then close; all within --shutdown-grace-s
-    front_end_main()    --workers N: a FrontEnd over ipc.zmq_client, until SIGTERM
+    front_end_main()    --workers N: a FrontEnd over ipc.socket_client, until SIGTERM
 
 No torch is imported here or below: a front-end process of `--workers N` is the transports,
 the service and the tokenizer (tests/processes/test_workers.py checks it).
@@ -27,7 +27,7 @@ from gpt2serve_client.types import ModelInfo
 
 from ..config import ServeConfig
 from ..engine.tokenizer import Tokenizer, load_tokenizer
-from ..ipc.zmq_client import ZmqEngineClient
+from ..ipc.socket_client import SocketEngineClient
 from ..protocol import EngineClient
 from ..service import InferenceService
 from ..telemetry.deferred_writes import defer_metric_writes
@@ -198,7 +198,7 @@ async def _front_end_process(config: ServeConfig, address: str, status, parent_p
 
     if not restarted:
         await listen()
-    engine = ZmqEngineClient(address)
+    engine = SocketEngineClient(address)
     stop, engine_gone = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)  # also while the engine is still loading

@@ -2,7 +2,7 @@
 
     supervisor (this process: ports, signals, health of the children; no model, no requests)
     ├── front end 1..N   gRPC + REST on the shared ports (SO_REUSEPORT): parse, validate,
-    │                    tokenize, encode; launch.front_end over ipc.zmq_client (no torch)
+    │                    tokenize, encode; launch.front_end over ipc.socket_client (no torch)
     └── engine           the model, the engine core (one queue, one scheduler), the forward;
                          launch.engine_host behind ipc.engine_server
 
@@ -41,7 +41,7 @@ import time
 from dataclasses import replace
 
 from ..config import ServeConfig
-from ..ipc.zmq_client import engine_address
+from ..ipc.socket_client import engine_address
 from .process_common import ENGINE_GONE_SIGNAL, set_title
 from .workers_plan import WorkersPlan
 

@@ -1,8 +1,8 @@
 """The engine client of a front-end process under `--workers N` (see launch.supervisor):
 
-    front end: service -> ZmqEngineClient (DEALER) ─┐
-    front end: service -> ZmqEngineClient (DEALER) ─┼─ ipc:// ─> EngineServer (ROUTER) -> schedulers
-                                                    ┘
+    front end: service -> SocketEngineClient ─┐
+    front end: service -> SocketEngineClient ─┼─ Unix socket ─> EngineServer (its IPC thread) -> the core
+                                              ┘
 
 Messages are protocol's dataclasses, a frame one codec.encode of those sent in one loop tick.
 Plain one-prompt next-token requests of a tick travel as one Prompts message (in columns), and
@@ -11,11 +11,11 @@ appends instead of a message of its own.
 A generation's Step messages go straight to its sink (the service's GenerationStream) from the
 receive loop: no queue of their own. A frame that does not decode is logged and dropped.
 
-The socket is a plain one, read from the event loop's own reader on its file descriptor:
-zmq.asyncio's future, poller registration and enum flags for each receive were a fifth of a
-streaming front end's CPU (docs/benchmarks.md). Its descriptor is edge-triggered (it signals a
-change, not a state), so every wake-up, and every send (which may take in a frame on the way),
-reads until nothing is left.
+The socket is a plain Unix stream socket, an asyncio protocol on the front end's own loop: a
+frame is written by the loop's thread and read by it, with no thread between. Over zmq, each
+frame sent or received woke libzmq's I/O thread: a round trip cost the front end 30 µs of CPU
+against 10 over the socket, and twice the latency (docs/benchmarks.md, "The IPC door on a
+plain socket").
 """
 
 from __future__ import annotations
@@ -27,46 +27,72 @@ import logging
 import os
 from typing import Callable
 
-import zmq
-
 from gpt2serve_client.types import ModelInfo
 
 from ..errors import ShuttingDown, Unavailable, error_from_code
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, Result, Step, Submit, Tokens, TokenSink)
-from .framing import EVENTS, NOBLOCK, POLLIN, Outbox, deliver
+from .framing import LENGTH, BrokenStream, FrameReader, Outbox, deliver
 
 log = logging.getLogger(__name__)
+CONNECT_RETRY_S = (0.01, 0.2)  # the first and the longest wait between tries while the engine loads
 
 
 def engine_address(directory: str) -> str:
-    return f"ipc://{directory}/engine.sock"
+    """The engine's socket, in the server's run directory."""
+    return os.path.join(directory, "engine.sock")
 
 
-class ZmqEngineClient:
+class SocketEngineClient(asyncio.Protocol):
     def __init__(self, address: str):
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, 0)  # never full, so a send never blocks: the engine reads at once
-        self._socket.connect(address)
+        self._address = address
+        self._transport: asyncio.Transport | None = None
+        self._reader = FrameReader()
         self._outbox = Outbox(self._send)
         self._pending: dict[int, asyncio.Future] = {}  # next-token requests
         self._sinks: dict[int, TokenSink] = {}  # generations
         self._ids = itertools.count()
         self._ready = asyncio.Event()
-        self._reading: asyncio.AbstractEventLoop | None = None  # the loop whose reader is on the socket
+        self._closing = False
         self.dead_reason = ""
         self.model_info: ModelInfo | None = None
         self.tokenizer_source = ""
         self.max_batch_size = 0
 
     async def connect(self) -> None:
-        """Say hello and wait for EngineReady (sent once the model is loaded and warm)."""
-        self._reading = asyncio.get_running_loop()
-        self._reading.add_reader(self._socket.getsockopt(zmq.FD), self._receive)
+        """Connect (the engine's socket appears once its model is loaded), say hello and wait
+        for EngineReady."""
+        loop = asyncio.get_running_loop()
+        wait_s, longest_s = CONNECT_RETRY_S
+        while True:
+            try:
+                await loop.create_unix_connection(lambda: self, self._address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):  # not bound yet, or an earlier engine's file
+                await asyncio.sleep(wait_s)
+                wait_s = min(wait_s * 2, longest_s)
         self._outbox.put(None, Hello(os.getpid()))
         await self._ready.wait()
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._reader.feed(data)
+        except BrokenStream as exc:  # never from our engine; nothing after it can be read
+            log.error("the engine's stream broke (%s): closing it", exc)
+            self._transport.close()
+            return
+        for frame in frames:
+            deliver(frame, self._dispatch, "the engine")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if not self._closing and not self.dead_reason:
+            log.error("the engine closed its socket")
+            self.engine_gone("the engine process is gone")
 
     async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
         if self.dead_reason:
@@ -118,24 +144,16 @@ class ZmqEngineClient:
             sink.fail(error)
 
     async def close(self) -> None:
-        """Calls still waiting are told the server shut down (the engine frees their slots as
-        this process exits: ipc.engine_server watches it)."""
+        """Calls still waiting are told the server shut down (the engine frees their slots when
+        this socket closes: ipc.engine_server)."""
+        self._closing = True
         self._fail_all(ShuttingDown("server is shutting down"))
-        if self._reading is not None:
-            self._reading.remove_reader(self._socket.getsockopt(zmq.FD))
-            self._reading = None
-        self._socket.close(0)
-        self._context.term()
+        if self._transport is not None:
+            self._transport.close()
 
     def _send(self, _peer, frame: bytes) -> None:
-        self._socket.send(frame, NOBLOCK)
-        self._receive()  # a frame the send took in would not wake the reader (see the module doc)
-
-    def _receive(self) -> None:
-        """Every frame that has arrived, each handed over as it is read."""
-        socket = self._socket
-        while self._reading is not None and socket.get(EVENTS) & POLLIN:
-            deliver(socket.recv(NOBLOCK), self._dispatch, "the engine")
+        if self._transport is not None:
+            self._transport.writelines((LENGTH.pack(len(frame)), frame))
 
     def _dispatch(self, message) -> None:
         kind = type(message)
