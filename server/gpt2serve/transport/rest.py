@@ -35,7 +35,7 @@ from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
 from .openai.chat import ChatMessage, conversation_prompt
 from .sampling_fields import SamplingControls, StructuredOutputFields
-from .sse import first_and_rest, json_bytes, sse_event
+from .sse import dataclass_json, first_and_rest, json_bytes, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
@@ -322,14 +322,14 @@ class InferenceRoutes:
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
         options = request_options(head, "/v1/next-token", "NextToken", body)
         result = await self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs)
-        return json_bytes(result.to_dict())
+        return dataclass_json(result, result.to_dict)
 
     async def next_token_batch(self, head: CallHead, body: NextTokenBatchBody) -> bytes:
         """The next token of each prompt, in order (`{"results": [...]}`)."""
         prompts = [batch_prompt(p) for p in body.prompts]
         options = request_options(head, "/v1/next-token/batch", "NextTokenBatch", body)
         results = await self.service.next_token_batch(prompts, body.top_k, options, body.prompt_logprobs)
-        return json_bytes({"results": [r.to_dict() for r in results]})
+        return dataclass_json({"results": results}, lambda: {"results": [r.to_dict() for r in results]})
 
     async def generate(self, request: Request, body: GenerateBody) -> Response:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
