@@ -101,13 +101,24 @@ UNITS = {
 }
 
 
+def load_started(server, name: str, labels: str, timeout_s: float = 30.0) -> None:
+    """Wait until the load's units start to count: its client processes take a few seconds to
+    start (a stream load longer than a unary one), and a window opened before them measured
+    nothing (a unit count of 0)."""
+    first = metric_sum(server.metrics(), name, labels)
+    deadline = time.monotonic() + timeout_s
+    while metric_sum(server.metrics(), name, labels) == first and time.monotonic() < deadline:
+        time.sleep(0.25)
+
+
 def profile(load: str, server, seconds: float, native: bool,
             spy: bool = True) -> tuple[collections.Counter, float, str]:
     pids = [pid for title, pid in server.processes.items() if title.startswith("front end")]
     unit, name, labels, per = UNITS[load]
     client = subprocess.Popen(load_command(load, server, seconds, native), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
-    time.sleep(5.0)  # past the clients' start-up and warm-up
+    load_started(server, name, labels)
+    time.sleep(2.0)  # past the load's first calls
     window = max(seconds - 7.0, 2.0)
     before_cpu, before_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
     with tempfile.TemporaryDirectory() as tmp:
