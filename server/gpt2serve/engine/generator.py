@@ -193,8 +193,9 @@ class Generator:
         shape = self.prefill_graphs.shape_for(prompts)
         if shape is None:
             return None
-        # Padding columns write there too, and padding rows the slot after the new ones (a CPU's cache grows).
-        self.cache.reserve(min(first + len(prompts) + 1, self.slots), shape[1])
+        # Padding columns write there too, and padding rows their slot (a CPU's cache grows).
+        self.cache.reserve(max(first + len(prompts), self.prefill_graphs.padding_slot(first, len(prompts)) + 1),
+                           shape[1])
         logits = self.prefill_graphs.run_prefill(prompts, first, shape)  # (P, V)
         if logits is None:  # over the graphs' memory budget
             return None

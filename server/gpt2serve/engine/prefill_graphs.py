@@ -55,6 +55,12 @@ class PrefillGraphs(BucketedForward):
         """The bucket these prompts would run at; None: prefill them eagerly (too long)."""
         return self.buckets.shape_for(len(prompts), max(len(p) for p in prompts))
 
+    def padding_slot(self, first_slot: int, count: int) -> int:
+        """The one slot every padding row of a prefill into slots first_slot .. first_slot +
+        count - 1 targets: not a new one's, the first after them or, where the cache is full, the
+        last before them (a full cache with padding rows has running sequences before the new)."""
+        return first_slot + count if first_slot + count < self.slots else first_slot - 1
+
     @torch.inference_mode()
     def run_prefill(self, prompts: Sequence[Sequence[int]], first_slot: int,
                     shape: tuple[int, int]) -> torch.Tensor | None:
@@ -74,7 +80,7 @@ class PrefillGraphs(BucketedForward):
         P = len(prompts)
         staged[ROWS, :P, SLOT] = torch.arange(first_slot, first_slot + P)
         staged[ROWS, :P, REAL] = 1
-        staged[ROWS, P:, SLOT] = first_slot + P if first_slot + P < self.slots else first_slot - 1  # not a new one's
+        staged[ROWS, P:, SLOT] = self.padding_slot(first_slot, P)
         for row, prompt in enumerate(prompts):
             staged[IDS, row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
             staged[ROWS, row, LAST] = len(prompt) - 1
