@@ -1,0 +1,150 @@
+"""The next-token routes over HTTP/1.1 as clients write it on the wire: the front end answers
+them from its own protocol (transport.http_direct), not through uvicorn's ASGI cycle, so what
+uvicorn did for them is held here: pipelined requests answered in order (mixed with routes that
+go through ASGI), `Expect: 100-continue`, a body that arrives in pieces, HTTP/1.0 and
+`Connection: close`, a refusal before the body, and a request the parser rejects."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from gpt2serve_client.status import BY_KIND
+
+PROMPTS = [[464, 3139, 286], [40, 1101, 257, 3290], [15496, 11]]
+
+
+def post(path: str, body: bytes, *headers: bytes, version: bytes = b"1.1") -> bytes:
+    return (b"POST %s HTTP/%s\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (path.encode(), version, len(body), b"".join(h + b"\r\n" for h in headers), body))
+
+
+def prompt_body(ids: list[int]) -> bytes:
+    return json.dumps({"prompt_token_ids": ids, "top_k": 2}).encode()
+
+
+class Wire:
+    """A raw connection that reads answers one at a time (status, lower-case headers, body)."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("http://").split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(65536)
+        self.buffer += data
+        return bool(data)
+
+    def answer(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buffer:
+            assert self._fill(), f"closed before an answer's head: {self.buffer!r}"
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+        length = int(headers.get("content-length", "0"))
+        while len(self.buffer) < length:
+            assert self._fill(), "closed inside an answer's body"
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return int(status_line.split()[1]), headers, body
+
+    def closed_by_server(self) -> bool:
+        self.sock.settimeout(30)
+        return not self.buffer and not self._fill()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def wire(server):
+    connection = Wire(server.http_url)
+    yield connection
+    connection.close()
+
+
+def test_pipelined_requests_are_answered_in_order_with_asgi_routes_between(wire):
+    wire.send(post("/v1/next-token", prompt_body(PROMPTS[0])) + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+              + post("/v1/next-token", prompt_body(PROMPTS[1]))
+              + post("/v1/next-token/batch", json.dumps({"prompts": PROMPTS}).encode()))
+    first, models, second, batch = (wire.answer() for _ in range(4))
+    assert [first[0], models[0], second[0], batch[0]] == [200, 200, 200, 200]
+    assert json.loads(first[2])["prompt_token_ids"] == PROMPTS[0]
+    assert "data" in json.loads(models[2])
+    assert json.loads(second[2])["prompt_token_ids"] == PROMPTS[1]
+    assert [r["prompt_token_ids"] for r in json.loads(batch[2])["results"]] == PROMPTS
+    assert first[1]["content-type"] == "application/json" and "date" in first[1]
+    wire.send(post("/v1/next-token", prompt_body(PROMPTS[2])))  # the connection is still kept alive
+    assert json.loads(wire.answer()[2])["prompt_token_ids"] == PROMPTS[2]
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent(wire):
+    body = prompt_body(PROMPTS[0])
+    wire.send(post("/v1/next-token", b"", b"Expect: 100-continue").replace(b"Content-Length: 0",
+                                                                          b"Content-Length: %d" % len(body)))
+    status, _, _ = wire.answer()
+    assert status == 100
+    wire.send(body)
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[0]
+
+
+def test_a_body_in_pieces_is_read_whole(wire):
+    request = post("/v1/next-token", prompt_body(PROMPTS[1]))
+    head_end = request.index(b"\r\n\r\n") + 4
+    for piece in (request[:10], request[10:head_end], request[head_end:head_end + 7], request[head_end + 7:]):
+        wire.send(piece)
+        time.sleep(0.05)
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[1]
+
+
+@pytest.mark.parametrize("how", ["HTTP/1.0", "Connection: close"])
+def test_a_request_that_does_not_keep_alive_is_answered_then_closed(wire, how):
+    if how == "HTTP/1.0":
+        wire.send(post("/v1/next-token", prompt_body(PROMPTS[0]), version=b"1.0"))
+    else:
+        wire.send(post("/v1/next-token", prompt_body(PROMPTS[0]), b"Connection: close"))
+    status, headers, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[0]
+    assert wire.closed_by_server()
+
+
+def test_a_body_past_the_limit_is_refused_before_it_is_read_and_the_connection_closed(server, wire):
+    wire.send(b"POST /v1/next-token HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100000000\r\n\r\n{\"prompt\": \"")  # 100 MB declared, a few bytes sent
+    status, headers, answer = wire.answer()
+    assert status == 413 and json.loads(answer)["error"]["code"] == "RESOURCE_EXHAUSTED"
+    assert headers.get("connection") == "close" and wire.closed_by_server()
+
+
+def test_a_bad_body_leaves_the_connection_usable(wire):
+    wire.send(post("/v1/next-token", b'{"prompt": ') + post("/v1/next-token", prompt_body(PROMPTS[2])))
+    bad, good = wire.answer(), wire.answer()
+    malformed = BY_KIND["malformed"]
+    assert bad[0] == malformed.http and json.loads(bad[2])["error"]["code"] == malformed.code
+    assert good[0] == 200 and json.loads(good[2])["prompt_token_ids"] == PROMPTS[2]
+
+
+def test_a_query_string_on_a_next_token_path_is_still_served(wire):
+    wire.send(post("/v1/next-token?note=1", prompt_body(PROMPTS[0])))
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[0]
+
+
+def test_a_request_the_parser_rejects_gets_400_and_the_server_goes_on(server, wire):
+    wire.send(b"POST /v1/next-token HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello")
+    status, _, _ = wire.answer()
+    assert status == 400
+    other = Wire(server.http_url)
+    try:
+        other.send(post("/v1/next-token", prompt_body(PROMPTS[1])))
+        assert other.answer()[0] == 200
+    finally:
+        other.close()
