@@ -2,8 +2,8 @@
 end spends on a call between the HTTP parser and the socket write, without the HTTP layer, the
 IPC or the event loop's I/O (bench/front_end_profile.py measures the whole of it, served).
 
-It runs the route as the front end's HTTP protocol does (transport.http_direct.DirectRoutes:
-the guard's checks, the body parsed, the service's next-token call, the answer's JSON) under
+It runs the route as the front end's HTTP protocol does (transport.http_direct: a DirectCall
+the guard has checked, the body parsed, the service's next-token call, the answer's JSON) under
 InferenceService.accepted, against an engine client that answers at once with a top 5.
 
     .venv/bin/python bench/rest_route_cost.py [--calls 20000] [--rounds 3] [--json]
@@ -23,6 +23,7 @@ from gpt2serve.engine.tokenizer import load_tokenizer
 from gpt2serve.protocol import NextTokenOutput, NextTokenRequest, TokenScore
 from gpt2serve.service import InferenceService
 from gpt2serve.telemetry.spans import Telemetry
+from gpt2serve.transport.http_direct import DirectCall, DirectRoutes
 from gpt2serve.transport.rest import create_app
 from gpt2serve_client.types import Architecture, ModelInfo, ParameterBreakdown
 
@@ -41,17 +42,17 @@ class CannedEngine:
                                 0.001, 0.002, 64, now, now) for _ in request.prompts]
 
 
-class Cycle:
-    """What DirectRoutes reads of uvicorn's request cycle: the scope, and the body, already in."""
+HEADERS = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+           (b"content-length", str(len(BODY)).encode()), (b"user-agent", b"bench")]
 
-    def __init__(self):
-        self.scope = {"path": ROUTE, "scheme": "http", "method": "POST",
-                      "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
-                                  (b"content-length", str(len(BODY)).encode()), (b"user-agent", b"bench")]}
-        self.disconnected = False
 
-    async def receive(self) -> dict:
-        return {"type": "http.request", "body": BODY, "more_body": False}
+def direct_call(direct: DirectRoutes) -> DirectCall:
+    """The call as the protocol hands it over: the head checked by the guard, the body whole."""
+    call = DirectCall(None, ROUTE, list(HEADERS), "http", keep_alive=True, expect_100=False)
+    call.parts.append(BODY)
+    call.size, call.complete = len(BODY), True
+    call.refusal = direct.refusal(call)
+    return call
 
 
 def ready_service() -> InferenceService:
@@ -71,7 +72,7 @@ async def rounds(calls: int, count: int) -> tuple[list[float], dict]:
 
     async def one() -> tuple[int, bytes]:
         with service.accepted(f"POST {ROUTE}"):
-            status, _, body = await direct.answer(Cycle(), ROUTE)
+            status, _, body = await direct.answer(direct_call(direct))
         return status, body
 
     status, body = await one()

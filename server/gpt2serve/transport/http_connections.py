@@ -26,7 +26,7 @@ from typing import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .http_direct import DirectRoutes
+from .http_direct import DirectCall, DirectRoutes
 
 
 def bounded_http_protocol(max_connections: int, request_timeout_s: float, refused: Callable[[], None],
@@ -34,12 +34,17 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
     """uvicorn's `http` protocol class with this front end's limits; `refused()` counts a
     refusal, `evicted()` a connection closed to make room for a new one. POSTs to `direct`'s
     paths are answered by it, not through ASGI (transport.http_direct)."""
-    direct_paths = direct.paths if direct is not None else frozenset()
+    direct_paths = direct.raw_paths if direct is not None else frozenset()
+    max_body = direct.guard.max_body_bytes if direct is not None else 0
 
     class BoundedHttpProtocol(HttpToolsProtocol):
         """Both time limits are deadlines on the connection, read by one sweep a front end
         (ClockSweep), not timers of their own: uvicorn armed and cancelled a keep-alive timer for
-        each answer, and the request clock two more, about a tenth of a REST call's HTTP work."""
+        each answer, and the request clock two more, about a tenth of a REST call's HTTP work.
+
+        A request to a direct route is a DirectCall from its headers on; uvicorn's scope and
+        request cycle are made only for the others, at their headers (so on_message_begin
+        leaves the scope to on_headers_complete)."""
 
         _refused = False
         # By when (monotonic) the connection must have read its request, or begun the next one
@@ -47,17 +52,8 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         _deadline: float | None = None
         # Since when it has been waiting for a request's headers (monotonic); None: busy with a request.
         _waiting_since: float | None = None
-        _direct: tuple = ()  # (cycle, task) of the direct route answering this connection's request
+        _answering: DirectCall | None = None  # the direct call whose route runs, if one does
         _sweep: ClockSweep | None = None  # the class's: its server's
-
-        def _start_asgi_task(self, cycle, app) -> None:
-            scope = cycle.scope
-            if scope["path"] not in direct_paths or scope["method"] != "POST":
-                return super()._start_asgi_task(cycle, app)
-            task = self.loop.create_task(direct.serve(cycle))
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)  # the graceful shutdown waits for it
-            self._direct = (cycle, task)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections and not self._evict_one():  # this server's connections
@@ -85,16 +81,81 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             return True
 
         def on_message_begin(self) -> None:
-            super().on_message_begin()
+            self.url, self.headers, self.expect_100_continue = b"", [], False
             self._deadline = time.monotonic() + request_timeout_s
 
         def on_headers_complete(self) -> None:
             self._waiting_since = None  # a request under way: its connection stays
+            parser = self.parser
+            if self.url in direct_paths and parser.get_method() == b"POST" and not parser.should_upgrade():
+                return self._take_direct()
+            url, headers, expect_100 = self.url, self.headers, self.expect_100_continue
+            super().on_message_begin()  # uvicorn's scope, for its request cycle
+            self.url, self.expect_100_continue = url, expect_100
+            self.headers += headers  # the scope's list
             super().on_headers_complete()
 
+        # A direct route's call --------------------------------------------------------------------
+
+        def _take_direct(self) -> None:
+            parser = self.parser
+            call = DirectCall(self, self.url.decode("ascii"), self.headers, self.scheme,
+                              parser.should_keep_alive() and parser.get_http_version() != "1.0",
+                              self.expect_100_continue)
+            call.refusal = direct.refusal(call)
+            previous, self.cycle = self.cycle, call
+            if previous is None or previous.response_complete:
+                self._direct_turn(call)
+            else:  # pipelined: its turn comes when the answer before it is written (on_response_complete)
+                self.flow.pause_reading()
+                call.queued = True
+                self.pipeline.appendleft((call, None))
+
+        def _direct_turn(self, call: DirectCall) -> None:
+            """The call's answer is next on the connection: its route runs once the body is whole
+            (or at once, when it is refused without it)."""
+            call.queued = False
+            if call.complete or call.refusal is not None:
+                self._answer(call)
+            elif call.expect_100:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+        def _answer(self, call: DirectCall) -> None:
+            call.task = task = self.loop.create_task(direct.serve(call))
+            task.add_done_callback(self.tasks.discard)
+            self.tasks.add(task)  # the graceful shutdown waits for it
+            self._answering = call
+
+        def _start_asgi_task(self, cycle, app) -> None:
+            if type(cycle) is DirectCall:  # a pipelined direct call's turn
+                return self._direct_turn(cycle)
+            super()._start_asgi_task(cycle, app)
+
+        def on_body(self, body: bytes) -> None:
+            call = self.cycle
+            if type(call) is not DirectCall:
+                return super().on_body(body)
+            if call.task is not None or call.refusal is not None:
+                return  # answered, or to be, without its body: the rest is read and dropped
+            call.size += len(body)
+            if call.size > max_body:  # a chunked body past the limit, refused as it comes
+                direct.too_large(call)
+                if not call.queued:
+                    self._answer(call)
+                return
+            call.parts.append(body)
+
         def on_message_complete(self) -> None:
-            self._deadline = None
-            super().on_message_complete()
+            call = self.cycle
+            if call is None or not call.response_complete:  # else answered early: the keep-alive clock runs
+                self._deadline = None
+            if type(call) is not DirectCall:
+                return super().on_message_complete()
+            call.complete = True
+            if not call.queued and call.task is None:
+                self._answer(call)
+
+        # ------------------------------------------------------------------------------------------
 
         def on_response_complete(self) -> None:
             """uvicorn's, with the keep-alive limit as a deadline instead of a timer."""
@@ -113,12 +174,13 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             if self._refused:
                 return
             self._deadline = None
+            if type(self.cycle) is DirectCall:
+                self.cycle = None  # uvicorn's own reads a cycle of its kind; the call is handled below
             super().connection_lost(exc)
-            if self._direct:
-                cycle, task = self._direct
-                if not task.done() and not cycle.response_complete:
-                    cycle.disconnected = True
-                    task.cancel()  # a hang-up: the call leaves the queue (http_direct.DirectRoutes.serve)
+            call = self._answering
+            if call is not None and not call.response_complete and not call.task.done():
+                call.disconnected = True
+                call.task.cancel()  # a hang-up: the call leaves the queue (http_direct.DirectRoutes.serve)
 
     return BoundedHttpProtocol
 

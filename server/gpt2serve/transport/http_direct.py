@@ -4,12 +4,13 @@ A REST next-token call spent most of a front end's CPU between the socket and th
 uvicorn's ASGI cycle and its middleware, the guard's wrapper, Starlette's Request, a watcher
 task for the hang-up, and two writes an answer (docs/benchmarks.md, "REST answered from the
 protocol"). For the routes of `InferenceRoutes` marked `direct`, the front end's protocol
-(transport.http_connections) hands the request's cycle here instead: the body uvicorn buffered
-is read, the guard's checks and the route run, and the answer goes out in one write. A hang-up
-cancels the route's task from `connection_lost`, which the service counts CANCELLED.
+(transport.http_connections) takes the request at its headers as a `DirectCall` instead of
+uvicorn's scope and request cycle: the guard's checks run there, the body is gathered as the
+parser gives it, and once it is whole one task runs the route and writes the answer in one
+write. A hang-up cancels that task from `connection_lost`, which the service counts CANCELLED.
 
 Pipelining, keep-alive, `Expect: 100-continue`, flow control and the graceful shutdown's wait
-stay uvicorn's: the cycle is its own, and the task is in its set.
+follow uvicorn's protocol, whose pipeline and task set the calls join.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterable
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from .guard import Headers, HttpGuard
 from .http_errors import HttpErrors, as_serve_error, parse_body
@@ -46,6 +47,54 @@ class CallHead:
         return None
 
 
+class DirectCall(CallHead):
+    """One request to a direct route, in place of uvicorn's RequestResponseCycle: its head (for
+    the route), its body as it arrives, and what uvicorn's protocol reads of a cycle at a hang-up
+    or shutdown (response_complete, keep_alive)."""
+
+    __slots__ = ("protocol", "path", "keep_alive", "expect_100", "parts", "size", "refusal", "complete",
+                 "queued", "task", "response_complete", "disconnected")
+
+    def __init__(self, protocol, path: str, headers: list[tuple[bytes, bytes]], scheme: str, keep_alive: bool,
+                 expect_100: bool):
+        self.headers, self.scheme = headers, scheme
+        self.protocol, self.path, self.keep_alive, self.expect_100 = protocol, path, keep_alive, expect_100
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.refusal: tuple[Exception, Headers] | None = None  # why it is answered without its body
+        self.complete = False  # the body is whole
+        self.queued = False  # behind a pipelined request still being answered
+        self.task: asyncio.Task | None = None  # the route's, once started
+        self.response_complete = self.disconnected = False
+
+    def body(self) -> bytes:
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+
+    async def respond(self, status: int, headers: Headers, body: bytes) -> None:
+        """The answer in one write: status line, uvicorn's default headers (date, server), the
+        route's, content-length; the connection closes after it unless kept alive."""
+        protocol = self.protocol
+        if protocol.flow.write_paused and not self.disconnected:
+            await protocol.flow.drain()
+        if self.disconnected:
+            return
+        if headers is not JSON_HEADERS and (b"connection", b"close") in headers:
+            self.keep_alive = False  # a refusal before the body was read (the guard's): the rest is not wanted
+        content = [STATUS_LINE[status]]
+        for name, value in (*protocol.server_state.default_headers, *headers):
+            if name not in (b"content-length", b"connection"):
+                content += (name, b": ", value, b"\r\n")
+        content.append(b"content-length: %d\r\n" % len(body))
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"\r\n", body)
+        protocol.transport.write(b"".join(content))
+        self.response_complete = True
+        if not self.keep_alive:
+            protocol.transport.close()
+        protocol.on_response_complete()
+
+
 @dataclass(frozen=True)
 class DirectRoute:
     body_type: Any  # the pydantic model of the body
@@ -58,79 +107,40 @@ class DirectRoutes:
         """`accepted(name)`: the service's context held while a call is served (the drain waits for it)."""
         self.routes = routes
         self.paths = frozenset(routes)
+        self.raw_paths = frozenset(path.encode("ascii") for path in routes)  # as a request line carries them
         self.guard, self.errors, self.accepted = guard, errors, accepted
 
-    async def serve(self, cycle: RequestResponseCycle) -> None:
-        """Answer the cycle's request (a POST to one of `paths`); nothing when the client hung up."""
-        path = cycle.scope["path"]
-        with self.accepted(f"POST {path}"):  # until the answer is written
+    def refusal(self, call: DirectCall) -> tuple[Exception, Headers] | None:
+        """The guard's checks on the head (key, declared size), before the body is read."""
+        return self.guard.refusal(call.path, call.headers)
+
+    def too_large(self, call: DirectCall) -> None:
+        """The body grew past the limit as it came (chunked): refused, what came of it dropped."""
+        call.refusal, call.parts = (self.guard.too_large(), []), []
+
+    async def serve(self, call: DirectCall) -> None:
+        """Answer the call; nothing when the client hung up."""
+        with self.accepted(f"POST {call.path}"):  # until the answer is written
             try:
-                status, headers, body = await self.answer(cycle, path)
+                status, headers, body = await self.answer(call)
             except asyncio.CancelledError:
-                if not cycle.disconnected:
+                if not call.disconnected:
                     raise  # a shutdown's cancel: uvicorn's to handle
                 asyncio.current_task().uncancel()
                 return  # Nobody to answer; the service counted it.
-            await write(cycle, status, headers, body)
+            await call.respond(status, headers, body)
 
-    async def answer(self, cycle: RequestResponseCycle, path: str) -> tuple[int, Headers, bytes]:
-        head = CallHead.of(cycle.scope)
-        route = self.routes[path]
+    async def answer(self, call: DirectCall) -> tuple[int, Headers, bytes]:
+        route = self.routes[call.path]
         extra: Headers = []
         try:
-            refusal = self.guard.refusal(path, head.headers)
-            if refusal is not None:
-                error, extra = refusal
+            if call.refusal is not None:
+                error, extra = call.refusal
                 raise error
-            raw = await read_whole(cycle, self.guard)
-            body = parse_body(raw, head.header(b"content-type"), route.body_type)
-            return 200, JSON_HEADERS, await route.handler(head, body)
+            body = parse_body(call.body(), call.header(b"content-type"), route.body_type)
+            return 200, JSON_HEADERS, await route.handler(call, body)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # every refusal and failure, rendered and counted one way
-            status, headers, body = self.errors.render(path, as_serve_error(exc, path))
+            status, headers, body = self.errors.render(call.path, as_serve_error(exc, call.path))
             return status, headers + extra, body
-
-
-async def read_whole(cycle: RequestResponseCycle, guard: HttpGuard) -> bytes:
-    """The request's body, whole (most often already in: it came with the headers). Raises the
-    guard's PayloadTooLarge past its limit, so a chunked body cannot grow without end."""
-    limit = guard.max_body_bytes
-    parts = []
-    size = 0
-    while True:
-        message = await cycle.receive()  # resumes reading, answers Expect: 100-continue
-        if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError()  # the protocol cancels this task as well
-        parts.append(message["body"])
-        size += len(message["body"])
-        if size > limit:
-            raise guard.too_large()
-        if not message["more_body"]:
-            return b"".join(parts)
-
-
-async def write(cycle: RequestResponseCycle, status: int, headers: Headers, body: bytes) -> None:
-    """The answer in one write: status line, uvicorn's default headers (date, server), the
-    route's, content-length; the connection closes after it unless kept alive."""
-    if cycle.flow.write_paused and not cycle.disconnected:
-        await cycle.flow.drain()
-    if cycle.disconnected:
-        return
-    if headers is not JSON_HEADERS and (b"connection", b"close") in headers:
-        cycle.keep_alive = False  # a refusal before the body was read (the guard's): the rest is not wanted
-    content = [STATUS_LINE[status]]
-    for name, value in (*cycle.default_headers, *headers):
-        if name not in (b"content-length", b"connection"):
-            content += (name, b": ", value, b"\r\n")
-    content.append(b"content-length: %d\r\n" % len(body))
-    if not cycle.keep_alive:
-        content.append(b"connection: close\r\n")
-    content += (b"\r\n", body)
-    cycle.transport.write(b"".join(content))
-    cycle.response_started = cycle.response_complete = True
-    cycle.message_event.set()
-    if not cycle.keep_alive:
-        cycle.transport.close()
-    on_response, cycle.on_response = cycle.on_response, lambda: None
-    on_response()
