@@ -7,11 +7,13 @@ Loads, one at a time, each from 2 client processes on the same machine:
 - unary: 64 closed-loop gRPC NextToken callers (bench/host_path.py --clients 64);
 - rest: 64 closed-loop REST /v1/next-token callers (gpt2serve.benchmarks.serving_load);
 - batch: 4 NextTokenBatch callers of 64 prompts (bench/host_path.py --batch-clients 4);
-- stream: 64 Generate streams of 64 tokens (bench/host_path.py --streams 64).
+- stream: 64 Generate streams of 64 tokens (bench/host_path.py --streams 64);
+- sse: 64 OpenAI completions streams of 64 tokens (`"stream": true`, server-sent events), from
+  wrk always (one thread), which reads each answer as it comes.
 With `--native`, unary, rest and batch come from h2load and wrk instead (one thread, a few
 percent of a core), so the front ends are not sharing the cores with Python clients.
 
-    .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream] [--seconds 16] [--native]
+    .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] [--native]
         [--stream-interval N]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
@@ -74,12 +76,15 @@ NATIVE = {  # --native: the same loads from h2load and wrk (gpt2serve.benchmarks
     "unary": "run_h2load(host_port({grpc!r}), *grpc_request_body('grpc', PROMPT, 1), 64, 1, {seconds}, 1)",
     "batch": "run_h2load(host_port({grpc!r}), *grpc_request_body('grpc-batch', PROMPT, 64), 4, 1, {seconds}, 1)",
     "rest": "run_wrk({http!r}, [PROMPT], 64, 1, {seconds}, 1)",
+    "sse": "run_wrk({http!r}, [PROMPT], 64, 1, {seconds}, 1, '/v1/completions', lambda p: dict(model='random:gpt2', "
+           "prompt=p, max_tokens=64, stream=True, ignore_eos=True, temperature=0))",
 }
+NATIVE_ONLY = {"sse"}
 
 
 def load_command(load: str, server, seconds: float, native: bool = False) -> list[str]:
     """The load's client processes (none of them loads a model, so the load starts at once)."""
-    if native and load in NATIVE:
+    if (native or load in NATIVE_ONLY) and load in NATIVE:
         call = NATIVE[load].format(grpc=server.grpc, http=server.http, seconds=seconds - 1)
         return [PYTHON, "-c", "from gpt2serve.benchmarks.native_load import grpc_request_body, host_port, "
                 f"run_h2load, run_wrk; PROMPT = [464, 3139, 286, 4881, 318]; {call}"]
@@ -98,6 +103,7 @@ UNITS = {
     "rest": ("a call", "gpt2serve_requests_total", 'method="NextToken"', 1),
     "batch": ("a prompt", "gpt2serve_requests_total", 'method="NextTokenBatch"', 64),
     "stream": ("a token", "gpt2serve_generated_tokens_total", "", 1),
+    "sse": ("a token", "gpt2serve_generated_tokens_total", "", 1),
 }
 
 
@@ -144,7 +150,7 @@ def profile(load: str, server, seconds: float, native: bool,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loads", default="unary,rest,batch,stream")
+    parser.add_argument("--loads", default="unary,rest,batch,stream,sse")
     parser.add_argument("--seconds", type=float, default=16.0, help="of load; samples over all but the ends")
     parser.add_argument("--native", action="store_true",
                         help="unary, rest and batch from h2load and wrk (one thread each) instead of Python clients")

@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Callable
 from urllib.parse import urlparse
 
 HEADROOM = 0.9  # a load generator busier than this share of its threads' cores may be the limit
@@ -222,13 +223,19 @@ end
 """
 
 
+def next_token_body(prompt: list[int]) -> dict:
+    return {"prompt_token_ids": prompt, "top_k": 5}
+
+
 def run_wrk(base_url: str, prompts: list[list[int]], concurrency: int, threads: int, duration_s: float,
-            warmup_s: float) -> NativeRun:
+            warmup_s: float, path: str = "/v1/next-token",
+            body_of: Callable[[list[int]], dict] = next_token_body) -> NativeRun:
     """Closed-loop REST calls over HTTP/1.1 keep-alive connections, one in flight on each; wrk has
-    no warm-up of its own, so a first short run is it. wrk counts whole seconds."""
+    no warm-up of its own, so a first short run is it. wrk counts whole seconds. `path` and
+    `body_of(prompt)`: another POST route (a streamed answer counts once, when it is whole)."""
     wrk = need_tool("wrk", "wrk")
-    bodies = "{" + ", ".join(json.dumps(json.dumps({"prompt_token_ids": p, "top_k": 5})) for p in prompts[:256]) + "}"
-    url = f"{base_url.rstrip('/')}/v1/next-token"
+    bodies = "{" + ", ".join(json.dumps(json.dumps(body_of(p))) for p in prompts[:256]) + "}"
+    url = f"{base_url.rstrip('/')}{path}"
     threads = max(1, min(threads, concurrency))
     with tempfile.NamedTemporaryFile("w", suffix=".lua", prefix="gpt2serve-wrk-") as script:
         script.write(WRK_SCRIPT % bodies)
