@@ -106,7 +106,6 @@ class DirectRoutes:
                  accepted: Callable[[str], Any]):
         """`accepted(name)`: the service's context held while a call is served (the drain waits for it)."""
         self.routes = routes
-        self.paths = frozenset(routes)
         self.raw_paths = frozenset(path.encode("ascii") for path in routes)  # as a request line carries them
         self.guard, self.errors, self.accepted = guard, errors, accepted
 

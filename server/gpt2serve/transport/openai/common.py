@@ -124,7 +124,7 @@ _END = object()
 
 async def alone(stream: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
     """One choice's items as (0, item): straight from its stream, with no task and queue between
-    (interleave's), so a chunk costs one task's turn and not three."""
+    (interleave's), so a chunk wakes one task, not a pump and then the reader."""
     try:
         async for item in stream:
             yield 0, item
