@@ -9,15 +9,20 @@ server's writes wait for it, as they wait for a slow client on a real network.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections import deque
 
 import grpc
+import pytest
 
-from gpt2serve.service.generation_stream import _End, _joined_with_queued
+from gpt2serve.protocol import SampledToken, TokenScore
+from gpt2serve.service.generation_stream import _End, joined_with_queued, token_chunk
 from gpt2serve_client import AsyncClient, Client, RestClient
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 from gpt2serve_client.generation import GeneratedToken, GenerateChunk, GenerateResult, Usage
+from gpt2serve_client.types import TokenLogprob
 
 PROMPT = [464, 3139, 286]
 TOKENS = 120
@@ -77,43 +82,55 @@ def _token(i: int) -> GeneratedToken:
     return GeneratedToken(i, f"<{i}>", -1.0 * i, [])
 
 
-def test_a_chunk_is_joined_only_with_token_chunks_already_queued():
-    """What a reader that keeps up gets: nothing queued behind its chunk, so nothing joined. And
+def _sampled(i: int) -> SampledToken:
+    return SampledToken(i, -1.0 * i)
+
+
+def _text(token_id: int) -> str:
+    return f"<{token_id}>"
+
+
+def test_a_chunk_is_joined_only_with_tokens_already_queued():
+    """What a reader that keeps up gets: nothing queued behind its token, so nothing joined. And
     a closing chunk (or the end) is never folded in: it is sent next, on its own."""
-    first = GenerateChunk("a", _token(1))
-
-    async def run():
-        queue: asyncio.Queue = asyncio.Queue()
-        alone = _joined_with_queued(first, queue)
-        closing = GenerateChunk("", None, finish_reason="length", usage=Usage(3, 3, 6))
-        for item in (GenerateChunk("b", _token(2)), GenerateChunk("c", _token(3)), closing, _End()):
-            queue.put_nowait(item)
-        joined = _joined_with_queued(first, queue)
-        return alone, joined, queue.qsize()
-
-    alone, (chunk, held), left = asyncio.run(run())
-    assert alone == (first, None)
-    assert chunk.text == "abc" and chunk.token == _token(1) and chunk.more_tokens == [_token(2), _token(3)]
-    assert held.finish_reason == "length" and left == 1  # the end marker still queued
+    first = ("a", [_sampled(1)])
+    assert joined_with_queued(first, deque()) == first
+    closing = GenerateChunk("", None, finish_reason="length", usage=Usage(3, 3, 6))
+    items = deque([("b", [_sampled(2)]), ("c", [_sampled(3)]), closing, _End()])
+    text, tokens = joined_with_queued(first, items)
+    assert list(items) == [closing, _End()]  # the closing chunk and the end still queued, in order
+    chunk = token_chunk(_text, text, tokens)
+    assert chunk == GenerateChunk("abc", _token(1), more_tokens=[_token(2), _token(3)])
     parts = chunk.split()
     assert [p.token for p in parts] == [_token(1), _token(2), _token(3)] and "".join(p.text for p in parts) == "abc"
     assert GenerateChunk.from_proto(chunk.to_proto()) == chunk
     assert GenerateChunk.from_dict({"text": "abc", "token": {"token_id": 1, "token": "<1>", "logprob": -1.0, "top": []},
                                     "more_tokens": [{"token_id": 2, "token": "<2>", "logprob": -2.0, "top": []}]}
                                    ).more_tokens == [_token(2)]
-    assert GenerateResult.from_chunks([chunk, held]).tokens == [_token(1), _token(2), _token(3)]
+    assert GenerateResult.from_chunks([chunk, closing]).tokens == [_token(1), _token(2), _token(3)]
 
 
-def test_a_chunk_joined_already_keeps_its_tokens_when_joined_again():
-    """A chunk of a --stream-interval (several tokens already) behind a slow reader's chunk."""
-    first = GenerateChunk("a", _token(1))
+def test_tokens_released_together_keep_their_tokens_when_joined_again():
+    """An interval's tokens (--stream-interval, queued as one item) behind a slow reader's token."""
+    items = deque([("bcd", [_sampled(2), _sampled(3), _sampled(4)]), ("e", [_sampled(5)])])
+    text, tokens = joined_with_queued(("a", [_sampled(1)]), items)
+    assert not items and text == "abcde" and tokens == [_sampled(i) for i in range(1, 6)]
 
-    async def run():
-        queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(GenerateChunk("bcd", _token(2), more_tokens=[_token(3), _token(4)]))
-        queue.put_nowait(GenerateChunk("e", _token(5)))
-        return _joined_with_queued(first, queue)
 
-    chunk, held = asyncio.run(run())
-    assert held is None
-    assert chunk.text == "abcde" and [chunk.token, *chunk.more_tokens] == [_token(i) for i in range(1, 6)]
+def test_a_token_chunk_built_without_init_is_the_chunk_init_builds():
+    """token_chunk makes the frozen dataclasses without their __init__ (generation_stream.frozen):
+    every field is there, equal to __init__'s, each list its own, and the chunk is still frozen."""
+    top = SampledToken(7, -0.5, [TokenScore(7, -0.5), TokenScore(9, -1.5)])
+    chunk = token_chunk(_text, "<7>", [top])
+    want = GenerateChunk("<7>", GeneratedToken(7, "<7>", -0.5, [TokenLogprob(7, "<7>", -0.5),
+                                                                 TokenLogprob(9, "<9>", -1.5)]))
+    assert chunk == want and repr(chunk) == repr(want)
+    assert set(vars(chunk)) == {f.name for f in dataclasses.fields(GenerateChunk)}
+    assert dataclasses.asdict(chunk) == dataclasses.asdict(want)
+    assert chunk.prompt_token_ids is not token_chunk(_text, "", [top]).prompt_token_ids
+    assert chunk.more_tokens == [] and chunk.more_tokens is not token_chunk(_text, "", [top]).more_tokens
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chunk.text = "changed"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chunk.token.logprob = 0.0
+    assert hash(chunk.token.top[0]) == hash(TokenLogprob(7, "<7>", -0.5))
