@@ -14,7 +14,7 @@ With `--native`, unary, rest and batch come from h2load and wrk instead (one thr
 percent of a core), so the front ends are not sharing the cores with Python clients.
 
     .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] [--native]
-        [--stream-interval N]
+        [--stream-interval N] [--top N] [--save DIR]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
 (a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
@@ -118,7 +118,7 @@ def load_started(server, name: str, labels: str, timeout_s: float = 30.0) -> Non
 
 
 def profile(load: str, server, seconds: float, native: bool,
-            spy: bool = True) -> tuple[collections.Counter, float, str]:
+            spy: bool = True, save: Path | None = None) -> tuple[collections.Counter, collections.Counter, float, str]:
     pids = [pid for title, pid in server.processes.items() if title.startswith("front end")]
     unit, name, labels, per = UNITS[load]
     client = subprocess.Popen(load_command(load, server, seconds, native), stdout=subprocess.DEVNULL,
@@ -137,15 +137,21 @@ def profile(load: str, server, seconds: float, native: bool,
             time.sleep(window)
         after_cpu, after_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
         layers: collections.Counter = collections.Counter()
+        functions: collections.Counter = collections.Counter()  # innermost frame: own time
         for p in pids:
             path = Path(f"{tmp}/{p}.txt")
             for line in path.read_text().splitlines() if path.exists() else []:
                 stack, count = line.rsplit(" ", 1)  # py-spy leaves out threads that wait (no --idle)
-                layers[layer_of(stack.split(";"))] += int(count)
+                frames = stack.split(";")
+                layers[layer_of(frames)] += int(count)
+                functions[frames[-1]] += int(count)
+            if save is not None and path.exists():
+                save.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, save / f"{load}-{p}.txt")
     client.wait(timeout=seconds + 120)
     units = (after_units - before_units) * per
     us_per_unit = (after_cpu - before_cpu) / units * 1e6 if units else float("nan")
-    return layers, us_per_unit, unit
+    return layers, functions, us_per_unit, unit
 
 
 def main() -> None:
@@ -155,17 +161,23 @@ def main() -> None:
     parser.add_argument("--native", action="store_true",
                         help="unary, rest and batch from h2load and wrk (one thread each) instead of Python clients")
     parser.add_argument("--no-spy", action="store_true", help="CPU per unit only: no py-spy sampling")
+    parser.add_argument("--top", type=int, default=0, help="also print the N functions with most own time")
+    parser.add_argument("--save", type=Path, help="keep py-spy's raw samples in this folder")
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     args = parser.parse_args()
     server = StandinServer(workers=2, max_batch=256, extra_args=("--stream-interval", str(args.stream_interval)))
     try:
         for load in args.loads.split(","):
-            layers, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy)
+            layers, functions, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy, args.save)
             total = sum(layers.values()) or 1
             print(f"\n{load}: front ends' CPU {us:.0f} us {unit} (2 front ends, /proc over /metrics)")
             print("| layer | share of the front ends' working samples |\n|---|---|")
             for name, count in layers.most_common():
                 print(f"| {name} | {100 * count / total:.0f}% |")
+            if args.top:
+                print("\n| function (own time) | share |\n|---|---|")
+                for frame, count in functions.most_common(args.top):
+                    print(f"| {frame} | {100 * count / total:.1f}% |")
     finally:
         server.stop()
 
