@@ -95,7 +95,7 @@ def test_every_answered_kind_has_its_series_before_its_first_request():
         used |= {("grpc", m) for m in re.findall(r'request_options\("(\w+)", request', text)}
         used |= {("rest", m) for m in re.findall(r'request_options\(head, "[^"]+", "(\w+)"', text)}
         used |= {(api or "rest", m) for m, api in
-                 re.findall(r'http_options\(request, [^,]+, "(\w+)"(?:, api="(\w+)")?', text)}
+                 re.findall(r'call_options\(head, [^,]+, "(\w+)"(?:, api="(\w+)")?', text)}
     assert used == set(ANSWERED)
 
     metrics = Metrics()

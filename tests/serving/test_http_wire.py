@@ -1,8 +1,9 @@
-"""The next-token routes over HTTP/1.1 as clients write it on the wire: the front end answers
+"""The inference routes over HTTP/1.1 as clients write it on the wire: the front end answers
 them from its own protocol (transport.http_direct), not through uvicorn's ASGI cycle, so what
 uvicorn did for them is held here: pipelined requests answered in order (mixed with routes that
 go through ASGI), `Expect: 100-continue`, a body that arrives in pieces, HTTP/1.0 and
-`Connection: close`, a refusal before the body, and a request the parser rejects."""
+`Connection: close`, a refusal before the body, a request the parser rejects, and streams of
+server-sent events (chunked, then the connection kept for the next request)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,28 @@ class Wire:
             assert self._fill(), "closed inside an answer's body"
         body, self.buffer = self.buffer[:length], self.buffer[length:]
         return int(status_line.split()[1]), headers, body
+
+    def chunked_answer(self) -> tuple[int, dict[str, str], list[bytes]]:
+        """An answer whose body is chunked: its chunks, as the server wrote them."""
+        while b"\r\n\r\n" not in self.buffer:
+            assert self._fill(), f"closed before an answer's head: {self.buffer!r}"
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+        assert headers.get("transfer-encoding") == "chunked" and "content-length" not in headers, headers
+        chunks = []
+        while True:
+            while b"\r\n" not in self.buffer:
+                assert self._fill(), "closed inside a chunked body"
+            size_line, self.buffer = self.buffer.split(b"\r\n", 1)
+            size = int(size_line, 16)
+            while len(self.buffer) < size + 2:
+                assert self._fill(), "closed inside a chunk"
+            chunk, end, self.buffer = self.buffer[:size], self.buffer[size:size + 2], self.buffer[size + 2:]
+            assert end == b"\r\n"
+            if size == 0:
+                return int(status_line.split()[1]), headers, chunks
+            chunks.append(chunk)
 
     def closed_by_server(self) -> bool:
         self.sock.settimeout(30)
@@ -148,3 +171,57 @@ def test_a_request_the_parser_rejects_gets_400_and_the_server_goes_on(server, wi
         assert other.answer()[0] == 200
     finally:
         other.close()
+
+
+def stream_body(max_tokens: int) -> bytes:
+    return json.dumps({"model": "random:tiny", "prompt": PROMPTS[0], "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+
+
+def events_of(chunks: list[bytes]) -> list[str]:
+    """The `data:` of each event; every chunk holds whole events."""
+    assert all(chunk.endswith(b"\n\n") for chunk in chunks), chunks
+    return [line[len("data: "):] for line in b"".join(chunks).decode().split("\n\n") if line]
+
+
+def test_a_stream_is_chunked_events_and_the_connection_then_serves_the_next_request(wire):
+    whole = json.loads(stream_body(6))
+    wire.send(post("/v1/completions", json.dumps({**whole, "stream": False}).encode()))
+    want = json.loads(wire.answer()[2])["choices"][0]["text"]
+    wire.send(post("/v1/completions", stream_body(6)))
+    status, headers, chunks = wire.chunked_answer()
+    assert status == 200
+    assert headers["content-type"] == "text/event-stream; charset=utf-8" and headers["cache-control"] == "no-cache"
+    data = events_of(chunks)
+    assert data[-1] == "[DONE]"
+    choices = [json.loads(d)["choices"][0] for d in data[:-1]]
+    assert choices[-1]["finish_reason"] == "length" and "".join(c["text"] for c in choices) == want
+    wire.send(post("/v1/next-token", prompt_body(PROMPTS[1])))  # kept alive after the stream's last chunk
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[1]
+
+
+def test_streams_and_calls_pipelined_are_answered_in_order(wire):
+    wire.send(post("/v1/next-token", prompt_body(PROMPTS[0])) + post("/v1/completions", stream_body(4))
+              + post("/v1/next-token", prompt_body(PROMPTS[2])))
+    first = wire.answer()
+    _, _, chunks = wire.chunked_answer()
+    last = wire.answer()
+    assert json.loads(first[2])["prompt_token_ids"] == PROMPTS[0]
+    assert events_of(chunks)[-1] == "[DONE]"
+    assert json.loads(last[2])["prompt_token_ids"] == PROMPTS[2]
+
+
+def test_a_stream_to_an_http_1_0_client_ends_with_the_connection(wire):
+    wire.send(post("/v1/completions", stream_body(3), version=b"1.0"))
+    status, headers, chunks = wire.chunked_answer()
+    assert status == 200 and headers.get("connection") == "close" and events_of(chunks)[-1] == "[DONE]"
+    assert wire.closed_by_server()
+
+
+def test_a_refused_stream_is_a_json_error_not_a_stream(wire):
+    body = json.dumps({"model": "no-such-model", "prompt": "x", "stream": True}).encode()
+    wire.send(post("/v1/completions", body))
+    status, headers, answer = wire.answer()
+    assert status == 404 and headers["content-type"] == "application/json"
+    assert json.loads(answer)["error"]["param"] == "model"

@@ -1,13 +1,16 @@
-"""The next-token routes answered straight from the HTTP protocol, not through ASGI.
+"""The inference routes answered straight from the HTTP protocol, not through ASGI.
 
 A REST next-token call spent most of a front end's CPU between the socket and the route:
 uvicorn's ASGI cycle and its middleware, the guard's wrapper, Starlette's Request, a watcher
 task for the hang-up, and two writes an answer (docs/benchmarks.md, "REST answered from the
-protocol"). For the routes of `InferenceRoutes` marked `direct`, the front end's protocol
-(transport.http_connections) takes the request at its headers as a `DirectCall` instead of
-uvicorn's scope and request cycle: the guard's checks run there, the body is gathered as the
-parser gives it, and once it is whole one task runs the route and writes the answer in one
-write. A hang-up cancels that task from `connection_lost`, which the service counts CANCELLED.
+protocol"); a stream added Starlette's StreamingResponse (an anyio task group and a task that
+listens for the hang-up) and an ASGI message a chunk. For the routes of `InferenceRoutes`, the
+front end's protocol (transport.http_connections) takes the request at its headers as a
+`DirectCall` instead of uvicorn's scope and request cycle: the guard's checks run there, the
+body is gathered as the parser gives it, and once it is whole one task runs the route. A route
+answers JSON (written in one write) or an `EventStream` (server-sent events, each written as it
+comes, chunked). A hang-up cancels that task from `connection_lost`, which the service counts
+CANCELLED.
 
 Pipelining, keep-alive, `Expect: 100-continue`, flow control and the graceful shutdown's wait
 follow uvicorn's protocol, whose pipeline and task set the calls join.
@@ -16,8 +19,9 @@ follow uvicorn's protocol, whose pipeline and task set the calls join.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
@@ -25,6 +29,20 @@ from .guard import Headers, HttpGuard
 from .http_errors import HttpErrors, as_serve_error, parse_body
 
 JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
+# As Starlette's StreamingResponse had them (it adds the charset to a text/ type).
+SSE_HEADERS: Headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A route's answer as server-sent events (each item one or more whole events), sent as
+    they come. The route has waited for what can still fail as an HTTP error (the first
+    chunk); later errors are events of the stream's own."""
+
+    events: AsyncIterator[bytes]
+    headers: Headers = tuple(SSE_HEADERS)  # type: ignore[assignment]
 
 
 @dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
@@ -70,26 +88,66 @@ class DirectCall(CallHead):
     def body(self) -> bytes:
         return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
 
+    def _head(self, status: int, headers: Headers, framing: bytes) -> list[bytes]:
+        """Status line, uvicorn's default headers (date, server), the route's, `framing`
+        (content-length or chunked), and connection: close when not kept alive."""
+        if headers is not JSON_HEADERS and (b"connection", b"close") in headers:
+            self.keep_alive = False  # a refusal before the body was read (the guard's): the rest is not wanted
+        content = [STATUS_LINE[status]]
+        for name, value in (*self.protocol.server_state.default_headers, *headers):
+            if name not in (b"content-length", b"connection"):
+                content += (name, b": ", value, b"\r\n")
+        content.append(framing)
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        return content
+
     async def respond(self, status: int, headers: Headers, body: bytes) -> None:
-        """The answer in one write: status line, uvicorn's default headers (date, server), the
-        route's, content-length; the connection closes after it unless kept alive."""
+        """The answer in one write; the connection closes after it unless kept alive."""
         protocol = self.protocol
         if protocol.flow.write_paused and not self.disconnected:
             await protocol.flow.drain()
         if self.disconnected:
             return
-        if headers is not JSON_HEADERS and (b"connection", b"close") in headers:
-            self.keep_alive = False  # a refusal before the body was read (the guard's): the rest is not wanted
-        content = [STATUS_LINE[status]]
-        for name, value in (*protocol.server_state.default_headers, *headers):
-            if name not in (b"content-length", b"connection"):
-                content += (name, b": ", value, b"\r\n")
-        content.append(b"content-length: %d\r\n" % len(body))
-        if not self.keep_alive:
-            content.append(b"connection: close\r\n")
-        content += (b"\r\n", body)
+        content = self._head(status, headers, b"content-length: %d\r\n" % len(body))
+        content.append(body)
         protocol.transport.write(b"".join(content))
+        self._completed()
+
+    async def stream(self, status: int, answer: EventStream) -> None:
+        """The events as they come, a chunk each (the head goes with the first): one write an
+        event, after waiting for the client's window when it is full, so a reader that is
+        behind finds the tokens it has not read joined into the next event (GenerationStream).
+        An error the events did not catch closes the connection without the last chunk, so
+        the client sees the answer cut short, as uvicorn did."""
+        protocol = self.protocol
+        flow, write = protocol.flow, protocol.transport.write
+        pending = b"".join(self._head(status, answer.headers, b"transfer-encoding: chunked\r\n"))
+        try:
+            async for event in answer.events:
+                if flow.write_paused:
+                    await flow.drain()
+                if self.disconnected:
+                    return
+                write(b"%s%x\r\n%s\r\n" % (pending, len(event), event))
+                pending = b""
+        except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception:
+            log.exception("a stream of %s failed after its first event", self.path)
+            self.response_complete = True
+            protocol.transport.close()
+            return
+        finally:
+            await answer.events.aclose()
+        if not self.disconnected:
+            write(pending + b"0\r\n\r\n")
+            self._completed()
+
+    def _completed(self) -> None:
         self.response_complete = True
+        protocol = self.protocol
         if not self.keep_alive:
             protocol.transport.close()
         protocol.on_response_complete()
@@ -98,7 +156,7 @@ class DirectCall(CallHead):
 @dataclass(frozen=True)
 class DirectRoute:
     body_type: Any  # the pydantic model of the body
-    handler: Callable[[CallHead, Any], Awaitable[bytes]]  # the answer's JSON
+    handler: Callable[[CallHead, Any], Awaitable[bytes | EventStream]]  # the answer's JSON, or its events
 
 
 class DirectRoutes:
@@ -122,6 +180,8 @@ class DirectRoutes:
         with self.accepted(f"POST {call.path}"):  # until the answer is written
             try:
                 status, headers, body = await self.answer(call)
+                if type(body) is EventStream:
+                    return await call.stream(status, body)
             except asyncio.CancelledError:
                 if not call.disconnected:
                     raise  # a shutdown's cancel: uvicorn's to handle
@@ -129,7 +189,7 @@ class DirectRoutes:
                 return  # Nobody to answer; the service counted it.
             await call.respond(status, headers, body)
 
-    async def answer(self, call: DirectCall) -> tuple[int, Headers, bytes]:
+    async def answer(self, call: DirectCall) -> tuple[int, Headers, bytes | EventStream]:
         route = self.routes[call.path]
         extra: Headers = []
         try:

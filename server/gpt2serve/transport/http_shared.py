@@ -16,12 +16,6 @@ from .http_direct import CallHead
 T = TypeVar("T")
 
 
-def http_options(request: Request, route: str, method: str, api: str = "rest", attributes: dict | None = None,
-                 **asked: bool) -> RequestOptions:
-    """call_options for a Starlette request."""
-    return call_options(CallHead.of(request.scope), route, method, api, attributes, **asked)
-
-
 def call_options(head: CallHead, route: str, method: str, api: str = "rest", attributes: dict | None = None,
                  **asked: bool) -> RequestOptions:
     """Span name and attributes (the route's own `attributes` too), the caller's W3C trace context

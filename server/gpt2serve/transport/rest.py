@@ -1,9 +1,10 @@
 """The REST transport (FastAPI): JSON bodies mirroring the proto, OpenAPI at /docs.
 
-The POST routes (next-token, batch, generate, and OpenAI's completions and chat) are served by
-InferenceRoutes in front of FastAPI: each body is read one way (http_errors.read_body) and every
-error is rendered and counted one way (http_errors.HttpErrors, statuses from
-gpt2serve_client.status). FastAPI serves the rest and documents all of them, from the same table.
+The POST routes (next-token, batch, generate, and OpenAI's completions and chat) are
+InferenceRoutes, answered by the front end's HTTP protocol itself (transport.http_direct): each
+body is read one way and every error is rendered and counted one way (http_errors.HttpErrors,
+statuses from gpt2serve_client.status). FastAPI serves the rest and documents all of them, from
+the same table.
 """
 
 from __future__ import annotations
@@ -27,15 +28,15 @@ from ..config import ServeConfig
 from ..errors import InvalidArgument, MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
-from .http_direct import CallHead, DirectRoute, DirectRoutes
+from .http_direct import CallHead, DirectRoute, DirectRoutes, EventStream
 from .http_errors import HttpErrors, describe_validation_errors, read_body
-from .http_shared import ClientDisconnected, call_options, http_options, unless_disconnected
+from .http_shared import ClientDisconnected, call_options, unless_disconnected
 from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
 from .openai import PATHS as OPENAI_PATHS
 from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIRoutes
 from .openai.chat import ChatMessage, conversation_prompt
 from .sampling_fields import SamplingControls, StructuredOutputFields
-from .sse import dataclass_json, first_and_rest, json_bytes, sse_event
+from .sse import dataclass_json, json_bytes, sse_event
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
@@ -169,8 +170,7 @@ def create_app(service: InferenceService, config: ServeConfig | None = None) -> 
                       key=BearerKey(config.api_key) if config.api_key else None,
                       max_body_bytes=config.max_message_bytes, metrics_open=not config.metrics_require_key,
                       errors=errors)
-    direct = {path: DirectRoute(route.body_type, route.handler) for path, route in routes.routes.items()
-              if route.direct}
+    direct = {path: DirectRoute(route.body_type, route.handler) for path, route in routes.routes.items()}
     return guard, DirectRoutes(direct, guard, errors, service.accepted)
 
 
@@ -270,24 +270,27 @@ def document_only_real_errors(app: FastAPI) -> None:
 @dataclass(frozen=True)
 class Route:
     body_type: type[BaseModel]
-    handler: Callable[[Request, Any], Awaitable[Response]]
+    # Takes (CallHead, body); returns the answer's JSON, or its events (http_direct.EventStream).
+    handler: Callable[[CallHead, Any], Awaitable[bytes | EventStream]]
     response_model: Any = None
     summary: str = ""
     responses: dict = field(default_factory=dict)  # OpenAPI, beyond the errors
-    # Answered whole by the front end's HTTP protocol (transport.http_direct): the handler takes
-    # (CallHead, body) and returns the answer's JSON.
-    direct: bool = False
 
     def documented(self):
-        """An endpoint FastAPI can read the body type from (for OpenAPI); it calls the handler
-        (for a direct route, only under an ASGI server other than the front end's)."""
+        """An endpoint FastAPI can read the body type from, for OpenAPI (InferenceRoutes.asgi
+        answers these paths before FastAPI would)."""
         async def endpoint(request: Request, body) -> Response:
-            if self.direct:
-                return json_response_bytes(await self.handler(CallHead.of(request.scope), body))
-            return await self.handler(request, body)
+            return as_response(await self.handler(CallHead.of(request.scope), body))
 
         endpoint.__annotations__ = {"request": Request, "body": self.body_type, "return": Response}
         return endpoint
+
+
+def as_response(answer: bytes | EventStream) -> Response:
+    """A route's answer as a Starlette response, for an ASGI server."""
+    if type(answer) is EventStream:
+        return StreamingResponse(answer.events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return json_response_bytes(answer)
 
 
 SSE = {200: {"content": {"text/event-stream": {}}}}
@@ -298,8 +301,8 @@ class InferenceRoutes:
 
     FastAPI's routing, dependency solving and middleware stack cost more CPU per request than
     the rest of the request path, which on a 2-core machine slowed the forward passes of a
-    64-client REST load. These routes read the body with pydantic directly (http_errors.read_body);
-    FastAPI documents them from this same table (create_fastapi).
+    64-client REST load. The front end's protocol answers these routes itself
+    (transport.http_direct); FastAPI documents them from this same table (create_fastapi).
     """
 
     def __init__(self, service: InferenceService, errors: HttpErrors):
@@ -307,10 +310,9 @@ class InferenceRoutes:
         self.errors = errors
         self.openai = OpenAIRoutes(service, lambda error: errors.body(COMPLETIONS_ROUTE, error))
         self.routes = {
-            "/v1/next-token": Route(NextTokenBody, self.next_token, NextTokenResult, "Next token of one prompt",
-                                    direct=True),
+            "/v1/next-token": Route(NextTokenBody, self.next_token, NextTokenResult, "Next token of one prompt"),
             "/v1/next-token/batch": Route(NextTokenBatchBody, self.next_token_batch, BatchResults,
-                                          "Next token of many prompts, in order", direct=True),
+                                          "Next token of many prompts, in order"),
             "/v1/generate": Route(GenerateBody, self.generate, GenerateResult, "Generate text", SSE),
             COMPLETIONS_ROUTE: Route(CompletionBody, self.openai.completions.completions, None, "OpenAI completions",
                                      SSE),
@@ -331,29 +333,31 @@ class InferenceRoutes:
         results = await self.service.next_token_batch(prompts, body.top_k, options, body.prompt_logprobs)
         return dataclass_json({"results": results}, lambda: {"results": [r.to_dict() for r in results]})
 
-    async def generate(self, request: Request, body: GenerateBody) -> Response:
+    async def generate(self, head: CallHead, body: GenerateBody) -> bytes | EventStream:
         """Generate text. With `"stream": true`, server-sent events: one `data:` JSON chunk per
         token (text, token), or per run of tokens the reader had not taken yet (their text, the
         first token, the rest in more_tokens), then a closing chunk (finish_reason, usage,
         timings); an error after the stream began comes as an `event: error` with the usual
         error body."""
         prompt, chat = await self.generate_prompt(body)
-        options = http_options(request, "/v1/generate", "Generate", attributes=chat, trace_layers=body.trace_layers,
+        options = call_options(head, "/v1/generate", "Generate", attributes=chat, trace_layers=body.trace_layers,
                                trace_steps=body.trace_steps)
         chunks = self.service.generate(prompt, body.settings(), options, coalesce=body.stream)
         if not body.stream:
-            collected = await unless_disconnected(request, collect(chunks))
-            return json_response(asdict(GenerateResult.from_chunks(collected)))
-        stream = await unless_disconnected(request, first_and_rest(chunks))
+            return json_bytes(asdict(GenerateResult.from_chunks(await collect(chunks))))
+        first = await anext(chunks)  # the request's errors raise here, before the 200
 
         async def events():
             try:
-                async for chunk in stream:
+                yield sse_event(first.to_dict())
+                async for chunk in chunks:
                     yield sse_event(chunk.to_dict())
             except ServeError as exc:
                 yield sse_event(self.errors.body("/v1/generate", exc), event="error")
+            finally:
+                await chunks.aclose()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        return EventStream(events())
 
     async def generate_prompt(self, body: GenerateBody) -> tuple[PromptInput, dict]:
         """The prompt as given, or the conversation's through the chat template (and what the
@@ -366,15 +370,18 @@ class InferenceRoutes:
         return PromptInput(token_ids=token_ids), seen
 
     def asgi(self, fallback: FastAPI):
+        """These routes under an ASGI server: only for a POST the front end's protocol hands to
+        ASGI (one asking for a protocol upgrade), answered as the protocol would."""
         async def app(scope, receive, send) -> None:
             path = scope.get("path")
             route = self.routes.get(path) if scope["type"] == "http" else None
-            if route is None or route.direct or scope.get("method") != "POST":
+            if route is None or scope.get("method") != "POST":
                 return await fallback(scope, receive, send)
             request = Request(scope, receive)
             with self.service.accepted(f"POST {path}"):  # until the last byte (or event) is sent
                 try:
-                    response = await route.handler(request, await read_body(request, route.body_type))
+                    body = await read_body(request, route.body_type)
+                    response = as_response(await unless_disconnected(request, route.handler(CallHead.of(scope), body)))
                 except ClientDisconnected:
                     return  # Nobody to answer.
                 except Exception as exc:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, Callable
 
 import orjson
-
-T = TypeVar("T")
 
 
 def json_bytes(payload: Any) -> bytes:
@@ -35,16 +33,3 @@ def sse_event(payload: dict | str, event: str | None = None) -> bytes:
     """One event: `data:` a JSON object (or a bare string such as OpenAI's [DONE])."""
     data = payload.encode() if isinstance(payload, str) else json_bytes(payload)
     return b"".join((f"event: {event}\n".encode() if event else b"", b"data: ", data, b"\n\n"))
-
-
-async def first_and_rest(items: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Wait for the stream's first item, so that a request's errors raise before a 200 goes out;
-    returns an iterator over all items, that one first."""
-    first = await anext(items)
-
-    async def everything() -> AsyncIterator[T]:
-        yield first
-        async for item in items:
-            yield item
-
-    return everything()

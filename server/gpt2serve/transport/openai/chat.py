@@ -23,8 +23,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.generation import GenerateChunk
@@ -32,9 +30,10 @@ from gpt2serve_client.generation import GenerateChunk
 from ...engine.tokenizer import Tokenizer
 from ...errors import InvalidArgument, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput
-from ..http_shared import http_options
+from ..http_direct import CallHead, EventStream
+from ..http_shared import call_options
 from ..sampling_fields import SamplingControls, StructuredOutputFields
-from ..sse import sse_event
+from ..sse import json_bytes, sse_event
 from .common import Choices, check_model, choice_seed, finish_reason, refuse
 from .logprobs import chat_logprob
 
@@ -173,7 +172,7 @@ class ChatCompletions:
         self.service = service
         self.error_body = error_body
 
-    async def completions(self, request: Request, body: ChatCompletionBody) -> Response:
+    async def completions(self, head: CallHead, body: ChatCompletionBody) -> bytes | EventStream:
         """OpenAI's chat completions: messages through the chat template, `n` choices; `stream`
         for `chat.completion.chunk` events then `[DONE]`. Errors in OpenAI's shape."""
         service = self.service
@@ -195,23 +194,22 @@ class ChatCompletions:
             field = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                      "logprobs": "top_logprobs"}.get(field, field)
             raise InvalidArgument(f"{field}: {why}", param=field if field in ChatCompletionBody.model_fields else None) from None
-        options = http_options(request, ROUTE, "ChatCompletions", api="openai", attributes=seen)
+        options = call_options(head, ROUTE, "ChatCompletions", api="openai", attributes=seen)
         choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i))
                                     for i in range(body.n)], options, coalesce=body.stream)
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model}
+        answer = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model}
         tokenizer = service.validator.tokenizer
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = chunk_events(head, await choices.chunks(request), body.n, len(prompt), include_usage,
-                                  tokenizer if body.logprobs else None, self.error_body)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        results = await choices.results(request)
+            return EventStream(chunk_events(answer, await choices.chunks(), body.n, len(prompt), include_usage,
+                                            tokenizer if body.logprobs else None, self.error_body))
+        results = await choices.results()
         answers = [{"index": index, "message": {"role": "assistant", "content": result.text},
                     "logprobs": {"content": [chat_logprob(tokenizer, token) for token in result.tokens]}
                     if body.logprobs else None, "finish_reason": finish_reason(result.finish_reason)}
                    for index, result in enumerate(results)]
         usage = chat_usage(len(prompt), sum(result.usage.completion_tokens for result in results))
-        return JSONResponse({**head, "object": "chat.completion", "choices": answers, "usage": usage})
+        return json_bytes({**answer, "object": "chat.completion", "choices": answers, "usage": usage})
 
 
 def chat_usage(prompt_tokens: int, completion_tokens: int) -> dict:

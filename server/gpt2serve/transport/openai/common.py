@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Iterable
 
-from fastapi import Request
 from pydantic import BaseModel
 
 from gpt2serve_client.generation import GenerateChunk, GenerateResult, Usage
@@ -15,8 +14,6 @@ from gpt2serve_client.generation import GenerateChunk, GenerateResult, Usage
 from ...errors import InvalidArgument, ModelNotFound, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ...service.generation_stream import GenerationStream
-from ..http_shared import unless_disconnected
-from ..sse import first_and_rest
 
 
 class OpenAIError(BaseModel):
@@ -60,21 +57,24 @@ class Choices:
         """coalesce (a streamed answer): a choice's tokens its reader has not taken yet come as one
         chunk (GenerateChunk.more_tokens), so they go out as one event."""
         self.slots = max(service.model_info().max_running_sequences, 1)
-        turns = asyncio.Semaphore(self.slots)
         self.streams: list[GenerationStream] = [service.generation_stream(p, s, options) for p, s in inputs]
-        self.generations = [in_turn(turns, stream.chunks(coalesce)) for stream in self.streams]
+        self.generations: list[AsyncIterator] = [stream.chunks(coalesce) for stream in self.streams]
+        if len(inputs) > self.slots:  # else every choice has its turn at once: no semaphore between
+            turns = asyncio.Semaphore(self.slots)
+            self.generations = [in_turn(turns, chunks) for chunks in self.generations]
 
-    async def results(self, request: Request) -> list[GenerateResult]:
-        """Every choice to its end; the first error cancels the rest, as does a hang-up."""
-        return await unless_disconnected(request, collect_all(self.generations))
+    async def results(self) -> list[GenerateResult]:
+        """Every choice to its end; the first error cancels the rest."""
+        return await collect_all(self.generations)
 
-    async def chunks(self, request: Request) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    async def chunks(self) -> AsyncIterator[tuple[int, GenerateChunk]]:
         """(choice index, chunk) as they come. The choices that start at once are awaited to their
         first chunk here, so a request's errors raise before the 200 goes out."""
         started = min(len(self.generations), self.slots)
-        firsts = await unless_disconnected(request, first_chunks(self.generations[:started]))
-        generations = firsts + self.generations[started:]
-        return alone(generations[0]) if len(generations) == 1 else interleave(generations)
+        firsts = await first_chunks(self.generations[:started])
+        if len(self.generations) == 1:
+            return alone(*firsts[0])
+        return interleave(firsts + [(_NONE, chunks) for chunks in self.generations[started:]])
 
 
 async def in_turn(turns: asyncio.Semaphore, chunks: AsyncIterator) -> AsyncIterator:
@@ -99,6 +99,8 @@ async def collect_all(generations: list[AsyncIterator]) -> list[GenerateResult]:
     async def collect(chunks: AsyncIterator) -> GenerateResult:
         return GenerateResult.from_chunks([chunk async for chunk in chunks])
 
+    if len(generations) == 1:
+        return [await collect(generations[0])]
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(collect(chunks)) for chunks in generations]
@@ -107,48 +109,60 @@ async def collect_all(generations: list[AsyncIterator]) -> list[GenerateResult]:
     return [task.result() for task in tasks]
 
 
-async def first_chunks(generations: list[AsyncIterator]) -> list[AsyncIterator]:
-    """Wait for every generation's first chunk, all at once (a request's errors raise here);
-    on an error, the others are closed."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(first_and_rest(chunks)) for chunks in generations]
-    except BaseExceptionGroup as failed:
-        await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
-        raise first_error(failed) from None
-    return [task.result() for task in tasks]
-
-
+_NONE = object()  # no first item taken yet
 _END = object()
 
 
-async def alone(stream: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
-    """One choice's items as (0, item): straight from its stream, with no task and queue between
-    (interleave's), so a chunk wakes one task, not a pump and then the reader."""
+async def first_chunks(generations: list[AsyncIterator]) -> list[tuple[Any, AsyncIterator]]:
+    """Each generation's first chunk, and the generation; waited for all at once (a request's
+    errors raise here); on an error, the others are closed."""
+    if len(generations) == 1:  # no task between: the first chunk is awaited here
+        return [(await anext(generations[0]), generations[0])]
+    async def first(chunks: AsyncIterator) -> Any:
+        return await anext(chunks)
+
     try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(first(chunks)) for chunks in generations]
+    except BaseExceptionGroup as failed:
+        await asyncio.gather(*(chunks.aclose() for chunks in generations), return_exceptions=True)
+        raise first_error(failed) from None
+    return [(task.result(), chunks) for task, chunks in zip(tasks, generations)]
+
+
+async def alone(first: Any, stream: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    """One choice's items as (0, item), its first already taken: straight from its stream, with
+    no task and queue between (interleave's), so a chunk wakes one task, not a pump and then
+    the reader."""
+    try:
+        yield 0, first
         async for item in stream:
             yield 0, item
     finally:
         await stream.aclose()
 
 
-async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
-    """(stream index, item) as items come from any stream. An error in one ends them all: it
-    raises here, and the others are cancelled (as they are when the caller stops iterating).
-    The queue holds about one item a stream: a stream whose items the caller has not taken
-    keeps the next ones itself, where its tokens join into one chunk (GenerationStream's
-    coalescing), instead of each waiting here a chunk of its own."""
+async def interleave(streams: list[tuple[Any, AsyncIterator]]) -> AsyncIterator[tuple[int, Any]]:
+    """(stream index, item) as items come from any stream (each given with its first item, or
+    _NONE). An error in one ends them all: it raises here, and the others are cancelled (as they
+    are when the caller stops iterating). The queue holds about one item a stream: a stream
+    whose items the caller has not taken keeps the next ones itself, where its tokens join into
+    one chunk (GenerationStream's coalescing), instead of each waiting here a chunk of its own."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
-    async def pump(index: int, stream: AsyncIterator) -> None:
+    async def pump(index: int, first: Any, stream: AsyncIterator) -> None:
         try:
+            if first is not _NONE:
+                await queue.put((index, first))
             async for item in stream:
                 await queue.put((index, item))
             await queue.put((index, _END))
         except Exception as exc:
             await queue.put((index, exc))
+        finally:
+            await stream.aclose()
 
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    tasks = [asyncio.create_task(pump(index, first, stream)) for index, (first, stream) in enumerate(streams)]
     try:
         left = len(tasks)
         while left:

@@ -20,8 +20,6 @@ import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from gpt2serve_client.generation import GeneratedToken, Usage
@@ -29,9 +27,10 @@ from gpt2serve_client.generation import GeneratedToken, Usage
 from ...errors import InvalidArgument, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput
 from ...service.validation import Validator
-from ..http_shared import http_options, unless_disconnected
+from ..http_direct import CallHead, EventStream
+from ..http_shared import call_options
 from ..sampling_fields import SamplingControls, StructuredOutputFields
-from ..sse import sse_event
+from ..sse import json_bytes, sse_event
 from .common import Choices, check_model, choice_seed, finish_reason, usage_json
 from .logprobs import echo_logprobs, openai_token
 
@@ -142,13 +141,13 @@ class Completions:
         self.service = service
         self.error_body = error_body
 
-    async def completions(self, request: Request, body: CompletionBody) -> Response:
+    async def completions(self, head: CallHead, body: CompletionBody) -> bytes | EventStream:
         """OpenAI's completions API: a prompt (text or token ids) or a list of them, one choice
         each; `stream` for server-sent chunks then `[DONE]`. Errors in OpenAI's shape."""
         service = self.service
         model = service.model_info().model
         check_model(body.model, model)
-        options = http_options(request, ROUTE, "Completions", api="openai")
+        options = call_options(head, ROUTE, "Completions", api="openai")
         settings = body.settings()
         prompts = body.prompt_inputs(service.max_batch_size)
         tokenizer = service.validator.tokenizer
@@ -156,7 +155,7 @@ class Completions:
         completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                       "model": model}
         if body.echo and body.max_tokens == 0:
-            return await self.score(request, body, prompts, options, completion)
+            return await self.score(body, prompts, options, completion)
         if len(prompts) > 1:  # one bad prompt refuses the request whole, before any generation starts
             for index, prompt in enumerate(prompts):
                 try:
@@ -172,10 +171,9 @@ class Completions:
         choices = Choices(service, inputs, options, coalesce=body.stream)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            events = stream_events(completion, await choices.chunks(request), include_usage, body.logprobs,
-                                   self.error_body, name)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        results = await choices.results(request)
+            return EventStream(stream_events(completion, await choices.chunks(), include_usage, body.logprobs,
+                                             self.error_body, name))
+        results = await choices.results()
         kept = best_candidates(list(zip(results, choices.streams)), n, best_of)
         answers = []
         for index, (result, stream) in enumerate(kept):
@@ -187,10 +185,9 @@ class Completions:
                 choice.update(text=tokenizer.decode(stream.token_ids) + result.text, logprobs=echo_logprobs(
                     tokenizer, stream.prompt_logprobs, generated) if body.logprobs is not None else None)
             answers.append(choice)
-        return JSONResponse({**completion, "choices": answers, "usage": usage_json([r.usage for r in results])})
+        return json_bytes({**completion, "choices": answers, "usage": usage_json([r.usage for r in results])})
 
-    async def score(self, request: Request, body: CompletionBody, prompts: list[PromptInput], options,
-                    completion: dict) -> Response:
+    async def score(self, body: CompletionBody, prompts: list[PromptInput], options, completion: dict) -> bytes:
         """echo with max_tokens 0: every prompt scored in one next-token call, nothing generated."""
         service = self.service
         tokenizer = service.validator.tokenizer
@@ -199,7 +196,7 @@ class Completions:
         except InvalidArgument as exc:
             raise InvalidArgument(exc.message, param="logprobs") from None
         try:
-            results = await unless_disconnected(request, service.next_token_batch(prompts, 1, options, scored))
+            results = await service.next_token_batch(prompts, 1, options, scored)
         except InvalidArgument as exc:
             raise InvalidArgument(exc.message, param=exc.param or "prompt") from None
         choices = []
@@ -208,7 +205,7 @@ class Completions:
                             "logprobs": echo_logprobs(tokenizer, result.prompt_logprobs, [])
                             if body.logprobs is not None else None})
         usage = [Usage(len(r.prompt_token_ids), 0, len(r.prompt_token_ids)) for r in results]
-        return JSONResponse({**completion, "choices": choices, "usage": usage_json(usage)})
+        return json_bytes({**completion, "choices": choices, "usage": usage_json(usage)})
 
 
 async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
