@@ -7,14 +7,14 @@ Loads, one at a time, each from 2 client processes on the same machine:
 - unary: 64 closed-loop gRPC NextToken callers (bench/host_path.py --clients 64);
 - rest: 64 closed-loop REST /v1/next-token callers (gpt2serve.benchmarks.serving_load);
 - batch: 4 NextTokenBatch callers of 64 prompts (bench/host_path.py --batch-clients 4);
-- stream: 64 Generate streams of 64 tokens (bench/host_path.py --streams 64);
-- sse: 64 OpenAI completions streams of 64 tokens (`"stream": true`, server-sent events), from
+- stream: 64 Generate streams of 64 tokens (--stream-tokens) (bench/host_path.py --streams 64);
+- sse: 64 OpenAI completions streams of 64 tokens (--stream-tokens) (`"stream": true`, server-sent events), from
   wrk always (one thread), which reads each answer as it comes.
 With `--native`, unary, rest and batch come from h2load and wrk instead (one thread, a few
 percent of a core), so the front ends are not sharing the cores with Python clients.
 
     .venv/bin/python bench/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] [--native]
-        [--stream-interval N] [--top N] [--save DIR]
+        [--stream-interval N] [--stream-tokens 64] [--top N] [--save DIR]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
 (a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
@@ -77,22 +77,23 @@ NATIVE = {  # --native: the same loads from h2load and wrk (gpt2serve.benchmarks
     "batch": "run_h2load(host_port({grpc!r}), *grpc_request_body('grpc-batch', PROMPT, 64), 4, 1, {seconds}, 1)",
     "rest": "run_wrk({http!r}, [PROMPT], 64, 1, {seconds}, 1)",
     "sse": "run_wrk({http!r}, [PROMPT], 64, 1, {seconds}, 1, '/v1/completions', lambda p: dict(model='random:gpt2', "
-           "prompt=p, max_tokens=64, stream=True, ignore_eos=True, temperature=0))",
+           "prompt=p, max_tokens={tokens}, stream=True, ignore_eos=True, temperature=0))",
 }
 NATIVE_ONLY = {"sse"}
 
 
-def load_command(load: str, server, seconds: float, native: bool = False) -> list[str]:
+def load_command(load: str, server, seconds: float, native: bool = False, tokens: int = 64) -> list[str]:
     """The load's client processes (none of them loads a model, so the load starts at once)."""
     if (native or load in NATIVE_ONLY) and load in NATIVE:
-        call = NATIVE[load].format(grpc=server.grpc, http=server.http, seconds=seconds - 1)
+        call = NATIVE[load].format(grpc=server.grpc, http=server.http, seconds=seconds - 1, tokens=tokens)
         return [PYTHON, "-c", "from gpt2serve.benchmarks.native_load import grpc_request_body, host_port, "
                 f"run_h2load, run_wrk; PROMPT = [464, 3139, 286, 4881, 318]; {call}"]
     if load == "rest":
         return [PYTHON, "-c", "from gpt2serve.benchmarks.serving_load import load_from_processes, make_prompts; "
                 f"load_from_processes('rest', {server.http!r}, make_prompts(256, 5, 50257, 0), 64, {seconds}, 1, 2)"]
     common = [PYTHON, str(HERE / "host_path.py"), "--target", server.grpc, "--http-target", server.http,
-              "--duration", str(seconds), "--streams", "", "--clients", "", "--batch-clients", "0"]
+              "--duration", str(seconds), "--streams", "", "--clients", "", "--batch-clients", "0",
+              "--new-tokens", str(tokens)]
     extra = {"unary": ["--clients", "64"], "batch": ["--batch-clients", "4"], "stream": ["--streams", "64"]}[load]
     return [*common, *extra]  # the later flag wins
 
@@ -118,10 +119,10 @@ def load_started(server, name: str, labels: str, timeout_s: float = 30.0) -> Non
 
 
 def profile(load: str, server, seconds: float, native: bool,
-            spy: bool = True, save: Path | None = None) -> tuple[collections.Counter, collections.Counter, float, str]:
+            spy: bool = True, save: Path | None = None, tokens: int = 64) -> tuple[collections.Counter, collections.Counter, float, str]:
     pids = [pid for title, pid in server.processes.items() if title.startswith("front end")]
     unit, name, labels, per = UNITS[load]
-    client = subprocess.Popen(load_command(load, server, seconds, native), stdout=subprocess.DEVNULL,
+    client = subprocess.Popen(load_command(load, server, seconds, native, tokens), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     load_started(server, name, labels)
     time.sleep(2.0)  # past the load's first calls
@@ -163,12 +164,14 @@ def main() -> None:
     parser.add_argument("--no-spy", action="store_true", help="CPU per unit only: no py-spy sampling")
     parser.add_argument("--top", type=int, default=0, help="also print the N functions with most own time")
     parser.add_argument("--save", type=Path, help="keep py-spy's raw samples in this folder")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="tokens a stream (stream and sse loads)")
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     args = parser.parse_args()
     server = StandinServer(workers=2, max_batch=256, extra_args=("--stream-interval", str(args.stream_interval)))
     try:
         for load in args.loads.split(","):
-            layers, functions, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy, args.save)
+            layers, functions, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy, args.save,
+                                                  args.stream_tokens)
             total = sum(layers.values()) or 1
             print(f"\n{load}: front ends' CPU {us:.0f} us {unit} (2 front ends, /proc over /metrics)")
             print("| layer | share of the front ends' working samples |\n|---|---|")
