@@ -37,12 +37,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EventStream:
-    """A route's answer as server-sent events (each item one or more whole events), sent as
-    they come. The route has waited for what can still fail as an HTTP error (the first
-    chunk); later errors are events of the stream's own."""
+    """A route's answer as server-sent events (each item one or more whole events, sent with
+    SSE_HEADERS), sent as they come. The route has waited for what can still fail as an HTTP
+    error (the first chunk); later errors are events of the stream's own."""
 
     events: AsyncIterator[bytes]
-    headers: Headers = tuple(SSE_HEADERS)  # type: ignore[assignment]
 
 
 @dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)
@@ -123,7 +122,7 @@ class DirectCall(CallHead):
         the client sees the answer cut short, as uvicorn did."""
         protocol = self.protocol
         flow, write = protocol.flow, protocol.transport.write
-        pending = b"".join(self._head(status, answer.headers, b"transfer-encoding: chunked\r\n"))
+        pending = b"".join(self._head(status, SSE_HEADERS, b"transfer-encoding: chunked\r\n"))
         try:
             async for event in answer.events:
                 if flow.write_paused:

@@ -28,7 +28,7 @@ from ..config import ServeConfig
 from ..errors import InvalidArgument, MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from .guard import BearerKey, HttpGuard
-from .http_direct import CallHead, DirectRoute, DirectRoutes, EventStream
+from .http_direct import SSE_HEADERS, CallHead, DirectRoute, DirectRoutes, EventStream
 from .http_errors import HttpErrors, describe_validation_errors, read_body
 from .http_shared import ClientDisconnected, call_options, unless_disconnected
 from .openai import CHAT_ROUTE, COMPLETIONS_ROUTE, MODELS_ROUTE
@@ -135,14 +135,6 @@ class BatchResults(BaseModel):
     results: list[NextTokenResult]
 
 
-def json_response(payload: dict) -> Response:
-    """Encode results directly: re-validating our own output through pydantic on the hot path
-    cost more CPU than the rest of the REST handler. `response_model` still documents it."""
-    return json_response_bytes(json_bytes(payload))
-
-
-def json_response_bytes(body: bytes) -> Response:
-    return Response(body, media_type="application/json")
 
 
 def request_options(head: CallHead, route: str, method: str,
@@ -201,10 +193,6 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: H
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> Response:
         return errors.response(request.url.path, exc)
-
-    @app.exception_handler(ClientDisconnected)
-    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # Never read by anyone; the service counted it CANCELLED.
 
     for path, route in routes.routes.items():  # served by InferenceRoutes.asgi in front; documented here
         app.add_api_route(path, route.documented(), methods=["POST"], response_model=route.response_model,
@@ -287,10 +275,12 @@ class Route:
 
 
 def as_response(answer: bytes | EventStream) -> Response:
-    """A route's answer as a Starlette response, for an ASGI server."""
+    """A route's answer as a Starlette response, for an ASGI server (the routes return JSON
+    encoded already: re-validating our own output through pydantic on the hot path cost more
+    CPU than the rest of the REST handler; `response_model` still documents it)."""
     if type(answer) is EventStream:
-        return StreamingResponse(answer.events, media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    return json_response_bytes(answer)
+        return StreamingResponse(answer.events, headers={n.decode(): v.decode() for n, v in SSE_HEADERS})
+    return Response(answer, media_type="application/json")
 
 
 SSE = {200: {"content": {"text/event-stream": {}}}}
