@@ -30,11 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from host_path import StandinServer, metric_sum, process_cpu  # noqa: E402
+from host_path import StandinServer, metric_sum  # noqa: E402
+from ipc_load import process_cpu_split  # noqa: E402
 
 PYTHON = sys.executable
 SPY = shutil.which("py-spy") or str(Path(PYTHON).parent / "py-spy")
@@ -127,7 +129,8 @@ def profile(load: str, server, seconds: float, native: bool,
     load_started(server, name, labels)
     time.sleep(2.0)  # past the load's first calls
     window = max(seconds - 7.0, 2.0)
-    before_cpu, before_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
+    before_cpu, before_units = cpu_split(pids), metric_sum(server.metrics(), name, labels)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         spies = [subprocess.Popen([SPY, "record", "--pid", str(p), "--duration", str(int(window)), "--rate", "250",
                                    "--nonblocking", "--format", "raw", "-o", f"{tmp}/{p}.txt"],
@@ -136,7 +139,8 @@ def profile(load: str, server, seconds: float, native: bool,
             sampler.wait()
         if not spy:
             time.sleep(window)
-        after_cpu, after_units = sum(process_cpu(p) for p in pids), metric_sum(server.metrics(), name, labels)
+        after_cpu, after_units = cpu_split(pids), metric_sum(server.metrics(), name, labels)
+        elapsed = time.monotonic() - started
         layers: collections.Counter = collections.Counter()
         functions: collections.Counter = collections.Counter()  # innermost frame: own time
         for p in pids:
@@ -151,8 +155,29 @@ def profile(load: str, server, seconds: float, native: bool,
                 shutil.copy(path, save / f"{load}-{p}.txt")
     client.wait(timeout=seconds + 120)
     units = (after_units - before_units) * per
-    us_per_unit = (after_cpu - before_cpu) / units * 1e6 if units else float("nan")
-    return layers, functions, us_per_unit, unit
+    user, system = (after - before for after, before in zip(after_cpu, before_cpu))
+    per_unit = [seconds / units * 1e6 if units else float("nan") for seconds in (user + system, user, system)]
+    cost = Cost(unit, units / elapsed, *per_unit)
+    return layers, functions, cost
+
+
+def cpu_split(pids: list[int]) -> tuple[float, float]:
+    """The processes' CPU seconds, (user, system)."""
+    splits = [process_cpu_split(p) for p in pids]
+    return sum(u for u, _ in splits), sum(s for _, s in splits)
+
+
+@dataclass
+class Cost:
+    unit: str
+    rate: float  # units a second over the window
+    us: float  # front ends' CPU a unit: user + system
+    user_us: float
+    system_us: float
+
+    def line(self, load: str) -> str:
+        return (f"{load}: front ends' CPU {self.us:.0f} us {self.unit} (user {self.user_us:.1f}, kernel "
+                f"{self.system_us:.1f}; {self.rate:,.0f} a second; 2 front ends, /proc over /metrics)")
 
 
 def main() -> None:
@@ -170,10 +195,10 @@ def main() -> None:
     server = StandinServer(workers=2, max_batch=256, extra_args=("--stream-interval", str(args.stream_interval)))
     try:
         for load in args.loads.split(","):
-            layers, functions, us, unit = profile(load, server, args.seconds, args.native, not args.no_spy, args.save,
+            layers, functions, cost = profile(load, server, args.seconds, args.native, not args.no_spy, args.save,
                                                   args.stream_tokens)
             total = sum(layers.values()) or 1
-            print(f"\n{load}: front ends' CPU {us:.0f} us {unit} (2 front ends, /proc over /metrics)")
+            print(f"\n{cost.line(load)}")
             print("| layer | share of the front ends' working samples |\n|---|---|")
             for name, count in layers.most_common():
                 print(f"| {name} | {100 * count / total:.0f}% |")

@@ -39,10 +39,15 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 def process_cpu(pid: int) -> float:
     """CPU seconds of the whole process (all threads, user + system); 0 for pid 0."""
+    return sum(process_cpu_split(pid))
+
+
+def process_cpu_split(pid: int) -> tuple[float, float]:
+    """CPU seconds of the whole process (all threads): (user, system); zeros for pid 0."""
     if not pid:
-        return 0.0
+        return 0.0, 0.0
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
 def _prompt(i: int) -> list[int]:

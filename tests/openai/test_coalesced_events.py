@@ -8,8 +8,8 @@ import asyncio
 import json
 
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
-from gpt2serve.transport.openai.chat import chunk_events
-from gpt2serve.transport.openai.completions import stream_events
+from gpt2serve.transport.openai.chat import ChatEvents, chunk_events
+from gpt2serve.transport.openai.completions import CompletionEvents, stream_events
 from gpt2serve_client.generation import GeneratedToken, GenerateChunk, Usage
 from gpt2serve_client.types import TokenLogprob
 
@@ -39,7 +39,8 @@ async def chunks():
 
 
 def test_completions_streams_a_joined_run_as_one_event_with_a_logprobs_entry_each():
-    got = events(stream_events({"object": "text_completion"}, chunks(), False, 1, lambda e: {}, TOKENIZER.token_text))
+    completion = CompletionEvents({"object": "text_completion"}, 1, TOKENIZER.token_text, TOKENIZER.token_text)
+    got = events(stream_events(completion, chunks(), False, lambda e: {}))
     first = got[0]["choices"][0]
     assert first["text"] == "Once upon a" and first["finish_reason"] is None
     logprobs = first["logprobs"]
@@ -50,7 +51,7 @@ def test_completions_streams_a_joined_run_as_one_event_with_a_logprobs_entry_eac
 
 
 def test_chat_streams_a_joined_run_as_one_delta_with_a_logprobs_entry_each():
-    got = events(chunk_events({"id": "x"}, chunks(), 1, 2, False, TOKENIZER, lambda e: {}))
+    got = events(chunk_events(ChatEvents({"id": "x"}, False, TOKENIZER, True), chunks(), 1, 2, False, lambda e: {}))
     role, joined, closing = got
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert joined["choices"][0]["delta"] == {"content": "Once upon a"}

@@ -14,6 +14,12 @@ usage, timings) last. The request is checked at the first iteration, so its erro
 anything is sent; an error later raises from the iteration where it happened. A caller that
 stops iterating (hung up, cancelled, or had enough) cancels the generation, which frees its
 KV-cache slot at the next step.
+
+A streaming transport that can send a token's event at once (the HTTP streams) may also
+`follow()` the stream: while chunks() waits with nothing queued, a token goes straight to its
+`take`, in the engine client's dispatch, with no task woken and no chunk built; whatever take
+cannot send (the client's window is full) queues for chunks() as before, joined with what comes
+after it.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class GenerationStream:
         self._interval = 1  # tokens a queued chunk (--stream-interval, for a streaming caller)
         self._held_text: list[str] = []  # tokens not queued yet (interval > 1): their texts
         self._held: list[SampledToken] = []  # and the tokens
+        self._take: Callable[[str, list[SampledToken]], bool] | None = None  # follow()'s
 
     async def chunks(self, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
         """coalesce (a streaming caller): the tokens that arrived while the caller was busy with
@@ -98,6 +105,20 @@ class GenerationStream:
         except BaseException as exc:  # the caller left (cancelled, or closed the iteration)
             self._end(exc)
             raise
+
+    def follow(self, take: Callable[[str, list[SampledToken]], bool] | None) -> None:
+        """From now on (until follow(None)), tokens that arrive while chunks() waits with nothing
+        queued go to `take(text, tokens)`, which sends them and says True, or says False: it
+        cannot now, so they queue for chunks() instead. Taking them only while chunks() waits
+        keeps them in order behind what it has yielded."""
+        self._take = take
+
+    def _token(self, text: str, tokens: list[SampledToken]) -> None:
+        """Tokens for the caller: to follow()'s take when it can send them now, else queued."""
+        take = self._take
+        if take is not None and self._waiter is not None and not self._items and take(text, tokens):
+            return
+        self._push((text, tokens))
 
     def _push(self, item) -> None:
         """An item for chunks(), which is woken if it waits."""
@@ -159,7 +180,7 @@ class GenerationStream:
             self._push(self._steps.trace_step(clock.steps - 1, self.token_ids + self._sampled, chunk))
             self._sampled.append(token.token_id)
         elif self._interval == 1 or clock.tokens == 1:  # the first token goes at once, whatever the interval
-            self._push((text, [token]))
+            self._token(text, [token])
         else:  # held, and queued an interval at a time
             self._held_text.append(text)
             self._held.append(token)
@@ -179,7 +200,7 @@ class GenerationStream:
     def _release_held(self) -> None:
         """The tokens held for the interval, queued together."""
         if self._held:
-            self._push(("".join(self._held_text), self._held))
+            self._token("".join(self._held_text), self._held)
             self._held_text, self._held = [], []
 
     # The end, whichever way it comes -----------------------------------------------------------------

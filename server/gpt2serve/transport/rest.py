@@ -27,6 +27,7 @@ from .. import __version__
 from ..config import ServeConfig
 from ..errors import InvalidArgument, MalformedBody, MethodNotAllowed, NotFound, ServeError, Unavailable
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
+from ..service.generation_stream import token_chunk
 from .guard import BearerKey, HttpGuard
 from .http_direct import SSE_HEADERS, CallHead, DirectRoute, DirectRoutes, EventStream
 from .http_errors import HttpErrors, describe_validation_errors, read_body
@@ -332,7 +333,8 @@ class InferenceRoutes:
         prompt, chat = await self.generate_prompt(body)
         options = call_options(head, "/v1/generate", "Generate", attributes=chat, trace_layers=body.trace_layers,
                                trace_steps=body.trace_steps)
-        chunks = self.service.generate(prompt, body.settings(), options, coalesce=body.stream)
+        stream = self.service.generation_stream(prompt, body.settings(), options)
+        chunks = stream.chunks(coalesce=body.stream)
         if not body.stream:
             return json_bytes(asdict(GenerateResult.from_chunks(await collect(chunks))))
         first = await anext(chunks)  # the request's errors raise here, before the 200
@@ -347,7 +349,9 @@ class InferenceRoutes:
             finally:
                 await chunks.aclose()
 
-        return EventStream(events())
+        token_text = self.service.validator.tokenizer.token_text
+        return EventStream(events(), (stream.follow, lambda text, tokens: sse_event(
+            token_chunk(token_text, text, tokens).to_dict())))
 
     async def generate_prompt(self, body: GenerateBody) -> tuple[PromptInput, dict]:
         """The prompt as given, or the conversation's through the chat template (and what the

@@ -33,3 +33,22 @@ def sse_event(payload: dict | str, event: str | None = None) -> bytes:
     """One event: `data:` a JSON object (or a bare string such as OpenAI's [DONE])."""
     data = payload.encode() if isinstance(payload, str) else json_bytes(payload)
     return b"".join((f"event: {event}\n".encode() if event else b"", b"data: ", data, b"\n\n"))
+
+
+class TextEvent:
+    """sse_event(build(text)) for a stream's events that differ only in one text field (a
+    token's event without logprobs), joined from the bytes around that field, encoded once: 0.4
+    µs a token against 1.5 for the whole payload through orjson."""
+
+    _MARK = "\x00text\x00"  # in no text: the Detokenizer hands out decoded characters
+
+    def __init__(self, build: Callable[[str], dict]):
+        self.build = build
+        self.before, marked, self.after = sse_event(build(self._MARK)).partition(orjson.dumps(self._MARK))
+        assert marked, "the text field must be a string of the payload's"
+
+    def __call__(self, text: str) -> bytes:
+        try:
+            return b"".join((self.before, orjson.dumps(text), self.after))
+        except TypeError:  # what orjson cannot encode (a lone surrogate): the whole event, as sse_event would
+            return sse_event(self.build(text))

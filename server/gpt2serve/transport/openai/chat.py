@@ -29,11 +29,13 @@ from gpt2serve_client.generation import GenerateChunk
 
 from ...engine.tokenizer import Tokenizer
 from ...errors import InvalidArgument, ServeError
+from ...protocol import SampledToken
 from ...service import GenerateSettings, InferenceService, PromptInput
+from ...service.generation_stream import token_chunk
 from ..http_direct import CallHead, EventStream
 from ..http_shared import call_options
 from ..sampling_fields import SamplingControls, StructuredOutputFields
-from ..sse import json_bytes, sse_event
+from ..sse import TextEvent, json_bytes, sse_event
 from .common import Choices, check_model, choice_seed, finish_reason, refuse
 from .logprobs import chat_logprob
 
@@ -201,8 +203,9 @@ class ChatCompletions:
         tokenizer = service.validator.tokenizer
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return EventStream(chunk_events(answer, await choices.chunks(), body.n, len(prompt), include_usage,
-                                            tokenizer if body.logprobs else None, self.error_body))
+            events = ChatEvents(answer, include_usage, tokenizer, bool(body.logprobs))
+            return EventStream(chunk_events(events, await choices.chunks(), body.n, len(prompt), include_usage,
+                                            self.error_body), choices.push(events.tokens))
         results = await choices.results()
         answers = [{"index": index, "message": {"role": "assistant", "content": result.text},
                     "logprobs": {"content": [chat_logprob(tokenizer, token) for token in result.tokens]}
@@ -218,33 +221,53 @@ def chat_usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def chunk_events(head: dict, chunks: AsyncIterator[tuple[int, GenerateChunk]], n: int, prompt_tokens: int,
-                       include_usage: bool, tokenizer: Tokenizer | None, error_body: Callable[[ServeError], dict]):
+class ChatEvents:
+    """Chat's stream events: `chat.completion.chunk`s of a delta each; with include_usage every
+    chunk has `usage: null`. `tokens` is the first choice's token event straight from its
+    tokens (GenerationStream.follow): the same bytes, without a chunk when no logprobs are asked."""
+
+    def __init__(self, answer: dict, include_usage: bool, tokenizer: Tokenizer, logprobs: bool):
+        self.head = {**answer, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
+        self.tokenizer, self.logprobs = tokenizer, logprobs
+        self._plain = TextEvent(lambda text: self._payload(0, {"content": text}))
+
+    def _payload(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
+        return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def event(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> bytes:
+        return sse_event(self._payload(index, delta, logprobs, finish))
+
+    def chunk(self, index: int, chunk: GenerateChunk) -> bytes:
+        """A chunk of tokens (not the closing one): their text as a content delta, a logprobs entry each when asked."""
+        tokenizer = self.tokenizer
+        logprobs = ({"content": [chat_logprob(tokenizer, t) for t in [chunk.token, *chunk.more_tokens]]}
+                    if self.logprobs and chunk.token else None)
+        return self.event(index, {"content": chunk.text}, logprobs)
+
+    def tokens(self, text: str, tokens: list[SampledToken]) -> bytes:
+        if not self.logprobs:
+            return self._plain(text)
+        return self.chunk(0, token_chunk(self.tokenizer.token_text, text, tokens))
+
+
+async def chunk_events(events: ChatEvents, chunks: AsyncIterator[tuple[int, GenerateChunk]], n: int,
+                       prompt_tokens: int, include_usage: bool, error_body: Callable[[ServeError], dict]):
     """Chat's stream: each choice's role first, then a content delta per token, or per run of
-    tokens its reader had not taken yet (with a logprobs entry each when asked: `tokenizer`
-    set), each choice's last with its finish_reason; with include_usage every chunk has
-    `usage: null` and a last one the usage; then `data: [DONE]`."""
-    head = {**head, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
-
-    def event(index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> bytes:
-        return sse_event({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                               "finish_reason": finish}]})
-
+    tokens its reader had not taken yet (`events.chunk`), each choice's last with its
+    finish_reason; with include_usage a last chunk with the usage; then `data: [DONE]`."""
     completion_tokens = 0
     try:
         for index in range(n):
-            yield event(index, {"role": "assistant", "content": ""})
+            yield events.event(index, {"role": "assistant", "content": ""})
         async for index, chunk in chunks:
             if chunk.finish_reason:
                 completion_tokens += chunk.usage.completion_tokens if chunk.usage else 0
-                yield event(index, {"content": chunk.text} if chunk.text else {}, None,
-                            finish_reason(chunk.finish_reason))
+                yield events.event(index, {"content": chunk.text} if chunk.text else {}, None,
+                                   finish_reason(chunk.finish_reason))
             else:
-                logprobs = ({"content": [chat_logprob(tokenizer, t) for t in [chunk.token, *chunk.more_tokens]]}
-                            if tokenizer and chunk.token else None)
-                yield event(index, {"content": chunk.text}, logprobs)
+                yield events.chunk(index, chunk)
         if include_usage:
-            yield sse_event({**head, "choices": [], "usage": chat_usage(prompt_tokens, completion_tokens)})
+            yield sse_event({**events.head, "choices": [], "usage": chat_usage(prompt_tokens, completion_tokens)})
     except ServeError as exc:  # after the 200: the error as one more event, in OpenAI's shape
         yield sse_event(error_body(exc))
     yield sse_event("[DONE]")

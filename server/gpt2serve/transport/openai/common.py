@@ -5,7 +5,7 @@ together on the service's generation streams, collected whole or interleaved as 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from pydantic import BaseModel
 
@@ -62,6 +62,11 @@ class Choices:
         if len(inputs) > self.slots:  # else every choice has its turn at once: no semaphore between
             turns = asyncio.Semaphore(self.slots)
             self.generations = [in_turn(turns, chunks) for chunks in self.generations]
+
+    def push(self, encode: Callable[[str, list], bytes]) -> tuple | None:
+        """EventStream.push for a lone choice (its token events, by `encode`, written as they
+        come); None for several, whose events are interleaved."""
+        return (self.streams[0].follow, encode) if len(self.streams) == 1 else None
 
     async def results(self) -> list[GenerateResult]:
         """Every choice to its end; the first error cancels the rest."""

@@ -22,15 +22,17 @@ from typing import Any, AsyncIterator, Callable
 
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from gpt2serve_client.generation import GeneratedToken, Usage
+from gpt2serve_client.generation import GeneratedToken, GenerateChunk, Usage
 
 from ...errors import InvalidArgument, ServeError
+from ...protocol import SampledToken
 from ...service import GenerateSettings, InferenceService, PromptInput
+from ...service.generation_stream import token_chunk
 from ...service.validation import Validator
 from ..http_direct import CallHead, EventStream
 from ..http_shared import call_options
 from ..sampling_fields import SamplingControls, StructuredOutputFields
-from ..sse import json_bytes, sse_event
+from ..sse import TextEvent, json_bytes, sse_event
 from .common import Choices, check_model, choice_seed, finish_reason, usage_json
 from .logprobs import echo_logprobs, openai_token
 
@@ -171,8 +173,9 @@ class Completions:
         choices = Choices(service, inputs, options, coalesce=body.stream)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
-            return EventStream(stream_events(completion, await choices.chunks(), include_usage, body.logprobs,
-                                             self.error_body, name))
+            events = CompletionEvents(completion, body.logprobs, name, tokenizer.token_text)
+            return EventStream(stream_events(events, await choices.chunks(), include_usage, self.error_body),
+                               choices.push(events.tokens))
         results = await choices.results()
         kept = best_candidates(list(zip(results, choices.streams)), n, best_of)
         answers = []
@@ -208,27 +211,47 @@ class Completions:
         return json_bytes({**completion, "choices": choices, "usage": usage_json(usage)})
 
 
-async def stream_events(completion: dict, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
-                        logprobs: int | None, error_body: Callable[[ServeError], dict], name: Callable[[int], str]):
-    """OpenAI's stream: a chunk per token (text delta) with its choice's index, or per run of
-    tokens its reader had not taken yet (their text together, a logprobs entry each, offsets by
-    each token's own text as in a whole answer), each choice's last with its finish_reason; when
-    asked for, the usage of all choices in a chunk of its own after the last; then `data: [DONE]`."""
-    offsets: dict[int, int] = {}
+class CompletionEvents:
+    """A completions stream's events: a chunk per token (text delta) with its choice's index, or
+    per run of tokens its reader had not taken yet (their text together, a logprobs entry each,
+    offsets by each token's own text as in a whole answer), each choice's last with its
+    finish_reason. `tokens` is the first choice's token event straight from its tokens
+    (GenerationStream.follow): the same bytes, without a chunk when no logprobs are asked."""
+
+    def __init__(self, completion: dict, logprobs: int | None, name: Callable[[int], str],
+                 token_text: Callable[[int], str]):
+        self.completion, self.logprobs, self.name, self.token_text = completion, logprobs, name, token_text
+        self.offsets: dict[int, int] = {}  # each choice's text so far (logprobs' text_offset)
+        self._plain = TextEvent(lambda text: {**completion, "choices": [
+            {"index": 0, "text": text, "finish_reason": None, "logprobs": None}]})
+
+    def chunk(self, index: int, chunk: GenerateChunk) -> bytes:
+        tokens = ([chunk.token] if chunk.token else []) + chunk.more_tokens
+        texts = [t.token for t in tokens] if chunk.more_tokens else [chunk.text]
+        offset = self.offsets.get(index, 0)
+        choice = {"index": index, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
+                  "logprobs": logprobs_json(self.name, tokens, texts, offset) if self.logprobs is not None else None}
+        self.offsets[index] = offset + len(chunk.text)
+        return sse_event({**self.completion, "choices": [choice]})
+
+    def tokens(self, text: str, tokens: list[SampledToken]) -> bytes:
+        if self.logprobs is None:
+            return self._plain(text)
+        return self.chunk(0, token_chunk(self.token_text, text, tokens))
+
+
+async def stream_events(events: CompletionEvents, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,
+                        error_body: Callable[[ServeError], dict]):
+    """OpenAI's stream: `events`' chunks as they come; when asked for, the usage of all choices
+    in a chunk of its own after the last; then `data: [DONE]`."""
     usages: list[Usage] = []
     try:
         async for index, chunk in chunks:
-            tokens = ([chunk.token] if chunk.token else []) + chunk.more_tokens
-            texts = [t.token for t in tokens] if chunk.more_tokens else [chunk.text]
-            offset = offsets.get(index, 0)
-            choice = {"index": index, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
-                      "logprobs": logprobs_json(name, tokens, texts, offset) if logprobs is not None else None}
-            offsets[index] = offset + len(chunk.text)
-            yield sse_event({**completion, "choices": [choice]})
+            yield events.chunk(index, chunk)
             if chunk.finish_reason:
                 usages.append(chunk.usage or Usage())
         if include_usage:
-            yield sse_event({**completion, "choices": [], "usage": usage_json(usages)})
+            yield sse_event({**events.completion, "choices": [], "usage": usage_json(usages)})
     except ServeError as exc:  # after the 200: the error as one more event, in OpenAI's shape
         yield sse_event(error_body(exc))
     yield sse_event("[DONE]")
