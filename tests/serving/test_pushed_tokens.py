@@ -1,4 +1,4 @@
-"""Token events written as the tokens arrive (GenerationStream.follow, http_direct.PushedTokens):
+"""Token events written as the tokens arrive (GenerationStream.follow, http_direct.StreamWrites):
 a stream's task is not woken per token while its reader keeps up, so what must hold is that
 nothing changes for the reader. The pushed event is the bytes the task would have written; a
 token goes straight only while the task waits with nothing queued, so the order holds across
@@ -18,7 +18,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.protocol import SampledToken, TokenScore
 from gpt2serve.service.generation_stream import GenerationStream, StreamClock, _End, token_chunk
-from gpt2serve.transport.http_direct import DirectCall, EventStream, PushedTokens
+from gpt2serve.transport.http_direct import DirectCall, EventStream, StreamWrites
 from gpt2serve.transport.openai.common import alone
 from gpt2serve.transport.openai.chat import ChatEvents
 from gpt2serve.transport.openai.completions import CompletionEvents, stream_events
@@ -118,13 +118,14 @@ class Transport:
         self.closed = True
 
 
-def test_tokens_taken_in_one_callback_are_written_as_one_event_after_it():
+def test_what_one_callback_makes_is_written_once_after_it():
     async def scenario():
         flow = SimpleNamespace(write_paused=False)
         call = SimpleNamespace(protocol=SimpleNamespace(flow=flow, transport=Transport()), disconnected=False,
                                path="/v1/completions", response_complete=False)
         followed = []
-        pushed = PushedTokens(call, (followed.append, lambda text, tokens: f"{text}{len(tokens)}".encode()))
+        pushed = StreamWrites(call)
+        pushed.push_from((followed.append, lambda text, tokens: f"{text}{len(tokens)}".encode()))
         assert followed == [pushed.take]
         assert pushed.take("a", [1]) and pushed.take("bc", [2, 3])
         assert call.protocol.transport.writes == []  # not in the dispatch's callback
@@ -143,6 +144,12 @@ def test_tokens_taken_in_one_callback_are_written_as_one_event_after_it():
         assert call.protocol.transport.writes == [b"4\r\nabc3\r\n"]
 
         call.disconnected = False
+        pushed.add(b"X")  # the task's bytes and taken tokens in one callback: one write, in order
+        assert pushed.take("y", [7])
+        pushed.add(b"Z")
+        await asyncio.sleep(0)
+        assert call.protocol.transport.writes[-1] == b"X" + b"2\r\ny1\r\n" + b"Z"
+
         pushed.encode = lambda text, tokens: 1 / 0  # a fault in the encoding: logged, the answer cut short
         assert pushed.take("f", [6])
         await asyncio.sleep(0)
@@ -208,6 +215,7 @@ def test_a_stream_whose_client_falls_behind_sends_every_token_in_order_across_bo
         assert [c["text"] for c in got] == ["A", "B", "CD", "E", "F", ""]
         assert [c["logprobs"]["text_offset"] for c in got[:5]] == [[0], [1], [2, 3], [4], [5]]
         assert got[-1]["finish_reason"] == "length" and body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert b'"finish_reason":"length"' in writes[-1] and writes[-1].endswith(b"0\r\n\r\n")  # the tail: one write
         assert protocol.completed == 1
 
     asyncio.run(scenario())

@@ -118,40 +118,41 @@ class DirectCall(CallHead):
         self._completed()
 
     async def stream(self, status: int, answer: EventStream) -> None:
-        """The events as they come, a chunk each (the head goes with the first): one write an
-        event, after waiting for the client's window when it is full, so a reader that is
-        behind finds the tokens it has not read joined into the next event (GenerationStream).
-        With `answer.push`, token events are written as they arrive while the client's window
-        is open, with no wake of this task (PushedTokens).
-        An error the events did not catch closes the connection without the last chunk, so
-        the client sees the answer cut short, as uvicorn did."""
+        """The events as they come, chunked (the head goes with the first), after waiting for
+        the client's window when it is full, so a reader that is behind finds the tokens it has
+        not read joined into the next event (GenerationStream). What one callback makes leaves
+        in one write (StreamWrites): the closing chunk, [DONE] and the body's end together. With
+        `answer.push`, token events are written as they arrive while the window is open, with
+        no wake of this task. An error the events did not catch closes the connection without
+        the last chunk, so the client sees the answer cut short, as uvicorn did."""
         protocol = self.protocol
-        flow, write = protocol.flow, protocol.transport.write
+        flow = protocol.flow
         pending = b"".join(self._head(status, SSE_HEADERS, b"transfer-encoding: chunked\r\n"))
-        pushed = None
+        writes = StreamWrites(self)
         try:
             async for event in answer.events:
                 if flow.write_paused:
                     await flow.drain()
                 if self.disconnected:
                     return
-                write(b"%s%x\r\n%s\r\n" % (pending, len(event), event))
-                if pending and answer.push is not None:  # the head is out: tokens may go straight
-                    pushed = PushedTokens(self, answer.push)
+                writes.add(b"%s%x\r\n%s\r\n" % (pending, len(event), event))
+                if pending and answer.push is not None:  # the head is on its way: tokens may go straight
+                    writes.push_from(answer.push)
                 pending = b""
         except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
             raise
         except Exception:
             log.exception("a stream of %s failed after its first event", self.path)
+            writes.write()  # the events before the failure
             self.response_complete = True
             protocol.transport.close()
             return
         finally:
-            if pushed is not None:
-                pushed.stop()
+            writes.stop()
             await answer.events.aclose()
         if not self.disconnected:
-            write(pending + b"0\r\n\r\n")
+            writes.add(pending + b"0\r\n\r\n")
+            writes.write()  # now: the connection may close or serve the next request
             self._completed()
 
     def _completed(self) -> None:
@@ -162,50 +163,80 @@ class DirectCall(CallHead):
         protocol.on_response_complete()
 
 
-class PushedTokens:
-    """A stream's token events written as the tokens arrive (EventStream.push), without a wake
-    of the stream's task, the iterators between it and the generation, or a chunk built: a
-    token at a time to 64 streams spent about a third of a front end's CPU there. Tokens are
-    taken in the engine client's dispatch while the client's window is open and the stream's
-    task has nothing in hand (GenerationStream.follow), and written once that callback ends
-    (call_soon): the tokens of several steps read in one go leave as one event, as they did
-    when the task took them; the task, woken after it, finds them sent. Else they queue for
-    the task, which waits for the window."""
+class StreamWrites:
+    """A stream's writes, each made once the callback that asked for it ends (call_soon), so
+    what one callback makes leaves in one write: the events a task's step yields together, or
+    the tokens of several steps read in one go, joined into one event.
 
-    __slots__ = ("call", "follow", "encode", "texts", "tokens")
+    Tokens come straight from the engine client's dispatch (`take`, EventStream.push) while the
+    client's window is open and the stream's task has nothing in hand (GenerationStream.follow):
+    no wake of the task, no iterators between it and the generation, no chunk built. A token at
+    a time to 64 streams spent about a third of a front end's user CPU there. Tokens it cannot
+    take queue for the task, which waits for the window."""
 
-    def __init__(self, call: DirectCall, push: tuple[Callable, Callable[[str, list], bytes]]):
+    __slots__ = ("call", "parts", "texts", "tokens", "follow", "encode", "due")
+
+    def __init__(self, call: DirectCall):
         self.call = call
-        self.follow, self.encode = push
-        self.texts: list[str] = []  # taken, not written yet
+        self.parts: list[bytes] = []  # the body's bytes not written yet
+        self.texts: list[str] = []  # tokens taken, not encoded yet (after `parts`)
         self.tokens: list = []
+        self.follow: Callable | None = None
+        self.encode: Callable[[str, list], bytes] | None = None
+        self.due = False  # a write is scheduled
+
+    def add(self, data: bytes) -> None:
+        """The task's bytes of the body."""
+        if self.texts:
+            self._encode_taken()
+        self.parts.append(data)
+        self._schedule()
+
+    def push_from(self, push: tuple[Callable, Callable[[str, list], bytes]]) -> None:
+        self.follow, self.encode = push
         self.follow(self.take)
 
     def take(self, text: str, tokens: list) -> bool:
         call = self.call
         if call.protocol.flow.write_paused or call.disconnected:
             return False
-        if not self.texts:
-            asyncio.get_running_loop().call_soon(self.send)
         self.texts.append(text)
         self.tokens += tokens
+        self._schedule()
         return True
 
-    def send(self) -> None:
-        texts, tokens, call = self.texts, self.tokens, self.call
+    def _schedule(self) -> None:
+        if not self.due:
+            self.due = True
+            asyncio.get_running_loop().call_soon(self._write_due)
+
+    def _write_due(self) -> None:
+        self.due = False
+        self.write()
+
+    def _encode_taken(self) -> None:
+        texts, tokens = self.texts, self.tokens
         self.texts, self.tokens = [], []
-        if not texts or call.disconnected:
-            return
+        event = self.encode(texts[0] if len(texts) == 1 else "".join(texts), tokens)
+        self.parts.append(b"%x\r\n%s\r\n" % (len(event), event))
+
+    def write(self) -> None:
+        """What waits, in one write, now."""
+        call = self.call
         try:
-            event = self.encode(texts[0] if len(texts) == 1 else "".join(texts), tokens)
-            call.protocol.transport.write(b"%x\r\n%s\r\n" % (len(event), event))
+            if self.texts:
+                self._encode_taken()
+            parts, self.parts = self.parts, []
+            if parts and not call.disconnected:
+                call.protocol.transport.write(parts[0] if len(parts) == 1 else b"".join(parts))
         except Exception:  # as the task's stream would: logged, the answer cut short
             log.exception("a stream of %s failed at a token's event", call.path)
             call.response_complete = True
             call.protocol.transport.close()
 
     def stop(self) -> None:
-        self.follow(None)
+        if self.follow is not None:
+            self.follow(None)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ content and a request's own template are refused with a 400 naming the field.
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Any, AsyncIterator, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -199,7 +199,7 @@ class ChatCompletions:
         options = call_options(head, ROUTE, "ChatCompletions", api="openai", attributes=seen)
         choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i))
                                     for i in range(body.n)], options, coalesce=body.stream)
-        answer = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": info.model}
+        answer = {"id": f"chatcmpl-{os.urandom(16).hex()}", "created": int(time.time()), "model": info.model}
         tokenizer = service.validator.tokenizer
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -229,7 +229,7 @@ class ChatEvents:
     def __init__(self, answer: dict, include_usage: bool, tokenizer: Tokenizer, logprobs: bool):
         self.head = {**answer, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}
         self.tokenizer, self.logprobs = tokenizer, logprobs
-        self._plain = TextEvent(lambda text: self._payload(0, {"content": text}))
+        self._plain: TextEvent | None = None  # made at the first token pushed
 
     def _payload(self, index: int, delta: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
         return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
@@ -246,6 +246,8 @@ class ChatEvents:
 
     def tokens(self, text: str, tokens: list[SampledToken]) -> bytes:
         if not self.logprobs:
+            if self._plain is None:
+                self._plain = TextEvent(lambda text: self._payload(0, {"content": text}))
             return self._plain(text)
         return self.chunk(0, token_chunk(self.tokenizer.token_text, text, tokens))
 

@@ -15,8 +15,8 @@ Token strings and offsets: logprobs.py. Errors use OpenAI's shape (common.OpenAI
 from __future__ import annotations
 
 import functools
+import os
 import time
-import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
@@ -154,7 +154,7 @@ class Completions:
         prompts = body.prompt_inputs(service.max_batch_size)
         tokenizer = service.validator.tokenizer
         name = functools.partial(openai_token, tokenizer)
-        completion = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+        completion = {"id": f"cmpl-{os.urandom(16).hex()}", "object": "text_completion", "created": int(time.time()),
                       "model": model}
         if body.echo and body.max_tokens == 0:
             return await self.score(body, prompts, options, completion)
@@ -222,8 +222,7 @@ class CompletionEvents:
                  token_text: Callable[[int], str]):
         self.completion, self.logprobs, self.name, self.token_text = completion, logprobs, name, token_text
         self.offsets: dict[int, int] = {}  # each choice's text so far (logprobs' text_offset)
-        self._plain = TextEvent(lambda text: {**completion, "choices": [
-            {"index": 0, "text": text, "finish_reason": None, "logprobs": None}]})
+        self._plain: TextEvent | None = None  # made at the first token pushed
 
     def chunk(self, index: int, chunk: GenerateChunk) -> bytes:
         tokens = ([chunk.token] if chunk.token else []) + chunk.more_tokens
@@ -236,6 +235,9 @@ class CompletionEvents:
 
     def tokens(self, text: str, tokens: list[SampledToken]) -> bytes:
         if self.logprobs is None:
+            if self._plain is None:
+                self._plain = TextEvent(lambda text: {**self.completion, "choices": [
+                    {"index": 0, "text": text, "finish_reason": None, "logprobs": None}]})
             return self._plain(text)
         return self.chunk(0, token_chunk(self.token_text, text, tokens))
 
