@@ -31,7 +31,6 @@ from ...engine.tokenizer import Tokenizer
 from ...errors import InvalidArgument, ServeError
 from ...protocol import SampledToken
 from ...service import GenerateSettings, InferenceService, PromptInput
-from ...service.generation_stream import token_chunk
 from ..http_direct import CallHead, EventStream
 from ..http_shared import call_options
 from ..sampling_fields import SamplingControls, StructuredOutputFields
@@ -249,7 +248,8 @@ class ChatEvents:
             if self._plain is None:
                 self._plain = TextEvent(lambda text: self._payload(0, {"content": text}))
             return self._plain(text)
-        return self.chunk(0, token_chunk(self.tokenizer.token_text, text, tokens))
+        # A SampledToken has what chat_logprob reads (token_id, logprob, top): no chunk between.
+        return self.event(0, {"content": text}, {"content": [chat_logprob(self.tokenizer, t) for t in tokens]})
 
 
 async def chunk_events(events: ChatEvents, chunks: AsyncIterator[tuple[int, GenerateChunk]], n: int,

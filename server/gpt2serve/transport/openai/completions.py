@@ -27,7 +27,6 @@ from gpt2serve_client.generation import GeneratedToken, GenerateChunk, Usage
 from ...errors import InvalidArgument, ServeError
 from ...protocol import SampledToken
 from ...service import GenerateSettings, InferenceService, PromptInput
-from ...service.generation_stream import token_chunk
 from ...service.validation import Validator
 from ..http_direct import CallHead, EventStream
 from ..http_shared import call_options
@@ -124,7 +123,8 @@ def best_candidates(candidates: list[tuple[Any, Any]], n: int, best_of: int) -> 
     return kept
 
 
-def logprobs_json(name: Callable[[int], str], tokens: list[GeneratedToken], texts: list[str], offset: int) -> dict:
+def logprobs_json(name: Callable[[int], str], tokens: list[GeneratedToken] | list[SampledToken], texts: list[str],
+                  offset: int) -> dict:
     """OpenAI's legacy completions logprobs: per token its string (`name`, see logprobs.py),
     logprob, top alternatives and offset."""
     offsets = []
@@ -227,11 +227,7 @@ class CompletionEvents:
     def chunk(self, index: int, chunk: GenerateChunk) -> bytes:
         tokens = ([chunk.token] if chunk.token else []) + chunk.more_tokens
         texts = [t.token for t in tokens] if chunk.more_tokens else [chunk.text]
-        offset = self.offsets.get(index, 0)
-        choice = {"index": index, "text": chunk.text, "finish_reason": finish_reason(chunk.finish_reason) or None,
-                  "logprobs": logprobs_json(self.name, tokens, texts, offset) if self.logprobs is not None else None}
-        self.offsets[index] = offset + len(chunk.text)
-        return sse_event({**self.completion, "choices": [choice]})
+        return self._event(index, chunk.text, finish_reason(chunk.finish_reason) or None, tokens, texts)
 
     def tokens(self, text: str, tokens: list[SampledToken]) -> bytes:
         if self.logprobs is None:
@@ -239,7 +235,16 @@ class CompletionEvents:
                 self._plain = TextEvent(lambda text: {**self.completion, "choices": [
                     {"index": 0, "text": text, "finish_reason": None, "logprobs": None}]})
             return self._plain(text)
-        return self.chunk(0, token_chunk(self.token_text, text, tokens))
+        # A SampledToken has what logprobs_json reads (token_id, logprob, top): no chunk between.
+        texts = [self.token_text(t.token_id) for t in tokens] if len(tokens) > 1 else [text]
+        return self._event(0, text, None, tokens, texts)
+
+    def _event(self, index: int, text: str, finish: str | None, tokens: list, texts: list[str]) -> bytes:
+        offset = self.offsets.get(index, 0)
+        choice = {"index": index, "text": text, "finish_reason": finish,
+                  "logprobs": logprobs_json(self.name, tokens, texts, offset) if self.logprobs is not None else None}
+        self.offsets[index] = offset + len(text)
+        return sse_event({**self.completion, "choices": [choice]})
 
 
 async def stream_events(events: CompletionEvents, chunks: AsyncIterator[tuple[int, Any]], include_usage: bool,

@@ -24,6 +24,7 @@ from gpt2serve_client.generation import GeneratedToken
 from gpt2serve_client.types import PromptTokenLogprob, TokenLogprob
 
 from ...engine.tokenizer import Tokenizer
+from ...protocol import SampledToken, TokenScore
 
 
 def openai_token(tokenizer: Tokenizer, token_id: int) -> str:
@@ -59,7 +60,8 @@ def echo_logprobs(tokenizer: Tokenizer, prompt: list[PromptTokenLogprob], genera
 
 
 
-def chat_logprob(tokenizer: Tokenizer, token: GeneratedToken | TokenLogprob, top: bool = True) -> dict:
+def chat_logprob(tokenizer: Tokenizer, token: GeneratedToken | TokenLogprob | SampledToken | TokenScore,
+                 top: bool = True) -> dict:
     """One entry of chat's `logprobs.content`: the token's string (the rule above), its logprob,
     its UTF-8 bytes (so a client can join characters split over tokens) and its alternatives."""
     entry = {"token": openai_token(tokenizer, token.token_id), "logprob": token.logprob,
