@@ -223,7 +223,7 @@ def chat_usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class ChatEvents:
     """Chat's stream events: `chat.completion.chunk`s of a delta each; with include_usage every
     chunk has `usage: null`. `tokens` is the first choice's token event straight from its
-    tokens (GenerationStream.follow): the same bytes, without a chunk when no logprobs are asked."""
+    sampled tokens (GenerationStream.follow): the same bytes, with no chunk built."""
 
     def __init__(self, answer: dict, include_usage: bool, tokenizer: Tokenizer, logprobs: bool):
         self.head = {**answer, "object": "chat.completion.chunk", **({"usage": None} if include_usage else {})}

@@ -215,8 +215,8 @@ class CompletionEvents:
     """A completions stream's events: a chunk per token (text delta) with its choice's index, or
     per run of tokens its reader had not taken yet (their text together, a logprobs entry each,
     offsets by each token's own text as in a whole answer), each choice's last with its
-    finish_reason. `tokens` is the first choice's token event straight from its tokens
-    (GenerationStream.follow): the same bytes, without a chunk when no logprobs are asked."""
+    finish_reason. `tokens` is the first choice's token event straight from its sampled tokens
+    (GenerationStream.follow): the same bytes, with no chunk built."""
 
     def __init__(self, completion: dict, logprobs: int | None, name: Callable[[int], str],
                  token_text: Callable[[int], str]):
