@@ -38,9 +38,9 @@ def sse_event(payload: dict | str, event: str | None = None) -> bytes:
 class TextEvent:
     """sse_event(build(text)) for a stream's events that differ only in one text field (a
     token's event without logprobs), joined from the bytes around that field, encoded once: 0.4
-    µs a token against 1.5 for the whole payload through orjson."""
+    µs a token against 1.1 for the whole payload through orjson."""
 
-    _MARK = "\x00text\x00"  # in no text: the Detokenizer hands out decoded characters
+    _MARK = "\x00text\x00"  # stands for the text while the template is made: no other field holds it
 
     def __init__(self, build: Callable[[str], dict]):
         self.build = build
