@@ -5,6 +5,8 @@ Load (closed loops, `--clients` of them): gRPC NextToken, NextTokenBatch and Gen
 REST next-token and generate streams; OpenAI completions (streamed and whole), scoring (echo with
 logprobs, no new token) and chat, streamed; a share of streams hung up early, and a share of
 requests the server must refuse. Every `--sample-s` each server process's RSS is read from /proc.
+Before the clock starts, every block of the prefix cache's pool is written once (its pages become
+resident as blocks are first written, up to --prefix-cache-mb: bounded, not growth).
 
 Pass, as printed at the end ("pass": true):
 - RSS: each process grows at most 5%, the median of its last minute against that of the minute
@@ -44,6 +46,7 @@ from local_server import launch
 
 MODEL = "random:gpt2"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+PREFIX_CACHE_MB = 64
 KILL_WINDOW_S = 10.0  # broken connections this soon after the kill are the killed front end's
 STATUS_CODES = {400: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
                 500: "INTERNAL"}
@@ -148,6 +151,24 @@ async def one_call(rng: random.Random, grpc_client: AsyncClient, http: httpx.Asy
     tally.outcomes[(api, method, code)] += 1
 
 
+def fill_prefix_cache(http_url: str, tally: Tally) -> None:
+    """Write every block of the prefix cache's pool before the clock starts. The pool is claimed at
+    start, but a CPU's pages become resident only as blocks are first written: without this a
+    minute's run judges the pool filling (bounded by --prefix-cache-mb, by design) as growth.
+    Distinct 6-block prompts, each sent twice (the doorkeeper keeps a block the second time)."""
+    from gpt2serve.engine.gpt2 import GPT2Config  # random:gpt2's shape, fp32
+    from gpt2serve.engine.prefix_cache import BLOCK, PrefixCache
+    import torch
+    capacity = PREFIX_CACHE_MB * 2**20 // PrefixCache.bytes_per_block(GPT2Config(), torch.float32)
+    rng, blocks_per_prompt = random.Random(-1), 6
+    with httpx.Client(base_url=http_url, timeout=120) as http:
+        for _ in range(-(-capacity // blocks_per_prompt) + 1):
+            tokens = [rng.randrange(50000) for _ in range(blocks_per_prompt * BLOCK)]
+            for _ in range(2):
+                http.post("/v1/next-token", json={"prompt_token_ids": tokens}).raise_for_status()
+                tally.outcomes[("rest", "NextToken", "OK")] += 1  # the server counts these too
+
+
 def processes(server_pid: int) -> dict[str, int]:
     """The server's processes by title (setproctitle): supervisor, engine, front end N."""
     found = {}
@@ -188,10 +209,9 @@ def scrape(http_url: str) -> dict:
     return {"requests": requests, "gauges": gauges}
 
 
-async def soak(grpc_target: str, http_url: str, server_pid: int, args) -> dict:
+async def soak(grpc_target: str, http_url: str, server_pid: int, tally: Tally, args) -> dict:
     started = time.monotonic()
     stop_at = started + args.seconds
-    tally = Tally()
     samples: list[dict] = []  # {"t_s", "process", "pid", "rss_mib"}
 
     async def client_loop(index: int) -> None:
@@ -304,9 +324,11 @@ def main() -> int:
     parser.add_argument("--json", help="write the report (and every RSS sample) here too")
     args = parser.parse_args()
     proc, grpc_target, http_url = launch(MODEL, None, "--workers", "2", "--chat-template", CHAT_TEMPLATE,
-                                         "--kv-cache-mb", "256", "--prefix-cache-mb", "64")
+                                         "--kv-cache-mb", "256", "--prefix-cache-mb", str(PREFIX_CACHE_MB))
     try:
-        run = asyncio.run(soak(grpc_target, http_url, proc.pid, args))
+        tally = Tally()
+        fill_prefix_cache(http_url, tally)
+        run = asyncio.run(soak(grpc_target, http_url, proc.pid, tally, args))
         report = judge(run, settled_end(http_url), args)
     finally:
         proc.send_signal(signal.SIGTERM)
