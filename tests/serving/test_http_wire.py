@@ -225,3 +225,60 @@ def test_a_refused_stream_is_a_json_error_not_a_stream(wire):
     status, headers, answer = wire.answer()
     assert status == 404 and headers["content-type"] == "application/json"
     assert json.loads(answer)["error"]["param"] == "model"
+
+
+# A request asking to upgrade (curl --http2 sends `Upgrade: h2c` with every request to an http://
+# URL) is answered in HTTP/1.1 with its body: llhttp takes such a request to end at its headers.
+H2C = (b"Connection: Upgrade, HTTP2-Settings", b"Upgrade: h2c", b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA")
+
+
+def test_an_h2c_upgrade_is_ignored_and_the_body_read_in_pieces_then_the_next_request_served(wire):
+    request = post("/v1/next-token", prompt_body(PROMPTS[0]), *H2C)
+    head_end = request.index(b"\r\n\r\n") + 4
+    wire.send(request[:head_end + 5])  # the body in two pieces, the second with a pipelined request
+    time.sleep(0.05)
+    wire.send(request[head_end + 5:] + post("/v1/next-token", prompt_body(PROMPTS[1])))
+    status, headers, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[0]
+    assert "upgrade" not in headers  # no switch of protocols: HTTP/1.1 throughout
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[1]
+
+
+@pytest.mark.parametrize("upgrade", [H2C, (b"Connection: Upgrade", b"Upgrade: websocket")])
+def test_an_upgrade_on_asgi_routes_is_ignored(wire, upgrade):
+    body = json.dumps({"model": "random:tiny", "prompt": [PROMPTS[2]], "max_tokens": 1, "temperature": 0}).encode()
+    wire.send(post("/v1/completions", body, *upgrade) + b"GET /healthz HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n"
+              % b"\r\n".join(upgrade))
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["usage"]["prompt_tokens"] == len(PROMPTS[2])
+    status, _, answer = wire.answer()
+    assert status == 200 and json.loads(answer)["status"] == "ok"
+
+
+def test_an_upgrade_with_a_chunked_body_is_refused_clearly(server, wire):
+    wire.send(b"POST /v1/next-token HTTP/1.1\r\nHost: x\r\n%s\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+              % b"\r\n".join(H2C))
+    status, _, answer = wire.answer()
+    assert status == 400 and b"Content-Length" in answer
+    other = Wire(server.http_url)
+    try:
+        other.send(post("/v1/next-token", prompt_body(PROMPTS[1])))
+        assert other.answer()[0] == 200
+    finally:
+        other.close()
+
+
+def test_curl_http2_posts_are_answered_in_http_1_1(server):
+    """The real client: curl --http2 to an http:// URL (h2c upgrade headers on a POST)."""
+    import subprocess
+    for path, body, key in [("/v1/next-token", prompt_body(PROMPTS[0]), "prompt_token_ids"),
+                            ("/v1/generate", json.dumps({"prompt_token_ids": PROMPTS[0], "max_tokens": 2}).encode(),
+                             "tokens")]:
+        run = subprocess.run(["curl", "-sS", "--http2", "-v", "-H", "Content-Type: application/json",
+                              "--data-binary", "@-", server.http_url + path],
+                             input=body, capture_output=True, timeout=60)
+        assert run.returncode == 0 and b"Upgrade: h2c" in run.stderr, run.stderr[-2000:]
+        assert b"< HTTP/1.1 200" in run.stderr, run.stderr[-2000:]
+        answer = json.loads(run.stdout)
+        assert key in answer, answer

@@ -74,6 +74,7 @@ class Transports:
         app, direct = create_app(service, config)
         http_server = uvicorn.Server(uvicorn.Config(
             app, log_level=config.log_level, access_log=False, lifespan="off",
+            ws="none",  # no WebSocket routes: a request asking to upgrade is answered in HTTP/1.1
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
             timeout_keep_alive=config.http_keep_alive_s,
             http=bounded_http_protocol(config.http_max_connections, config.http_request_timeout_s,

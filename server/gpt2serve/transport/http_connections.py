@@ -12,6 +12,10 @@
   byte (or of the connection's opening): a slowloris sending a header line a second is closed;
 - between requests, uvicorn's keep-alive limit (`--http-keep-alive-s`) closes idle connections.
 
+A request asking to upgrade to a protocol this server does not speak (`Upgrade: h2c`, which
+`curl --http2` sends with every request to an http:// URL) is answered in HTTP/1.1, the upgrade
+ignored as RFC 9110 section 7.8 allows, its body read in full (NGINX does the same).
+
 uvicorn has the keep-alive limit but neither of the others, so they are a subclass of its
 httptools protocol: the request's clock starts when a connection opens or a request begins, and
 stops once the request has been read (a slow answer, a long stream, is the server's own time).
@@ -24,6 +28,7 @@ import asyncio
 import time
 from typing import Callable
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .http_direct import DirectCall, DirectRoutes
@@ -54,6 +59,9 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         _waiting_since: float | None = None
         _answering: DirectCall | None = None  # the direct call whose route runs, if one does
         _sweep: ClockSweep | None = None  # the class's: its server's
+        # Of a request whose upgrade is ignored: its body's bytes still to read (llhttp takes the
+        # request to end at its headers and stops there, so the body is read here); None: no such request.
+        _upgrade_body_left: int | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections and not self._evict_one():  # this server's connections
@@ -87,13 +95,66 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         def on_headers_complete(self) -> None:
             self._waiting_since = None  # a request under way: its connection stays
             parser = self.parser
-            if self.url in direct_paths and parser.get_method() == b"POST" and not parser.should_upgrade():
+            upgrade = parser.should_upgrade() and self._should_upgrade()  # to a WebSocket: uvicorn's
+            if parser.should_upgrade() and not upgrade:
+                self._upgrade_body_left = self._content_length()
+            if self.url in direct_paths and parser.get_method() == b"POST" and not upgrade:
                 return self._take_direct()
             url, headers, expect_100 = self.url, self.headers, self.expect_100_continue
             super().on_message_begin()  # uvicorn's scope, for its request cycle
             self.url, self.expect_100_continue = url, expect_100
             self.headers += headers  # the scope's list
             super().on_headers_complete()
+
+        # A request whose upgrade is ignored -------------------------------------------------------
+
+        def data_received(self, data: bytes) -> None:
+            """uvicorn's, but a request asking for an upgrade uvicorn does not make goes on in
+            HTTP/1.1: its body is read here and a fresh parser takes the bytes after it."""
+            self._unset_keepalive_if_required()
+            if self._upgrade_body_left is not None and self._upgrade_body_left > 0:
+                data = self._ignored_upgrade_body(data)
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            except httptools.HttpParserUpgrade as stop:
+                if self._upgrade_body_left is None:
+                    if self._should_upgrade():
+                        self.handle_websocket_upgrade()
+                    return
+                if self._upgrade_body_left < 0:  # a chunked body: llhttp cannot be told to read it
+                    self._upgrade_body_left = None
+                    return self.send_400_response("A request with Upgrade must give its body's Content-Length.")
+                self.parser = httptools.HttpRequestParser(self)
+                self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+                if self._upgrade_body_left == 0:
+                    self._upgrade_body_left = None
+                rest = data[stop.args[0]:]
+                if rest:
+                    self.data_received(rest)
+
+        def _content_length(self) -> int:
+            """The request's Content-Length (0 without one), or -1 for a chunked body."""
+            length = 0
+            for name, value in self.headers:
+                if name == b"transfer-encoding":
+                    return -1
+                if name == b"content-length":
+                    length = int(value)  # llhttp has checked it is a number
+            return length
+
+        def _ignored_upgrade_body(self, data: bytes) -> bytes:
+            """The body's bytes in `data` to the request; what follows it, returned."""
+            left = self._upgrade_body_left
+            body, rest = data[:left], data[left:]
+            self._upgrade_body_left = left - len(body)
+            self.on_body(body)
+            if not self._upgrade_body_left:
+                self._upgrade_body_left = None
+                self.on_message_complete()
+            return rest
 
         # A direct route's call --------------------------------------------------------------------
 
@@ -146,6 +207,8 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             call.parts.append(body)
 
         def on_message_complete(self) -> None:
+            if self._upgrade_body_left is not None and self._upgrade_body_left != 0:
+                return  # llhttp's, at the headers of a request whose upgrade is ignored: its body comes
             call = self.cycle
             if call is None or not call.response_complete:  # else answered early: the keep-alive clock runs
                 self._deadline = None
