@@ -95,9 +95,11 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         def on_headers_complete(self) -> None:
             self._waiting_since = None  # a request under way: its connection stays
             parser = self.parser
-            upgrade = parser.should_upgrade() and self._should_upgrade()  # to a WebSocket: uvicorn's
-            if parser.should_upgrade() and not upgrade:
-                self._upgrade_body_left = self._content_length()
+            upgrade = False  # to a WebSocket, made by uvicorn (when it has a WebSocket protocol)
+            if parser.should_upgrade():
+                upgrade = self._should_upgrade()  # reads the headers: only when asked
+                if not upgrade:
+                    self._upgrade_body_left = self._content_length()
             if self.url in direct_paths and parser.get_method() == b"POST" and not upgrade:
                 return self._take_direct()
             url, headers, expect_100 = self.url, self.headers, self.expect_100_continue
