@@ -118,7 +118,7 @@ async def one_call(rng: random.Random, grpc_client: AsyncClient, http: httpx.Asy
                 async for line in response.aiter_lines():
                     got += line.startswith("data:")
                     if line.startswith("event: error"):
-                        return tally.unanswered.append(f"rest Generate: an error event mid-stream")
+                        return tally.unanswered.append("rest Generate: an error event mid-stream")
                     if hang_up_after is not None and got == hang_up_after:
                         code = "CANCELLED"
                         break
