@@ -30,7 +30,7 @@ def lint_imports(pythonpath: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_are_kept():
     result = lint_imports(ROOT / "server")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "3 kept, 0 broken" in result.stdout
+    assert "4 kept, 0 broken" in result.stdout
 
 
 def test_an_upward_import_breaks_the_layers_contract(tmp_path):
@@ -43,6 +43,19 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path):
     result = lint_imports(tmp_path)
     assert result.returncode != 0
     assert "gpt2serve.engine.kv_cache -> gpt2serve.service.inference" in result.stdout
+
+
+def test_an_opentelemetry_import_on_the_engine_side_breaks_its_contract(tmp_path):
+    """The engine side tells telemetry in records: a request carrying an OpenTelemetry object
+    (as RequestOptions' parent Context once did) would pull the library into the engine."""
+    copy = tmp_path / "gpt2serve"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    records = copy / "telemetry" / "records.py"
+    records.write_text(records.read_text() + "\nfrom opentelemetry.context import Context\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0
+    assert "gpt2serve.engine is not allowed to import opentelemetry" in result.stdout
+    assert "gpt2serve.engine.engine -> gpt2serve.telemetry.records" in result.stdout  # the chain named
 
 
 def test_the_package_root_holds_at_most_six_modules():

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from opentelemetry.context import Context
-
 from gpt2serve_client.types import LayerReport
 
 from ..protocol import TraceContext
@@ -24,7 +22,10 @@ class RequestOptions:
     api: str = "internal"  # "grpc", "rest" or "openai": the metrics label
     method: str = "NextToken"  # "NextToken", "NextTokenBatch", "Generate", "Completions" or "ChatCompletions"
     span_name: str = "next_token"  # "gpt2serve.v1.Gpt2Serve/NextToken", "POST /v1/next-token"
-    parent: Context | None = None  # W3C trace context from gRPC metadata or HTTP headers
+    # The caller's trace context as it sent it (W3C traceparent, tracestate: the fields the
+    # propagators read, from gRPC metadata or HTTP headers), read by telemetry at the span's start:
+    # so no OpenTelemetry object rides a request, and engine-side modules need no OpenTelemetry.
+    trace_carrier: Mapping[str, str] | None = None
     attributes: Mapping[str, Any] = field(default_factory=dict)  # rpc.* / http.* span attributes
     trace_layers: bool = False
     include_layers: bool = False

@@ -40,7 +40,7 @@ from ..protocol import GenerateRequest, TraceContext
 from .metrics import Metrics
 from .records import (BatchDone, FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestOptions, RequestRefused,
                       SchedulerStats, StepDone)
-from .tracing import TRACE_LAYERS_ATTRIBUTE
+from .tracing import TRACE_LAYERS_ATTRIBUTE, trace_parent
 
 # A caller's cancel this close to its deadline is the deadline: the server's copy of it starts
 # when the request arrives, so the client's own expiry (and its cancel) can come a little earlier.
@@ -173,9 +173,9 @@ class RequestTelemetry:
         attributes = {**options.attributes, "gen_ai.operation.name": "text_completion",
                       "gen_ai.request.model": telemetry.model_name, TRACE_LAYERS_ATTRIBUTE: options.trace_layers}
         self.started = time.perf_counter()
-        self.span = telemetry.tracer.start_span(options.span_name, context=options.parent, kind=SpanKind.SERVER,
-                                                attributes=attributes, record_exception=False,
-                                                set_status_on_exception=False)
+        self.span = telemetry.tracer.start_span(options.span_name, context=trace_parent(options.trace_carrier),
+                                                kind=SpanKind.SERVER, attributes=attributes,
+                                                record_exception=False, set_status_on_exception=False)
         self.trace_id = exported_trace_id(self.span)  # the exemplar for the histograms
         self.finished = False
         telemetry.metrics.request_started()

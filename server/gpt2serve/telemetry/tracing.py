@@ -10,7 +10,7 @@ always recorded and exported.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -64,7 +64,7 @@ def propagated_fields() -> frozenset[str]:
     return _trace_fields[1]
 
 
-def trace_parent(carrier: dict[str, str]) -> Context | None:
+def trace_parent(carrier: Mapping[str, str] | None) -> Context | None:
     """The caller's trace context from the fields it sent that the propagators read (see
     propagated_fields); None when it sent none of them, the common case, which skips the
     propagators' work (0.45 against 0.9 µs a gRPC call, timed alone)."""

@@ -22,7 +22,7 @@ from ..config import ServeConfig
 from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
-from ..telemetry.tracing import propagated_fields, trace_parent
+from ..telemetry.tracing import propagated_fields
 from .guard import BearerKey, GrpcAuthInterceptor
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def request_options(method: str, request, context: grpc.aio.ServicerContext) -> 
     carrier = {key: value for key, value in (context.invocation_metadata() or ()) if key in fields and isinstance(value, str)}
     remaining = context.time_remaining()
     return RequestOptions(
-        api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", parent=trace_parent(carrier),
+        api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", trace_carrier=carrier or None,
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
         trace_layers=request.trace_layers, include_layers=getattr(request, "include_layers", False),
         attention_maps=getattr(request, "attention_maps", False),  # NextToken only

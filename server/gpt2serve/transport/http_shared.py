@@ -7,10 +7,9 @@ import asyncio
 from typing import Awaitable, Iterable, TypeVar
 
 from fastapi import Request
-from opentelemetry.context import Context
 
 from ..service import RequestOptions
-from ..telemetry.tracing import propagated_fields, trace_parent as tracing_parent
+from ..telemetry.tracing import propagated_fields
 from .http_direct import CallHead
 
 T = TypeVar("T")
@@ -21,7 +20,7 @@ def call_options(head: CallHead, route: str, method: str, api: str = "rest", att
     """Span name and attributes (the route's own `attributes` too), the caller's W3C trace context
     (headers), and what it asked to see (`asked`: trace_layers, include_layers, attention_maps)."""
     return RequestOptions(
-        api=api, method=method, span_name=f"POST {route}", parent=trace_parent(head.headers),
+        api=api, method=method, span_name=f"POST {route}", trace_carrier=trace_carrier(head.headers),
         attributes={"http.request.method": "POST", "http.route": route, "url.scheme": head.scheme,
                     **(attributes or {})}, **asked)
 
@@ -29,14 +28,15 @@ def call_options(head: CallHead, route: str, method: str, api: str = "rest", att
 _header_fields: tuple[frozenset[str], frozenset[bytes]] = (frozenset(), frozenset())  # propagated_fields(), as bytes
 
 
-def trace_parent(headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
-    """The caller's trace context from its headers (telemetry.tracing.trace_parent)."""
+def trace_carrier(headers: Iterable[tuple[bytes, bytes]]) -> dict[str, str] | None:
+    """The trace context fields among the caller's headers (telemetry.tracing.propagated_fields);
+    None when it sent none, the common case."""
     global _header_fields
     fields = propagated_fields()
     if _header_fields[0] is not fields:
         _header_fields = (fields, frozenset(field.encode("latin-1") for field in fields))
     wanted = _header_fields[1]
-    return tracing_parent({name.decode("latin-1"): value.decode("latin-1") for name, value in headers if name in wanted})
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in headers if name in wanted} or None
 
 
 class ClientDisconnected(Exception):
