@@ -162,6 +162,8 @@ def test_generate_trace_has_its_steps_and_the_prompts_layers(traced_server, rece
     (request,) = named[name]
     assert request.parent_span_id == format_span_id(caller.get_span_context().span_id)
     assert request.attributes["gen_ai.usage.output_tokens"] == 6
+    assert request.attributes["gen_ai.usage.input_tokens"] == len(PROMPT)
+    assert list(request.attributes["gen_ai.response.finish_reasons"]) == ["length"]
     assert request.attributes["gen_ai.request.max_tokens"] == 6
     (prefill,) = named["prefill"]
     decodes = named["decode"]
@@ -268,3 +270,25 @@ def test_a_scored_request_carries_a_summary_of_its_prompt_not_the_table(traced_s
         assert attributes["gpt2serve.prompt_logprobs.worst_position"][i] == int(actual.argmin()) + 1
         assert attributes["gpt2serve.prompt_logprobs.worst_logprob"][i] == pytest.approx(actual.min().item(), abs=1e-4)
     assert len(attributes) < 40  # a summary: no per-position attribute
+
+
+def test_a_generation_hung_up_on_keeps_its_usage_so_far(traced_server, receiver, client_tracer):
+    """Telemetry sets the usage at the span's end, however it ends: a stream the caller closed
+    after two tokens says so, with no finish reason (it did not finish)."""
+    async def two_tokens_then_close() -> None:
+        async with AsyncClient(traced_server.grpc_target) as client:
+            chunks = client.generate_stream(PROMPT, max_tokens=200, temperature=0, ignore_eos=True, trace_layers=True)
+            got = 0
+            async for chunk in chunks:
+                got += chunk.token is not None
+                if got == 2:
+                    break
+            await chunks.aclose()  # hangs up
+
+    with client_tracer.start_as_current_span("caller") as caller:
+        asyncio.run(two_tokens_then_close())
+    trace_id = format_trace_id(caller.get_span_context().trace_id)
+    (request,) = by_name(receiver.wait_for(trace_id, {"gpt2serve.v1.Gpt2Serve/Generate"}))["gpt2serve.v1.Gpt2Serve/Generate"]
+    assert request.attributes["gen_ai.usage.input_tokens"] == len(PROMPT)
+    assert 2 <= request.attributes["gen_ai.usage.output_tokens"] < 200
+    assert "gen_ai.response.finish_reasons" not in request.attributes

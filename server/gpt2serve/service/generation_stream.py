@@ -211,13 +211,9 @@ class GenerationStream:
         self._release_held()
         self._items.append(closing_chunk(self.text.finish(), finish, prompt, clock, request.trace_id))
         self._push(_End())
-        span = request.span
-        span.set_attribute("gen_ai.usage.input_tokens", len(prompt))
-        span.set_attribute("gen_ai.usage.output_tokens", clock.tokens)
-        span.set_attribute("gen_ai.response.finish_reasons", [finish])
-        self._end(None)
+        self._end(None, finish)
 
-    def _end(self, error: BaseException | None) -> None:
+    def _end(self, error: BaseException | None, finish: str | None = None) -> None:
         """Once: the engine stops (a no-op if it already has), telemetry hears how it ended."""
         if self._done:
             return
@@ -230,7 +226,7 @@ class GenerationStream:
             if self.allowed:
                 self._request.span.set_attributes(allowed_tokens_attributes(self.allowed))
             self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,
-                                 time_per_output_token_s=clock.time_per_output_token_s)
+                                 time_per_output_token_s=clock.time_per_output_token_s, finish_reason=finish)
 
 
 def frozen(cls: type[T], fields: dict[str, Any]) -> T:

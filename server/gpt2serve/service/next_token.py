@@ -38,8 +38,6 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
         trace = validator.trace(request, options)
         prompt_tokens = sum(map(len, token_ids))
         span = request.span
-        span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", len(token_ids))
         span.set_attribute("gen_ai.request.top_k", k)
         outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace, scored_k))
         span.set_attribute("gpt2serve.prefix_cache.hit_tokens", sum(o.cached_tokens for o in outputs))

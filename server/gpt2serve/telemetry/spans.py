@@ -181,9 +181,11 @@ class RequestTelemetry:
         telemetry.metrics.request_started()
 
     def finish(self, error: BaseException | None = None, *, prompt_tokens: int = 0, output_tokens: int = 0,
-               queue_s: Sequence[float] = (), time_per_output_token_s: float | None = None) -> None:
+               queue_s: Sequence[float] = (), time_per_output_token_s: float | None = None,
+               finish_reason: str | None = None) -> None:
         """End the span and count the request: OK, the error's status, or CANCELLED /
-        DEADLINE_EXCEEDED for a caller that went away (anything not an Exception)."""
+        DEADLINE_EXCEEDED for a caller that went away (anything not an Exception). The span's
+        gen_ai.usage.* (tokens as far as the request got) and finish reason are set here."""
         if self.finished:
             return
         self.finished = True
@@ -199,6 +201,10 @@ class RequestTelemetry:
             deadline = self.options.deadline
             status = "DEADLINE_EXCEEDED" if deadline is not None and \
                 time.monotonic() >= deadline - DEADLINE_SLACK_S else "CANCELLED"
+        if span.is_recording() and (prompt_tokens or output_tokens):
+            span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens, "gen_ai.usage.output_tokens": output_tokens})
+            if finish_reason is not None:
+                span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
         span.end()
         self.telemetry.metrics.request_done(RequestDone(
             self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
