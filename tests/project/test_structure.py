@@ -33,14 +33,19 @@ def test_import_contracts_are_kept():
     assert "4 kept, 0 broken" in result.stdout
 
 
-def test_an_upward_import_breaks_the_layers_contract(tmp_path):
-    """The contract can fail: the engine importing the service (even only for type checking) does."""
+def lint_with_lines_added(tmp_path: Path, module: str, lines: str) -> subprocess.CompletedProcess:
+    """lint_imports on a copy of the package with `lines` added at the end of `module` (a path in it)."""
     copy = tmp_path / "gpt2serve"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    kv_cache = copy / "engine" / "kv_cache.py"
-    kv_cache.write_text(kv_cache.read_text() + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                        "    from ..service.inference import InferenceService\n")
-    result = lint_imports(tmp_path)
+    changed = copy / module
+    changed.write_text(changed.read_text() + lines)
+    return lint_imports(tmp_path)
+
+
+def test_an_upward_import_breaks_the_layers_contract(tmp_path):
+    """The contract can fail: the engine importing the service (even only for type checking) does."""
+    result = lint_with_lines_added(tmp_path, "engine/kv_cache.py", "\nfrom typing import TYPE_CHECKING\n"
+                                   "if TYPE_CHECKING:\n    from ..service.inference import InferenceService\n")
     assert result.returncode != 0
     assert "gpt2serve.engine.kv_cache -> gpt2serve.service.inference" in result.stdout
 
@@ -48,11 +53,7 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path):
 def test_an_opentelemetry_import_on_the_engine_side_breaks_its_contract(tmp_path):
     """The engine side tells telemetry in records: a request carrying an OpenTelemetry object
     (as RequestOptions' parent Context once did) would pull the library into the engine."""
-    copy = tmp_path / "gpt2serve"
-    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    records = copy / "telemetry" / "records.py"
-    records.write_text(records.read_text() + "\nfrom opentelemetry.context import Context\n")
-    result = lint_imports(tmp_path)
+    result = lint_with_lines_added(tmp_path, "telemetry/records.py", "\nfrom opentelemetry.context import Context\n")
     assert result.returncode != 0
     assert "gpt2serve.engine is not allowed to import opentelemetry" in result.stdout
     assert "gpt2serve.engine.engine -> gpt2serve.telemetry.records" in result.stdout  # the chain named

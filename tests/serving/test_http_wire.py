@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
 
 import pytest
@@ -161,16 +162,20 @@ def test_a_query_string_on_a_next_token_path_is_still_served(wire):
     assert status == 200 and json.loads(answer)["prompt_token_ids"] == PROMPTS[0]
 
 
-def test_a_request_the_parser_rejects_gets_400_and_the_server_goes_on(server, wire):
-    wire.send(b"POST /v1/next-token HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello")
-    status, _, _ = wire.answer()
-    assert status == 400
+def assert_a_new_connection_is_served(server) -> None:
     other = Wire(server.http_url)
     try:
         other.send(post("/v1/next-token", prompt_body(PROMPTS[1])))
         assert other.answer()[0] == 200
     finally:
         other.close()
+
+
+def test_a_request_the_parser_rejects_gets_400_and_the_server_goes_on(server, wire):
+    wire.send(b"POST /v1/next-token HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\nhello")
+    status, _, _ = wire.answer()
+    assert status == 400
+    assert_a_new_connection_is_served(server)
 
 
 def stream_body(max_tokens: int) -> bytes:
@@ -261,17 +266,11 @@ def test_an_upgrade_with_a_chunked_body_is_refused_clearly(server, wire):
               % b"\r\n".join(H2C))
     status, _, answer = wire.answer()
     assert status == 400 and b"Content-Length" in answer
-    other = Wire(server.http_url)
-    try:
-        other.send(post("/v1/next-token", prompt_body(PROMPTS[1])))
-        assert other.answer()[0] == 200
-    finally:
-        other.close()
+    assert_a_new_connection_is_served(server)
 
 
 def test_curl_http2_posts_are_answered_in_http_1_1(server):
     """The real client: curl --http2 to an http:// URL (h2c upgrade headers on a POST)."""
-    import subprocess
     for path, body, key in [("/v1/next-token", prompt_body(PROMPTS[0]), "prompt_token_ids"),
                             ("/v1/generate", json.dumps({"prompt_token_ids": PROMPTS[0], "max_tokens": 2}).encode(),
                              "tokens")]:

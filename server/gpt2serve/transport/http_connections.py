@@ -122,10 +122,8 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
             except httptools.HttpParserUpgrade as stop:
-                if self._upgrade_body_left is None:
-                    if self._should_upgrade():
-                        self.handle_websocket_upgrade()
-                    return
+                if self._upgrade_body_left is None:  # on_headers_complete found it one uvicorn makes
+                    return self.handle_websocket_upgrade()
                 if self._upgrade_body_left < 0:  # a chunked body: llhttp cannot be told to read it
                     self._upgrade_body_left = None
                     return self.send_400_response("A request with Upgrade must give its body's Content-Length.")
