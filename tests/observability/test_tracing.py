@@ -42,12 +42,15 @@ def client_tracer():
 
 def test_grpc_layer_trace_joins_the_callers_trace(traced_server, receiver, client_tracer, tiny_model):
     with client_tracer.start_as_current_span("caller") as caller, Client(traced_server.grpc_target) as client:
-        result = client.next_token(PROMPT, trace_layers=True)
+        result = client.next_token(PROMPT, top_k=3, trace_layers=True)
     caller_trace = format_trace_id(caller.get_span_context().trace_id)
     assert result.trace_id == caller_trace
     spans = receiver.wait_for(caller_trace, {"gpt2serve.v1.Gpt2Serve/NextToken", "queue", "batch", "forward"} | LAYER_SPANS)
     assert_layer_trace(spans, "gpt2serve.v1.Gpt2Serve/NextToken", format_span_id(caller.get_span_context().span_id),
                        tiny_model.model, PROMPT, batch_size=1, padded=len(PROMPT))
+    (request,) = by_name(spans)["gpt2serve.v1.Gpt2Serve/NextToken"]
+    assert request.attributes["gen_ai.request.top_k"] == 3
+    assert request.attributes["gpt2serve.prefix_cache.hit_tokens"] == 0  # set by telemetry, whether or not a cache ran
 
 
 def test_rest_layer_trace_joins_the_callers_trace(traced_server, receiver, client_tracer, tiny_model):

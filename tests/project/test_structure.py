@@ -1,9 +1,11 @@
 """The package's shape, as the contributing notes describe it: layers that import only downwards
 and no import cycles (import-linter, contracts in pyproject.toml), a small package root, module
-names that say one job each, and modules of a readable size."""
+names that say one job each, modules of a readable size, and telemetry as the one place that
+names span attributes and moves metrics."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -73,3 +75,39 @@ def test_modules_stay_readable_in_size():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert set(long) <= set(LONG_MODULES), long
+
+
+# Calls that write telemetry: spans' API, and prometheus_client's on a `metrics` attribute's metric.
+SPAN_WRITES = {"set_attribute", "set_attributes", "set_status", "add_event", "record_exception", "start_span",
+               "start_as_current_span"}
+METRIC_WRITES = {"inc", "dec", "set", "observe", "labels"}
+
+
+def telemetry_writes_in(source: str) -> list[str]:
+    """Each span write, and each write to a metric reached through a `metrics` attribute, in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name, owner = node.func.attr, node.func.value
+        through_metrics = isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Attribute) \
+            and owner.value.attr == "metrics"
+        if name in SPAN_WRITES or (name in METRIC_WRITES and through_metrics):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_telemetry_names_every_span_attribute_and_moves_every_metric():
+    """The service tells telemetry what happened (RequestTelemetry.prefix_cache_hit, prompts_scored,
+    ...) and telemetry names the attributes; nothing outside telemetry/ writes a span or a metric."""
+    writes = {str(p.relative_to(PACKAGE)): found for p in PACKAGE.rglob("*.py")
+              if p.relative_to(PACKAGE).parts[0] != "telemetry" and (found := telemetry_writes_in(p.read_text()))}
+    assert writes == {}
+
+
+def test_the_telemetry_writes_check_finds_what_it_looks_for():
+    """The check can fail: the service's old hand-set attribute and the supervisor's old gauge write are found."""
+    assert telemetry_writes_in('request.span.set_attribute("gen_ai.request.top_k", k)\n'
+                               'self.metrics.front_ends_up.set(2)\n'
+                               'self.stop.set()\n') == [
+        "line 1: request.span.set_attribute", "line 2: self.metrics.front_ends_up.set"]

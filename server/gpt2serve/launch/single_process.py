@@ -29,7 +29,7 @@ async def serve(config: ServeConfig) -> None:
         await front.transports.stop(0)
         raise
     await front.serve(engine.tokenizer, engine.info, engine.client())
-    telemetry.metrics.front_ends_up.set(1)  # the one process is the one front end
+    telemetry.metrics.front_ends_ready(1)  # the one process is the one front end
     freeze_startup_heap()
     print(front.ready_line(), flush=True)
 

@@ -185,7 +185,7 @@ class Supervisor:
                         if len(ready) == self.workers + 1 and not announced:
                             announced = True
                             print(f"gpt2serve ready: model={engine_model} workers={self.workers}", flush=True)
-                        self.metrics.front_ends_up.set(len(ready - {"engine"}))
+                        self.metrics.front_ends_ready(len(ready - {"engine"}))
                 else:
                     name = processes[item]
                     process = self.children[name][0]
@@ -197,7 +197,7 @@ class Supervisor:
                     was_ready = name in ready
                     listening.discard(name)
                     ready.discard(name)
-                    self.metrics.front_ends_up.set(len(ready - {"engine"}))
+                    self.metrics.front_ends_ready(len(ready - {"engine"}))
                     del self.children[name]
                     if not was_ready:
                         self._early_deaths += 1
@@ -207,7 +207,7 @@ class Supervisor:
                             self._drain()
                             return 1
                     delay = self._next_backoff(name)
-                    self.metrics.front_end_restarts.inc()
+                    self.metrics.front_end_restarted()
                     log.error("%s exited (code %s); the others keep serving; restarting it in %.1f s",
                               name, process.exitcode, delay)
                     self._restart_at[name] = time.monotonic() + delay

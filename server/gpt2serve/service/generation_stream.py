@@ -36,7 +36,7 @@ from gpt2serve_client.types import PromptTokenLogprob, TokenLogprob
 from ..engine.tokenizer import Tokenizer
 from ..protocol import NextTokenRequest, SampledToken, TokenEvent
 from ..telemetry.records import FirstToken, RequestOptions
-from ..telemetry.spans import RequestTelemetry, allowed_tokens_attributes, generation_attributes
+from ..telemetry.spans import RequestTelemetry
 from .context import CallContext
 from .detokenizer import Detokenizer
 from .next_token import prompt_token_logprobs
@@ -143,7 +143,7 @@ class GenerationStream:
             if options.trace_steps:  # checked before any work
                 self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
                                          request, validator.tokenizer.token_text, generate.params, len(prompt))
-            request.span.set_attributes(generation_attributes(generate, self.settings.constraint))
+            request.generation_settings(generate, self.settings.constraint)
             if trace is not None and trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
                 await engine.next_token(NextTokenRequest([prompt], 1, trace))
             self.tokenizer: Tokenizer = validator.tokenizer
@@ -159,7 +159,7 @@ class GenerationStream:
         if self._done:
             return
         if self.clock.steps == 0 and self._request is not None:  # the first event: the prefill's
-            self._request.span.set_attribute("gpt2serve.prefix_cache.hit_tokens", event.cached_tokens)
+            self._request.prefix_cache_hit(event.cached_tokens)
         if event.prompt_logprobs is not None:
             self.prompt_logprobs = prompt_token_logprobs(self.tokenizer.token_text, self.token_ids, event.prompt_logprobs)
         if event.token.allowed:
@@ -223,8 +223,7 @@ class GenerationStream:
             self._steps.cancel()
         clock = self.clock
         if self._request is not None:
-            if self.allowed:
-                self._request.span.set_attributes(allowed_tokens_attributes(self.allowed))
+            self._request.structured_output_steps(self.allowed)
             self._request.finish(error, prompt_tokens=len(self.token_ids), output_tokens=clock.tokens,
                                  time_per_output_token_s=clock.time_per_output_token_s, finish_reason=finish)
 

@@ -15,7 +15,6 @@ from .context import CallContext
 from .validation import MAX_ATTENTION_MAP_TOKENS, PromptInput
 
 
-
 async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput], top_k: int | None,
                            options: RequestOptions, prompt_logprobs: int | None = None) -> list[NextTokenResult]:
     received = time.perf_counter()
@@ -37,14 +36,13 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
                                   f"returned for prompts of at most {MAX_ATTENTION_MAP_TOKENS} tokens")
         trace = validator.trace(request, options)
         prompt_tokens = sum(map(len, token_ids))
-        span = request.span
-        span.set_attribute("gen_ai.request.top_k", k)
+        request.next_token_settings(k)
         outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace, scored_k))
-        span.set_attribute("gpt2serve.prefix_cache.hit_tokens", sum(o.cached_tokens for o in outputs))
+        request.prefix_cache_hit(sum(o.cached_tokens for o in outputs))
         if scored_k is not None:
-            summarize_scores(span, [o.prompt_logprobs for o in outputs])
+            request.prompts_scored([o.prompt_logprobs for o in outputs])
         for out in outputs[:1]:  # The prompts of one call enter the queue together.
-            service.telemetry.queue_span(span, out.enqueued_ns, out.batch_started_ns)
+            request.queued(out.enqueued_ns, out.batch_started_ns)
         request.finish(prompt_tokens=prompt_tokens, output_tokens=len(token_ids), queue_s=[o.queue_s for o in outputs])
         total_ms = (time.perf_counter() - received) * 1000
         return [build_result(service, ids, out, total_ms, request.trace_id, options.layers_in_response)
@@ -78,14 +76,3 @@ def prompt_token_logprobs(token_text, token_ids: list[int], scores: PromptScores
         for token, logprob, rank, ids, values in zip(token_ids[1:], scores.token_logprobs, scores.ranks,
                                                      scores.top_ids, scores.top_logprobs)]
 
-
-def summarize_scores(span, scores: list[PromptScores | None]) -> None:
-    """A scored request's span carries a summary per prompt, not the table: the mean
-    log-probability, and the least likely token's position (in the prompt) and log-probability."""
-    scored = [s for s in scores if s is not None and len(s)]
-    if not scored:
-        return
-    worst = [min(range(len(s)), key=s.token_logprobs.__getitem__) for s in scored]
-    span.set_attribute("gpt2serve.prompt_logprobs.mean", [sum(s.token_logprobs) / len(s) for s in scored])
-    span.set_attribute("gpt2serve.prompt_logprobs.worst_position", [w + 1 for w in worst])
-    span.set_attribute("gpt2serve.prompt_logprobs.worst_logprob", [s.token_logprobs[w] for s, w in zip(scored, worst)])

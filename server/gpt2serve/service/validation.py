@@ -14,7 +14,7 @@ from ..engine.tokenizer import Tokenizer
 from ..errors import FailedPrecondition, InvalidArgument
 from ..protocol import GenerateRequest, SamplingParams, TraceContext
 from ..telemetry.records import RequestOptions
-from ..telemetry.spans import RequestTelemetry, traceparent
+from ..telemetry.spans import RequestTelemetry
 
 DEFAULT_TOP_K = 5
 # Longer texts are tokenized in a worker thread, so a 100 KB prompt does not stall the event loop.
@@ -212,7 +212,7 @@ class Validator:
         if prompt_tokens + max_tokens > MAX_ATTENTION_MAP_TOKENS:
             raise InvalidArgument(f"trace_steps: the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} "
                                   f"exceed the {MAX_ATTENTION_MAP_TOKENS} tokens a traced generation may hold")
-        return TraceContext(traceparent(request.span), layers_wanted=True, layers_in_response=True,
+        return TraceContext(request.traceparent, layers_wanted=True, layers_in_response=True,
                             attention_maps=True, last_row_maps=True)
 
     def trace(self, request: RequestTelemetry, options: RequestOptions) -> TraceContext | None:
@@ -225,6 +225,6 @@ class Validator:
         if not sampled and not in_response:
             return None
         layer_spans = sampled and (options.trace_layers or self.trace_layers_mode == "always")
-        return TraceContext(traceparent(request.span), sampled=sampled, layers_wanted=layer_spans or in_response,
+        return TraceContext(request.traceparent, sampled=sampled, layers_wanted=layer_spans or in_response,
                             layer_spans=layer_spans, layers_in_response=in_response,
                             attention_maps=options.attention_maps)

@@ -251,6 +251,13 @@ class Metrics:
         for ours, theirs in self._compat_counters:
             theirs.inc(counts[ours])
 
+    def front_ends_ready(self, count: int) -> None:
+        """How many front-end processes are ready now (the supervisor's view, or 1 in one process)."""
+        self.front_ends_up.set(count)
+
+    def front_end_restarted(self) -> None:
+        self.front_end_restarts.inc()
+
     def exposition(self, accept_header: str | None) -> tuple[bytes, str]:
         """The scrape body and its content type (OpenMetrics, with exemplars, when asked for)."""
         encoder, content_type = choose_encoder(accept_header or "")

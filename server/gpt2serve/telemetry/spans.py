@@ -36,7 +36,7 @@ from opentelemetry.trace import (
 from gpt2serve_client.generation import GenerationStep
 from gpt2serve_client.types import LayerReport
 
-from ..protocol import GenerateRequest, TraceContext
+from ..protocol import GenerateRequest, PromptScores, TraceContext
 from .metrics import Metrics
 from .records import (BatchDone, FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestOptions, RequestRefused,
                       SchedulerStats, StepDone)
@@ -173,10 +173,10 @@ class RequestTelemetry:
         attributes = {**options.attributes, "gen_ai.operation.name": "text_completion",
                       "gen_ai.request.model": telemetry.model_name, TRACE_LAYERS_ATTRIBUTE: options.trace_layers}
         self.started = time.perf_counter()
-        self.span = telemetry.tracer.start_span(options.span_name, context=trace_parent(options.trace_carrier),
+        self._span = telemetry.tracer.start_span(options.span_name, context=trace_parent(options.trace_carrier),
                                                 kind=SpanKind.SERVER, attributes=attributes,
                                                 record_exception=False, set_status_on_exception=False)
-        self.trace_id = exported_trace_id(self.span)  # the exemplar for the histograms
+        self.trace_id = exported_trace_id(self._span)  # the exemplar for the histograms
         self.finished = False
         telemetry.metrics.request_started()
 
@@ -189,7 +189,7 @@ class RequestTelemetry:
         if self.finished:
             return
         self.finished = True
-        span, status = self.span, "OK"
+        span, status = self._span, "OK"
         if isinstance(error, Exception):
             status = getattr(error, "code", "INTERNAL")
             span.set_attribute("error.type", status)
@@ -210,6 +210,46 @@ class RequestTelemetry:
             self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
             prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
 
+    @property
+    def traceparent(self) -> str:
+        """This request's span as a W3C traceparent: what engine-side spans hang from."""
+        return traceparent(self._span)
+
+    # What the service tells of the request as it goes; the attributes are named here, and only here.
+
+    def next_token_settings(self, top_k: int) -> None:
+        self._span.set_attribute("gen_ai.request.top_k", top_k)
+
+    def generation_settings(self, generate: GenerateRequest, constraint: tuple[str, str, str] | None) -> None:
+        if self._span.is_recording():  # most requests are not sampled: no attributes to build
+            self._span.set_attributes(generation_attributes(generate, constraint))
+
+    def prefix_cache_hit(self, tokens: int) -> None:
+        """Prompt tokens the prefix cache held (all the call's prompts together)."""
+        self._span.set_attribute("gpt2serve.prefix_cache.hit_tokens", tokens)
+
+    def queued(self, start_ns: int, end_ns: int) -> None:
+        """The `queue` span: the request's prompts waiting for their batch."""
+        if self._span.is_recording():
+            context = trace.set_span_in_context(self._span)
+            self.telemetry.tracer.start_span("queue", context=context, start_time=start_ns).end(end_time=end_ns)
+
+    def prompts_scored(self, scores: Sequence[PromptScores | None]) -> None:
+        """A scored request's span carries a summary per prompt, not the table: the mean
+        log-probability, and the least likely token's position (in the prompt) and log-probability."""
+        scored = [s for s in scores if s is not None and len(s)]
+        if scored and self._span.is_recording():
+            worst = [min(range(len(s)), key=s.token_logprobs.__getitem__) for s in scored]
+            self._span.set_attributes({
+                "gpt2serve.prompt_logprobs.mean": [sum(s.token_logprobs) / len(s) for s in scored],
+                "gpt2serve.prompt_logprobs.worst_position": [w + 1 for w in worst],
+                "gpt2serve.prompt_logprobs.worst_logprob": [s.token_logprobs[w] for s, w in zip(scored, worst)]})
+
+    def structured_output_steps(self, allowed: list[int]) -> None:
+        """A structured output's allowed-token count at each step, in summary."""
+        if allowed:
+            self._span.set_attributes(allowed_tokens_attributes(allowed))
+
     def __enter__(self) -> RequestTelemetry:
         return self
 
@@ -221,7 +261,7 @@ class RequestTelemetry:
         traced beside the generation, so the last may end after the request span did."""
         if self.trace_id:  # recorded and sampled (is_recording() turns false once the span ends)
             self.telemetry.tracer.start_span(
-                f"generation step {step.index}", context=trace.set_span_in_context(self.span), start_time=start_ns,
+                f"generation step {step.index}", context=trace.set_span_in_context(self._span), start_time=start_ns,
                 attributes=step_attributes(step)).end(end_time=end_ns)
 
 
@@ -260,11 +300,6 @@ class Telemetry:
     def connection_evicted(self, api: str) -> None:
         """A connection closed to make room for a new one (transport.http_connections)."""
         self.metrics.connections_evicted.labels(api=api).inc()
-
-    def queue_span(self, request_span: Span, start_ns: int, end_ns: int) -> None:
-        if request_span.is_recording():
-            context = trace.set_span_in_context(request_span)
-            self.tracer.start_span("queue", context=context, start_time=start_ns).end(end_time=end_ns)
 
     def record_batch(self, record: BatchDone) -> None:
         """Called once per batch with each row's trace (row order)."""
