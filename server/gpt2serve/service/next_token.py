@@ -75,4 +75,3 @@ def prompt_token_logprobs(token_text, token_ids: list[int], scores: PromptScores
                            [TokenLogprob(i, token_text(i), v) for i, v in zip(ids, values)])
         for token, logprob, rank, ids, values in zip(token_ids[1:], scores.token_logprobs, scores.ranks,
                                                      scores.top_ids, scores.top_logprobs)]
-

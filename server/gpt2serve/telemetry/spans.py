@@ -174,8 +174,8 @@ class RequestTelemetry:
                       "gen_ai.request.model": telemetry.model_name, TRACE_LAYERS_ATTRIBUTE: options.trace_layers}
         self.started = time.perf_counter()
         self._span = telemetry.tracer.start_span(options.span_name, context=trace_parent(options.trace_carrier),
-                                                kind=SpanKind.SERVER, attributes=attributes,
-                                                record_exception=False, set_status_on_exception=False)
+                                                 kind=SpanKind.SERVER, attributes=attributes,
+                                                 record_exception=False, set_status_on_exception=False)
         self.trace_id = exported_trace_id(self._span)  # the exemplar for the histograms
         self.finished = False
         telemetry.metrics.request_started()
