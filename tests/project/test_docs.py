@@ -35,3 +35,11 @@ def test_the_readme_is_a_front_page_that_links_every_page():
     assert pages <= linked, sorted(pages - linked)
     for page in linked:
         assert (ROOT / "docs" / page).is_file(), page
+
+
+def test_bench_readme_names_every_script():
+    """bench/README.md is the drawer's index: a script it does not name is one nobody finds."""
+    index = (ROOT / "bench" / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh"))
+    assert scripts, "no scripts found: the check would pass on nothing"
+    assert [name for name in scripts if f"`{name}`" not in index] == []
