@@ -18,7 +18,7 @@ from .validation import MAX_ATTENTION_MAP_TOKENS, PromptInput
 async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput], top_k: int | None,
                            options: RequestOptions, prompt_logprobs: int | None = None) -> list[NextTokenResult]:
     received = time.perf_counter()
-    with service.telemetry.request_span(options) as request:
+    with service.telemetry.start_request(options) as request:
         engine, _ = service.require_model()
         validator = service.validator
         if not prompts:

@@ -247,7 +247,7 @@ class RequestTelemetry:
 
     def structured_output_steps(self, allowed: list[int]) -> None:
         """A structured output's allowed-token count at each step, in summary."""
-        if allowed:
+        if allowed and self._span.is_recording():  # as generation_settings: nothing built for an unsampled span
             self._span.set_attributes(allowed_tokens_attributes(allowed))
 
     def __enter__(self) -> RequestTelemetry:
@@ -274,11 +274,8 @@ class Telemetry:
         self.metrics = metrics or Metrics()
 
     def start_request(self, options: RequestOptions) -> RequestTelemetry:
-        return RequestTelemetry(self, options)
-
-    def request_span(self, options: RequestOptions) -> RequestTelemetry:
-        """A request from start to answer, as a context: what is raised inside fails it (and
-        still raises)."""
+        """A request from start to answer: ended by its `finish`, or used as a context, where what
+        is raised inside fails it (and still raises)."""
         return RequestTelemetry(self, options)
 
     def model_loaded(self, record: ModelLoaded, stats: Callable[[], SchedulerStats],
