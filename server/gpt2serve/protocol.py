@@ -21,7 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Protocol
 
+import numpy as np
+
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
+
 
 # Engine-side messages -----------------------------------------------------------------------------
 
@@ -35,10 +38,9 @@ class TokenScore(NamedTuple):
 
 
 class TopScores(Sequence):
-    """A next-token answer's alternatives, most likely first, kept in the two columns the engine
-    reads back and the IPC door sends (`ids`, `logprobs`): indexed or iterated they are
-    TokenScores, made only when read. At 256 prompts a step, a TokenScore per alternative was
-    made by the engine and taken apart again by the codec, about 1.5 µs a prompt for nothing."""
+    """A next-token answer's alternatives, most likely first, in the two columns the IPC door sends
+    (`ids`, `logprobs`); indexed or iterated, TokenScores made only when read (a TokenScore per
+    alternative, made by the engine and taken apart by the codec, cost 1.5 µs a prompt)."""
 
     __slots__ = ("ids", "logprobs")
 
@@ -63,6 +65,44 @@ class TopScores(Sequence):
 
     def __repr__(self) -> str:
         return f"TopScores({list(self)!r})"
+
+
+class TopTable(Sequence):
+    """A batch's top-k as read back: `table` (2, B, k_max) float32, values then ids (exact below
+    2**24), and each row's k. A row indexed is its TopScores (the rows read into lists once). The
+    IPC door sends a front end its rows' bytes instead (`packed`): 0.2 µs a prompt against 1.3
+    for reading every row and encoding the lists (128 one-prompt calls)."""
+
+    __slots__ = ("table", "top_ks", "_rows")
+
+    def __init__(self, table: np.ndarray, top_ks: Sequence[int]):
+        self.table, self.top_ks, self._rows = table, top_ks, None
+
+    def __len__(self) -> int:
+        return self.table.shape[1]
+
+    def __getitem__(self, row):
+        if self._rows is None:
+            self._rows = read_rows(self.table, self.top_ks)
+        return self._rows[row]
+
+    def failed_rows(self) -> frozenset[int]:
+        """Rows whose best value is not finite (a NaN or +inf logit makes its log_softmax NaN)."""
+        return frozenset(np.flatnonzero(~np.isfinite(self.table[0, :, 0])).tolist())
+
+    def packed(self, rows: list[int]) -> tuple[bytes, list[int]]:
+        """These rows as (2, len(rows), k_max) float32 bytes, and their k ([]: all k_max)."""
+        k_max = self.table.shape[2]
+        top_ks = [self.top_ks[row] for row in rows]
+        return self.table[:, rows].tobytes(), [] if all(k == k_max for k in top_ks) else top_ks
+
+
+def read_rows(table: np.ndarray, top_ks: Sequence[int]) -> list[TopScores]:
+    """(2, B, k_max) float32, values then ids -> each row's TopScores, cut to its k."""
+    values, ids = table[0].tolist(), table[1].astype(np.int64).tolist()
+    if all(k == table.shape[2] for k in top_ks):  # every row asked for as many: no slicing
+        return list(map(TopScores, ids, values))
+    return [TopScores(row_ids[:k], row_values[:k]) for row_ids, row_values, k in zip(ids, values, top_ks)]
 
 
 @dataclass(frozen=True)
@@ -90,15 +130,12 @@ class TraceContext:
     layer_spans: bool = False  # export per-layer spans
     layers_in_response: bool = False  # the answer waits for the reports (include_layers)
     attention_maps: bool = False  # the reports carry full attention maps and the all-position lens
-    # With attention_maps: only each map's last query row, and no all-position lens (a traced
-    # generation step: the new row over the cache; service.step_trace).
-    last_row_maps: bool = False
+    last_row_maps: bool = False  # with attention_maps: each map's last query row alone (service.step_trace)
 
 
-# PER_REQUEST: the types made once or more per request (next-token requests and answers, the IPC
-# messages) are slotted dataclasses, not frozen ones, though none is changed once made: a frozen
-# dataclass of 10 fields costs 1.8 µs to make (object.__setattr__ for each field), a slotted one
-# 0.23, and the engine process makes several per request at tens of thousands a second.
+# PER_REQUEST: the types made per request (requests, answers, IPC messages) are slotted dataclasses,
+# not frozen ones, though none is changed once made: a frozen one of 10 fields costs 1.8 µs to make
+# (object.__setattr__ a field), a slotted one 0.23, and the engine makes several a request.
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
 class NextTokenRequest:
     prompts: list[list[int]]  # token ids; answered together or refused together
@@ -110,9 +147,8 @@ class NextTokenRequest:
 
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
 class StepControls:
-    """A traced generation step's controls (service.step_trace): its generation's sampling
-    settings, and where the output starts in the sequence, so the step's forward also shows its
-    top tokens after the penalties, bias, min_tokens and grammar (engine.logits_controls.controlled_view)."""
+    """A traced generation step's controls (service.step_trace): its sampling settings and where its
+    output starts, so the forward also shows its top tokens after them (logits_controls.controlled_view)."""
 
     params: SamplingParams
     prompt_length: int
@@ -310,8 +346,7 @@ class Failed:
 class Prompts:
     """Plain next-token requests in columns, one message for all a front end sends in one loop
     tick (256 unary calls are one message, not 256 Submits). Plain: one prompt, and nothing the
-    engine must keep for it (a trace not sampled and without layers, no prompt scores, no
-    controls); the others go as Submits."""
+    engine keeps for it (no sampled trace, layers, prompt scores or controls); others are Submits."""
 
     request_ids: list[int]
     prompts: list[list[int]]
@@ -328,20 +363,22 @@ class Prompts:
 class Answers:
     """Plain one-prompt answers of one batch in columns, one message per front end (a batch of
     256 unary calls is one message, not 256 Results), as generated tokens travel (`Tokens`).
-    Plain: the answer has only its top tokens and timings; the others go as Results."""
+    Plain: the answer has only its top tokens and timings; the others go as Results. With `table`
+    (engine side), `tops` holds rows of it, sent as their bytes; decoded, `tops` holds TopScores."""
 
     request_ids: list[int]
-    tops: list[Sequence[TokenScore]]
+    tops: list[Sequence[TokenScore]] | list[int]
     queue_s: list[float]
     enqueued_ns: list[int]
     cached_tokens: list[int]  # [] for all when none came from the prefix cache
     forward_s: float  # the batch's, shared by every answer here
     batch_size: int
     batch_started_ns: int
+    table: TopTable | None = None
 
-    def add(self, request_id: int, top: Sequence[TokenScore], queue_s: float, enqueued_ns: int,
+    def add(self, request_id: int, top: Sequence[TokenScore] | int, queue_s: float, enqueued_ns: int,
             cached_tokens: int) -> None:
-        """One more answer of the batch, a value in each column."""
+        """One more answer of the batch, a value in each column (`top`: a row of `table`, if set)."""
         self.request_ids.append(request_id)
         self.tops.append(top)
         self.queue_s.append(queue_s)
@@ -350,10 +387,8 @@ class Answers:
 
     @staticmethod
     def plain(outputs: list[NextTokenOutput]) -> bool:
-        if len(outputs) != 1:
-            return False
-        o = outputs[0]
-        return o.layers is None and o.prompt_logprobs is None and o.controlled_top is None
+        o = outputs[0] if len(outputs) == 1 else None
+        return o is not None and o.layers is None and o.prompt_logprobs is None and o.controlled_top is None
 
     def outputs(self):
         """(request id, its [NextTokenOutput]) for each answer, in order."""

@@ -11,6 +11,7 @@ import os
 import threading
 
 import msgpack
+import numpy as np
 import pytest
 
 from gpt2serve.ipc import codec
@@ -21,7 +22,8 @@ from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameRe
 from gpt2serve.ipc.socket_client import SocketEngineClient
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
-                                StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
+                                StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TopTable,
+                                TraceContext)
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 
@@ -100,6 +102,38 @@ def test_top_scores_travel_as_their_columns_and_read_as_token_scores():
     assert whole.outputs[0].top[0] == TokenScore(262, -1.0) and type(whole.outputs[0].top[0].logprob) is float
     with pytest.raises(BadFrame):
         codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]]]))
+
+
+def top_table(ids: list[list[int]], logprobs: list[list[float]], top_ks: list[int] | None = None) -> TopTable:
+    """A batch's TopTable as the engine reads it back: (2, B, k) float32, values then ids."""
+    table = np.array([logprobs, ids], dtype=np.float32)
+    return TopTable(table, top_ks or [table.shape[2]] * table.shape[1])
+
+
+def test_answers_from_a_top_table_travel_as_the_bytes_of_their_rows():
+    """The IPC door answers plain calls with rows of their batch's TopTable: the codec sends those
+    rows' bytes (no list per alternative), and what arrives is each answer's TopScores, cut to
+    its k, equal to what the rows read as in the engine."""
+    table = top_table([[262, 11, 5], [13, 0, 1], [50256, 7, 9]], [[-1.5, -2.0, -3.25], [-0.25, -1.0, -2.0],
+                                                                 [-0.5, -0.75, -1.0]], [3, 1, 3])
+    message = Answers([40, 41], [2, 1], [0.001, 0.0], [1, 2], [], 0.002, 3, 5, table)
+    fields = _wire(message)
+    assert fields[2] == [] and type(fields[9][0]) is bytes and fields[9][1] == [3, 1]
+    (decoded,) = codec.decode(codec.encode([message]))
+    assert decoded.tops == [table[2], table[1]] and decoded.tops[1].ids == [13]
+    assert all(type(i) is int for top in decoded.tops for i in top.ids) and decoded.table is None
+    assert decoded == Answers([40, 41], [table[2], table[1]], [0.001, 0.0], [1, 2], [], 0.002, 3, 5)
+    whole = Answers([1], [0], [0.0], [1], [], 0.0, 3, 5, table)  # its one row wants all 3
+    assert _wire(whole)[9][1] == [] and codec.decode(codec.encode([whole]))[0].tops == [table[0]]
+    blob = fields[9][0]
+    not_ids = np.frombuffer(blob, dtype=np.float32).copy()
+    not_ids[-1] = np.nan  # an id that is no integer
+    for packed in ([blob[:-4], [3, 1]], [not_ids.tobytes(), [3, 1]], [blob, [3, 4]], [blob, [3]],
+                   [blob.decode("latin-1"), []]):
+        with pytest.raises(BadFrame):
+            codec.decode(_with(message, 9, packed))
+    with pytest.raises(BadFrame):  # both forms at once
+        codec.decode(_with(message, 2, [[[1], [-0.5]], [[1], [-0.5]]]))
 
 
 def _frame(*messages: list) -> bytes:
@@ -189,8 +223,8 @@ class FakeCore:
         def core_thread():  # answered from a thread of its own, as the core answers
             for prompt, call in zip(prompts, calls):  # one batch each, in turn
                 self.outputs_loop.call_soon_threadsafe(
-                    type(call).answer_tops, [(call, TopScores([sum(prompt)], [-0.5]), 0.0, 1, 0)], 0.001,
-                    len(prompts), 2)
+                    type(call).answer_tops, [(call, 0, 0.0, 1, 0)], top_table([[sum(prompt)]], [[-0.5]]),
+                    0.001, len(prompts), 2)
 
         threading.Thread(target=core_thread).start()
         return len(prompts), None

@@ -129,10 +129,10 @@ class ColumnCall:
         self.answered = loop.create_future()
 
     @staticmethod
-    def answer_tops(answered, forward_s, batch_size, batch_started_ns):
-        for call, top, queue_s, enqueued_ns, cached_tokens in answered:
+    def answer_tops(answered, tops, forward_s, batch_size, batch_started_ns):
+        for call, row, queue_s, enqueued_ns, cached_tokens in answered:
             call.finished, call.requests = True, []
-            call.answered.set_result((top, batch_size))
+            call.answered.set_result((tops[row], batch_size))
 
     def fail(self, error):
         if not self.finished:

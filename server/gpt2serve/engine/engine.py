@@ -132,7 +132,7 @@ def _held_again(result):
 
 @dataclass(frozen=True)
 class BatchOutput:
-    top: list[TopScores]  # per prompt, most likely first
+    top: Sequence[TopScores]  # per prompt, most likely first (a TopTable: rows read when indexed)
     forward_s: float
     padded_len: int
     started_ns: int  # wall clock (time.time_ns) of the forward

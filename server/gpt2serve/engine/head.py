@@ -20,13 +20,12 @@ HEAD_CHUNK_BYTES whatever the batch; measured in bench/scoring.py.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from ..protocol import PromptScores, TopScores
+from ..protocol import PromptScores, TopTable
 
 # What one chunk may take, all its (chunk, V) tensors together; see chunk_rows.
 HEAD_CHUNK_BYTES = 192 * 2**20
@@ -88,7 +87,7 @@ def score_prompts(hidden: torch.Tensor, input_ids: torch.Tensor, spans: Sequence
     return results
 
 
-def top_k_rows(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
+def top_k_rows(logprobs: torch.Tensor, top_ks: Sequence[int]) -> tuple[TopTable, frozenset[int]]:
     """(B, V) log-probs of each row's next token -> each row's top-k (read_top_k), with one
     device-to-host copy: values and ids travel as one tensor (ids are exact in float32 below 2**24)."""
     return read_top_k(top_k_table(logprobs, top_ks).cpu(), top_ks)  # one copy
@@ -101,11 +100,9 @@ def top_k_table(logprobs: torch.Tensor, top_ks: Sequence[int]) -> torch.Tensor:
     return torch.stack((values, ids.float()))
 
 
-def read_top_k(both: torch.Tensor, top_ks: Sequence[int]) -> tuple[list[TopScores], frozenset[int]]:
-    """(2, B, k_max) values and ids on the host -> each row's TopScores, and the rows that are
-    not finite: any NaN or +inf logit makes log_softmax NaN across the row, so its best value tells."""
-    values, ids = both[0].tolist(), both[1].int().tolist()
-    failed = frozenset(row for row, row_values in enumerate(values) if not math.isfinite(row_values[0]))
-    if all(k == len(ids[0]) for k in top_ks):  # every row asked for as many: no slicing
-        return list(map(TopScores, ids, values)), failed
-    return [TopScores(row_ids[:k], row_values[:k]) for row_ids, row_values, k in zip(ids, values, top_ks)], failed
+def read_top_k(both: torch.Tensor, top_ks: Sequence[int]) -> tuple[TopTable, frozenset[int]]:
+    """(2, B, k_max) values and ids on the host -> each row's top-k (a TopTable: read into lists
+    only if a row is read), and the rows that are not finite: any NaN or +inf logit makes
+    log_softmax NaN across the row, so its best value tells."""
+    table = TopTable(both.numpy(), top_ks)  # shares `both`'s memory, and keeps it
+    return table, table.failed_rows()

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from ..protocol import TopScores
+from ..protocol import TopTable
 from .cuda_graphs import BucketedForward
 from .head import read_top_k, top_k_table
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache
@@ -65,7 +65,7 @@ def launch_prompts(graphs: BucketedForward | None, pool: PrefixCache | None, pro
     return PromptLaunch(both, done, device_started, list(top_ks), length, started, started_ns, pool is not None)
 
 
-def read_launch(launch: PromptLaunch) -> tuple[list[TopScores], frozenset[int], float]:
+def read_launch(launch: PromptLaunch) -> tuple[TopTable, frozenset[int], float]:
     """Wait for a launched batch's top-k (cuda; on a CPU it is there) and read it: each row's
     top-k, the rows not finite, and the batch's device seconds (on a CPU, since its launch)."""
     forward_s = time.perf_counter() - launch.started

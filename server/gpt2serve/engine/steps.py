@@ -36,7 +36,7 @@ class StepOutput:
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
     cached_tokens: dict[int, int] = field(default_factory=dict)  # prefill: seq_id -> prompt tokens from the prefix cache
     # decode with riders (engine.riders): each rider's top-k next tokens, and the riders not finite
-    rider_tops: list[list[TokenScore]] = field(default_factory=list)
+    rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
     rider_failed: frozenset[int] = frozenset()
 
 
@@ -73,7 +73,7 @@ class DecodeLaunch:
     started: float
     started_ns: int
     forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
-    rider_tops: list[list[TokenScore]] = field(default_factory=list)
+    rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
     rider_failed: frozenset[int] = frozenset()
 
 

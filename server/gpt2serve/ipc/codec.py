@@ -10,12 +10,13 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
-                        Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext)
+                        Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext, read_rows)
 
 
 class BadFrame(ValueError):
@@ -232,18 +233,43 @@ def _unpack_prompts(f: list) -> Prompts:
 
 
 def _pack_answers(m: Answers) -> list:
-    return [m.request_ids, [_pack_scores(top) for top in m.tops], m.queue_s, m.enqueued_ns,
-            m.cached_tokens if any(m.cached_tokens) else [], m.forward_s, m.batch_size, m.batch_started_ns]
+    tops, packed = [], None
+    if m.table is not None:  # rows of the batch's table: their bytes, not lists of numbers
+        packed = m.table.packed(m.tops)
+    else:
+        tops = [_pack_scores(top) for top in m.tops]
+    return [m.request_ids, tops, m.queue_s, m.enqueued_ns, m.cached_tokens if any(m.cached_tokens) else [],
+            m.forward_s, m.batch_size, m.batch_started_ns, packed]
 
 
 def _unpack_answers(f: list) -> Answers:
-    request_ids, tops, queue_s, enqueued_ns, cached, forward_s, batch_size, started_ns = _fields(f, 8)
+    request_ids, tops, queue_s, enqueued_ns, cached, forward_s, batch_size, started_ns, packed = _fields(f, 9)
     n = len(_ids(request_ids))
-    if (len(_list(tops)) != n or len(_floats(queue_s)) != n or len(_ids(enqueued_ns)) != n
+    if packed is not None:
+        if _list(tops):
+            raise BadFrame("answers: both top lists and a packed table")
+        tops = _packed_tops(packed, n)
+    elif len(_list(tops)) == n:
+        tops = [_scores(t) for t in tops]
+    if (len(tops) != n or len(_floats(queue_s)) != n or len(_ids(enqueued_ns)) != n
             or len(_ids(cached)) not in (0, n)):
         raise BadFrame("answers: columns of unequal length")
-    return Answers(request_ids, [_scores(t) for t in tops], [float(v) for v in queue_s], enqueued_ns, cached,
-                   _float(forward_s), _int(batch_size), _int(started_ns))
+    return Answers(request_ids, tops, [float(v) for v in queue_s], enqueued_ns, cached, _float(forward_s),
+                   _int(batch_size), _int(started_ns))
+
+
+def _packed_tops(x: Any, n: int) -> list[TopScores]:
+    """TopTable.packed's [bytes, top_ks] for n answers -> their TopScores."""
+    blob, top_ks = _fields(x, 2)
+    if type(blob) is not bytes or not n or len(blob) % (8 * n):
+        raise BadFrame("answers: a packed table is 2 x n x k float32 values")
+    table = np.frombuffer(blob, dtype=np.float32).reshape(2, n, -1)  # (2, n, k_max): values, ids
+    k_max, ids = table.shape[2], table[1]
+    if not ((ids >= 0) & (ids < 2**24) & (ids == np.floor(ids))).all():  # NaN fails too
+        raise BadFrame("answers: packed token ids are not integers")
+    if _ids(top_ks) and (len(top_ks) != n or not all(0 < k <= k_max for k in top_ks)):
+        raise BadFrame("answers: packed top_ks do not fit the table")
+    return read_rows(table, top_ks or [k_max] * n)
 
 
 def _model_info(x: Any) -> ModelInfo:

@@ -29,11 +29,11 @@ import select
 import socket
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
-                        SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TopScores, TraceContext)
+                        SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TopScores, TopTable, TraceContext)
 from ..scheduling.outputs import run_posted
 from .framing import LENGTH, BrokenStream, FrameReader, Outbox, deliver
 
@@ -96,21 +96,24 @@ class _PlainCall:
         self.server, self.key, self.requests, self.finished = server, key, [], False
 
     @staticmethod
-    def answer_tops(answered: list[tuple[_PlainCall, TopScores, float, int, int]], forward_s: float,
-                    batch_size: int, batch_started_ns: int) -> None:
-        """(call, top, queue_s, enqueued_ns, cached_tokens) of each plain call a batch answered,
-        in one pass: each front end's answers join its Answers message of the batch."""
+    def answer_tops(answered: list[tuple[_PlainCall, int, float, int, int]], tops: Sequence[TopScores],
+                    forward_s: float, batch_size: int, batch_started_ns: int) -> None:
+        """(call, row, queue_s, enqueued_ns, cached_tokens) of each plain call a batch answered,
+        with the batch's `tops`, in one pass: each front end's answers join its Answers message
+        of the batch. From a TopTable, the answers carry their rows, not TopScores read from it."""
         server = answered[0][0].server
         submits, by_peer = server._submits, {}
-        for call, top, queue_s, enqueued_ns, cached_tokens in answered:
+        table = tops if type(tops) is TopTable else None
+        for call, row, queue_s, enqueued_ns, cached_tokens in answered:
             call.finished, call.requests = True, []  # no cycle left with its request
             if submits.pop(call.key, None) is None:
                 continue  # cancelled: nobody to answer
             peer, request_id = call.key
             answers = by_peer.get(peer)
             if answers is None:
-                answers = by_peer[peer] = server._answers_of_batch(peer, forward_s, batch_size, batch_started_ns)
-            answers.add(request_id, top, queue_s, enqueued_ns, cached_tokens)
+                answers = by_peer[peer] = server._answers_of_batch(peer, forward_s, batch_size, batch_started_ns,
+                                                                   table)
+            answers.add(request_id, row if table is not None else tops[row], queue_s, enqueued_ns, cached_tokens)
 
     def fail(self, error: Exception) -> None:
         if self.finished:
@@ -336,13 +339,15 @@ class EngineServer:
         self._answers_of_batch(peer, forward_s, batch_size, batch_started_ns).add(
             request_id, top, queue_s, enqueued_ns, cached_tokens)
 
-    def _answers_of_batch(self, peer: int, forward_s: float, batch_size: int, batch_started_ns: int) -> Answers:
+    def _answers_of_batch(self, peer: int, forward_s: float, batch_size: int, batch_started_ns: int,
+                          table: TopTable | None = None) -> Answers:
         """The front end's Answers message of this batch, to extend: its last message when that
-        is one (an answer must not pass an earlier message), else a new one."""
+        is one of the same form (rows of `table`, or TopScores when None; an answer must not
+        pass an earlier message), else a new one."""
         answers = self._outbox.last(peer)
         if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
-                or answers.batch_started_ns != batch_started_ns):
-            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns)
+                or answers.batch_started_ns != batch_started_ns or answers.table is not table):
+            answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns, table)
             self._outbox.put(peer, answers)
         return answers
 

@@ -128,7 +128,7 @@ class Outputs:
         """Answer the batch's prompts (with_layers=False: only those not waiting for layer
         reports), then tell telemetry."""
         failed_rows, plain = output.failed_rows, []
-        for row, (request, top) in enumerate(zip(batch, output.top)):
+        for row, request in enumerate(batch):
             group = request.output
             if group.finished:
                 continue
@@ -138,17 +138,17 @@ class Outputs:
             if not with_layers and request.trace is not None and request.trace.layers_in_response:
                 continue
             if group.answers_top:  # a plain one-prompt call: no NextTokenOutput made, answered below
-                plain.append((group, top, started - request.arrived, request.arrived_ns,
+                plain.append((group, row, started - request.arrived, request.arrived_ns,
                               output.cached_tokens[row] if output.cached_tokens else 0))
                 continue
             controlled_top, allowed = output.controlled.get(row, (None, 0))
             group.answer(request.row, NextTokenOutput(
-                top, started - request.arrived, output.forward_s, len(batch), request.arrived_ns, started_ns,
+                output.top[row], started - request.arrived, output.forward_s, len(batch), request.arrived_ns, started_ns,
                 output.layers.get(row), output.walkthrough if row in output.layers else None,
                 output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
                 controlled_top, allowed))
         if plain:  # in one call: per front end, its answers of this batch are one message
-            plain[0][0].answer_tops(plain, output.forward_s, len(batch), started_ns)
+            plain[0][0].answer_tops(plain, output.top, output.forward_s, len(batch), started_ns)
         if with_layers and self.observer is not None:
             prefix = None
             if output.cached_tokens:  # the prefix cache is on
