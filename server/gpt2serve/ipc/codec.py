@@ -4,7 +4,6 @@ BadFrame, never a half-built message."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -18,65 +17,8 @@ from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
                         Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext, read_rows)
-
-
-class BadFrame(ValueError):
-    """A frame that is not a list of known messages; the receiver logs it and drops it."""
-
-
-def _int(x: Any) -> int:
-    if type(x) is not int:
-        raise BadFrame(f"expected an integer, got {type(x).__name__}")
-    return x
-
-
-def _float(x: Any) -> float:
-    if type(x) not in (float, int):
-        raise BadFrame(f"expected a number, got {type(x).__name__}")
-    return float(x)
-
-
-def _str(x: Any) -> str:
-    if type(x) is not str:
-        raise BadFrame(f"expected a string, got {type(x).__name__}")
-    return x
-
-
-def _bool(x: Any) -> bool:
-    if type(x) is not bool:
-        raise BadFrame(f"expected a boolean, got {type(x).__name__}")
-    return x
-
-
-_INT = {int}
-
-
-def _ids(x: Any) -> list[int]:
-    if type(x) is not list or (x and set(map(type, x)) != _INT):  # in C: a generator took twice as long
-        raise BadFrame("expected a list of integers")
-    return x
-
-
-_LIST = {list}
-
-
-def _id_lists(x: Any) -> list[list[int]]:
-    """A list of lists of integers, checked in two passes in C: one call of _ids a list cost 0.46
-    µs a five-token prompt, these 0.21."""
-    if type(x) is not list or (x and (set(map(type, x)) != _LIST
-                                      or set(map(type, itertools.chain.from_iterable(x))) - _INT)):
-        raise BadFrame("expected lists of integers")
-    return x
-
-
-def _optional(read: Callable[[Any], Any], x: Any) -> Any:
-    return None if x is None else read(x)
-
-
-def _fields(x: Any, n: int) -> list:
-    if type(x) is not list or len(x) != n:
-        raise BadFrame(f"expected {n} fields")
-    return x
+from .field_checks import (BadFrame, as_bool, as_fields, as_float, as_floats, as_id_lists, as_ids, as_int, as_list,
+                           as_str, optional)
 
 
 def _pack_scores(scores: Sequence[TokenScore]) -> list:
@@ -86,11 +28,11 @@ def _pack_scores(scores: Sequence[TokenScore]) -> list:
 
 
 def _scores(x: Any) -> TopScores:
-    ids, logprobs = _fields(x, 2)
-    if len(_ids(ids)) != len(_fields(logprobs, len(ids))):
+    ids, logprobs = as_fields(x, 2)
+    if len(as_ids(ids)) != len(as_fields(logprobs, len(ids))):
         raise BadFrame("scores: ids and logprobs differ in length")
     if any(type(v) is not float for v in logprobs):  # msgpack gives floats back as floats
-        logprobs = [_float(v) for v in logprobs]
+        logprobs = [as_float(v) for v in logprobs]
     return TopScores(ids, logprobs)
 
 
@@ -98,21 +40,15 @@ def _pack_prompt_scores(p: PromptScores | None) -> list | None:
     return None if p is None else [p.token_logprobs, p.ranks, p.top_ids, p.top_logprobs]
 
 
-def _floats(x: Any) -> list[float]:
-    if type(x) is not list or any(type(v) not in (float, int) for v in x):
-        raise BadFrame("expected a list of numbers")
-    return x
-
-
 def _prompt_scores(x: Any) -> PromptScores | None:
     if x is None:
         return None
-    logprobs, ranks, top_ids, top_logprobs = _fields(x, 4)
-    n = len(_floats(logprobs))
-    if len(_ids(ranks)) != n or len(_list(top_ids)) != n or len(_list(top_logprobs)) != n:
+    logprobs, ranks, top_ids, top_logprobs = as_fields(x, 4)
+    n = len(as_floats(logprobs))
+    if len(as_ids(ranks)) != n or len(as_list(top_ids)) != n or len(as_list(top_logprobs)) != n:
         raise BadFrame("prompt scores: columns differ in length")
     for ids, values in zip(top_ids, top_logprobs):
-        if len(_ids(ids)) != len(_floats(values)):
+        if len(as_ids(ids)) != len(as_floats(values)):
             raise BadFrame("prompt scores: top ids and logprobs differ in length")
     return PromptScores(logprobs, ranks, top_ids, top_logprobs)
 
@@ -125,8 +61,8 @@ def _pack_trace(t: TraceContext | None) -> list | None:
 def _trace(x: Any) -> TraceContext | None:
     if x is None:
         return None
-    traceparent, *flags = _fields(x, 7)
-    return TraceContext(_str(traceparent), *map(_bool, flags))
+    traceparent, *flags = as_fields(x, 7)
+    return TraceContext(as_str(traceparent), *map(as_bool, flags))
 
 
 def _from_dicts(what: str, build: Callable[[], Any]) -> Any:
@@ -158,10 +94,10 @@ def _walkthrough(x: Any) -> list[ShapeStep] | None:
 
 def _output(x: Any) -> NextTokenOutput:
     (top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough, scores, cached,
-     controlled_top, allowed) = _fields(x, 12)
-    return NextTokenOutput(_scores(top), _float(queue_s), _float(forward_s), _int(batch_size), _int(enqueued_ns),
-                           _int(started_ns), _layers(layers), _walkthrough(walkthrough), _prompt_scores(scores),
-                           _int(cached), _optional(_scores, controlled_top), _int(allowed))
+     controlled_top, allowed) = as_fields(x, 12)
+    return NextTokenOutput(_scores(top), as_float(queue_s), as_float(forward_s), as_int(batch_size),
+                           as_int(enqueued_ns), as_int(started_ns), _layers(layers), _walkthrough(walkthrough),
+                           _prompt_scores(scores), as_int(cached), optional(_scores, controlled_top), as_int(allowed))
 
 
 def _pack_params(p: SamplingParams) -> list:
@@ -182,26 +118,26 @@ def _pack_controls(c: StepControls | None) -> list | None:
 def _controls(x: Any) -> StepControls | None:
     if x is None:
         return None
-    params, prompt_length = _fields(x, 2)
-    return StepControls(_params(params), _int(prompt_length))
+    params, prompt_length = as_fields(x, 2)
+    return StepControls(_params(params), as_int(prompt_length))
 
 
 def _params(x: Any) -> SamplingParams:
     (temperature, top_k, top_p, logprobs, presence, frequency, repetition, bias_ids, biases, min_p, min_tokens,
-     banned_early, grammar) = _fields(x, 13)
-    bias_ids, biases = _ids(bias_ids), _floats(biases)
+     banned_early, grammar) = as_fields(x, 13)
+    bias_ids, biases = as_ids(bias_ids), as_floats(biases)
     if len(bias_ids) != len(biases):
         raise BadFrame("expected as many biases as biased tokens")
-    return SamplingParams(_float(temperature), _int(top_k), _float(top_p), _int(logprobs), _float(presence),
-                          _float(frequency), _float(repetition), tuple(zip(bias_ids, map(float, biases))),
-                          _float(min_p), _int(min_tokens), tuple(_ids(banned_early)), _str(grammar))
+    return SamplingParams(as_float(temperature), as_int(top_k), as_float(top_p), as_int(logprobs), as_float(presence),
+                          as_float(frequency), as_float(repetition), tuple(zip(bias_ids, map(float, biases))),
+                          as_float(min_p), as_int(min_tokens), tuple(as_ids(banned_early)), as_str(grammar))
 
 
 def _generate(x: Any) -> GenerateRequest:
-    prompt, params, max_tokens, stop_ids, ignore_eos, seed, deadline, trace, prompt_logprobs = _fields(x, 9)
-    return GenerateRequest(_ids(prompt), _params(params), _int(max_tokens), frozenset(_ids(stop_ids)),
-                           _bool(ignore_eos), _optional(_int, seed), _optional(_float, deadline), _trace(trace),
-                           _optional(_int, prompt_logprobs))
+    prompt, params, max_tokens, stop_ids, ignore_eos, seed, deadline, trace, prompt_logprobs = as_fields(x, 9)
+    return GenerateRequest(as_ids(prompt), _params(params), as_int(max_tokens), frozenset(as_ids(stop_ids)),
+                           as_bool(ignore_eos), optional(as_int, seed), optional(as_float, deadline), _trace(trace),
+                           optional(as_int, prompt_logprobs))
 
 
 def _pack_event(e: TokenEvent) -> list:
@@ -211,9 +147,10 @@ def _pack_event(e: TokenEvent) -> list:
 
 
 def _event(x: Any) -> TokenEvent:
-    token_id, logprob, top, finish, queue_s, forward_s, batch_size, scores, cached, allowed = _fields(x, 10)
-    return TokenEvent(SampledToken(_int(token_id), _float(logprob), _scores(top), _int(allowed)), _str(finish),
-                      _float(queue_s), _float(forward_s), _int(batch_size), _prompt_scores(scores), _int(cached))
+    token_id, logprob, top, finish, queue_s, forward_s, batch_size, scores, cached, allowed = as_fields(x, 10)
+    return TokenEvent(SampledToken(as_int(token_id), as_float(logprob), _scores(top), as_int(allowed)),
+                      as_str(finish), as_float(queue_s), as_float(forward_s), as_int(batch_size),
+                      _prompt_scores(scores), as_int(cached))
 
 
 def _pack_tokens(m: Tokens) -> list:
@@ -223,14 +160,14 @@ def _pack_tokens(m: Tokens) -> list:
 
 
 def _unpack_tokens(f: list) -> Tokens:
-    request_ids, token_ids, logprobs, finish_reasons, tops, forward_s, batch_size, allowed = _fields(f, 8)
-    n = len(_ids(request_ids))
-    if (len(_ids(token_ids)) != n or len(_floats(logprobs)) != n or len(_list(finish_reasons)) != n
-            or len(_list(tops)) not in (0, n) or len(_ids(allowed)) not in (0, n)):
+    request_ids, token_ids, logprobs, finish_reasons, tops, forward_s, batch_size, allowed = as_fields(f, 8)
+    n = len(as_ids(request_ids))
+    if (len(as_ids(token_ids)) != n or len(as_floats(logprobs)) != n or len(as_list(finish_reasons)) != n
+            or len(as_list(tops)) not in (0, n) or len(as_ids(allowed)) not in (0, n)):
         raise BadFrame("tokens: columns of unequal length")
-    return Tokens(request_ids, token_ids, [float(v) for v in logprobs], [_str(r) for r in finish_reasons],
-                  [_scores(t) for t in tops] if tops else [[] for _ in range(n)], _float(forward_s), _int(batch_size),
-                  allowed)
+    return Tokens(request_ids, token_ids, [float(v) for v in logprobs], [as_str(r) for r in finish_reasons],
+                  [_scores(t) for t in tops] if tops else [[] for _ in range(n)], as_float(forward_s),
+                  as_int(batch_size), allowed)
 
 
 def _pack_prompts(m: Prompts) -> list:
@@ -238,11 +175,11 @@ def _pack_prompts(m: Prompts) -> list:
 
 
 def _unpack_prompts(f: list) -> Prompts:
-    request_ids, prompts, top_ks = _fields(f, 3)
-    n = len(_ids(request_ids))
-    if len(_list(prompts)) != n or len(_ids(top_ks)) != n:
+    request_ids, prompts, top_ks = as_fields(f, 3)
+    n = len(as_ids(request_ids))
+    if len(as_list(prompts)) != n or len(as_ids(top_ks)) != n:
         raise BadFrame("prompts: columns of unequal length")
-    return Prompts(request_ids, _id_lists(prompts), top_ks)
+    return Prompts(request_ids, as_id_lists(prompts), top_ks)
 
 
 def _pack_answers(m: Answers) -> list:
@@ -256,31 +193,31 @@ def _pack_answers(m: Answers) -> list:
 
 
 def _unpack_answers(f: list) -> Answers:
-    request_ids, tops, queue_s, enqueued_ns, cached, forward_s, batch_size, started_ns, packed = _fields(f, 9)
-    n = len(_ids(request_ids))
+    request_ids, tops, queue_s, enqueued_ns, cached, forward_s, batch_size, started_ns, packed = as_fields(f, 9)
+    n = len(as_ids(request_ids))
     if packed is not None:
-        if _list(tops):
+        if as_list(tops):
             raise BadFrame("answers: both top lists and a packed table")
         tops = _packed_tops(packed, n)
-    elif len(_list(tops)) == n:
+    elif len(as_list(tops)) == n:
         tops = [_scores(t) for t in tops]
-    if (len(tops) != n or len(_floats(queue_s)) != n or len(_ids(enqueued_ns)) != n
-            or len(_ids(cached)) not in (0, n)):
+    if (len(tops) != n or len(as_floats(queue_s)) != n or len(as_ids(enqueued_ns)) != n
+            or len(as_ids(cached)) not in (0, n)):
         raise BadFrame("answers: columns of unequal length")
-    return Answers(request_ids, tops, [float(v) for v in queue_s], enqueued_ns, cached, _float(forward_s),
-                   _int(batch_size), _int(started_ns))
+    return Answers(request_ids, tops, [float(v) for v in queue_s], enqueued_ns, cached, as_float(forward_s),
+                   as_int(batch_size), as_int(started_ns))
 
 
 def _packed_tops(x: Any, n: int) -> list[TopScores]:
     """TopTable.packed's [bytes, top_ks] for n answers -> their TopScores."""
-    blob, top_ks = _fields(x, 2)
+    blob, top_ks = as_fields(x, 2)
     if type(blob) is not bytes or not n or len(blob) % (8 * n):
         raise BadFrame("answers: a packed table is 2 x n x k float32 values")
     table = np.frombuffer(blob, dtype=np.float32).reshape(2, n, -1)  # (2, n, k_max): values, ids
     k_max, ids = table.shape[2], table[1]
     if not ((ids >= 0) & (ids < 2**24) & (ids == np.floor(ids))).all():  # NaN fails too
         raise BadFrame("answers: packed token ids are not integers")
-    if _ids(top_ks) and (len(top_ks) != n or not all(0 < k <= k_max for k in top_ks)):
+    if as_ids(top_ks) and (len(top_ks) != n or not all(0 < k <= k_max for k in top_ks)):
         raise BadFrame("answers: packed top_ks do not fit the table")
     return read_rows(table, top_ks or [k_max] * n)
 
@@ -289,45 +226,39 @@ def _model_info(x: Any) -> ModelInfo:
     return _from_dicts("model info", lambda: ModelInfo.from_dict(x))
 
 
-def _list(x: Any) -> list:
-    if type(x) is not list:
-        raise BadFrame("expected a list")
-    return x
-
-
 def _unpack_ready(f: list) -> EngineReady:
-    info, source, max_batch_size = _fields(f, 3)
-    return EngineReady(_model_info(info), _str(source), _int(max_batch_size))
+    info, source, max_batch_size = as_fields(f, 3)
+    return EngineReady(_model_info(info), as_str(source), as_int(max_batch_size))
 
 
 def _unpack_submit(f: list) -> Submit:
-    request_id, (prompts, top_k, trace, prompt_logprobs, controls) = _int(_fields(f, 2)[0]), _fields(f[1], 5)
-    return Submit(request_id, NextTokenRequest(_id_lists(prompts), _int(top_k), _trace(trace),
-                                               _optional(_int, prompt_logprobs), _controls(controls)))
+    request_id, (prompts, top_k, trace, prompt_logprobs, controls) = as_int(as_fields(f, 2)[0]), as_fields(f[1], 5)
+    return Submit(request_id, NextTokenRequest(as_id_lists(prompts), as_int(top_k), _trace(trace),
+                                               optional(as_int, prompt_logprobs), _controls(controls)))
 
 
 def _unpack_result(f: list) -> Result:
-    request_id, outputs = _fields(f, 2)
-    return Result(_int(request_id), [_output(o) for o in _list(outputs)])
+    request_id, outputs = as_fields(f, 2)
+    return Result(as_int(request_id), [_output(o) for o in as_list(outputs)])
 
 
 def _unpack_failed(f: list) -> Failed:
-    request_id, code, message = _fields(f, 3)
-    return Failed(_int(request_id), _str(code), _str(message))
+    request_id, code, message = as_fields(f, 3)
+    return Failed(as_int(request_id), as_str(code), as_str(message))
 
 
 # tag -> (message type, pack: message -> fields, unpack: fields -> message)
 _WIRE: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
-    0: (Hello, lambda m: [m.pid], lambda f: Hello(_int(_fields(f, 1)[0]))),
+    0: (Hello, lambda m: [m.pid], lambda f: Hello(as_int(as_fields(f, 1)[0]))),
     1: (EngineReady, lambda m: [asdict(m.model_info), m.tokenizer_source, m.max_batch_size], _unpack_ready),
     2: (Submit, lambda m: [m.request_id, [m.request.prompts, m.request.top_k, _pack_trace(m.request.trace),
                             m.request.prompt_logprobs, _pack_controls(m.request.controls)]],
         _unpack_submit),
     3: (Generate, lambda m: [m.request_id, _pack_generate(m.request)],
-        lambda f: Generate(_int(_fields(f, 2)[0]), _generate(f[1]))),
-    4: (Cancel, lambda m: [m.request_id], lambda f: Cancel(_int(_fields(f, 1)[0]))),
+        lambda f: Generate(as_int(as_fields(f, 2)[0]), _generate(f[1]))),
+    4: (Cancel, lambda m: [m.request_id], lambda f: Cancel(as_int(as_fields(f, 1)[0]))),
     5: (Result, lambda m: [m.request_id, [_pack_output(o) for o in m.outputs]], _unpack_result),
-    6: (Step, lambda m: [m.request_id, _pack_event(m.event)], lambda f: Step(_int(_fields(f, 2)[0]), _event(f[1]))),
+    6: (Step, lambda m: [m.request_id, _pack_event(m.event)], lambda f: Step(as_int(as_fields(f, 2)[0]), _event(f[1]))),
     7: (Failed, lambda m: [m.request_id, m.code, m.message], _unpack_failed),
     8: (Tokens, _pack_tokens, _unpack_tokens),
     9: (Prompts, _pack_prompts, _unpack_prompts),
