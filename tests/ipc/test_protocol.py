@@ -94,14 +94,40 @@ def test_top_scores_travel_as_their_columns_and_read_as_token_scores():
     assert list(top) == scores and top == scores and scores == top and len(top) == 3
     assert top[1] == TokenScore(11, -2.0) and top[:2] == scores[:2] and top != scores[:2]
     message = Result(3, [NextTokenOutput(top, 0.0, 0.01, 1, 1, 2)])
-    fields = _wire(message)[2][0][0]
+    fields = _wire(message)[3][0][0]  # a plain answer: in columns, its top the first
     assert fields == [[262, 11, 5], [-1.5, -2.0, -3.25]]
     (decoded,) = codec.decode(codec.encode([message]))
     assert type(decoded.outputs[0].top) is TopScores and decoded == message
-    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]]]))
+    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]], None]))
     assert whole.outputs[0].top[0] == TokenScore(262, -1.0) and type(whole.outputs[0].top[0].logprob) is float
     with pytest.raises(BadFrame):
-        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]]]))
+        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]], None]))
+
+
+def test_plain_answers_of_a_request_travel_in_columns():
+    """A NextTokenBatch's answers (plain: no layers, scores or controls) go as columns, not a list
+    of 12 fields each, and come back equal; one answer that is not plain sends them whole."""
+    outputs = [NextTokenOutput(TopScores([262 + i, 11], [-1.5, -2.0 - i]), 0.001 * i, 0.02, 64, 10**18 + i,
+                               10**18 + 9, cached_tokens=i % 2) for i in range(3)]
+    plain = Result(4, outputs)
+    fields = _wire(plain)
+    assert fields[2] == [] and fields[3][0] == [[[262 + i, 11], [-1.5, -2.0 - i]] for i in range(3)]
+    assert fields[3][1:] == [[0.0, 0.001, 0.002], [0.02] * 3, [64] * 3, [10**18 + i for i in range(3)],
+                             [10**18 + 9] * 3, [0, 1, 0]]
+    assert codec.decode(codec.encode([plain])) == [plain]
+    int_logprob = _with(plain, 3, [[[[262], [-1]]], [0.0], [0.01], [1], [1], [2], [0]])  # read one by one
+    read = codec.decode(int_logprob)[0].outputs[0].top[0]
+    assert read == TokenScore(262, -1.0) and type(read.logprob) is float
+    traced = Result(4, outputs[:2] + [NextTokenOutput(TopScores([1], [-0.5]), 0.0, 0.02, 64, 1, 2, layers=[LAYER])])
+    assert _wire(traced)[3] is None and codec.decode(codec.encode([traced])) == [traced]
+    for columns in ([[[[262], ["x"]]], [0.0], [0.01], [1], [1], [2], [0]],  # a logprob not a number
+                    [[[[262, 1], [-0.5]]], [0.0], [0.01], [1], [1], [2], [0]],  # more ids than logprobs
+                    [[[[262], [-0.5]]], [0.0, 1.0], [0.01], [1], [1], [2], [0]],  # columns of unequal length
+                    [[[[262], [-0.5]]], [0.0], [0.01], [1], [1], [2]]):  # a column short
+        with pytest.raises(BadFrame):
+            codec.decode(_with(plain, 3, columns))
+    with pytest.raises(BadFrame):  # both forms at once
+        codec.decode(_with(plain, 2, [_wire(traced)[2][0]]))
 
 
 def top_table(ids: list[list[int]], logprobs: list[list[float]], top_ks: list[int] | None = None) -> TopTable:

@@ -35,7 +35,7 @@ def as_bool(x: Any) -> bool:
     return x
 
 
-INTS = {int}
+INTS, FLOATS = {int}, {float}
 
 
 def as_ids(x: Any) -> list[int]:
