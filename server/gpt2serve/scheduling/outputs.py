@@ -143,8 +143,8 @@ class Outputs:
                 continue
             controlled_top, allowed = output.controlled.get(row, (None, 0))
             group.answer(request.row, NextTokenOutput(
-                output.top[row], started - request.arrived, output.forward_s, len(batch), request.arrived_ns, started_ns,
-                output.layers.get(row), output.walkthrough if row in output.layers else None,
+                output.top[row], started - request.arrived, output.forward_s, len(batch), request.arrived_ns,
+                started_ns, output.layers.get(row), output.walkthrough if row in output.layers else None,
                 output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
                 controlled_top, allowed))
         if plain:  # in one call: per front end, its answers of this batch are one message
