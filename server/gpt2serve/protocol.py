@@ -25,7 +25,6 @@ import numpy as np
 
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
-
 # Engine-side messages -----------------------------------------------------------------------------
 
 
@@ -172,6 +171,12 @@ class NextTokenOutput:
     # tokens they left possible (the vocabulary when nothing masks).
     controlled_top: Sequence[TokenScore] | None = None
     allowed_tokens: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """Only its top tokens, timings and cached count: what Answers and a Result's columns carry."""
+        return (self.layers is None and self.walkthrough is None and self.prompt_logprobs is None
+                and self.controlled_top is None and not self.allowed_tokens)
 
 
 # Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.
@@ -384,11 +389,6 @@ class Answers:
         self.queue_s.append(queue_s)
         self.enqueued_ns.append(enqueued_ns)
         self.cached_tokens.append(cached_tokens)
-
-    @staticmethod
-    def plain(outputs: list[NextTokenOutput]) -> bool:
-        o = outputs[0] if len(outputs) == 1 else None
-        return o is not None and o.layers is None and o.prompt_logprobs is None and o.controlled_top is None
 
     def outputs(self):
         """(request id, its [NextTokenOutput]) for each answer, in order."""

@@ -178,7 +178,7 @@ def _unpack_tokens(f: list) -> Tokens:
             or len(as_list(tops)) not in (0, n) or len(as_ids(allowed)) not in (0, n)):
         raise BadFrame("tokens: columns of unequal length")
     return Tokens(request_ids, token_ids, [float(v) for v in logprobs], [as_str(r) for r in finish_reasons],
-                  [_scores(t) for t in tops] if tops else [[] for _ in range(n)], as_float(forward_s),
+                  _score_rows(tops) if tops else [[] for _ in range(n)], as_float(forward_s),
                   as_int(batch_size), allowed)
 
 
@@ -211,7 +211,7 @@ def _unpack_answers(f: list) -> Answers:
         if as_list(tops):
             raise BadFrame("answers: both top lists and a packed table")
         tops = _packed_tops(packed, n)
-    elif len(as_list(tops)) == n:
+    else:
         tops = _score_rows(tops)
     if (len(tops) != n or len(as_floats(queue_s)) != n or len(as_ids(enqueued_ns)) != n
             or len(as_ids(cached)) not in (0, n)):
@@ -249,16 +249,11 @@ def _unpack_submit(f: list) -> Submit:
                                                optional(as_int, prompt_logprobs), _controls(controls)))
 
 
-def _plain(o: NextTokenOutput) -> bool:
-    return (o.layers is None and o.walkthrough is None and o.prompt_logprobs is None and o.controlled_top is None
-            and not o.allowed_tokens)
-
-
 def _pack_result(m: Result) -> list:
     """Plain answers (a NextTokenBatch's) go in columns: as a list of 12 fields each, 64 of them
     cost the engine 1.9 µs a prompt to encode and the front end 6.6 to decode."""
     outputs = m.outputs
-    if not all(map(_plain, outputs)):
+    if not all(o.plain for o in outputs):
         return [m.request_id, [_pack_output(o) for o in outputs], None]
     return [m.request_id, [], [[_pack_scores(o.top) for o in outputs], [o.queue_s for o in outputs],
                                [o.forward_s for o in outputs], [o.batch_size for o in outputs],

@@ -325,7 +325,7 @@ class EngineServer:
             return  # cancelled: nobody to answer
         if isinstance(result, Exception):
             self._send_error(key, result, "request")
-        elif Answers.plain(result):
+        elif len(result) == 1 and result[0].plain:
             (o,) = result
             self._answer_in_columns(key, o.top, o.queue_s, o.enqueued_ns, o.cached_tokens, o.forward_s, o.batch_size,
                                     o.batch_started_ns)
