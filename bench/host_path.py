@@ -78,6 +78,7 @@ class Scenario:
     us_per_request: dict[str, float]
     load_generator_cpu_share: float  # of the machine's cores, over the window
     first_token_ms: str = ""  # generation through the IPC door: p50 / p90 from request sent to first token
+    rows_a_forward: str = ""  # next-token through the IPC door: prompts answered / the forwards that answered them
 
 
 def server_processes(root: int) -> dict[str, int]:
@@ -257,7 +258,7 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
              max_batch: int) -> Scenario:
     """`kind` "streams" (of `size` tokens) or "callers" (of `size` prompts a request) straight to
     the engine process (see the module doc)."""
-    units, engine_cpu, first_token_s = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"],
+    units, engine_cpu, first_token_s, forwards = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"],
                                                                n, size, duration, processes)
     if kind == "streams":
         result = scenario("generation (IPC)", f"{n} streams", units / duration, n / DECODE.seconds(n), units, 0,
@@ -269,8 +270,11 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
     rows = min(n * size, max_batch)
     name, load = ("next-token (IPC)", f"{n} callers") if size == 1 else \
         ("next-token batch (IPC)", f"{n} x {size} prompts")
-    return scenario(name, load, units / duration, rows / NEXT_TOKEN.seconds(rows), units, units // size,
-                    {"engine": engine_cpu}, 0.0, duration)
+    result = scenario(name, load, units / duration, rows / NEXT_TOKEN.seconds(rows), units, units // size,
+                      {"engine": engine_cpu}, 0.0, duration)
+    if forwards:
+        result.rows_a_forward = f"{units / forwards:.1f}"
+    return result
 
 
 def report(results: list[Scenario], workers: int) -> str:
@@ -278,14 +282,15 @@ def report(results: list[Scenario], workers: int) -> str:
     against = STEPS_FILE.name if STANDIN else "a running server"
     lines = [f"host path against {against}, --workers {workers}, {os.cpu_count()} cores",
              "| scenario | load | served/s | ideal/s | ratio | " + " | ".join(f"{p} us/unit" for p in names)
-             + " | engine us/request | clients' CPU share | first token ms p50 / p90 |",
-             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|"]
+             + " | engine us/request | clients' CPU share | first token ms p50 / p90 | rows a forward |",
+             "|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|"]
     for r in results:
         lines.append(f"| {r.name} | {r.load} | {r.served_per_s} | {r.ideal_per_s} | {r.ratio} | "
                      + " | ".join(str(r.us_per_unit.get(p, "")) for p in names)
-                     + f" | {r.us_per_request.get('engine', '')} | {r.load_generator_cpu_share} | {r.first_token_ms} |")
+                     + f" | {r.us_per_request.get('engine', '')} | {r.load_generator_cpu_share} | {r.first_token_ms} | {r.rows_a_forward} |")
     lines.append("unit: a sequence-step (generated token) for generation, a prompt for next-token; first token: "
-                 "from a stream's request sent to its first token, through the IPC door (the engine's share of TTFT)")
+                 "from a stream's request sent to its first token, through the IPC door (the engine's share of TTFT); "
+                 "rows a forward: next-token prompts answered through the IPC door / the forwards that answered them")
     return "\n".join(lines)
 
 

@@ -55,7 +55,7 @@ def _prompt(i: int) -> list[int]:
 
 
 async def _streams(address: str, engine_pid: int, first: int, streams: int, new_tokens: int, duration: float
-                   ) -> tuple[int, float]:
+                   ) -> tuple[int, float, list[float], float]:
     client = SocketEngineClient(address)
     await client.connect()
     received, counting, stop_at = [0], [False], [float("inf")]
@@ -102,21 +102,22 @@ async def _streams(address: str, engine_pid: int, first: int, streams: int, new_
     await client.close()
     if failures:
         raise RuntimeError(f"{len(failures)} generation(s) failed, the first: {failures[0]!r}")
-    return received[0], cpu, first_token_s
+    return received[0], cpu, first_token_s, 0.0
 
 
 async def _callers(address: str, engine_pid: int, first: int, callers: int, per_call: int, duration: float
-                   ) -> tuple[int, float]:
+                   ) -> tuple[int, float, list[float], float]:
     client = SocketEngineClient(address)
     await client.connect()
-    answered, counting, stop_at = [0], [False], [float("inf")]
+    answered, steps, counting, stop_at = [0], [0.0], [False], [float("inf")]
 
     async def caller(i: int) -> None:
         request = NextTokenRequest([_prompt(i * per_call + j) for j in range(per_call)], 5)
         while time.perf_counter() < stop_at[0]:
-            await client.next_token(request)
+            outputs = await client.next_token(request)
             if counting[0]:
                 answered[0] += per_call
+                steps[0] += sum(1 / o.batch_size for o in outputs)  # each forward counted once over its rows
 
     tasks = [asyncio.create_task(caller(i)) for i in range(first, first + callers)]
     await asyncio.sleep(min(1.0, duration / 4))
@@ -126,29 +127,30 @@ async def _callers(address: str, engine_pid: int, first: int, callers: int, per_
     stop_at[0] = time.perf_counter()
     await asyncio.gather(*tasks)
     await client.close()
-    return answered[0], cpu, []
+    return answered[0], cpu, [], steps[0]
 
 
 def _in_process(kind: str, address: str, engine_pid: int, first: int, n: int, size: int, duration: float
-                ) -> tuple[int, float, list[float]]:
+                ) -> tuple[int, float, list[float], float]:
     if kind == "streams":
         return asyncio.run(_streams(address, engine_pid, first, n, size, duration))
     return asyncio.run(_callers(address, engine_pid, first, n, size, duration))
 
 
 def from_processes(kind: str, address: str, engine_pid: int, n: int, size: int, duration: float,
-                   processes: int) -> tuple[int, float, list[float]]:
+                   processes: int) -> tuple[int, float, list[float], float]:
     """(units received in the windows, the engine's CPU seconds in the first one, each stream's
-    seconds from sending its request to its first token in the windows): `kind` "streams"
-    (`size` new tokens each) or "callers" (`size` prompts a request), n of them spread over
-    `processes` processes."""
+    seconds from sending its request to its first token in the windows, the forwards that
+    answered callers' prompts in the windows, counted from each answer's batch size; 0 for
+    streams): `kind` "streams" (`size` new tokens each) or "callers" (`size` prompts a
+    request), n of them spread over `processes` processes."""
     processes = max(1, min(processes, n))
     shares = [n // processes + (i < n % processes) for i in range(processes)]
     firsts = [sum(shares[:i]) for i in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         parts = pool.starmap(_in_process, [(kind, address, engine_pid if i == 0 else 0, first, share, size,
                                             duration) for i, (first, share) in enumerate(zip(firsts, shares))])
-    return sum(p[0] for p in parts), parts[0][1], sorted(s for p in parts for s in p[2])
+    return sum(p[0] for p in parts), parts[0][1], sorted(s for p in parts for s in p[2]), sum(p[3] for p in parts)
 
 
 def _per_call_us(messages: list, calls: int, repeats: int) -> tuple[float, float]:

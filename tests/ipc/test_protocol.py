@@ -20,6 +20,7 @@ from gpt2serve.errors import ResourceExhausted, Unavailable
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient
+from gpt2serve.scheduling.scheduler import plain_call
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TopTable,
@@ -245,17 +246,22 @@ class FakeCore:
         self.outputs_loop.call_soon_threadsafe(done, answers)  # later, handed over, as the core answers
         return object()
 
-    def queue_calls(self, prompts, top_ks, calls):
+    def queue_calls(self, prompts, top_ks, call_ids, output):
+        requests = [plain_call(p, k, output, i, 0.0, 1) for p, k, i in zip(prompts, top_ks, call_ids)]
+
         def core_thread():  # answered from a thread of its own, as the core answers
-            for prompt, call in zip(prompts, calls):  # one batch each, in turn
+            for request in requests:  # one batch each, in turn
                 self.outputs_loop.call_soon_threadsafe(
-                    type(call).answer_tops, [(call, 0, 0.0, 1, 0)], top_table([[sum(prompt)]], [[-0.5]]),
+                    output.answer_tops, [(request, 0, 0.0, 1, 0)], top_table([[sum(request.prompt)]], [[-0.5]]),
                     0.001, len(prompts), 2)
 
         threading.Thread(target=core_thread).start()
-        return len(prompts), None
+        return requests, None
 
     def cancel_prompts(self, group) -> None:
+        pass
+
+    def cancel_requests(self, requests) -> None:
         pass
 
     def wake(self) -> None:

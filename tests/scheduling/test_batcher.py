@@ -5,12 +5,14 @@ on real servers)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from support.fake_engine import FakeEngine
 
 from gpt2serve.errors import ResourceExhausted, ShuttingDown
 from gpt2serve.scheduling.core import EngineCore
+from gpt2serve.scheduling.scheduler import EngineRequest, plain_call
 
 DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
 
@@ -119,28 +121,33 @@ def test_prompts_count_as_waiting_then_running():
     assert after == (0, 0)
 
 
-class ColumnCall:
-    """A one-prompt call answered from its top tokens alone (as ipc.engine_server._PlainCall)."""
+class ColumnCalls:
+    """One-prompt calls answered from their top tokens alone, all through this one output (as a
+    front end's ipc.engine_server._PlainCalls): each call's answer or error lands in its future."""
 
-    answers_top = True
+    answers_top, finished = True, False
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, core: EngineCore):
-        self.requests, self.finished, self.core = [], False, core
-        self.answered = loop.create_future()
+    def __init__(self, loop: asyncio.AbstractEventLoop, core: EngineCore, n: int):
+        self.core, self.answered = core, [loop.create_future() for _ in range(n)]
 
     @staticmethod
     def answer_tops(answered, tops, forward_s, batch_size, batch_started_ns):
-        for call, row, queue_s, enqueued_ns, cached_tokens in answered:
-            call.finished, call.requests = True, []
-            call.answered.set_result((tops[row], batch_size))
+        for request, row, queue_s, enqueued_ns, cached_tokens in answered:
+            request.output.answered[request.request_id].set_result((tops[row], batch_size))
 
-    def fail(self, error):
-        if not self.finished:
-            self.core.cancel_prompts(self)
-            self.answered.set_exception(error)
+    def fail(self, error, request):
+        self.core.cancel_requests([request])
+        self.answered[request.request_id].set_exception(error)
 
-    def release(self):
-        self.finished, self.requests = True, []
+
+def test_a_plain_call_is_the_request_the_dataclass_would_make():
+    """plain_call sets every slot EngineRequest's own __init__ would, to the same values: a field
+    added to the dataclass and not to plain_call is an unset slot here."""
+    output = object()
+    made = plain_call([5, 6], 3, output, 41, 1.5, 7)
+    expected = EngineRequest([5, 6], 0, 3, output=output, request_id=41, arrived=1.5, arrived_ns=7)
+    for f in dataclasses.fields(EngineRequest):
+        assert getattr(made, f.name) == getattr(expected, f.name), f.name
 
 
 def test_calls_queued_together_are_answered_one_by_one_and_refused_past_the_queue():
@@ -153,15 +160,14 @@ def test_calls_queued_together_are_answered_one_by_one_and_refused_past_the_queu
         core = batcher_for(engine, max_queue=6)
         core.start()
         try:
-            loop = asyncio.get_running_loop()
-            calls = [ColumnCall(loop, core) for _ in range(8)]
-            queued, refusal = core.queue_calls([[i, 1] for i in range(8)], [2] * 8, calls)
+            calls = ColumnCalls(asyncio.get_running_loop(), core, 8)
+            requests, refusal = core.queue_calls([[i, 1] for i in range(8)], [2] * 8, range(8), calls)
             waiting = core.queue_depth
             core.wake()
-            answers = await asyncio.gather(*(c.answered for c in calls[:queued]))
-            for refused in calls[queued:]:
-                refused.answered.cancel()  # the IPC door tells these callers queue full instead
-            return queued, refusal, waiting, answers, core.queue_depth
+            answers = await asyncio.gather(*calls.answered[:len(requests)])
+            for refused in calls.answered[len(requests):]:
+                refused.cancel()  # the IPC door tells these callers queue full instead
+            return len(requests), refusal, waiting, answers, core.queue_depth
         finally:
             await core.stop()
 
@@ -179,14 +185,13 @@ def test_a_call_that_fails_stops_counting_as_waiting():
     async def main():
         core = batcher_for(engine, max_batch_size=1)
         core.start()
-        loop = asyncio.get_running_loop()
-        calls = [ColumnCall(loop, core) for _ in range(3)]
-        core.queue_calls([[i] for i in range(3)], [1] * 3, calls)
+        calls = ColumnCalls(asyncio.get_running_loop(), core, 3)
+        core.queue_calls([[i] for i in range(3)], [1] * 3, range(3), calls)
         core.wake()
         await asyncio.sleep(0.1)  # the first in its forward, two waiting
         waiting = core.queue_depth
         await core.stop()
-        results = await asyncio.gather(*(c.answered for c in calls), return_exceptions=True)
+        results = await asyncio.gather(*calls.answered, return_exceptions=True)
         return waiting, results, core.queue_depth
 
     waiting, results, after = asyncio.run(main())

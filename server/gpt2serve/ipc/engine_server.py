@@ -1,7 +1,7 @@
 """The engine process's side of the IPC door (see socket_client): each Submit becomes an
 EngineCore.queue_prompts answered by a callback (no task or future per request). A Prompts
 message's one-prompt calls are queued together (EngineCore.queue_calls), each answered straight
-into its front end's Answers message of the batch (_PlainCall): a batch's plain answers for one
+into its front end's Answers message of the batch (_PlainCalls): a batch's plain answers for one
 front end are one message, the others Results. Each Generate becomes an EngineCore.add whose
 tokens go back to the front end that asked: a step's plain tokens for one front end as one
 Tokens message, a first token (with its queue time and prompt scores) as a Step.
@@ -40,6 +40,7 @@ from .framing import LENGTH, BrokenStream, FrameReader, Outbox, deliver
 if TYPE_CHECKING:
     from ..scheduling.core import EngineCore
     from ..scheduling.outputs import PromptGroup
+    from ..scheduling.scheduler import EngineRequest
 
 log = logging.getLogger(__name__)
 Key = tuple[int, int]  # (front end's connection number, its request id)
@@ -83,58 +84,65 @@ class _PeerSink:
         self.server._send_error(self.key, error, "generation")
 
 
-class _PlainCall:
-    """A one-prompt call of a Prompts message, in the core's queue as its prompt's output: its
-    answer goes straight into its front end's Answers message of the batch, with no PromptGroup
-    and no NextTokenOutput made for it. What the core calls: answer_tops (once a batch, for all
-    of its plain calls), fail, release (and it sets `requests`)."""
+class _PlainCalls:
+    """A front end's one-prompt calls, the core's output for each of their requests (request_id:
+    the call's id): an answer goes straight into the front end's Answers message of the batch,
+    with no PromptGroup, NextTokenOutput or object of its own made for it."""
 
-    __slots__ = ("server", "key", "requests", "finished")
-    answers_top = True
+    __slots__ = ("server", "peer", "pending")
+    answers_top, finished = True, False  # finished: a call leaves `pending` instead
 
-    def __init__(self, server: EngineServer, key: Key):
-        self.server, self.key, self.requests, self.finished = server, key, [], False
+    def __init__(self, server: EngineServer, peer: int):
+        self.server, self.peer = server, peer
+        self.pending: dict[int, EngineRequest] = {}  # queued and not yet answered, by call id
 
     @staticmethod
-    def answer_tops(answered: list[tuple[_PlainCall, int, float, int, int]], tops: Sequence[TopScores],
+    def answer_tops(answered: list[tuple[EngineRequest, int, float, int, int]], tops: Sequence[TopScores],
                     forward_s: float, batch_size: int, batch_started_ns: int) -> None:
-        """(call, row, queue_s, enqueued_ns, cached_tokens) of each plain call a batch answered,
-        with the batch's `tops`, in one pass: each front end's answers join its Answers message
-        of the batch. From a TopTable, the answers carry their rows, not TopScores read from it."""
-        server = answered[0][0].server
-        submits, by_peer = server._submits, {}
+        """(request, row, queue_s, enqueued_ns, cached_tokens) of each plain call a batch answered,
+        in one pass: each front end's answers join its Answers message of the batch (with their
+        rows of `tops` when it is a TopTable, not TopScores read from it)."""
+        server, by_front_end = answered[0][0].output.server, {}
         table = tops if type(tops) is TopTable else None
-        for call, row, queue_s, enqueued_ns, cached_tokens in answered:
-            call.finished, call.requests = True, []  # no cycle left with its request
-            if submits.pop(call.key, None) is None:
+        for request, row, queue_s, enqueued_ns, cached_tokens in answered:
+            calls = request.output
+            if calls.pending.pop(request.request_id, None) is None:
                 continue  # cancelled: nobody to answer
-            peer, request_id = call.key
-            answers = by_peer.get(peer)
+            answers = by_front_end.get(calls)
             if answers is None:
-                answers = by_peer[peer] = server._answers_of_batch(peer, forward_s, batch_size, batch_started_ns,
-                                                                   table)
-            answers.add(request_id, row if table is not None else tops[row], queue_s, enqueued_ns, cached_tokens)
+                answers = by_front_end[calls] = server._answers_of_batch(calls.peer, forward_s, batch_size,
+                                                                         batch_started_ns, table)
+            answers.add(request.request_id, row if table is not None else tops[row], queue_s, enqueued_ns,
+                        cached_tokens)
 
-    def fail(self, error: Exception) -> None:
-        if self.finished:
-            return
-        server = self.server
-        server._core.cancel_prompts(self)  # as a PromptGroup's failure: it stops counting as waiting
-        if server._submits.pop(self.key, None) is not None:
-            server._send_error(self.key, error, "request")
+    def fail(self, error: Exception, request: EngineRequest) -> None:
+        if self.cancel(request.request_id):
+            self.server._send_error((self.peer, request.request_id), error, "request")
 
-    def release(self) -> None:
-        self.finished, self.requests = True, []
+    def cancel(self, call_id: int) -> bool:
+        """The call leaves the queue (as a PromptGroup's prompts); False when it was not pending."""
+        request = self.pending.pop(call_id, None)
+        if request is None:
+            return False
+        self.server._core.cancel_requests((request,))
+        return True
+
+    def cancel_all(self) -> int:
+        """Every pending call leaves the queue (its front end is gone); how many there were."""
+        requests, self.pending = list(self.pending.values()), {}
+        self.server._core.cancel_requests(requests)
+        return len(requests)
 
 
 class _FrontEnd:
     """One front end's connection: the frames it has sent in part, what its socket has not
     taken yet, and its pid (from its Hello, for the log)."""
 
-    __slots__ = ("number", "sock", "reader", "unsent", "pid")
+    __slots__ = ("number", "sock", "reader", "unsent", "pid", "calls")
 
-    def __init__(self, number: int, sock: socket.socket):
+    def __init__(self, server: EngineServer, number: int, sock: socket.socket):
         self.number, self.sock = number, sock
+        self.calls = _PlainCalls(server, number)  # its one-prompt calls in the core
         self.reader = FrameReader()
         self.unsent = bytearray()  # written when its socket has room (EPOLLOUT)
         self.pid = 0
@@ -155,7 +163,7 @@ class EngineServer:
         self._outbox = Outbox(self._write, flushed_by_owner=True)
         self._core = core
         self._ready = ready
-        self._submits: dict[Key, PromptGroup | _PlainCall] = {}
+        self._submits: dict[Key, PromptGroup] = {}  # Submits' (one-prompt calls: _FrontEnd.calls)
         self._generations: dict[Key, int] = {}  # -> the core's generation id
         self._posted: deque[tuple[Callable, tuple]] = deque()  # from the core's thread
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -175,8 +183,8 @@ class EngineServer:
     def serving(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def call_soon_threadsafe(self, fn: Callable, *args) -> None:
-        """fn(*args) on the IPC thread, in order (the core hands its outputs over here)."""
+    def call_soon_threadsafe(self, fn: Callable, *args) -> None:  # the core's outputs come here
+        """fn(*args) on the IPC thread, in order."""
         self._posted.append((fn, args))
         os.eventfd_write(self._wake_fd, 1)
 
@@ -218,7 +226,7 @@ class EngineServer:
             except BlockingIOError:
                 return
             sock.setblocking(False)
-            front_end = _FrontEnd(next(self._numbers), sock)
+            front_end = _FrontEnd(self, next(self._numbers), sock)
             self._front_ends[front_end.number] = self._by_fd[sock.fileno()] = front_end
             self._epoll.register(sock.fileno(), select.EPOLLIN)
 
@@ -309,35 +317,26 @@ class EngineServer:
     def _queue_calls(self, peer: int, message: Prompts) -> None:
         """A Prompts message's calls, queued together (EngineCore.queue_calls); those the queue
         has no room for are refused one by one."""
-        calls = [_PlainCall(self, (peer, request_id)) for request_id in message.request_ids]
+        calls = self._front_ends[peer].calls
         try:
-            queued, refusal = self._core.queue_calls(message.prompts, message.top_ks, calls)
+            requests, refusal = self._core.queue_calls(message.prompts, message.top_ks, message.request_ids, calls)
         except Exception as exc:  # not running: every call is refused
-            queued, refusal = 0, exc
-        submits = self._submits
-        for call in calls[:queued]:
-            submits[call.key] = call
-        for call in calls[queued:]:
-            self._send_error(call.key, refusal, "request")
+            requests, refusal = [], exc
+        calls.pending.update(zip(message.request_ids, requests))
+        for request_id in message.request_ids[len(requests):]:
+            self._send_error((peer, request_id), refusal, "request")
 
     def _answered(self, key: Key, result: list[NextTokenOutput] | Exception) -> None:
         if self._submits.pop(key, None) is None:
             return  # cancelled: nobody to answer
         if isinstance(result, Exception):
             self._send_error(key, result, "request")
-        elif len(result) == 1 and result[0].plain:
+        elif len(result) == 1 and result[0].plain:  # joins its front end's Answers message of this batch
             (o,) = result
-            self._answer_in_columns(key, o.top, o.queue_s, o.enqueued_ns, o.cached_tokens, o.forward_s, o.batch_size,
-                                    o.batch_started_ns)
+            self._answers_of_batch(key[0], o.forward_s, o.batch_size, o.batch_started_ns).add(
+                key[1], o.top, o.queue_s, o.enqueued_ns, o.cached_tokens)
         else:
             self._outbox.put(key[0], Result(key[1], result))
-
-    def _answer_in_columns(self, key: Key, top, queue_s: float, enqueued_ns: int, cached_tokens: int,
-                           forward_s: float, batch_size: int, batch_started_ns: int) -> None:
-        """A plain answer joins its front end's Answers message of this batch."""
-        peer, request_id = key
-        self._answers_of_batch(peer, forward_s, batch_size, batch_started_ns).add(
-            request_id, top, queue_s, enqueued_ns, cached_tokens)
 
     def _answers_of_batch(self, peer: int, forward_s: float, batch_size: int, batch_started_ns: int,
                           table: TopTable | None = None) -> Answers:
@@ -355,6 +354,8 @@ class EngineServer:
         group, seq_id = self._submits.pop(key, None), self._generations.pop(key, None)
         if group is not None:
             self._core.cancel_prompts(group)  # its prompts leave the queue
+        elif (front_end := self._front_ends.get(key[0])) is not None:
+            front_end.calls.cancel(key[1])  # if it is a one-prompt call
         if seq_id is not None:
             self._core.abort(seq_id)  # its slot comes free at the next step
 
@@ -374,8 +375,9 @@ class EngineServer:
         keys = [key for key in [*self._submits, *self._generations] if key[0] == front_end.number]
         for key in keys:
             self._cancel(key)
-        if keys:
-            log.error("front end %d is gone: cancelled its %d request(s)", front_end.pid, len(keys))
+        cancelled = len(keys) + front_end.calls.cancel_all()
+        if cancelled:
+            log.error("front end %d is gone: cancelled its %d request(s)", front_end.pid, cancelled)
         else:  # it exited with nothing left here: a drain, or a death between requests
             log.info("front end %d exited with no request in the engine", front_end.pid)
 
@@ -384,6 +386,7 @@ class EngineServer:
         for key in [*self._submits, *self._generations]:
             self._cancel(key)
         for front_end in self._front_ends.values():
+            front_end.calls.cancel_all()
             front_end.sock.close()
         self._front_ends.clear()
         self._by_fd.clear()

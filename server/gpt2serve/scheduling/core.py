@@ -43,7 +43,7 @@ from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Observer, Outputs, PromptGroup
 from .runner import StepRunner
-from .scheduler import EngineRequest, Scheduler, Step
+from .scheduler import EngineRequest, Scheduler, Step, plain_call
 
 log = logging.getLogger(__name__)
 
@@ -190,27 +190,26 @@ class EngineCore:
             self._wake.set()
         return group
 
-    def queue_calls(self, prompts: Sequence[list[int]], top_ks: Sequence[int],
-                    outputs: Sequence) -> tuple[int, Exception | None]:
-        """One-prompt calls (the IPC door's Prompts message), each answered alone through its
-        output (outputs.PromptGroup's interface, or `answers_top` and answer_tops()), under one
-        lock and one clock read: the first n are queued while the queue has room. Returns n and
-        the error for the others (queue full), or None. Not running: raises, none queued.
-        The caller wakes the core (as queue_prompts(wake=False))."""
+    def queue_calls(self, prompts: Sequence[list[int]], top_ks: Sequence[int], call_ids: Sequence[int],
+                    output) -> tuple[list[EngineRequest], Exception | None]:
+        """One-prompt calls (the IPC door's Prompts message), each answered alone through
+        `output`, which all of them share (`answers_top`: answer_tops() and fail(error, request);
+        each request's request_id is its call's id), under one lock and one clock read: the first
+        n are queued while the queue has room. Returns their requests and the error for the
+        others (queue full), or None. Not running: raises, none queued. The caller wakes the
+        core (as queue_prompts(wake=False))."""
         self._check_running("model worker")
         now, now_ns = time.perf_counter(), time.time_ns()
         with self._lock:
             waiting = self._prompts_waiting
             n = min(max(self.max_queue - waiting, 0), len(prompts))
-            requests = [EngineRequest(prompts[i], 0, top_ks[i], output=outputs[i], arrived=now, arrived_ns=now_ns)
-                        for i in range(n)]
-            for output, request in zip(outputs, requests):
-                output.requests = [request]
+            requests = list(map(plain_call, prompts[:n], top_ks[:n], itertools.repeat(output, n), call_ids[:n],
+                                itertools.repeat(now, n), itertools.repeat(now_ns, n)))
             self._prompts_waiting += n
             self._intake += requests
         if n == len(prompts):
-            return n, None
-        return n, self._queue_full(waiting)
+            return requests, None
+        return requests, self._queue_full(waiting)
 
     def _queue_full(self, waiting: int) -> ResourceExhausted:
         return ResourceExhausted(f"queue full ({waiting} of {self.max_queue} waiting); retry later")
@@ -222,12 +221,16 @@ class EngineCore:
     def cancel_prompts(self, group: PromptGroup) -> None:
         """The request's caller left (or one of its prompts failed): its prompts leave the queue,
         and `done` hears nothing more."""
+        self.cancel_requests(group.requests)
+        group.release()
+
+    def cancel_requests(self, requests: Sequence[EngineRequest]) -> None:
+        """These prompts leave the queue (a forward that has them drops their answers)."""
         with self._lock:  # in step with _prompt_step's count: each prompt stops waiting once
-            for request in group.requests:
+            for request in requests:
                 if not request.cancelled and request.state == "waiting":
                     self._prompts_waiting -= 1
                 request.cancelled = True
-        group.release()
 
     def add(self, request: GenerateRequest, sink: TokenSink, wake: bool = True) -> int:
         """Queue a generation; its tokens go to `sink` as they come. Returns its id, for abort().

@@ -68,7 +68,7 @@ class PromptGroup:
     that rate made the garbage collector's full passes a third of the engine's CPU."""
 
     __slots__ = ("answers", "left", "done", "on_error", "finished", "requests")
-    answers_top = False  # see ipc.engine_server._PlainCall: outputs answered from their top tokens alone
+    answers_top = False  # see ipc.engine_server._PlainCalls: an output answered from its top tokens alone
 
     def __init__(self, size: int, done: Callable[[Union[list[NextTokenOutput], Exception]], None],
                  on_error: Callable[[PromptGroup], None]):
@@ -84,7 +84,8 @@ class PromptGroup:
         if not self.left:
             self._finish(self.answers)
 
-    def fail(self, error: Exception) -> None:
+    def fail(self, error: Exception, request: EngineRequest | None = None) -> None:
+        """The request fails, whichever of its prompts (`request`) failed."""
         if not self.finished:
             self._finish(error)
 
@@ -130,15 +131,16 @@ class Outputs:
         failed_rows, plain = output.failed_rows, []
         for row, request in enumerate(batch):
             group = request.output
-            if group.finished:
+            if request.cancelled or group.finished:
                 continue
             if row in failed_rows:
-                group.fail(NonFiniteOutput("the model's output for this prompt was not finite (a numerical overflow)"))
+                group.fail(NonFiniteOutput("the model's output for this prompt was not finite (a numerical overflow)"),
+                           request)
                 continue
             if not with_layers and request.trace is not None and request.trace.layers_in_response:
                 continue
             if group.answers_top:  # a plain one-prompt call: no NextTokenOutput made, answered below
-                plain.append((group, row, started - request.arrived, request.arrived_ns,
+                plain.append((request, row, started - request.arrived, request.arrived_ns,
                               output.cached_tokens[row] if output.cached_tokens else 0))
                 continue
             controlled_top, allowed = output.controlled.get(row, (None, 0))
@@ -148,7 +150,7 @@ class Outputs:
                 output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
                 controlled_top, allowed))
         if plain:  # in one call: per front end, its answers of this batch are one message
-            plain[0][0].answer_tops(plain, output.top, output.forward_s, len(batch), started_ns)
+            plain[0][0].output.answer_tops(plain, output.top, output.forward_s, len(batch), started_ns)
         if with_layers and self.observer is not None:
             prefix = None
             if output.cached_tokens:  # the prefix cache is on
@@ -198,7 +200,7 @@ class Outputs:
                 if not request.cancelled and self.generations.pop(request.request_id, None) is not None:
                     request.output.fail(error)
             else:
-                request.output.fail(error)
+                request.output.fail(error, request)
 
     def _observe(self, record: Callable, what) -> None:
         try:
