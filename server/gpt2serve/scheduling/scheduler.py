@@ -240,8 +240,11 @@ class Scheduler:
         self._window_started = None
         if not candidates:
             return []
-        chosen = set(plan_batch([len(r.prompt) for r in candidates], 0, max_batch_size=self.max_batch_size,
-                                max_batch_tokens=self.max_batch_tokens, fixed_cost_tokens=self.fixed_cost_tokens))
+        chosen = plan_batch([len(r.prompt) for r in candidates], 0, max_batch_size=self.max_batch_size,
+                            max_batch_tokens=self.max_batch_tokens, fixed_cost_tokens=self.fixed_cost_tokens)
+        if len(chosen) == len(candidates):  # the usual case: one batch
+            return candidates
+        chosen = set(chosen)
         # Left over by length grouping: back to the front, before newer arrivals.
         self.prompts.extendleft(reversed([r for i, r in enumerate(candidates) if i not in chosen]))
         return [r for i, r in enumerate(candidates) if i in chosen]
