@@ -20,7 +20,7 @@ from gpt2serve.errors import ResourceExhausted, Unavailable
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient
-from gpt2serve.scheduling.scheduler import plain_call
+from gpt2serve.scheduling.scheduler import next_token_request
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TopTable,
@@ -247,7 +247,7 @@ class FakeCore:
         return object()
 
     def queue_calls(self, prompts, top_ks, call_ids, output):
-        requests = [plain_call(p, k, output, i, 0.0, 1) for p, k, i in zip(prompts, top_ks, call_ids)]
+        requests = [next_token_request(p, k, output, 0, i, 0.0, 1) for p, k, i in zip(prompts, top_ks, call_ids)]
 
         def core_thread():  # answered from a thread of its own, as the core answers
             for request in requests:  # one batch each, in turn

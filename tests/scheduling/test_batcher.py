@@ -12,7 +12,8 @@ from support.fake_engine import FakeEngine
 
 from gpt2serve.errors import ResourceExhausted, ShuttingDown
 from gpt2serve.scheduling.core import EngineCore
-from gpt2serve.scheduling.scheduler import EngineRequest, plain_call
+from gpt2serve.protocol import SamplingParams, StepControls, TraceContext
+from gpt2serve.scheduling.scheduler import EngineRequest, next_token_request
 
 DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
 
@@ -140,14 +141,20 @@ class ColumnCalls:
         self.answered[request.request_id].set_exception(error)
 
 
-def test_a_plain_call_is_the_request_the_dataclass_would_make():
-    """plain_call sets every slot EngineRequest's own __init__ would, to the same values: a field
-    added to the dataclass and not to plain_call is an unset slot here."""
-    output = object()
-    made = plain_call([5, 6], 3, output, 41, 1.5, 7)
-    expected = EngineRequest([5, 6], 0, 3, output=output, request_id=41, arrived=1.5, arrived_ns=7)
-    for f in dataclasses.fields(EngineRequest):
-        assert getattr(made, f.name) == getattr(expected, f.name), f.name
+def test_a_next_token_request_is_the_one_the_dataclass_would_make():
+    """next_token_request sets every slot EngineRequest's own __init__ would, to the same values,
+    for a plain call and for a traced, scored prompt of a group: a field added to the dataclass
+    and not to next_token_request is an unset slot here."""
+    output, trace, controls = object(), TraceContext("00-" + "1" * 32 + "-" + "2" * 16 + "-01", True), \
+        StepControls(SamplingParams(temperature=0.5), 3)
+    made = [next_token_request([5, 6], 3, output, 0, 41, 1.5, 7),
+            next_token_request([5], 2, output, 4, -1, 2.5, 9, trace, 6, controls)]
+    expected = [EngineRequest([5, 6], 0, 3, output=output, request_id=41, arrived=1.5, arrived_ns=7),
+                EngineRequest([5], 0, 2, output=output, row=4, arrived=2.5, arrived_ns=9, trace=trace,
+                              prompt_logprobs=6, controls=controls)]
+    for request, reference in zip(made, expected):
+        for f in dataclasses.fields(EngineRequest):
+            assert getattr(request, f.name) == getattr(reference, f.name), f.name
 
 
 def test_calls_queued_together_are_answered_one_by_one_and_refused_past_the_queue():

@@ -43,7 +43,7 @@ from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Observer, Outputs, PromptGroup
 from .runner import StepRunner
-from .scheduler import EngineRequest, Scheduler, Step, plain_call
+from .scheduler import EngineRequest, Scheduler, Step, next_token_request
 
 log = logging.getLogger(__name__)
 
@@ -177,9 +177,9 @@ class EngineCore:
                                   f"(--max-queue)")
 
         group = PromptGroup(len(prompts), done, self.cancel_prompts)
+        now, now_ns = time.perf_counter(), time.time_ns()
         group.requests = requests = [
-            EngineRequest(list(p), 0, top_k, trace=trace, prompt_logprobs=prompt_logprobs, output=group, row=row,
-                          controls=controls)
+            next_token_request(list(p), top_k, group, row, -1, now, now_ns, trace, prompt_logprobs, controls)
             for row, p in enumerate(prompts)]
         with self._lock:
             if self._prompts_waiting + len(prompts) > self.max_queue:
@@ -203,8 +203,9 @@ class EngineCore:
         with self._lock:
             waiting = self._prompts_waiting
             n = min(max(self.max_queue - waiting, 0), len(prompts))
-            requests = list(map(plain_call, prompts[:n], top_ks[:n], itertools.repeat(output, n), call_ids[:n],
-                                itertools.repeat(now, n), itertools.repeat(now_ns, n)))
+            requests = list(map(next_token_request, prompts[:n], top_ks[:n], itertools.repeat(output, n),
+                                itertools.repeat(0, n), call_ids[:n], itertools.repeat(now, n),
+                                itertools.repeat(now_ns, n)))
             self._prompts_waiting += n
             self._intake += requests
         if n == len(prompts):
