@@ -272,7 +272,7 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
         ("next-token batch (IPC)", f"{n} x {size} prompts")
     result = scenario(name, load, units / duration, rows / NEXT_TOKEN.seconds(rows), units, units // size,
                       {"engine": engine_cpu}, 0.0, duration)
-    if forwards:
+    if forwards:  # callers: each answer says the size of the forward that answered it
         result.rows_a_forward = f"{units / forwards:.1f}"
     return result
 

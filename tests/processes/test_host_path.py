@@ -61,6 +61,10 @@ def test_the_engine_process_alone_serves_streams_and_callers_over_its_ipc_door()
     for name, r in results.items():
         assert r["work"] > 0 and 0 < r["ratio"] <= 1.05, (name, r)
         assert list(r["us_per_unit"]) == ["engine"] and r["us_per_unit"]["engine"] > 0, (name, r)
+    # The forwards that answered the callers, counted from each answer's batch size: at least a
+    # row each, and no more rows than the callers had prompts in flight (8, and 2 x 8).
+    for name, in_flight in (("next-token (IPC)", 8), ("next-token batch (IPC)", 16)):
+        assert 1 <= float(results[name]["rows_a_forward"]) <= in_flight, (name, results[name])
     # Each stream's first token was timed from its request: p50 <= p90, both above nothing.
     p50, p90 = (float(x) for x in results["generation (IPC)"]["first_token_ms"].split(" / "))
     assert 0 < p50 <= p90, results["generation (IPC)"]
