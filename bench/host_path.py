@@ -258,8 +258,8 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
              max_batch: int) -> Scenario:
     """`kind` "streams" (of `size` tokens) or "callers" (of `size` prompts a request) straight to
     the engine process (see the module doc)."""
-    units, engine_cpu, first_token_s, forwards = ipc_load.from_processes(kind, server.engine_address, server.processes["engine"],
-                                                               n, size, duration, processes)
+    units, engine_cpu, first_token_s, forwards = ipc_load.from_processes(
+        kind, server.engine_address, server.processes["engine"], n, size, duration, processes)
     if kind == "streams":
         result = scenario("generation (IPC)", f"{n} streams", units / duration, n / DECODE.seconds(n), units, 0,
                           {"engine": engine_cpu}, 0.0, duration)
@@ -287,7 +287,8 @@ def report(results: list[Scenario], workers: int) -> str:
     for r in results:
         lines.append(f"| {r.name} | {r.load} | {r.served_per_s} | {r.ideal_per_s} | {r.ratio} | "
                      + " | ".join(str(r.us_per_unit.get(p, "")) for p in names)
-                     + f" | {r.us_per_request.get('engine', '')} | {r.load_generator_cpu_share} | {r.first_token_ms} | {r.rows_a_forward} |")
+                     + f" | {r.us_per_request.get('engine', '')} | {r.load_generator_cpu_share} | {r.first_token_ms}"
+                     + f" | {r.rows_a_forward} |")
     lines.append("unit: a sequence-step (generated token) for generation, a prompt for next-token; first token: "
                  "from a stream's request sent to its first token, through the IPC door (the engine's share of TTFT); "
                  "rows a forward: next-token prompts answered through the IPC door / the forwards that answered them")

@@ -20,11 +20,11 @@ from gpt2serve.errors import ResourceExhausted, Unavailable
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient
-from gpt2serve.scheduling.scheduler import next_token_request
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TopTable,
                                 TraceContext)
+from gpt2serve.scheduling.scheduler import next_token_request
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
 

@@ -11,8 +11,8 @@ import time
 from support.fake_engine import FakeEngine
 
 from gpt2serve.errors import ResourceExhausted, ShuttingDown
-from gpt2serve.scheduling.core import EngineCore
 from gpt2serve.protocol import SamplingParams, StepControls, TraceContext
+from gpt2serve.scheduling.core import EngineCore
 from gpt2serve.scheduling.scheduler import EngineRequest, next_token_request
 
 DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
