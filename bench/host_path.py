@@ -132,10 +132,13 @@ class StandinServer(RunningServer):
              "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
-        while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(text)
-            time.sleep(0.2)
+        try:
+            while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(text)
+                time.sleep(0.2)
+        finally:
+            os.unlink(self.log.name)  # The server still writes to it; it goes with the server, not left in /tmp.
         self.engine_address = re.search(r"engine ready at (\S+)", text).group(1)
         self.grpc = re.search(r"grpc=(\S+)", text).group(1)
         self.http = re.search(r"http=(\S+)", text).group(1)

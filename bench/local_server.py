@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,12 +17,15 @@ def launch(model: str, env: dict[str, str] | None = None, *extra: str) -> tuple[
         [sys.executable, "-m", "gpt2serve.cli", "serve", "--model", model, "--host", "127.0.0.1",
          "--grpc-port", "0", "--http-port", "0", *extra],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)  # no signal of the bench's group
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        text = open(log.name).read()
-        if "gpt2serve ready" in text:
-            return proc, re.search(r"grpc=(\S+)", text).group(1), re.search(r"http=(\S+)", text).group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(text)
-        time.sleep(0.2)
-    raise TimeoutError(open(log.name).read())
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            text = open(log.name).read()
+            if "gpt2serve ready" in text:
+                return proc, re.search(r"grpc=(\S+)", text).group(1), re.search(r"http=(\S+)", text).group(1)
+            if proc.poll() is not None:
+                raise RuntimeError(text)
+            time.sleep(0.2)
+        raise TimeoutError(open(log.name).read())
+    finally:
+        os.unlink(log.name)  # The server still writes to it; it goes with the server's exit, not left in /tmp.
