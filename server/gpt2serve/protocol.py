@@ -67,10 +67,9 @@ class TopScores(Sequence):
 
 
 class TopTable(Sequence):
-    """A batch's top-k as read back: `table` (2, B, k_max) float32, values then ids (exact below
-    2**24), and each row's k. A row indexed is its TopScores (the rows read into lists once). The
-    IPC door sends a front end its rows' bytes instead (`packed`): 0.2 µs a prompt against 1.3
-    for reading every row and encoding the lists (128 one-prompt calls)."""
+    """A batch's top-k as read back: `table` (2, B, k_max) float32, values then ids (exact below 2**24), and each
+    row's k. A row indexed is its TopScores (the rows read into lists once). The IPC door sends a front end its
+    rows' bytes instead (`packed`): 0.2 µs a prompt against 1.3 for reading every row and encoding the lists."""
 
     __slots__ = ("table", "top_ks", "_rows")
 
@@ -90,10 +89,11 @@ class TopTable(Sequence):
         return frozenset(np.flatnonzero(~np.isfinite(self.table[0, :, 0])).tolist())
 
     def packed(self, rows: list[int]) -> tuple[bytes, list[int]]:
-        """These rows as (2, len(rows), k_max) float32 bytes, and their k ([]: all k_max)."""
+        """These rows as (2, len(rows), k_max) float32 bytes, and their k ([]: all k_max); `take`: 2-3x the
+        speed of [:, rows] for a list of rows."""
         k_max = self.table.shape[2]
         top_ks = [self.top_ks[row] for row in rows]
-        return self.table[:, rows].tobytes(), [] if all(k == k_max for k in top_ks) else top_ks
+        return self.table.take(rows, axis=1).tobytes(), [] if all(k == k_max for k in top_ks) else top_ks
 
 
 def read_rows(table: np.ndarray, top_ks: Sequence[int]) -> list[TopScores]:
@@ -381,14 +381,14 @@ class Answers:
     batch_started_ns: int
     table: TopTable | None = None
 
-    def add(self, request_id: int, top: Sequence[TokenScore] | int, queue_s: float, enqueued_ns: int,
-            cached_tokens: int) -> None:
-        """One more answer of the batch, a value in each column (`top`: a row of `table`, if set)."""
-        self.request_ids.append(request_id)
-        self.tops.append(top)
-        self.queue_s.append(queue_s)
-        self.enqueued_ns.append(enqueued_ns)
-        self.cached_tokens.append(cached_tokens)
+    def extend(self, request_ids: list[int], tops: list[Sequence[TokenScore]] | list[int], queue_s: list[float],
+               enqueued_ns: list[int], cached_tokens: list[int]) -> None:
+        """More answers of the batch, a column of each (`tops`: rows of `table`, if set)."""
+        self.request_ids += request_ids
+        self.tops += tops
+        self.queue_s += queue_s
+        self.enqueued_ns += enqueued_ns
+        self.cached_tokens += cached_tokens
 
     def outputs(self):
         """(request id, its [NextTokenOutput]) for each answer, in order."""

@@ -17,13 +17,15 @@ import pytest
 from gpt2serve.ipc import codec
 from gpt2serve.ipc.codec import BadFrame
 from gpt2serve.errors import ResourceExhausted, Unavailable
-from gpt2serve.ipc.engine_server import EngineServer
+from gpt2serve.engine.engine import BatchOutput
+from gpt2serve.ipc.engine_server import EngineServer, _PlainCalls
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TopTable,
                                 TraceContext)
+from gpt2serve.scheduling.outputs import Outputs
 from gpt2serve.scheduling.scheduler import next_token_request
 from gpt2serve_client.types import (Architecture, HeadSummary, LayerReport, ModelInfo, ParameterBreakdown, ShapeStep,
                                     TokenProb)
@@ -252,7 +254,7 @@ class FakeCore:
         def core_thread():  # answered from a thread of its own, as the core answers
             for request in requests:  # one batch each, in turn
                 self.outputs_loop.call_soon_threadsafe(
-                    output.answer_tops, [(request, 0, 0.0, 1, 0)], top_table([[sum(request.prompt)]], [[-0.5]]),
+                    output.answer_tops, [request], [0], top_table([[sum(request.prompt)]], [[-0.5]]), 0.0, [],
                     0.001, len(prompts), 2)
 
         threading.Thread(target=core_thread).start()
@@ -445,3 +447,35 @@ def test_the_stream_is_cut_back_into_the_frames_sent_however_it_arrives(piece):
     assert FrameReader().feed(stream[:-1]) == frames[:-1]  # the last is not whole yet
     with pytest.raises(BrokenStream):
         FrameReader().feed(LENGTH.pack(MAX_FRAME_BYTES + 1) + b"\0" * 8)
+
+
+def test_a_batch_answers_each_front_ends_plain_calls_in_one_message_of_columns(tmp_path):
+    """The core's answers of one batch (Outputs.answer_prompts, then _PlainCalls.answer_tops): each
+    front end's live plain calls join one Answers message, in batch order, with their rows of the
+    TopTable, queue times, arrival times and cached counts. A call cancelled before the answer gets
+    nothing; a row that was not finite gets a Failed of its own, and the rest are answered."""
+    server = EngineServer(f"{tmp_path}/engine.sock", FakeCore(), EngineReady(INFO, "bundled", 8))
+    try:
+        first, second = _PlainCalls(server, 1), _PlainCalls(server, 2)
+        batch = []
+        for row, (calls, call_id) in enumerate([(first, 10), (second, 20), (first, 11), (second, 21), (first, 12)]):
+            calls.pending[call_id] = next_token_request([row, 1], 2, calls, 0, call_id, 1.0 + row, 100 + row)
+            batch.append(calls.pending[call_id])
+        assert first.cancel(11)
+        table = top_table([[row, row + 1] for row in range(5)], [[-0.5, -1.0]] * 5)
+        table.table[0, 3, 0] = np.nan  # row 3, the second front end's call 21
+        output = BatchOutput(table, 0.004, 2, 7, 8, failed_rows=table.failed_rows(), cached_tokens=[0, 1, 2, 3, 4])
+        Outputs(None).answer_prompts(batch, output, 10.0, 9, True)
+        sent = server._outbox._messages
+        (answers,) = sent[1]
+        assert (answers.request_ids, answers.tops, answers.queue_s, answers.enqueued_ns, answers.cached_tokens) == \
+            ([10, 12], [0, 4], [9.0, 5.0], [100, 104], [0, 4])
+        assert (answers.forward_s, answers.batch_size, answers.batch_started_ns, answers.table) == (0.004, 5, 9, table)
+        failed, answers = sent[2]
+        assert failed.request_id == 21 and failed.code == "INTERNAL" and "not finite" in failed.message
+        assert (answers.request_ids, answers.tops, answers.queue_s, answers.cached_tokens) == ([20], [1], [8.0], [1])
+        assert not first.pending and not second.pending
+        (decoded,) = codec.decode(codec.encode(sent[1]))  # the rows travel as their bytes
+        assert [top.ids for top in decoded.tops] == [[0, 1], [4, 5]]
+    finally:
+        server.close()

@@ -132,8 +132,8 @@ class ColumnCalls:
         self.core, self.answered = core, [loop.create_future() for _ in range(n)]
 
     @staticmethod
-    def answer_tops(answered, tops, forward_s, batch_size, batch_started_ns):
-        for request, row, queue_s, enqueued_ns, cached_tokens in answered:
+    def answer_tops(requests, rows, tops, started, cached_tokens, forward_s, batch_size, batch_started_ns):
+        for request, row in zip(requests, rows):
             request.output.answered[request.request_id].set_result((tops[row], batch_size))
 
     def fail(self, error, request):

@@ -97,23 +97,25 @@ class _PlainCalls:
         self.pending: dict[int, EngineRequest] = {}  # queued and not yet answered, by call id
 
     @staticmethod
-    def answer_tops(answered: list[tuple[EngineRequest, int, float, int, int]], tops: Sequence[TopScores],
-                    forward_s: float, batch_size: int, batch_started_ns: int) -> None:
-        """(request, row, queue_s, enqueued_ns, cached_tokens) of each plain call a batch answered,
-        in one pass: each front end's answers join its Answers message of the batch (with their
-        rows of `tops` when it is a TopTable, not TopScores read from it)."""
-        server, by_front_end = answered[0][0].output.server, {}
-        table = tops if type(tops) is TopTable else None
-        for request, row, queue_s, enqueued_ns, cached_tokens in answered:
+    def answer_tops(requests: list[EngineRequest], rows: list[int], tops: Sequence[TopScores], started: float,
+                    cached_tokens: list[int], forward_s: float, batch_size: int, batch_started_ns: int) -> None:
+        """The plain calls a batch answered (`rows`: theirs in `tops`; `cached_tokens`: per batch row, [] if none),
+        in columns: each front end's join its Answers of the batch (as rows of `tops` if a TopTable, not TopScores)."""
+        by_front_end: dict[_PlainCalls, tuple[list[EngineRequest], list[int]]] = {}
+        for request, row in zip(requests, rows):
             calls = request.output
             if calls.pending.pop(request.request_id, None) is None:
                 continue  # cancelled: nobody to answer
-            answers = by_front_end.get(calls)
-            if answers is None:
-                answers = by_front_end[calls] = server._answers_of_batch(calls.peer, forward_s, batch_size,
-                                                                         batch_started_ns, table)
-            answers.add(request.request_id, row if table is not None else tops[row], queue_s, enqueued_ns,
-                        cached_tokens)
+            taken = by_front_end.get(calls) or by_front_end.setdefault(calls, ([], []))
+            taken[0].append(request)
+            taken[1].append(row)
+        table = tops if type(tops) is TopTable else None
+        for calls, (answered, answered_rows) in by_front_end.items():
+            calls.server._answers_of_batch(calls.peer, forward_s, batch_size, batch_started_ns, table).extend(
+                [r.request_id for r in answered],
+                answered_rows if table is not None else [tops[row] for row in answered_rows],
+                [started - r.arrived for r in answered], [r.arrived_ns for r in answered],
+                [cached_tokens[row] for row in answered_rows] if cached_tokens else [0] * len(answered))
 
     def fail(self, error: Exception, request: EngineRequest) -> None:
         if self.cancel(request.request_id):
@@ -333,8 +335,8 @@ class EngineServer:
             self._send_error(key, result, "request")
         elif len(result) == 1 and result[0].plain:  # joins its front end's Answers message of this batch
             (o,) = result
-            self._answers_of_batch(key[0], o.forward_s, o.batch_size, o.batch_started_ns).add(
-                key[1], o.top, o.queue_s, o.enqueued_ns, o.cached_tokens)
+            self._answers_of_batch(key[0], o.forward_s, o.batch_size, o.batch_started_ns).extend(
+                [key[1]], [o.top], [o.queue_s], [o.enqueued_ns], [o.cached_tokens])
         else:
             self._outbox.put(key[0], Result(key[1], result))
 

@@ -128,9 +128,13 @@ class Outputs:
                        with_layers: bool) -> None:
         """Answer the batch's prompts (with_layers=False: only those not waiting for layer
         reports), then tell telemetry."""
-        failed_rows, plain = output.failed_rows, []
+        failed_rows, plain, plain_rows = output.failed_rows, [], []
         for row, request in enumerate(batch):
             group = request.output
+            if group.answers_top and row not in failed_rows:  # a plain one-prompt call: answered below
+                plain.append(request)  # a cancelled one too: answer_tops finds it gone and skips it
+                plain_rows.append(row)
+                continue
             if request.cancelled or group.finished:
                 continue
             if row in failed_rows:
@@ -139,18 +143,15 @@ class Outputs:
                 continue
             if not with_layers and request.trace is not None and request.trace.layers_in_response:
                 continue
-            if group.answers_top:  # a plain one-prompt call: no NextTokenOutput made, answered below
-                plain.append((request, row, started - request.arrived, request.arrived_ns,
-                              output.cached_tokens[row] if output.cached_tokens else 0))
-                continue
             controlled_top, allowed = output.controlled.get(row, (None, 0))
             group.answer(request.row, NextTokenOutput(
                 output.top[row], started - request.arrived, output.forward_s, len(batch), request.arrived_ns,
                 started_ns, output.layers.get(row), output.walkthrough if row in output.layers else None,
                 output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
                 controlled_top, allowed))
-        if plain:  # in one call: per front end, its answers of this batch are one message
-            plain[0][0].output.answer_tops(plain, output.top, output.forward_s, len(batch), started_ns)
+        if plain:  # in one call, in columns: per front end, its answers of this batch are one message
+            plain[0].output.answer_tops(plain, plain_rows, output.top, started, output.cached_tokens, output.forward_s,
+                                        len(batch), started_ns)
         if with_layers and self.observer is not None:
             prefix = None
             if output.cached_tokens:  # the prefix cache is on

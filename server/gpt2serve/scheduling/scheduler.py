@@ -234,11 +234,15 @@ class Scheduler:
         return max(STREAMING_WAIT_FACTOR * self.max_batch_delay_s, STREAMING_WAIT_SHARE_OF_FORWARD * self._last_forward_s)
 
     def _take_prompts(self) -> list[EngineRequest]:
-        candidates = []
-        while self.prompts and len(candidates) < self.max_batch_size:
-            request = self.prompts.popleft()
-            if not request.cancelled:
-                candidates.append(request)
+        if len(self.prompts) <= self.max_batch_size:  # all of them: one pass, not a pop each
+            candidates = [r for r in self.prompts if not r.cancelled]
+            self.prompts.clear()
+        else:
+            candidates = []
+            while self.prompts and len(candidates) < self.max_batch_size:
+                request = self.prompts.popleft()
+                if not request.cancelled:
+                    candidates.append(request)
         self._window_started = None
         if not candidates:
             return []
