@@ -22,6 +22,9 @@ client processes speaking the engine's protocol, no front ends or gRPC in the pa
 engine runs the steps the load asks for even where a few cores cannot also carry front ends and
 gRPC clients at that rate; CPU is the engine process's over the load's window.
 
+With --ipc --phases the engine process also reports its CPU by phase for each next-token load
+(bench/engine_phases.py: each phase timed by its own thread's CPU clock), after the table.
+
 With --codec it times the IPC door's codec alone (ipc_load.codec_table): one-prompt next-token
 calls as a message each against the same calls in columns.
 
@@ -43,6 +46,7 @@ import multiprocessing
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -123,14 +127,16 @@ class RunningServer:
 class StandinServer(RunningServer):
     """bench/standin_server.py started here, on ephemeral ports, stopped by stop()."""
 
-    def __init__(self, workers: int, max_batch: int, extra_args: tuple[str, ...] = ()):
+    def __init__(self, workers: int, max_batch: int, extra_args: tuple[str, ...] = (), phases_dir: str | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.phases_dir = phases_dir
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("standin_server.py")), "serve", "--model", "random:gpt2",
              "--device", "cpu", "--workers", str(workers), "--max-batch-size", str(max_batch),
              "--max-running-sequences", str(max_batch), "--max-queue", "4096", "--prefix-cache-mb", "0",
              "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", *extra_args],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, STANDIN_PHASES=phases_dir) if phases_dir else None)
         deadline = time.monotonic() + 300
         try:
             while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):
@@ -261,8 +267,13 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
              max_batch: int) -> Scenario:
     """`kind` "streams" (of `size` tokens) or "callers" (of `size` prompts a request) straight to
     the engine process (see the module doc)."""
+    phases = Path(server.phases_dir) if server.phases_dir and kind == "callers" else None
+    if phases:
+        (phases / "start").touch()
     units, engine_cpu, first_token_s, forwards = ipc_load.from_processes(
         kind, server.engine_address, server.processes["engine"], n, size, duration, processes)
+    if phases:
+        PHASE_REPORTS.append(f"{n} x {size} prompts: " + _phase_report(phases))
     if kind == "streams":
         result = scenario("generation (IPC)", f"{n} streams", units / duration, n / DECODE.seconds(n), units, 0,
                           {"engine": engine_cpu}, 0.0, duration)
@@ -278,6 +289,23 @@ def over_ipc(server: StandinServer, kind: str, n: int, size: int, duration: floa
     if forwards:  # callers: each answer says the size of the forward that answered it
         result.rows_a_forward = f"{units / forwards:.1f}"
     return result
+
+
+PHASE_REPORTS: list[str] = []  # with --phases, one a next-token scenario
+
+
+def _phase_report(directory: Path) -> str:
+    """The engine's report of the phases since `start` (bench/engine_phases.py)."""
+    (directory / "stop").touch()
+    report, deadline = directory / "report.txt", time.monotonic() + 10
+    while not report.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine wrote no phase report (was it started with STANDIN_PHASES?)")
+        time.sleep(0.1)
+    time.sleep(0.1)  # written whole
+    text = report.read_text()
+    report.unlink()
+    return text
 
 
 def report(results: list[Scenario], workers: int) -> str:
@@ -315,6 +343,8 @@ def main() -> None:
     parser.add_argument("--ipc", action="store_true", help="load the engine process alone, through its IPC door")
     parser.add_argument("--core-only", action="store_true", help="the engine core alone in this process")
     parser.add_argument("--codec", action="store_true", help="the IPC codec alone: µs a next-token call")
+    parser.add_argument("--phases", action="store_true",
+                        help="with --ipc: the engine's CPU by phase for each next-token load (engine_phases.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.codec:
@@ -331,7 +361,8 @@ def main() -> None:
         STANDIN = False
         server = RunningServer(args.target, args.http_target, args.pid)
     else:
-        server = StandinServer(args.workers, args.max_batch_size)
+        server = StandinServer(args.workers, args.max_batch_size,
+                               phases_dir=tempfile.mkdtemp(prefix="gpt2serve-phases-") if args.phases else None)
     results = []
     try:
         if args.ipc:
@@ -353,10 +384,12 @@ def main() -> None:
                                             args.max_batch_size, args.processes))
     finally:
         server.stop()
+        if getattr(server, "phases_dir", None):
+            shutil.rmtree(server.phases_dir, ignore_errors=True)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     else:
-        print(report(results, args.workers))
+        print("\n\n".join([report(results, args.workers), *PHASE_REPORTS]))
 
 
 if __name__ == "__main__":

@@ -211,5 +211,20 @@ if "STANDIN_SWITCH_INTERVAL_S" in os.environ:  # an A/B of Python's GIL switch i
 
     engine_host.EngineHost.start = _start
 
+if os.environ.get("STANDIN_PHASES"):  # the engine's CPU by phase (engine_phases.py; host_path.py --ipc --phases)
+    import engine_phases
+
+    def _after_start(hook):
+        real_start = engine_host.EngineHost.start
+
+        @functools.wraps(real_start)
+        async def start(self):
+            await real_start(self)
+            hook()
+
+        engine_host.EngineHost.start = start
+
+    engine_phases.install(os.environ["STANDIN_PHASES"], _after_start)
+
 if __name__ == "__main__":
     sys.exit(main())

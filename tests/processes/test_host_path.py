@@ -5,6 +5,7 @@ the stand-in really waits (no load beats the device's ideal), and each process's
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,23 @@ def test_the_engine_process_alone_serves_streams_and_callers_over_its_ipc_door()
     # Each stream's first token was timed from its request: p50 <= p90, both above nothing.
     p50, p90 = (float(x) for x in results["generation (IPC)"]["first_token_ms"].split(" / "))
     assert 0 < p50 <= p90, results["generation (IPC)"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_engine_reports_its_cpu_by_phase_for_each_next_token_load():
+    """--phases: the engine process times its own phases (bench/engine_phases.py) over each
+    next-token load, and the report counts the prompts and forwards it answered in that load."""
+    run = run_bench("--ipc", "--streams", "", "--clients", "8", "--batch-clients", "2", "--batch-prompts", "8",
+                    "--duration", "1.5", "--processes", "2", "--phases")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    reports = run.stdout.split("engine process by phase: ")[1:]
+    assert len(reports) == 2, run.stdout
+    for report, queued in zip(reports, ("one-prompt calls queued (Prompts)", "a request's prompts queued (Submit)")):
+        prompts, forwards = (int(n) for n in re.match(r"(\d+) prompts in (\d+) forwards", report).groups())
+        assert prompts > 0 and 1 <= prompts / forwards <= 16, report
+        rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in report.splitlines()
+                if line.startswith("| ") and "---" not in line and not line.startswith("| phase")}
+        for phase in (queued, "a batch's answers made"):
+            assert float(rows["IPC thread: ↳ " + phase][1]) > 0, (phase, report)  # µs a prompt
+        assert float(rows["core thread: ↳ scheduling"][1]) > 0, report
