@@ -23,7 +23,7 @@ from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameRe
 from gpt2serve.ipc.socket_client import SocketEngineClient
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
-                                StepControls, Submit, TokenEvent, TokenScore, Tokens, TopScores, TopTable,
+                                StepControls, Submit, TokenEvent, TokenScore, Tokens, TopRow, TopScores, TopTable,
                                 TraceContext)
 from gpt2serve.scheduling.outputs import Outputs
 from gpt2serve.scheduling.scheduler import next_token_request
@@ -116,21 +116,45 @@ def test_plain_answers_of_a_request_travel_in_columns():
     fields = _wire(plain)
     assert fields[2] == [] and fields[3][0] == [[[262 + i, 11], [-1.5, -2.0 - i]] for i in range(3)]
     assert fields[3][1:] == [[0.0, 0.001, 0.002], [0.02] * 3, [64] * 3, [10**18 + i for i in range(3)],
-                             [10**18 + 9] * 3, [0, 1, 0]]
+                             [10**18 + 9] * 3, [0, 1, 0], None]  # None: no packed table
     assert codec.decode(codec.encode([plain])) == [plain]
-    int_logprob = _with(plain, 3, [[[[262], [-1]]], [0.0], [0.01], [1], [1], [2], [0]])  # read one by one
+    int_logprob = _with(plain, 3, [[[[262], [-1]]], [0.0], [0.01], [1], [1], [2], [0], None])  # read one by one
     read = codec.decode(int_logprob)[0].outputs[0].top[0]
     assert read == TokenScore(262, -1.0) and type(read.logprob) is float
     traced = Result(4, outputs[:2] + [NextTokenOutput(TopScores([1], [-0.5]), 0.0, 0.02, 64, 1, 2, layers=[LAYER])])
     assert _wire(traced)[3] is None and codec.decode(codec.encode([traced])) == [traced]
-    for columns in ([[[[262], ["x"]]], [0.0], [0.01], [1], [1], [2], [0]],  # a logprob not a number
-                    [[[[262, 1], [-0.5]]], [0.0], [0.01], [1], [1], [2], [0]],  # more ids than logprobs
-                    [[[[262], [-0.5]]], [0.0, 1.0], [0.01], [1], [1], [2], [0]],  # columns of unequal length
-                    [[[[262], [-0.5]]], [0.0], [0.01], [1], [1], [2]]):  # a column short
+    for columns in ([[[[262], ["x"]]], [0.0], [0.01], [1], [1], [2], [0], None],  # a logprob not a number
+                    [[[[262, 1], [-0.5]]], [0.0], [0.01], [1], [1], [2], [0], None],  # more ids than logprobs
+                    [[[[262], [-0.5]]], [0.0, 1.0], [0.01], [1], [1], [2], [0], None],  # columns of unequal length
+                    [[[[262], [-0.5]]], [0.0], [0.01], [1], [1], [2], [0]]):  # a column short
         with pytest.raises(BadFrame):
             codec.decode(_with(plain, 3, columns))
     with pytest.raises(BadFrame):  # both forms at once
         codec.decode(_with(plain, 2, [_wire(traced)[2][0]]))
+
+
+def test_answers_that_are_rows_of_one_batch_travel_as_their_bytes():
+    """A NextTokenBatch's answers read from one batch's TopTable (TopRows, unread) go as those rows'
+    bytes, in the request's order, and arrive as TopScores cut to each k, equal to the rows read in
+    the engine; rows of two batches go as lists. Both forms at once, or a table of another row
+    count, are refused."""
+    table = top_table([[262, 11, 5], [13, 0, 1], [50256, 7, 9]], [[-1.5, -2.0, -3.25], [-0.25, -1.0, -2.0],
+                                                                 [-0.5, -0.75, -1.0]], [3, 1, 3])
+    outputs = [NextTokenOutput(table[row], 0.001, 0.02, 3, 10**18, 10**18 + 9) for row in (2, 0, 1)]
+    assert type(outputs[0].top) is TopRow and table._rows is None  # not read yet
+    message = Result(4, outputs)
+    columns = _wire(message)[3]
+    assert columns[0] == [] and type(columns[7][0]) is bytes and columns[7][1] == [3, 3, 1]
+    (decoded,) = codec.decode(codec.encode([message]))
+    assert [type(o.top) for o in decoded.outputs] == [TopScores] * 3 and decoded == message
+    assert decoded.outputs[2].top.ids == [13] and decoded.outputs[0].top.ids == [50256, 7, 9]
+    other = top_table([[1, 2, 3]], [[-0.1, -0.2, -0.3]])
+    mixed = Result(5, outputs[:2] + [NextTokenOutput(other[0], 0.0, 0.02, 1, 1, 2)])
+    assert _wire(mixed)[3][7] is None and codec.decode(codec.encode([mixed])) == [mixed]
+    for bad in (columns[:7] + [columns[7][:1] + [[3, 3]]],  # k for two rows of three
+                [_wire(mixed)[3][0]] + columns[1:]):  # top lists and a packed table at once
+        with pytest.raises(BadFrame):
+            codec.decode(_with(message, 3, bad))
 
 
 def top_table(ids: list[list[int]], logprobs: list[list[float]], top_ks: list[int] | None = None) -> TopTable:

@@ -17,12 +17,14 @@ from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
-                        Submit, TokenEvent, TokenScore, Tokens, TopScores, TraceContext, read_rows)
+                        Submit, TokenEvent, TokenScore, Tokens, TopRow, TopScores, TraceContext, read_rows)
 from .field_checks import (FLOATS, INTS, LISTS, BadFrame, as_bool, as_fields, as_float, as_floats, as_id_lists,
                            as_ids, as_int, as_list, as_str, optional)
 
 
 def _pack_scores(scores: Sequence[TokenScore]) -> list:
+    if type(scores) is TopRow:
+        scores = scores.read()
     if type(scores) is TopScores:  # already in columns
         return [scores.ids, scores.logprobs]
     return [[s.token_id for s in scores], [s.logprob for s in scores]]
@@ -251,14 +253,20 @@ def _unpack_submit(f: list) -> Submit:
 
 def _pack_result(m: Result) -> list:
     """Plain answers (a NextTokenBatch's) go in columns: as a list of 12 fields each, 64 of them
-    cost the engine 1.9 µs a prompt to encode and the front end 6.6 to decode."""
+    cost the engine 1.9 µs a prompt to encode and the front end 6.6 to decode. When they are rows
+    of one batch's TopTable (TopRow), their top tokens go as those rows' bytes (TopTable.packed)."""
     outputs = m.outputs
     if not all(o.plain for o in outputs):
         return [m.request_id, [_pack_output(o) for o in outputs], None]
-    return [m.request_id, [], [[_pack_scores(o.top) for o in outputs], [o.queue_s for o in outputs],
-                               [o.forward_s for o in outputs], [o.batch_size for o in outputs],
-                               [o.enqueued_ns for o in outputs], [o.batch_started_ns for o in outputs],
-                               [o.cached_tokens for o in outputs]]]
+    tops, scores, packed = [o.top for o in outputs], [], None
+    table = tops[0].table if tops and type(tops[0]) is TopRow else None
+    if table is not None and all(type(t) is TopRow and t.table is table for t in tops):
+        packed = table.packed([t.row for t in tops])
+    else:
+        scores = [_pack_scores(t) for t in tops]
+    return [m.request_id, [], [scores, [o.queue_s for o in outputs], [o.forward_s for o in outputs],
+                               [o.batch_size for o in outputs], [o.enqueued_ns for o in outputs],
+                               [o.batch_started_ns for o in outputs], [o.cached_tokens for o in outputs], packed]]
 
 
 def _unpack_result(f: list) -> Result:
@@ -267,8 +275,13 @@ def _unpack_result(f: list) -> Result:
         return Result(as_int(request_id), [_output(o) for o in as_list(outputs)])
     if as_list(outputs):
         raise BadFrame("result: both whole answers and columns")
-    scores, queue_s, forward_s, batch_size, enqueued_ns, started_ns, cached = as_fields(columns, 7)
-    tops = _score_rows(scores)
+    scores, queue_s, forward_s, batch_size, enqueued_ns, started_ns, cached, packed = as_fields(columns, 8)
+    if packed is not None:
+        if as_list(scores):
+            raise BadFrame("result: both top lists and a packed table")
+        tops = _packed_tops(packed, len(as_floats(queue_s)))
+    else:
+        tops = _score_rows(scores)
     if any(len(c) != len(tops) for c in (as_floats(queue_s), as_floats(forward_s), as_ids(batch_size),
                                          as_ids(enqueued_ns), as_ids(started_ns), as_ids(cached))):
         raise BadFrame("result: columns of unequal length")
