@@ -112,6 +112,8 @@ def children_cpu() -> float:
 class RunningServer:
     """A server started elsewhere (--target): its rates, and its CPU when its pid is known."""
 
+    phases_dir: str | None = None  # the stand-in's engine reports its phases there (--phases)
+
     def __init__(self, grpc: str, http: str, pid: int | None):
         self.grpc, self.http = grpc, http
         self.processes = server_processes(pid) if pid else {}
@@ -302,8 +304,7 @@ def _phase_report(directory: Path) -> str:
         if time.monotonic() > deadline:
             raise RuntimeError("the engine wrote no phase report (was it started with STANDIN_PHASES?)")
         time.sleep(0.1)
-    time.sleep(0.1)  # written whole
-    text = report.read_text()
+    text = report.read_text()  # whole: the engine writes it aside, then renames it
     report.unlink()
     return text
 
@@ -384,7 +385,7 @@ def main() -> None:
                                             args.max_batch_size, args.processes))
     finally:
         server.stop()
-        if getattr(server, "phases_dir", None):
+        if server.phases_dir:
             shutil.rmtree(server.phases_dir, ignore_errors=True)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))

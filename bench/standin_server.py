@@ -201,30 +201,26 @@ generator_module.Generator.warm_up = lambda self: None
 generator_module.Generator.allocate = lambda self: None
 generator_module.Generator.can_ride = lambda self, prompt: False  # as on cuda: decode steps are graphs
 
+
+def after_engine_start(hook) -> None:
+    """hook() once the engine is up, in the engine process only (the front ends import this file too)."""
+    real_start = engine_host.EngineHost.start
+
+    @functools.wraps(real_start)
+    async def start(self):
+        await real_start(self)
+        hook()
+
+    engine_host.EngineHost.start = start
+
+
 if "STANDIN_SWITCH_INTERVAL_S" in os.environ:  # an A/B of Python's GIL switch interval in the engine process
-    _real_start = engine_host.EngineHost.start
-
-    @functools.wraps(_real_start)
-    async def _start(self):
-        await _real_start(self)
-        sys.setswitchinterval(float(os.environ["STANDIN_SWITCH_INTERVAL_S"]))
-
-    engine_host.EngineHost.start = _start
+    after_engine_start(lambda: sys.setswitchinterval(float(os.environ["STANDIN_SWITCH_INTERVAL_S"])))
 
 if os.environ.get("STANDIN_PHASES"):  # the engine's CPU by phase (engine_phases.py; host_path.py --ipc --phases)
     import engine_phases
 
-    def _after_start(hook):
-        real_start = engine_host.EngineHost.start
-
-        @functools.wraps(real_start)
-        async def start(self):
-            await real_start(self)
-            hook()
-
-        engine_host.EngineHost.start = start
-
-    engine_phases.install(os.environ["STANDIN_PHASES"], _after_start)
+    engine_phases.install(os.environ["STANDIN_PHASES"], after_engine_start)
 
 if __name__ == "__main__":
     sys.exit(main())
