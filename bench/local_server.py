@@ -1,4 +1,5 @@
-"""Start a `gpt2serve serve` on loopback for a bench script, on ephemeral ports."""
+"""Start a `gpt2serve serve` on loopback for a bench script, on ephemeral ports, and read its
+processes' memory. Scripts in bench/'s folders import it with bench/ on their path."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 def launch(model: str, env: dict[str, str] | None = None, *extra: str) -> tuple[subprocess.Popen, str, str]:
@@ -29,3 +31,20 @@ def launch(model: str, env: dict[str, str] | None = None, *extra: str) -> tuple[
         raise TimeoutError(open(log.name).read())
     finally:
         os.unlink(log.name)  # The server still writes to it; it goes with the server's exit, not left in /tmp.
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of one process."""
+    with open(f"/proc/{pid}/status") as status:
+        return int(re.search(r"VmRSS:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+def family(pid: int) -> list[int]:
+    """The process and all its descendants."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            queue += [int(c) for c in (task / "children").read_text().split()]
+    return found

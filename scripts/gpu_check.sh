@@ -10,8 +10,8 @@
 #      client (--quick: neither REST nor 1 client). Each load takes 40-45 s on an H100: client
 #      processes to start, the in-process limit's model to load, warm-up, load
 #   4. generation on the same server, 1/16/64/256 streams of 64 tokens (--quick: 1 and 256), the
-#      engine process's CPU under 256 streams where py-spy is there (bench/engine_profile.py; not
-#      in --quick), then the engine alone at the same batches in process (bench/generate_engine.py)
+#      engine process's CPU under 256 streams where py-spy is there (bench/host_path/engine_profile.py; not
+#      in --quick), then the engine alone at the same batches in process (bench/engine/generate_engine.py)
 #   5. the prefix cache, scoring, and structured output at 64 streams (a 10-field JSON schema
 #      against none) on cuda (not in --quick)
 #   6. the suite, -n over the machine's cores, until the budget is spent: the tests left then are
@@ -124,12 +124,12 @@ if grep -q "gpt2serve ready" "$out/serve.log"; then
   done
   file=$(mktemp)
   steps_before=$(mktemp)
-  $python bench/step_metrics.py http://127.0.0.1:8081 --save "$steps_before" 2>/dev/null
+  $python bench/serving/step_metrics.py http://127.0.0.1:8081 --save "$steps_before" 2>/dev/null
   run ${caps[5]} "$file" $python -m gpt2serve.cli bench --generate --target 127.0.0.1:50081 \
       --streams $streams -p 8 -d ${caps[6]} --rounds 1 --limit-duration 4; rc=$?
   (( rc != 0 )) && status=1
   # The server's own step times over the generation (prefill against decode: time to first token)
-  { echo; $python bench/step_metrics.py http://127.0.0.1:8081 --since "$steps_before" 2>&1; } >>"$file"
+  { echo; $python bench/serving/step_metrics.py http://127.0.0.1:8081 --since "$steps_before" 2>&1; } >>"$file"
   grep -v WARN "$file" | section "generation: gpt2serve bench --generate --streams $streams -p 8 -d ${caps[6]}"
   row "generation, $streams streams" "$LAST_S" "$(outcome $rc); below"
   # Where the engine process's CPU goes under 256 streams (py-spy, where the wheels carried it).
@@ -149,9 +149,9 @@ first, t0 = steps(), time.time()
 while steps() - first < 500 and time.time() - t0 < 30:
     time.sleep(0.5)
 " 2>/dev/null
-    PATH=$(dirname "$spy"):$PATH run 30 "$file" $python bench/engine_profile.py --seconds 5; rc=$?
+    PATH=$(dirname "$spy"):$PATH run 30 "$file" $python bench/host_path/engine_profile.py --seconds 5; rc=$?
     kill $load 2>/dev/null; wait $load 2>/dev/null
-    section "the engine process under 256 streams: bench/engine_profile.py --seconds 5" <"$file"
+    section "the engine process under 256 streams: bench/host_path/engine_profile.py --seconds 5" <"$file"
     row "engine profile, 256 streams" "$LAST_S" "$(outcome $rc); below"
   fi
 else
@@ -164,29 +164,29 @@ kill $server 2>/dev/null; wait $server 2>/dev/null
 echo "== generation in process"
 file=$(mktemp)
 largest_first=$(echo "$streams" | tr , '\n' | sort -rn | paste -sd,)  # the issue's figure first, should the cap cut it
-run 70 "$file" $python bench/generate_engine.py --device cuda --dtype bfloat16 --batch-sizes $largest_first --rounds 2; rc=$?
+run 70 "$file" $python bench/engine/generate_engine.py --device cuda --dtype bfloat16 --batch-sizes $largest_first --rounds 2; rc=$?
 (( rc != 0 )) && status=1
-grep -v WARN "$file" | section "generation in process: bench/generate_engine.py --device cuda --dtype bfloat16 --batch-sizes $largest_first --rounds 2"
+grep -v WARN "$file" | section "generation in process: bench/engine/generate_engine.py --device cuda --dtype bfloat16 --batch-sizes $largest_first --rounds 2"
 row "generation in process" "$LAST_S" "$(outcome $rc); below"
 
 if [ $quick = 0 ]; then
   echo "== prefix cache and scoring on cuda"
   file=$(mktemp)
-  run 60 "$file" $python bench/prefix_cache.py --model random:gpt2 --device cuda --dtype bfloat16 \
+  run 60 "$file" $python bench/engine/prefix_cache.py --model random:gpt2 --device cuda --dtype bfloat16 \
       --rounds 3; rc=$?
   (( rc != 0 )) && status=1
-  tail -40 "$file" | section "prefix cache: bench/prefix_cache.py --device cuda --dtype bfloat16 --rounds 3"
+  tail -40 "$file" | section "prefix cache: bench/engine/prefix_cache.py --device cuda --dtype bfloat16 --rounds 3"
   row "prefix cache" "$LAST_S" "$(outcome $rc); below"
   file=$(mktemp)
-  run 60 "$file" $python bench/scoring.py --model random:gpt2 --device cuda --dtype bfloat16 \
+  run 60 "$file" $python bench/serving/scoring.py --model random:gpt2 --device cuda --dtype bfloat16 \
       --clients 64 --seconds 8 --rounds 2 --memory-batch 0; rc=$?
   (( rc != 0 )) && status=1
-  tail -1 "$file" | section "scoring: bench/scoring.py --device cuda --dtype bfloat16 --clients 64 --seconds 8"
+  tail -1 "$file" | section "scoring: bench/serving/scoring.py --device cuda --dtype bfloat16 --clients 64 --seconds 8"
   row "scoring" "$LAST_S" "$(outcome $rc); below"
   file=$(mktemp)
-  run 45 "$file" $python bench/structured_output.py --device cuda --streams 64 --steps 48 --rounds 3; rc=$?
+  run 45 "$file" $python bench/engine/structured_output.py --device cuda --streams 64 --steps 48 --rounds 3; rc=$?
   (( rc != 0 )) && status=1
-  tail -3 "$file" | section "structured output: bench/structured_output.py --device cuda --streams 64 --rounds 3"
+  tail -3 "$file" | section "structured output: bench/engine/structured_output.py --device cuda --streams 64 --rounds 3"
   row "structured output, 64 streams" "$LAST_S" "$(outcome $rc); below"
 
   echo "== the suite, until the budget is spent"

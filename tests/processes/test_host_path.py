@@ -1,4 +1,4 @@
-"""The host-path bench (bench/host_path.py) for a few seconds: the real server in front of the
+"""The host-path bench (bench/host_path/host_path.py) for a few seconds: the real server in front of the
 stand-in device answers every kind of load it sends, the server's own counters see the work,
 the stand-in really waits (no load beats the device's ideal), and each process's CPU is read."""
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "bench/host_path.py", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "bench/host_path/host_path.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=400)
 
 
@@ -74,7 +74,7 @@ def test_the_engine_process_alone_serves_streams_and_callers_over_its_ipc_door()
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_engine_reports_its_cpu_by_phase_for_each_next_token_load():
-    """--phases: the engine process times its own phases (bench/engine_phases.py) over each
+    """--phases: the engine process times its own phases (bench/host_path/engine_phases.py) over each
     next-token load, and the report counts the prompts and forwards it answered in that load."""
     run = run_bench("--ipc", "--streams", "", "--clients", "8", "--batch-clients", "2", "--batch-prompts", "8",
                     "--duration", "1.5", "--processes", "2", "--phases")

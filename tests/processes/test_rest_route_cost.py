@@ -1,4 +1,4 @@
-"""bench/rest_route_cost.py: the REST route it times in process is the real one (its answer is
+"""bench/host_path/rest_route_cost.py: the REST route it times in process is the real one (its answer is
 the canned engine's top 5 through the service and the JSON encoder), and it reports a CPU cost a
 call for each round."""
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_route_bench_times_real_answers():
-    run = subprocess.run([sys.executable, "bench/rest_route_cost.py", "--calls", "300", "--rounds", "2", "--json"],
+    run = subprocess.run([sys.executable, "bench/host_path/rest_route_cost.py", "--calls", "300", "--rounds", "2", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)

@@ -1,4 +1,4 @@
-"""The mixed soak (bench/soak.py), for 90 s with RSS judged from 60 s on (the engine's heap
+"""The mixed soak (bench/soak/soak.py), for 90 s with RSS judged from 60 s on (the engine's heap
 climbs to its high-water mark through the first minute): the same code that runs for 15 minutes in
 docs/benchmarks.md, with its own pass rule (memory, nothing accepted lost, slots and blocks free,
 the server's counters equal to the clients'), under --workers 2 with a front end killed -9."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)  # 90 s of load, plus starts and stops a loaded machine may stretch
 def test_a_minute_of_mixed_load_with_a_front_end_killed_loses_and_leaks_nothing(tmp_path):
     report_path = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, "bench/soak.py", "--seconds", "90", "--sample-s", "1", "--settle-s", "60",
+    run = subprocess.run([sys.executable, "bench/soak/soak.py", "--seconds", "90", "--sample-s", "1", "--settle-s", "60",
                           "--clients", "8", "--json", str(report_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert report_path.exists(), run.stdout[-3000:] + run.stderr[-3000:]

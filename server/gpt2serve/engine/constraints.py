@@ -1,5 +1,5 @@
 """Structured output: a request's grammar, as llguidance compiles it, allows some tokens at each
-step and no others (bench/structured_libs.py and docs/benchmarks.md say why llguidance: a new
+step and no others (bench/engine/structured_libs.py and docs/benchmarks.md say why llguidance: a new
 JSON schema compiles in about a millisecond, where the others took 0.6-1.4 s).
 
 The front end turns what a client sent (a JSON schema, a regex, a choice, a Lark or GBNF

@@ -15,7 +15,7 @@ the model's own choice has rank 1.
 
 Extra peak memory while scoring: one chunk's gathered hidden rows (chunk, C) and a few
 (chunk, V) tensors (logits, fp32 log-softmax, the comparison for the rank), bounded by
-HEAD_CHUNK_BYTES whatever the batch; measured in bench/scoring.py.
+HEAD_CHUNK_BYTES whatever the batch; measured in bench/serving/scoring.py.
 """
 
 from __future__ import annotations

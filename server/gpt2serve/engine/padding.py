@@ -24,7 +24,7 @@ IDS, POSITIONS, VALID = range(3)
 # 512, a forward's activations leave the cache. Eight 512-token prompts took 434 ms each in one
 # generation prefill and 356 ms each one at a time (int8 GPT-2 small, 2 cores, AMD EPYC,
 # 2026-11-25); next-token batches of 4,096 tokens ran 10-27% slower in one forward than in parts
-# of 512 (bench/forward_parts.py). The schedulers cannot cap it: they see whole prompts, not
+# of 512 (bench/engine/forward_parts.py). The schedulers cannot cap it: they see whole prompts, not
 # what the prefix cache spares of them.
 CPU_FORWARD_TOKENS = 512
 

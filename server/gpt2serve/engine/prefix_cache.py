@@ -24,7 +24,7 @@ A block is written the second time its prefix is seen, not the first (a doorkeep
 TinyLFU's admission): each full block's chain digest is remembered (a bounded LRU set of
 DOORKEEPER_PER_BLOCK x capacity digests), and only blocks already remembered get a pool block.
 Prompts that never repeat then cost a hash per block instead of a copy of every layer's keys and
-values (3.5% of a 16 x 64-token forward on a 2-core CPU, bench/prefix_cache.py); a shared prefix
+values (3.5% of a 16 x 64-token forward on a 2-core CPU, bench/engine/prefix_cache.py); a shared prefix
 is computed twice before it is served from the cache (prompts of one batch count as seen
 by the rows after them, so four continuations of one context in a batch admit it at once).
 

@@ -22,7 +22,7 @@ reaches every query of the row through attention, as weight 0 x NaN. So a packed
 more than one prompt came out non-finite is run again as rows (`needs_rows_again`), and each
 prompt fails or is answered on its own numbers.
 The pool is gathered, not read in place: torch has no CPU attention kernel over scattered
-blocks. bench/prefix_cache.py measures the layouts.
+blocks. bench/engine/prefix_cache.py measures the layouts.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class BlockWriter:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool,
         gathered a token's (nh, hs) at a time. This copy is about 3% of a 16 x 64-token forward
-        on a 2-core CPU (bench/prefix_cache.py), which is why the doorkeeper keeps blocks only
+        on a 2-core CPU (bench/engine/prefix_cache.py), which is why the doorkeeper keeps blocks only
         of prefixes seen before (engine.prefix_cache)."""
         if self.empty:
             return

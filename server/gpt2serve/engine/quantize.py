@@ -9,7 +9,7 @@ with int32 sums (exact): by engine.native's own kernel (AVX-512 VNNI / AVX2 / po
 its block layout) where that is built, else by fbgemm's GEMM (weights packed for it) with the
 steps below as torch ops; both give the same integers. The kernels that take
 fp32 activations with int8 weights (gpt-fast's `_weight_int8pack_mm`, torchao's CPU path) ran 2-25x
-slower than fp32 on our AVX2 machine (`bench/linear_kernels.py`), so the activations are
+slower than fp32 on our AVX2 machine (`bench/engine/linear_kernels.py`), so the activations are
 quantized too, but per row and in two parts, so that the answer is as close to fp32 as weight-only
 int8 would be:
 - each row is scaled to |x| <= 1 by its own largest value and rounded to 1/63 steps (7 bits: no

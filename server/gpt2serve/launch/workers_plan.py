@@ -12,7 +12,7 @@ engine has its own:
     front ends = clamp(ceil(engine rate x CPU per call), 1, cores - engine cores)
 
 The CPU per call is the project's measurement of a unary gRPC `NextToken` in a front end
-(bench/front_end_profile.py, docs/benchmarks.md), the costliest common call: erring high costs
+(bench/host_path/front_end_profile.py, docs/benchmarks.md), the costliest common call: erring high costs
 an idle process, erring low caps the server.
 """
 
@@ -26,7 +26,7 @@ from ..config import ServeConfig
 from .resources import available_cpus
 
 log = logging.getLogger("gpt2serve")
-FRONT_END_CALL_US = 600.0  # CPU a unary gRPC call costs a front end (bench/front_end_profile.py)
+FRONT_END_CALL_US = 600.0  # CPU a unary gRPC call costs a front end (bench/host_path/front_end_profile.py)
 ENGINE_CORES_ON_GPU = 2  # the engine core's loop and its IPC input and output threads
 
 

@@ -1,0 +1,147 @@
+"""The floor under the gRPC front end's host cost: a bare servicer with nothing else in its
+process, answering with prebuilt messages.
+
+- streaming (the default): grpc.aio streams a prebuilt token message; prints the event-loop
+  thread's CPU per message while a client process runs 64 streams x 5 calls x 64 messages (the
+  same shape as generate_host_cost.py's load).
+- `--unary`: NextToken answered with a prebuilt NextTokenResponse (top 5), by grpc.aio and by
+  grpc's sync server on a thread pool, under h2load (64 calls in flight over 16 connections, one
+  thread: the load generator takes a few percent of a core). Prints the server process's whole
+  CPU per call, its threads included, against which a front end's CPU per unary call
+  (bench/host_path/front_end_profile.py) compares.
+
+    .venv/bin/python bench/host_path/grpc_stream_floor.py [--unary [--seconds 6] [--rounds 2]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import grpc
+
+from gpt2serve_client._proto import gpt2serve_pb2 as pb, gpt2serve_pb2_grpc as pb_grpc
+from gpt2serve_client.generation import GeneratedToken, GenerateChunk
+
+MESSAGES, STREAMS, CALLS = 64, 64, 5
+TOKEN = GenerateChunk(" the", GeneratedToken(262, " the", -0.5)).to_proto()
+CLIENT = """
+import asyncio, grpc, sys
+from gpt2serve_client._proto import gpt2serve_pb2 as pb, gpt2serve_pb2_grpc as pb_grpc
+async def main():
+    async with grpc.aio.insecure_channel(sys.argv[1]) as channel:
+        stub = pb_grpc.Gpt2ServeStub(channel)
+        async def calls():
+            for _ in range({calls}):
+                async for _ in stub.Generate(pb.GenerateRequest()):
+                    pass
+        await asyncio.gather(*(calls() for _ in range({streams})))
+asyncio.run(main())
+""".format(calls=CALLS, streams=STREAMS)
+ANSWER = pb.NextTokenResponse(token_id=262, token=" the", logprob=-0.5, batch_size=64,
+                              prompt_token_ids=[464, 3139, 286, 4881, 318],
+                              top=[pb.TokenLogprob(token_id=262 + i, token=" the", logprob=-0.5 - i) for i in range(5)])
+
+
+class Streamer(pb_grpc.Gpt2ServeServicer):
+    async def Generate(self, request, context):
+        for _ in range(MESSAGES):
+            yield TOKEN
+
+
+async def streaming() -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_Gpt2ServeServicer_to_server(Streamer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{port}"])
+    started = time.thread_time()
+    while client.poll() is None:
+        await asyncio.sleep(0.05)
+    spent = time.thread_time() - started
+    print(f"grpc.aio streaming: {spent / (MESSAGES * STREAMS * CALLS) * 1e6:.0f} us of event-loop CPU per message")
+    await server.stop(0)
+
+
+# Unary --------------------------------------------------------------------------------------------
+
+class AsyncAnswerer(pb_grpc.Gpt2ServeServicer):
+    async def NextToken(self, request, context):
+        return ANSWER
+
+
+class SyncAnswerer(pb_grpc.Gpt2ServeServicer):
+    def NextToken(self, request, context):
+        return ANSWER
+
+
+def serve(kind: str, port, ready) -> None:
+    """A server process (spawned): grpc.aio, or the sync server on 8 threads."""
+    if kind == "aio":
+        async def run() -> None:
+            server = grpc.aio.server()
+            pb_grpc.add_Gpt2ServeServicer_to_server(AsyncAnswerer(), server)
+            port.value = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            ready.set()
+            await server.wait_for_termination()
+        asyncio.run(run())
+    else:
+        server = grpc.server(futures.ThreadPoolExecutor(8))
+        pb_grpc.add_Gpt2ServeServicer_to_server(SyncAnswerer(), server)
+        port.value = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        ready.set()
+        server.wait_for_termination()
+
+
+def process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def unary(kind: str, seconds: float) -> tuple[float, float]:
+    """(calls a second, server CPU µs a call) under h2load."""
+    from gpt2serve.benchmarks.native_load import grpc_request_body, run_h2load
+
+    spawn = multiprocessing.get_context("spawn")
+    port, ready = spawn.Value("i", 0), spawn.Event()
+    server = spawn.Process(target=serve, args=(kind, port, ready), daemon=True)
+    server.start()
+    ready.wait(30)
+    path, body = grpc_request_body("grpc", [464, 3139, 286, 4881, 318], 1)
+    try:
+        run_h2load(f"127.0.0.1:{port.value}", path, body, 64, 1, 1.0, 0.5)  # warm-up
+        before = process_cpu_s(server.pid)
+        run = run_h2load(f"127.0.0.1:{port.value}", path, body, 64, 1, seconds, 0.1)
+        spent = process_cpu_s(server.pid) - before
+    finally:
+        server.kill()
+    return run.requests / run.duration_s, spent / run.requests * 1e6  # CPU over the run's measured calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--unary", action="store_true", help="NextToken under h2load, grpc.aio and the sync server")
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--rounds", type=int, default=2, help="--unary: alternating rounds")
+    args = parser.parse_args()
+    if not args.unary:
+        asyncio.run(streaming())
+        return
+    for round_ in range(1, args.rounds + 1):
+        for kind in ("aio", "sync"):
+            rate, us = unary(kind, args.seconds)
+            print(f"round {round_}, grpc {'aio' if kind == 'aio' else 'sync server, 8 threads'}: "
+                  f"{rate:,.0f} calls/s, {us:.0f} us of server CPU a call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
