@@ -129,7 +129,8 @@ class RunningServer:
 class StandinServer(RunningServer):
     """bench/host_path/standin_server.py started here, on ephemeral ports, stopped by stop()."""
 
-    def __init__(self, workers: int, max_batch: int, extra_args: tuple[str, ...] = (), phases_dir: str | None = None):
+    def __init__(self, workers: int, max_batch: int, extra_args: tuple[str, ...] = (), phases_dir: str | None = None,
+                 extra_env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.phases_dir = phases_dir
         self.proc = subprocess.Popen(
@@ -138,7 +139,7 @@ class StandinServer(RunningServer):
              "--max-running-sequences", str(max_batch), "--max-queue", "4096", "--prefix-cache-mb", "0",
              "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=dict(os.environ, STANDIN_PHASES=phases_dir) if phases_dir else None)
+            env={**os.environ, **({"STANDIN_PHASES": phases_dir} if phases_dir else {}), **(extra_env or {})})
         deadline = time.monotonic() + 300
         try:
             while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):

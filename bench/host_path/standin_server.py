@@ -222,5 +222,10 @@ if os.environ.get("STANDIN_PHASES"):  # the engine's CPU by phase (engine_phases
 
     engine_phases.install(os.environ["STANDIN_PHASES"], after_engine_start)
 
+if os.environ.get("STANDIN_TIMELINE"):  # a lone call's hops, marked in every process (call_timeline.py)
+    import call_timeline
+
+    call_timeline.install(os.environ["STANDIN_TIMELINE"])
+
 if __name__ == "__main__":
     sys.exit(main())
