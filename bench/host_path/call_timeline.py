@@ -94,8 +94,9 @@ Mark = tuple[int, int, str]  # (wall ns, the thread's CPU ns, the thread: proces
 def calls(directory: Path) -> list[dict[str, Mark]]:
     """Each call's marks: from one `handler start` to the next, the first of each mark in ORDER
     at or after the one before it (the core's loop wakes for other reasons too)."""
-    marks = sorted((int(wall), int(cpu), f"{f.name}/{thread}", name) for f in directory.glob("marks.*")
-                   for wall, cpu, thread, name in (line.split(" ", 3) for line in f.read_text().splitlines()))
+    lines = [(f.name, line.split(" ", 3)) for f in directory.glob("marks.*") for line in f.read_text().splitlines()]
+    marks = sorted((int(fields[0]), int(fields[1]), f"{name}/{fields[2]}", fields[3]) for name, fields in lines
+                   if len(fields) == 4 and fields[3] in ORDER)  # a process's last line may be cut short at exit
     found, current = [], None
     for wall, cpu, thread, name in marks:
         if name == ORDER[0]:

@@ -163,10 +163,13 @@ def top_table(ids: list[list[int]], logprobs: list[list[float]], top_ks: list[in
     return TopTable(table, top_ks or [table.shape[2]] * table.shape[1])
 
 
-def test_answers_from_a_top_table_travel_as_the_bytes_of_their_rows():
+@pytest.mark.parametrize("small_table_values", [0, 10**6], ids=["numpy", "struct"])
+def test_answers_from_a_top_table_travel_as_the_bytes_of_their_rows(monkeypatch, small_table_values):
     """The IPC door answers plain calls with rows of their batch's TopTable: the codec sends those
     rows' bytes (no list per alternative), and what arrives is each answer's TopScores, cut to
-    its k, equal to what the rows read as in the engine."""
+    its k, equal to what the rows read as in the engine, whichever way the front end reads the
+    bytes (numpy for large tables, struct for small ones)."""
+    monkeypatch.setattr(codec, "SMALL_TABLE_VALUES", small_table_values)
     table = top_table([[262, 11, 5], [13, 0, 1], [50256, 7, 9]], [[-1.5, -2.0, -3.25], [-0.25, -1.0, -2.0],
                                                                  [-0.5, -0.75, -1.0]], [3, 1, 3])
     message = Answers([40, 41], [2, 1], [0.001, 0.0], [1, 2], [], 0.002, 3, 5, table)
@@ -179,10 +182,12 @@ def test_answers_from_a_top_table_travel_as_the_bytes_of_their_rows():
     whole = Answers([1], [0], [0.0], [1], [], 0.0, 3, 5, table)  # its one row wants all 3
     assert _wire(whole)[9][1] == [] and codec.decode(codec.encode([whole]))[0].tops == [table[0]]
     blob = fields[9][0]
-    not_ids = np.frombuffer(blob, dtype=np.float32).copy()
-    not_ids[-1] = np.nan  # an id that is no integer
-    for packed in ([blob[:-4], [3, 1]], [not_ids.tobytes(), [3, 1]], [blob, [3, 4]], [blob, [3]],
-                   [blob.decode("latin-1"), []]):
+    not_ids = []
+    for bad in (np.nan, np.inf, -1.0, 2.0**24, 1.5):  # ids that are no token's
+        wrong = np.frombuffer(blob, dtype=np.float32).copy()
+        wrong[-1] = bad
+        not_ids.append([wrong.tobytes(), [3, 1]])
+    for packed in ([blob[:-4], [3, 1]], *not_ids, [blob, [3, 4]], [blob, [3]], [blob.decode("latin-1"), []]):
         with pytest.raises(BadFrame):
             codec.decode(_with(message, 9, packed))
     with pytest.raises(BadFrame):  # both forms at once
