@@ -13,7 +13,8 @@ Loads, one at a time, each from 2 client processes on the same machine:
 With `--native`, unary, rest and batch come from h2load and wrk instead (one thread, a few
 percent of a core), so the front ends are not sharing the cores with Python clients.
 
-    .venv/bin/python bench/host_path/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] [--native]
+    .venv/bin/python bench/host_path/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] \
+        [--native]
         [--stream-interval N] [--stream-tokens 64] [--top N] [--save DIR]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit

@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def start_litserve(port: int, deps: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(deps)}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "peers" / "litserve_gpt2.py"), "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "peers" / "litserve_gpt2.py"), "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "bench/host_path/host_path.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=400)
+    return subprocess.run([sys.executable, "bench/host_path/host_path.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=400)
 
 
 @pytest.mark.slow

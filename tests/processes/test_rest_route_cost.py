@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_route_bench_times_real_answers():
-    run = subprocess.run([sys.executable, "bench/host_path/rest_route_cost.py", "--calls", "300", "--rounds", "2", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "bench/host_path/rest_route_cost.py", "--calls", "300", "--rounds", "2",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(run.stdout)
     assert len(report["us_per_call"]) == 2 and all(us > 0 for us in report["us_per_call"])

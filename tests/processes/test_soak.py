@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(900)  # 90 s of load, plus starts and stops a loaded machine may stretch
 def test_a_minute_of_mixed_load_with_a_front_end_killed_loses_and_leaks_nothing(tmp_path):
     report_path = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, "bench/soak/soak.py", "--seconds", "90", "--sample-s", "1", "--settle-s", "60",
-                          "--clients", "8", "--json", str(report_path)],
+    run = subprocess.run([sys.executable, "bench/soak/soak.py", "--seconds", "90", "--sample-s", "1",
+                          "--settle-s", "60", "--clients", "8", "--json", str(report_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert report_path.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(report_path.read_text())
