@@ -17,7 +17,9 @@ Pass, as printed at the end ("pass": true):
   front end's calls);
 - at the end no request is in flight and no sequence running or waiting, the KV cache is empty;
 - the server's gpt2serve_requests_total equals the clients' counts per API, method and status,
-  up to the killed front end's calls (each may or may not have been counted before it died).
+  up to the killed front end's calls (each may or may not have been counted before it died) and
+  hang-ups that crossed a stream's end (the client's CANCELLED, the server's OK: it finished the
+  stream before it saw the hang-up; `counter_mismatches`).
 
     .venv/bin/python bench/soak/soak.py [--seconds 900] [--json out.json]
 """
@@ -286,16 +288,34 @@ def rss_growth(samples: list[dict], settle_s: float, seconds: float) -> dict:
     return growth
 
 
+def counter_mismatches(counted: Counter, outcomes: Counter, lost: Counter) -> dict[str, dict[str, int]]:
+    """(api, method, code) counts where the server's differ from the clients' beyond two races:
+    - a call broken near the kill (`lost`) may have been counted by the server, under any code;
+    - a hang-up that crosses a stream's end: the client hung up after its last event, or after
+      one of the last, and the server had finished the stream (OK) before it saw the hang-up, so
+      a call the client counts CANCELLED the server may count OK. Each such call moves one count
+      from CANCELLED to OK, never away from both."""
+    mismatches = {}
+    for key in sorted(set(counted) | set(outcomes)):
+        api, method, code = key
+        client, server = outcomes.get(key, 0), counted.get(key, 0)
+        allowed = lost.get((api, method), 0)
+        raced = 0  # this method's hang-ups the server counted OK
+        if code in ("OK", "CANCELLED"):
+            ok_surplus = counted.get((api, method, "OK"), 0) - outcomes.get((api, method, "OK"), 0)
+            cancelled_deficit = outcomes.get((api, method, "CANCELLED"), 0) - counted.get((api, method, "CANCELLED"), 0)
+            raced = max(0, min(ok_surplus, cancelled_deficit))
+        low, high = (-raced, allowed) if code == "CANCELLED" else (0, allowed + raced) if code == "OK" else (0, allowed)
+        if client != server and not low <= server - client <= high:
+            mismatches[" ".join(key)] = {"client": client, "server": server, "lost_near_kill": allowed,
+                                         "hang_ups_counted_ok": raced}
+    return mismatches
+
+
 def judge(run: dict, end: dict, args) -> dict:
     tally: Tally = run["tally"]
     growth = rss_growth(run["samples"], args.settle_s, args.seconds)
-    counted = end["requests"]
-    mismatches = {}
-    for key in sorted(set(counted) | set(tally.outcomes)):
-        client, server = tally.outcomes.get(key, 0), counted.get(key, 0)
-        lost = tally.lost.get(key[:2], 0)
-        if client != server and not (0 <= server - client <= lost):
-            mismatches[" ".join(key)] = {"client": client, "server": server, "lost_near_kill": lost}
+    mismatches = counter_mismatches(end["requests"], tally.outcomes, tally.lost)
     gauges = end["gauges"]
     verdict = {
         "rss_within_5_percent": all(g["growth"] <= 0.05 for g in growth.values() if g["judged"]),

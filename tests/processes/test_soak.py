@@ -32,3 +32,25 @@ def test_a_minute_of_mixed_load_with_a_front_end_killed_loses_and_leaks_nothing(
                      "openai Completions", "openai ChatCompletions"}, kinds
     assert report["by_status"].get("INVALID_ARGUMENT", 0) > 0 and report["by_status"].get("CANCELLED", 0) > 0
     assert report["killed_at_s"] > 0 and any("front end 1" in name for name in report["rss"])
+
+
+def test_the_soak_counts_a_hang_up_that_crossed_a_streams_end_but_no_count_that_went_missing():
+    """The counter rule alone: a stream the client hung up on after the server had finished it is
+    the client's CANCELLED and the server's OK, and passes; a CANCELLED the server never counted,
+    with no OK in its place, does not, nor an OK the server counted twice."""
+    sys.path.insert(0, str(ROOT / "bench" / "soak"))
+    from collections import Counter
+
+    from soak import counter_mismatches
+
+    clients = Counter({("rest", "Generate", "OK"): 45, ("rest", "Generate", "CANCELLED"): 17,
+                       ("grpc", "NextToken", "OK"): 60})
+    none_lost = Counter()
+    crossed = clients + Counter({("rest", "Generate", "OK"): 1}) - Counter({("rest", "Generate", "CANCELLED"): 1})
+    assert counter_mismatches(crossed, clients, none_lost) == {}
+    missing = clients - Counter({("rest", "Generate", "CANCELLED"): 1})
+    assert list(counter_mismatches(missing, clients, none_lost)) == ["rest Generate CANCELLED"]
+    counted_twice = clients + Counter({("grpc", "NextToken", "OK"): 1})
+    assert list(counter_mismatches(counted_twice, clients, none_lost)) == ["grpc NextToken OK"]
+    near_kill = Counter({("grpc", "NextToken"): 1})  # a call broken at the kill may have been counted
+    assert counter_mismatches(counted_twice, clients, near_kill) == {}
