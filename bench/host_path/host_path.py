@@ -133,13 +133,16 @@ class StandinServer(RunningServer):
                  extra_env: dict[str, str] | None = None):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.phases_dir = phases_dir
+        env = {**os.environ, **(extra_env or {})}
+        if phases_dir:
+            env["STANDIN_PHASES"] = phases_dir
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("standin_server.py")), "serve", "--model", "random:gpt2",
              "--device", "cpu", "--workers", str(workers), "--max-batch-size", str(max_batch),
              "--max-running-sequences", str(max_batch), "--max-queue", "4096", "--prefix-cache-mb", "0",
              "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **({"STANDIN_PHASES": phases_dir} if phases_dir else {}), **(extra_env or {})})
+            env=env)
         deadline = time.monotonic() + 300
         try:
             while "gpt2serve ready" not in (text := Path(self.log.name).read_text()):

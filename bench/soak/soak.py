@@ -300,12 +300,14 @@ def counter_mismatches(counted: Counter, outcomes: Counter, lost: Counter) -> di
         api, method, code = key
         client, server = outcomes.get(key, 0), counted.get(key, 0)
         allowed = lost.get((api, method), 0)
-        raced = 0  # this method's hang-ups the server counted OK
-        if code in ("OK", "CANCELLED"):
-            ok_surplus = counted.get((api, method, "OK"), 0) - outcomes.get((api, method, "OK"), 0)
-            cancelled_deficit = outcomes.get((api, method, "CANCELLED"), 0) - counted.get((api, method, "CANCELLED"), 0)
-            raced = max(0, min(ok_surplus, cancelled_deficit))
-        low, high = (-raced, allowed) if code == "CANCELLED" else (0, allowed + raced) if code == "OK" else (0, allowed)
+        ok_surplus = counted.get((api, method, "OK"), 0) - outcomes.get((api, method, "OK"), 0)
+        cancelled_deficit = outcomes.get((api, method, "CANCELLED"), 0) - counted.get((api, method, "CANCELLED"), 0)
+        raced = max(0, min(ok_surplus, cancelled_deficit))  # this method's hang-ups the server counted OK
+        low, high = 0, allowed
+        if code == "CANCELLED":
+            low = -raced
+        elif code == "OK":
+            high += raced
         if client != server and not low <= server - client <= high:
             mismatches[" ".join(key)] = {"client": client, "server": server, "lost_near_kill": allowed,
                                          "hang_ups_counted_ok": raced}

@@ -18,7 +18,8 @@ from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
-                        Submit, TokenEvent, TokenScore, Tokens, TopRow, TopScores, TraceContext, read_rows)
+                        Submit, TokenEvent, TokenScore, Tokens, TopRow, TopScores, TraceContext, cut_rows,
+                        read_rows)
 from .field_checks import (FLOATS, INTS, LISTS, BadFrame, as_bool, as_fields, as_float, as_floats, as_id_lists,
                            as_ids, as_int, as_list, as_str, optional)
 
@@ -238,19 +239,19 @@ def _packed_tops(x: Any, n: int) -> list[TopScores]:
     k_max = len(blob) // (8 * n)
     if as_ids(top_ks) and (len(top_ks) != n or not all(0 < k <= k_max for k in top_ks)):
         raise BadFrame("answers: packed top_ks do not fit the table")
+    top_ks = top_ks or [k_max] * n
     if n * k_max > SMALL_TABLE_VALUES:
         table = np.frombuffer(blob, dtype=np.float32).reshape(2, n, k_max)  # (2, n, k_max): values, ids
         ids = table[1]
         if not ((ids >= 0) & (ids < 2**24) & (ids == np.floor(ids))).all():  # NaN fails too
             raise BadFrame("answers: packed token ids are not integers")
-        return read_rows(table, top_ks or [k_max] * n)
+        return read_rows(table, top_ks)
     floats = struct.unpack(f"{2 * n * k_max}f", blob)  # values (n x k_max), then ids, as Python floats
     cells = n * k_max
     if not all(0 <= i < 2**24 and i.is_integer() for i in floats[cells:]):  # NaN fails too
         raise BadFrame("answers: packed token ids are not integers")
-    values, ids = list(floats[:cells]), list(map(int, floats[cells:]))
-    return [TopScores(ids[start:start + k], values[start:start + k])
-            for start, k in zip(range(0, cells, k_max), top_ks or [k_max] * n)]
+    values, ids, starts = list(floats[:cells]), list(map(int, floats[cells:])), range(0, cells, k_max)
+    return cut_rows([ids[s:s + k_max] for s in starts], [values[s:s + k_max] for s in starts], top_ks, k_max)
 
 
 def _model_info(x: Any) -> ModelInfo:

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Protocol
 
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
-from .top_tokens import TokenScore, TopRow, TopScores, TopTable, read_rows  # noqa: F401 (the messages' parts)
+from .top_tokens import TokenScore, TopRow, TopScores, TopTable, cut_rows, read_rows  # noqa: F401 (the messages' parts)
 
 # Engine-side messages -----------------------------------------------------------------------------
 

@@ -87,8 +87,12 @@ class TopTable(Sequence):
 
 def read_rows(table: np.ndarray, top_ks: Sequence[int]) -> list[TopScores]:
     """(2, B, k_max) float32, values then ids -> each row's TopScores, cut to its k."""
-    values, ids = table[0].tolist(), table[1].astype(np.int64).tolist()
-    if all(k == table.shape[2] for k in top_ks):  # every row asked for as many: no slicing
+    return cut_rows(table[1].astype(np.int64).tolist(), table[0].tolist(), top_ks, table.shape[2])
+
+
+def cut_rows(ids: list[list[int]], values: list[list[float]], top_ks: Sequence[int], k_max: int) -> list[TopScores]:
+    """Rows of k_max ids and values -> each row's TopScores, cut to its k."""
+    if all(k == k_max for k in top_ks):  # every row asked for as many: no slicing
         return list(map(TopScores, ids, values))
     return [TopScores(row_ids[:k], row_values[:k]) for row_ids, row_values, k in zip(ids, values, top_ks)]
 
