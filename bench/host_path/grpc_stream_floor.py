@@ -4,13 +4,13 @@ process, answering with prebuilt messages.
 - streaming (the default): grpc.aio streams a prebuilt token message; prints the event-loop
   thread's CPU per message while a client process runs 64 streams x 5 calls x 64 messages (the
   same shape as generate_host_cost.py's load).
-- `--unary`: NextToken answered with a prebuilt NextTokenResponse (top 5), by grpc.aio and by
-  grpc's sync server on a thread pool, under h2load (64 calls in flight over 16 connections, one
+- `--unary`: NextToken answered with a prebuilt NextTokenResponse (top 5), by grpc.aio, by
+  grpc's sync server on a thread pool and by the built-in server (`--grpc-server builtin`), under h2load (64 calls in flight over 16 connections, one
   thread: the load generator takes a few percent of a core). Prints the server process's whole
   CPU per call, its threads included, against which a front end's CPU per unary call
   (bench/host_path/front_end_profile.py) compares.
 
-    .venv/bin/python bench/host_path/grpc_stream_floor.py [--unary [--seconds 6] [--rounds 2]]
+    .venv/bin/python bench/host_path/grpc_stream_floor.py [--unary [--seconds 6] [--rounds 2] [--servers aio,builtin]]
 """
 
 from __future__ import annotations
@@ -82,8 +82,25 @@ class SyncAnswerer(pb_grpc.Gpt2ServeServicer):
 
 
 def serve(kind: str, port, ready) -> None:
-    """A server process (spawned): grpc.aio, or the sync server on 8 threads."""
-    if kind == "aio":
+    """A server process (spawned): grpc.aio, the sync server on 8 threads, or the built-in server
+    (gpt2serve's own HTTP/2 and gRPC layers, on uvloop as a front end runs it)."""
+    if kind == "builtin":
+        import uvloop
+
+        from gpt2serve.transport.grpc_builtin import BuiltinGrpcServer
+        from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
+        from gpt2serve.transport.h2_connection import ConnectionPolicy
+
+        async def run_builtin() -> None:
+            method = GrpcMethod(UNARY, AsyncAnswerer().NextToken, pb.NextTokenRequest.FromString,
+                                pb.NextTokenResponse.SerializeToString)
+            app = GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20)
+            server = BuiltinGrpcServer(app, ConnectionPolicy(), 1024, lambda: None)
+            port.value = await server.listen("127.0.0.1", 0)
+            ready.set()
+            await asyncio.Event().wait()
+        uvloop.run(run_builtin())
+    elif kind == "aio":
         async def run() -> None:
             server = grpc.aio.server()
             pb_grpc.add_Gpt2ServeServicer_to_server(AsyncAnswerer(), server)
@@ -127,20 +144,24 @@ def unary(kind: str, seconds: float) -> tuple[float, float]:
     return run.requests / run.duration_s, spent / run.requests * 1e6  # CPU over the run's measured calls
 
 
+SERVER_NAMES = {"aio": "grpc.aio", "sync": "grpc sync server, 8 threads", "builtin": "gpt2serve's built-in server"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unary", action="store_true", help="NextToken under h2load, grpc.aio and the sync server")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=2, help="--unary: alternating rounds")
+    parser.add_argument("--servers", default="aio,sync,builtin", help="--unary: which servers, in turn")
     args = parser.parse_args()
     if not args.unary:
         asyncio.run(streaming())
         return
     for round_ in range(1, args.rounds + 1):
-        for kind in ("aio", "sync"):
+        for kind in args.servers.split(","):
             rate, us = unary(kind, args.seconds)
-            print(f"round {round_}, grpc {'aio' if kind == 'aio' else 'sync server, 8 threads'}: "
-                  f"{rate:,.0f} calls/s, {us:.0f} us of server CPU a call", flush=True)
+            print(f"round {round_}, {SERVER_NAMES[kind]}: {rate:,.0f} calls/s, {us:.0f} us of server CPU a call",
+                  flush=True)
 
 
 if __name__ == "__main__":

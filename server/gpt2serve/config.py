@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_MODES = ("none", "int8", "fp16")  # engine.quantize.MODES
 TRACE_LAYERS_MODES = ("never", "on-request", "always")
 METRICS_COMPAT_CHOICES = ("vllm",)  # telemetry.metrics.METRICS_COMPAT
+GRPC_SERVERS = ("grpcio", "builtin")  # transport.grpc_server.GrpcTransport
 # --max-batch-size auto: on a GPU, batch 256 costs about what 64 does (issue 11, H100: CUDA-graph
 # forwards of 1.65 ms at 64 and 3.5 ms at 256); on a CPU, 64 already fills the cores.
 AUTO_MAX_BATCH_SIZE = {"cuda": 256, "cpu": 64}
@@ -104,6 +105,8 @@ class ServeConfig:
     grpc_max_connections: int = 1024
     # A gRPC connection that has not finished its HTTP/2 handshake (preface and SETTINGS) by then is closed.
     grpc_handshake_timeout_s: float = 10.0
+    # Who serves gRPC: grpc.aio (gRPC's core), or our own HTTP/2 and gRPC layers (transport.grpc_builtin).
+    grpc_server: str = "grpcio"
     # REST: an idle keep-alive connection is closed after this many seconds; a request must be read
     # whole within http_request_timeout_s; at http_max_connections a new connection takes the place of
     # the oldest one without a request's headers, or is refused when every one is busy.
@@ -285,6 +288,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-handshake-timeout-s", type=float, default=d.grpc_handshake_timeout_s,
             help="close a gRPC connection that has not completed its HTTP/2 handshake within this long "
                  "(gRPC's own default is 120 s, long enough for idle sockets to hold a front end's connections)")
+    env.add("--grpc-server", default=d.grpc_server, choices=GRPC_SERVERS,
+            help="grpcio: gRPC's own server (grpc.aio); builtin: the project's HTTP/2 and gRPC layers on the "
+                 "front end's event loop, with the same services "
+                 "(health, reflection) and flags, and connections refused at the limit counted")
     env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
             help="close an idle REST keep-alive connection after this long")
     env.add("--http-request-timeout-s", type=float, default=d.http_request_timeout_s,

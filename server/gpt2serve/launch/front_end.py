@@ -33,7 +33,7 @@ from ..service import InferenceService
 from ..telemetry.deferred_writes import defer_metric_writes
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
-from ..transport.grpc_server import GrpcTransport
+from ..transport.grpc_server import BuiltinGrpcTransport, GrpcTransport, grpc_transport
 from ..transport.http_connections import bounded_http_protocol
 from ..transport.rest import create_app
 from .process_common import ENGINE_GONE_SIGNAL, child_setup, freeze_startup_heap, run_front_end_loop, watch_parent
@@ -61,7 +61,7 @@ def bind_http_socket(host: str, port: int, reuse_port: bool = False) -> socket.s
 class Transports:
     """gRPC and REST over one service, started and stopped together."""
 
-    grpc: GrpcTransport
+    grpc: GrpcTransport | BuiltinGrpcTransport
     http_server: uvicorn.Server
     http_task: asyncio.Task
     http_port: int
@@ -69,7 +69,7 @@ class Transports:
     @classmethod
     async def start(cls, config: ServeConfig, service: InferenceService, reuse_port: bool = False) -> Transports:
         """Listening, not serving yet: probes answer (alive, not ready) while the model loads."""
-        grpc_transport = GrpcTransport(service, config)  # grpc sets SO_REUSEPORT itself on Linux
+        grpc = grpc_transport(service, config)  # Both set SO_REUSEPORT on the gRPC port.
         http_socket = bind_http_socket(config.host, config.http_port, reuse_port)
         app, direct = create_app(service, config)
         http_server = uvicorn.Server(uvicorn.Config(
@@ -81,14 +81,14 @@ class Transports:
                                        lambda: service.telemetry.connection_refused("rest"),
                                        lambda: service.telemetry.connection_evicted("rest"), direct),
         ))
-        await grpc_transport.start()
-        await grpc_transport.set_serving(False)
+        await grpc.start()
+        await grpc.set_serving(False)
         http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="http")
         while not http_server.started and not http_task.done():
             await asyncio.sleep(0.01)
         if http_task.done():
             await http_task  # Raises why uvicorn could not start.
-        return cls(grpc_transport, http_server, http_task, http_socket.getsockname()[1])
+        return cls(grpc, http_server, http_task, http_socket.getsockname()[1])
 
     async def stop(self, grace_s: float) -> None:
         """Close within `grace_s`: what is left then is cancelled."""

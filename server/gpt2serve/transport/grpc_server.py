@@ -23,7 +23,10 @@ from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
 from ..telemetry.tracing import propagated_fields
-from .guard import BearerKey, GrpcAuthInterceptor
+from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, Health, reflection_methods
+from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod
+from .guard import AUTH_HINT, OPEN_GRPC_SERVICES, BearerKey, GrpcAuthInterceptor
+from .h2_connection import ConnectionPolicy
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
@@ -179,13 +182,29 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
         return self.service.model_info().to_proto()
 
 
-def add_servicer(servicer: Gpt2ServeServicer, server: grpc.aio.Server) -> None:
-    """As the generated add_Gpt2ServeServicer_to_server, with lenient request parsing."""
-    methods = {
+def unary_methods(servicer: Gpt2ServeServicer) -> dict:
+    return {
         "NextToken": (servicer.NextToken, pb.NextTokenRequest, pb.NextTokenResponse),
         "NextTokenBatch": (servicer.NextTokenBatch, pb.NextTokenBatchRequest, pb.NextTokenBatchResponse),
         "GetModelInfo": (servicer.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
     }
+
+
+def builtin_methods(servicer: Gpt2ServeServicer) -> dict[str, GrpcMethod]:
+    """The service's methods for the built-in server, by path, with lenient request parsing."""
+    def serialize(message):
+        return message.SerializeToString()
+
+    methods = {f"/{SERVICE_NAME}/{name}": GrpcMethod(UNARY, behaviour, lenient(request), serialize)
+               for name, (behaviour, request, _) in unary_methods(servicer).items()}
+    methods[f"/{SERVICE_NAME}/Generate"] = GrpcMethod(SERVER_STREAM, servicer.Generate, lenient(pb.GenerateRequest),
+                                                      serialize)
+    return methods
+
+
+def add_servicer(servicer: Gpt2ServeServicer, server: grpc.aio.Server) -> None:
+    """As the generated add_Gpt2ServeServicer_to_server, with lenient request parsing."""
+    methods = unary_methods(servicer)
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             behaviour, request_deserializer=lenient(request), response_serializer=response.SerializeToString)
@@ -196,6 +215,11 @@ def add_servicer(servicer: Gpt2ServeServicer, server: grpc.aio.Server) -> None:
         response_serializer=pb.GenerateResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # Faster dispatch, as generated code does.
+
+
+def grpc_transport(service: InferenceService, config: ServeConfig) -> GrpcTransport | BuiltinGrpcTransport:
+    """gRPC by grpc.aio, or by the built-in server with --grpc-server builtin."""
+    return (BuiltinGrpcTransport if config.grpc_server == "builtin" else GrpcTransport)(service, config)
 
 
 class GrpcTransport:
@@ -250,6 +274,50 @@ class GrpcTransport:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+
+
+class BuiltinGrpcTransport:
+    """The same services over transport.grpc_builtin; `listen` binds (grpc.aio binds in __init__)."""
+
+    def __init__(self, service: InferenceService, config: ServeConfig):
+        self.config = config
+        self.health = Health()
+        methods = builtin_methods(Gpt2ServeServicer(service))
+        methods.update(self.health.methods())
+        methods.update(reflection_methods((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)))
+        key = BearerKey(config.api_key) if config.api_key else None
+
+        def guard(path: str, headers) -> tuple[grpc.StatusCode, str] | None:
+            service_name, _, method = path.lstrip("/").partition("/")
+            if key is None or service_name in OPEN_GRPC_SERVICES:
+                return None
+            if key.accepts(next((value for name, value in headers if name == b"authorization"), None)):
+                return None
+            service.count_refusal("grpc", method, "UNAUTHENTICATED")
+            return grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong API key: {AUTH_HINT}"
+
+        policy = ConnectionPolicy(
+            max_concurrent_streams=config.grpc_max_concurrent_streams,
+            handshake_timeout_s=config.grpc_handshake_timeout_s,
+            min_ping_interval_s=config.grpc_min_ping_interval_s,
+            idle_timeout_s=config.grpc_max_connection_idle_s, max_age_s=config.grpc_max_connection_age_s,
+            age_grace_s=config.shutdown_grace_s)
+        self.server = BuiltinGrpcServer(GrpcApp(methods, config.max_message_bytes, guard), policy,
+                                        config.grpc_max_connections,
+                                        lambda: service.telemetry.connection_refused("grpc"))
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        tls = (self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
+        self.port = await self.server.listen(self.config.host, self.config.grpc_port, tls)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
 
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace_s)

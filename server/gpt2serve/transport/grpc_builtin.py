@@ -1,0 +1,130 @@
+"""The built-in gRPC server (`--grpc-server builtin`): our HTTP/2 and gRPC layers on the front
+end's own event loop, in place of grpc.aio's core, whose per-call cost is most of a unary call's.
+
+It serves the same servicer, health (grpc.health.v1, Check and Watch) and reflection (v1alpha)
+as grpc.aio does, with the same flags: connections past `--grpc-max-connections` are closed at
+once and counted (gpt2serve_connections_refused_total{api="grpc"}), streams past
+`--grpc-max-concurrent-streams` refused for the client to retry, and a socket that has not sent
+the preface and its SETTINGS within `--grpc-handshake-timeout-s` closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from .grpc_calls import BIDI, SERVER_STREAM, UNARY, GrpcApp, GrpcMethod
+from .h2_connection import ConnectionPolicy, Http2Connection
+
+log = logging.getLogger(__name__)
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class Health:
+    """grpc.health.v1.Health: Check answers a service's status, Watch streams its changes."""
+
+    def __init__(self):
+        self.statuses: dict[str, int] = {}
+        self.changed = asyncio.Event()
+
+    def set(self, service: str, status: int) -> None:
+        self.statuses[service] = status
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def check(self, request, context):
+        status = self.statuses.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def watch(self, request, context):
+        last = None
+        while True:
+            status = self.statuses.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                last = status
+                yield health_pb2.HealthCheckResponse(status=status)
+            await self.changed.wait()
+
+    def methods(self) -> dict[str, GrpcMethod]:
+        def serialize(message):
+            return message.SerializeToString()
+
+        request = health_pb2.HealthCheckRequest.FromString
+        return {f"/{HEALTH_SERVICE}/Check": GrpcMethod(UNARY, self.check, request, serialize),
+                f"/{HEALTH_SERVICE}/Watch": GrpcMethod(SERVER_STREAM, self.watch, request, serialize)}
+
+
+def reflection_methods(service_names: tuple[str, ...]) -> dict[str, GrpcMethod]:
+    """Server reflection (v1alpha) from grpc_reflection's own servicer, a request at a time."""
+    servicer = reflection.ReflectionServicer(service_names)
+
+    async def info(requests, context):
+        async for request in requests:
+            for response in servicer.ServerReflectionInfo(iter((request,)), context):
+                yield response
+
+    return {f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": GrpcMethod(
+        BIDI, info, reflection_pb2.ServerReflectionRequest.FromString, lambda message: message.SerializeToString())}
+
+
+class RefusedConnection(asyncio.Protocol):
+    """A connection past the limit: closed before a byte is read."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        transport.abort()
+
+
+class BuiltinGrpcServer:
+    def __init__(self, app: GrpcApp, policy: ConnectionPolicy, max_connections: int,
+                 on_refused: Callable[[], None]):
+        self.app, self.policy, self.max_connections, self.on_refused = app, policy, max_connections, on_refused
+        self.connections: set[Http2Connection] = set()
+        self.server: asyncio.AbstractServer | None = None
+
+    def connection(self) -> asyncio.Protocol:
+        if len(self.connections) >= self.max_connections:
+            self.on_refused()
+            return RefusedConnection()
+        connection = Http2Connection(self.app, self.policy, on_closed=self.connections.discard)
+        self.connections.add(connection)
+        return connection
+
+    async def listen(self, host: str, port: int, tls: tuple[str, str] | None = None) -> int:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # front ends share the port
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        context = None
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(tls[0], tls[1])
+            context.set_alpn_protocols(["h2"])
+        self.server = await asyncio.get_running_loop().create_server(
+            self.connection, sock=sock, ssl=context, backlog=1024)
+        return sock.getsockname()[1]
+
+    async def stop(self, grace_s: float) -> None:
+        """GOAWAY to every connection; calls under way get `grace_s`, then are cancelled."""
+        if self.server is not None:
+            self.server.close()
+        for connection in list(self.connections):
+            connection.go_away()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.app.calls and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        self.app.cancel_all()
+        await asyncio.sleep(0)  # the cancelled calls send their statuses
+        for connection in list(self.connections):
+            connection.close()

@@ -1,0 +1,318 @@
+"""gRPC calls over the built-in HTTP/2 server: length-prefixed messages, statuses in trailers,
+deadlines, and the `grpc.aio.ServicerContext` methods the servicers use.
+
+A call's life: its headers open it (`GrpcApp.stream_opened`: the method, the deadline, the
+metadata); its messages come in (`Call.data_received`); a unary or server-streaming call runs
+its handler once the request is whole, a bidirectional one at once over an async iterator of
+requests. The answer goes out as headers, messages and trailers (for a unary call, one write
+with the connection's other answers of that turn); an error before any message is a
+trailers-only answer. A client's RST_STREAM, a lost connection or the deadline cancels the
+handler's task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+from .h2_connection import NO_ERROR, Stream
+from .hpack_codec import Header, encode_literal
+
+log = logging.getLogger(__name__)
+
+MESSAGE_HEAD = struct.Struct(">BI")  # compressed flag, length
+UNARY, SERVER_STREAM, BIDI = "unary", "server_stream", "bidi"
+ANSWER_HEADERS = b"\x88" + encode_literal(b"content-type", b"application/grpc")  # :status 200 is static 8
+OK_TRAILERS = encode_literal(b"grpc-status", b"0")
+TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+# What grpc.aio leaves out of invocation_metadata(): the call's own HTTP/2 and gRPC headers.
+TRANSPORT_HEADERS = frozenset({b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"})
+
+
+@dataclass(frozen=True)
+class GrpcMethod:
+    kind: str  # UNARY, SERVER_STREAM or BIDI
+    behaviour: Callable  # (request, context) -> answer, or an async iterator of answers
+    deserialize: Callable[[bytes], Any]
+    serialize: Callable[[Any], bytes]
+
+
+def status_block(code: grpc.StatusCode, details: str | None, metadata=()) -> bytes:
+    block = encode_literal(b"grpc-status", str(code.value[0]).encode())
+    if details:
+        # gRPC's percent-encoding: printable ASCII but '%' as is, everything else %XX of its UTF-8.
+        block += encode_literal(b"grpc-message", urllib.parse.quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
+                                .encode())
+    for key, value in metadata:
+        block += encode_literal(key.encode(), value if isinstance(value, bytes) else str(value).encode())
+    return block
+
+
+def message(payload: bytes) -> bytes:
+    return MESSAGE_HEAD.pack(0, len(payload)) + payload
+
+
+class CallContext:
+    """The part of `grpc.aio.ServicerContext` our servicers use."""
+
+    def __init__(self, call: Call, metadata: tuple[tuple[str, str], ...], deadline: float | None, peer: str):
+        self._call, self._metadata, self._deadline, self._peer = call, metadata, deadline, peer
+        self.trailing: tuple = ()
+        self.code: grpc.StatusCode | None = None
+        self.details: str | None = None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
+    def set_trailing_metadata(self, metadata) -> None:
+        self.trailing = tuple(metadata)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
+        self.code, self.details = code, details
+        if trailing_metadata:
+            self.trailing = tuple(trailing_metadata)
+        raise grpc.aio.AbortError()
+
+    def peer(self) -> str:
+        return self._peer
+
+    def cancelled(self) -> bool:
+        return self._call.cancelled
+
+    def done(self) -> bool:
+        return self._call.stream.closed
+
+
+class Call:
+    """One gRPC call on one HTTP/2 stream (the stream's listener)."""
+
+    def __init__(self, app: GrpcApp, stream: Stream, method: GrpcMethod, context_args: tuple, max_message: int):
+        self.app, self.stream, self.method, self.max_message = app, stream, method, max_message
+        self.context = CallContext(self, *context_args)
+        self.buffer = bytearray()
+        self.requests: list[bytes] = []
+        self.task: asyncio.Task | None = None
+        self.inbox: asyncio.Queue | None = None
+        self.headers_sent = self.cancelled = self.finished = False
+        deadline = context_args[1]
+        self.deadline_timer = None if deadline is None else asyncio.get_running_loop().call_later(
+            max(deadline - time.monotonic(), 0.0), self.expire)
+        if method.kind == BIDI:
+            self.inbox = asyncio.Queue()
+            self.start(self.run_bidi())
+
+    # The stream's listener ----------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.finished:
+            return
+        buffer = self.buffer
+        buffer += data
+        while len(buffer) >= 5:
+            compressed, length = MESSAGE_HEAD.unpack_from(buffer)
+            if length > self.max_message:
+                self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"Received message larger than max ({length} vs. {self.max_message})")
+                return
+            if len(buffer) < 5 + length:
+                return
+            if compressed:
+                self.refuse(grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported; send identity")
+                return
+            payload = bytes(buffer[5:5 + length])
+            del buffer[:5 + length]
+            if self.inbox is not None:
+                self.inbox.put_nowait(payload)
+            else:
+                self.requests.append(payload)
+
+    def end_received(self) -> None:
+        if self.finished:
+            return
+        if self.inbox is not None:
+            self.inbox.put_nowait(None)
+            return
+        if len(self.requests) != 1 or self.buffer:
+            self.refuse(grpc.StatusCode.UNIMPLEMENTED if len(self.requests) > 1 else grpc.StatusCode.INTERNAL,
+                        f"expected one request message, got {len(self.requests)}"
+                        + (" and a partial one" if self.buffer else ""))
+            return
+        request = self.method.deserialize(self.requests[0])
+        self.start(self.run_unary(request) if self.method.kind == UNARY else self.run_server_stream(request))
+
+    def reset_received(self) -> None:
+        self.cancel()
+
+    # Running ------------------------------------------------------------------------------------
+
+    def start(self, coroutine) -> None:
+        self.task = asyncio.get_running_loop().create_task(coroutine)
+        self.app.calls.add(self)
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.cancelled = self.finished = True
+            self.done()
+            if self.task is not None:
+                self.task.cancel()
+
+    def expire(self) -> None:
+        if not self.finished:
+            self.refuse(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self.cancelled = True
+            if self.task is not None:
+                self.task.cancel()
+
+    def done(self) -> None:
+        self.finished = True
+        self.app.calls.discard(self)
+        if self.deadline_timer is not None:
+            self.deadline_timer.cancel()
+
+    async def run_unary(self, request) -> None:
+        try:
+            answer = await self.method.behaviour(request, self.context)
+            if self.finished:
+                return
+            payload = message(self.method.serialize(answer))
+        except BaseException as exc:  # noqa: BLE001 - every way out is a status
+            self.failed(exc)
+            return
+        stream, context = self.stream, self.context
+        stream.send_headers(ANSWER_HEADERS)
+        stream.send_data(payload)
+        stream.send_headers(status_block(grpc.StatusCode.OK, None, context.trailing)
+                            if context.trailing else OK_TRAILERS, end_stream=True)
+        self.ended()
+
+    async def run_server_stream(self, request) -> None:
+        try:
+            await self.send_all(self.method.behaviour(request, self.context))
+        except BaseException as exc:  # noqa: BLE001
+            self.failed(exc)
+
+    async def run_bidi(self) -> None:
+        async def requests():
+            while (payload := await self.inbox.get()) is not None:
+                yield self.method.deserialize(payload)
+
+        try:
+            await self.send_all(self.method.behaviour(requests(), self.context))
+        except BaseException as exc:  # noqa: BLE001
+            self.failed(exc)
+
+    async def send_all(self, answers) -> None:
+        stream = self.stream
+        async for answer in answers:
+            if self.finished:
+                return
+            if not self.headers_sent:
+                stream.send_headers(ANSWER_HEADERS)
+                self.headers_sent = True
+            stream.send_data(message(self.method.serialize(answer)))
+            if stream.blocked:
+                await stream.writable()
+        if self.finished:
+            return
+        code = self.context.code or grpc.StatusCode.OK
+        self.finish(code, self.context.details if code != grpc.StatusCode.OK else None)
+
+    def failed(self, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            if not self.finished:  # cancelled by the server's stop
+                self.finish(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            return
+        if self.finished:
+            return
+        if isinstance(exc, grpc.aio.AbortError):
+            self.finish(self.context.code or grpc.StatusCode.UNKNOWN, self.context.details)
+            return
+        log.error("unhandled error in a gRPC call", exc_info=exc)
+        self.finish(grpc.StatusCode.UNKNOWN, f"Unexpected error in the handler: {type(exc).__name__}")
+        if not isinstance(exc, Exception):
+            raise exc
+
+    def finish(self, code: grpc.StatusCode, details: str | None) -> None:
+        """Trailers (trailers-only when nothing was sent), and a reset if the client still sends."""
+        block = status_block(code, details, self.context.trailing)
+        stream = self.stream
+        stream.send_headers(block if self.headers_sent else ANSWER_HEADERS + block, end_stream=True)
+        self.ended()
+
+    def refuse(self, code: grpc.StatusCode, details: str) -> None:
+        self.finish(code, details)
+        if self.task is not None:
+            self.task.cancel()
+
+    def ended(self) -> None:
+        if not self.stream.remote_closed:
+            self.stream.reset(NO_ERROR)
+        self.done()
+
+
+def parse_timeout(value: bytes) -> float | None:
+    try:
+        return int(value[:-1]) * TIMEOUT_UNITS[value[-1:]]
+    except (KeyError, ValueError):
+        return None
+
+
+class GrpcApp:
+    """The methods, by path, that streams open; `guard(path, headers)` may refuse a call first."""
+
+    def __init__(self, methods: dict[str, GrpcMethod], max_message: int,
+                 guard: Callable[[str, list[Header]], tuple[grpc.StatusCode, str] | None] | None = None):
+        self.methods = {path.encode(): method for path, method in methods.items()}
+        self.max_message, self.guard = max_message, guard
+        self.calls: set[Call] = set()
+
+    def stream_opened(self, stream: Stream, headers: list[Header]) -> None:
+        path = content_type = timeout = None
+        metadata = []
+        for name, value in headers:
+            if name[:1] == b":":
+                if name == b":path":
+                    path = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = parse_timeout(value)
+            elif name not in TRANSPORT_HEADERS:
+                metadata.append((name.decode("latin-1"), value.decode("latin-1")))
+        peer = stream.connection.peer
+        deadline = None if timeout is None else time.monotonic() + timeout
+        method = self.methods.get(path)
+        refusal = None
+        if content_type is None or not content_type.startswith(b"application/grpc"):
+            refusal = (grpc.StatusCode.UNKNOWN, f"content-type {content_type!r} is not application/grpc")
+        elif method is None:
+            refusal = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {(path or b'').decode('latin-1')}")
+        elif self.guard is not None:
+            refusal = self.guard((path or b"").decode("latin-1"), headers)
+        if refusal is not None:
+            method = GrpcMethod(UNARY, None, bytes, bytes)
+        call = Call(self, stream, method, (tuple(metadata), deadline, peer), self.max_message)
+        stream.listener = call
+        if refusal is not None:
+            call.refuse(*refusal)
+
+    def cancel_all(self) -> None:
+        for call in list(self.calls):
+            if call.task is not None:
+                call.task.cancel()

@@ -1,0 +1,499 @@
+"""HTTP/2 (RFC 9113) server connections for the built-in gRPC server: frames, streams, flow control.
+
+What a gRPC server needs of HTTP/2 and no more: no push, no priorities, no HTTP/1.1 upgrade. The
+gRPC layer (`grpc_calls`) sees streams: `Http2App.stream_opened(stream, headers)` sets a
+`StreamListener` for the request's data, end and reset, and answers through `Stream.send_*`.
+
+- Out: frames wait in one buffer written once per event-loop turn, so the answers a turn makes
+  (many calls' headers, messages and trailers) leave in one system call.
+- Flow control: we give the peer large windows and top them up as data is read; answers wait in
+  their stream for the peer's window (`Stream.writable()` for a streaming call's back-pressure).
+- The policies of gRPC's own server (`ConnectionPolicy`): a handshake deadline, a ping flood sent
+  GOAWAY, idle and aged connections closed gracefully, streams per connection refused past the
+  limit with REFUSED_STREAM (which clients retry transparently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from .hpack_codec import TABLE_SIZE_ZERO, Header, HeaderDecoder, HpackError
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+FRAME_HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = ACK = 0x1
+END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
+ENHANCE_YOUR_CALM = 11
+SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 1, 3, 4
+SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 5, 6
+DEFAULT_WINDOW, DEFAULT_FRAME_SIZE, MAX_WINDOW = 65535, 16384, 2**31 - 1
+# Windows we give the peer: a stream may send 4 MiB before we read it, a connection 16 MiB.
+STREAM_WINDOW, CONNECTION_WINDOW = 4 << 20, 16 << 20
+MAX_HEADER_LIST = 64 << 10
+
+
+def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return FRAME_HEAD.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
+
+
+class ConnectionError_(Exception):
+    """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, then close."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ConnectionPolicy:
+    max_concurrent_streams: int = 256
+    handshake_timeout_s: float = 10.0
+    min_ping_interval_s: float = 10.0
+    max_ping_strikes: int = 2
+    idle_timeout_s: float = 0.0  # 0: never
+    max_age_s: float = 0.0  # 0: never
+    age_grace_s: float = 10.0
+
+
+class StreamListener(Protocol):
+    def data_received(self, data: bytes) -> None: ...
+    def end_received(self) -> None: ...
+    def reset_received(self) -> None: ...
+
+
+class Http2App(Protocol):
+    def stream_opened(self, stream: Stream, headers: list[Header]) -> None: ...
+
+
+class Stream:
+    """One request and its answer. `send_headers`/`send_data` queue frames; data the peer has no
+    window for waits here, in order, with any trailers behind it."""
+
+    __slots__ = ("id", "connection", "listener", "send_window", "pending", "remote_closed", "closed",
+                 "unacked", "_waiter")
+
+    def __init__(self, stream_id: int, connection: Http2Connection, send_window: int):
+        self.id, self.connection, self.send_window = stream_id, connection, send_window
+        self.listener: StreamListener | None = None
+        self.pending: list[tuple[int, bytes, bool]] = []  # (frame type, payload, end_stream) held back
+        self.remote_closed = self.closed = False
+        self.unacked = 0  # bytes read that the peer's window has not been given back
+        self._waiter: asyncio.Future | None = None
+
+    def send_headers(self, block: bytes, end_stream: bool = False) -> None:
+        if self.closed:
+            return
+        if self.pending:
+            self.pending.append((HEADERS, block, end_stream))
+            return
+        self.connection.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), self.id, block)
+        if end_stream:
+            self.connection.stream_done(self)
+
+    def send_data(self, payload: bytes, end_stream: bool = False) -> None:
+        if self.closed:
+            return
+        if self.pending or not self.connection.send_now(self, payload, end_stream):
+            self.pending.append((DATA, payload, end_stream))
+            self.connection.blocked.add(self)
+            self.connection.send_blocked()  # what the windows allow of it now
+
+    def reset(self, code: int = CANCEL) -> None:
+        """Ends the stream from our side (RST_STREAM); nothing more is sent or read."""
+        if not self.closed:
+            self.connection.send_frame(RST_STREAM, 0, self.id, struct.pack(">I", code))
+            self.connection.stream_done(self)
+
+    @property
+    def blocked(self) -> bool:
+        return bool(self.pending) or self.connection.paused
+
+    async def writable(self) -> None:
+        """Until what was sent has left for the peer's window and the socket's buffer."""
+        while self.blocked and not self.closed:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class Http2Connection(asyncio.Protocol):
+    """One client connection. `app` opens streams; `server` counts connections and sets policy."""
+
+    def __init__(self, app: Http2App, policy: ConnectionPolicy, on_closed=None):
+        self.app, self.policy, self.on_closed = app, policy, on_closed
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.preface_seen = self.settings_seen = self.going_away = self.paused = self.lost = False
+        self.streams: dict[int, Stream] = {}
+        self.blocked: set[Stream] = set()
+        self.last_stream_id = 0
+        self.decoder = HeaderDecoder(max_list_size=MAX_HEADER_LIST)
+        self.headers_pending: tuple[int, int, bytearray] | None = None  # (stream id, flags, block) until END_HEADERS
+        self.send_window = DEFAULT_WINDOW
+        self.peer_stream_window = DEFAULT_WINDOW
+        self.peer_frame_size = DEFAULT_FRAME_SIZE
+        self.unacked = 0
+        self.out: list[bytes] = []
+        self.flush_scheduled = False
+        self.first_block_sent = False
+        self.last_ping = 0.0
+        self.ping_strikes = 0
+        self.timers: dict[str, asyncio.TimerHandle] = {}
+        self.peer = "unknown"
+
+    # The transport ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        address = transport.get_extra_info("peername")
+        if isinstance(address, tuple):
+            self.peer = f"{'ipv6:[' + address[0] + ']' if ':' in address[0] else 'ipv4:' + address[0]}:{address[1]}"
+        settings = b"".join(struct.pack(">HI", key, value) for key, value in (
+            (SETTINGS_MAX_CONCURRENT_STREAMS, self.policy.max_concurrent_streams),
+            (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
+            (SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
+        self.send_frame(SETTINGS, 0, 0, settings)
+        self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONNECTION_WINDOW - DEFAULT_WINDOW))
+        self.timers["handshake"] = self.loop.call_later(self.policy.handshake_timeout_s, self.close)
+        if self.policy.max_age_s > 0:
+            self.timers["age"] = self.loop.call_later(self.policy.max_age_s, self.go_away)
+        self.idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        for timer in self.timers.values():
+            timer.cancel()
+        for stream in list(self.streams.values()):
+            self.stream_done(stream)
+            if stream.listener is not None:
+                stream.listener.reset_received()
+        if self.on_closed is not None:
+            self.on_closed(self)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        for stream in list(self.streams.values()):
+            stream.wake()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.flush()
+            self.transport.close()
+
+    # Out ----------------------------------------------------------------------------------------
+
+    def send_frame(self, ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
+        if ftype <= HEADERS:  # DATA or HEADERS: an answer, which clears a ping flood's strikes (as gRPC's)
+            self.ping_strikes = 0
+            if ftype == HEADERS and not self.first_block_sent:
+                payload, self.first_block_sent = TABLE_SIZE_ZERO + payload, True
+        self.out.append(FRAME_HEAD.pack(len(payload) << 8 | ftype, flags, stream_id))
+        self.out.append(payload)
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_scheduled = False
+        if self.out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self.out))
+        self.out.clear()
+
+    def send_now(self, stream: Stream, payload: bytes, end_stream: bool) -> bool:
+        """Sends `payload` as DATA if both windows allow all of it (split to the peer's frame size)."""
+        size = len(payload)
+        if size > self.send_window or size > stream.send_window:
+            return False
+        self.send_window -= size
+        stream.send_window -= size
+        limit = self.peer_frame_size
+        for start in range(0, max(size, 1), limit):
+            last = start + limit >= size
+            self.send_frame(DATA, END_STREAM if end_stream and last else 0, stream.id, payload[start:start + limit])
+        if end_stream:
+            self.stream_done(stream)
+        return True
+
+    def send_blocked(self) -> None:
+        """Sends what the windows now allow of what waited, each stream in order."""
+        for stream in list(self.blocked):
+            while stream.pending and not stream.closed:
+                ftype, payload, end_stream = stream.pending[0]
+                if ftype == HEADERS:
+                    stream.pending.pop(0)
+                    self.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream.id, payload)
+                    if end_stream:
+                        self.stream_done(stream)
+                    continue
+                room = min(self.send_window, stream.send_window)
+                if room <= 0 and payload:
+                    break
+                part, rest = payload[:room], payload[room:]
+                self.send_window -= len(part)
+                stream.send_window -= len(part)
+                for start in range(0, max(len(part), 1), self.peer_frame_size):
+                    last = not rest and start + self.peer_frame_size >= len(part)
+                    self.send_frame(DATA, END_STREAM if end_stream and last else 0, stream.id,
+                                    part[start:start + self.peer_frame_size])
+                if rest:
+                    stream.pending[0] = (DATA, rest, end_stream)
+                    break
+                stream.pending.pop(0)
+                if end_stream:
+                    self.stream_done(stream)
+            if not stream.pending or stream.closed:
+                self.blocked.discard(stream)
+                stream.wake()
+
+    def stream_done(self, stream: Stream) -> None:
+        stream.closed = True
+        stream.pending.clear()
+        self.blocked.discard(stream)
+        stream.wake()
+        if self.streams.pop(stream.id, None) is not None and not self.streams:
+            self.idle()
+            if self.going_away:
+                self.loop.call_soon(self.close)
+
+    def go_away(self, code: int = NO_ERROR, reason: bytes = b"") -> None:
+        """No new streams; those under way finish (within the age grace), then the connection closes."""
+        if self.going_away or self.transport is None:
+            return
+        self.going_away = True
+        self.send_frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream_id, code) + reason)
+        if not self.streams or code != NO_ERROR:
+            self.loop.call_soon(self.close)
+        else:
+            self.timers["grace"] = self.loop.call_later(self.policy.age_grace_s, self.close)
+
+    def idle(self) -> None:
+        if self.policy.idle_timeout_s > 0 and not self.lost:
+            old = self.timers.get("idle")
+            if old is not None:
+                old.cancel()
+            self.timers["idle"] = self.loop.call_later(self.policy.idle_timeout_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        if not self.streams:
+            self.go_away()
+
+    # In -----------------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        try:
+            if not self.preface_seen:
+                if len(buffer) < len(PREFACE):
+                    if not PREFACE.startswith(bytes(buffer)):
+                        raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    return
+                if buffer[:len(PREFACE)] != PREFACE:
+                    raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                self.preface_seen = True
+                del buffer[:len(PREFACE)]
+            pos, size = 0, len(buffer)
+            while size - pos >= 9:
+                head, flags, stream_id = FRAME_HEAD.unpack_from(buffer, pos)
+                length = head >> 8
+                if length > DEFAULT_FRAME_SIZE:
+                    raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                if size - pos - 9 < length:
+                    break
+                payload = bytes(buffer[pos + 9:pos + 9 + length])
+                pos += 9 + length
+                self.frame_received(head & 0xFF, flags, stream_id & 0x7FFFFFFF, payload)
+            del buffer[:pos]
+        except ConnectionError_ as exc:
+            log.debug("HTTP/2 connection error: %s", exc)
+            self.buffer.clear()
+            self.go_away(exc.code, str(exc).encode()[:200])
+            self.close()
+        if self.blocked:
+            self.send_blocked()
+
+    def frame_received(self, ftype: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self.headers_pending is not None and ftype != CONTINUATION:
+            raise ConnectionError_(PROTOCOL_ERROR, "a frame between HEADERS and its CONTINUATION")
+        if not self.settings_seen and ftype != SETTINGS:
+            raise ConnectionError_(PROTOCOL_ERROR, "the preface's SETTINGS must come first")
+        if ftype == DATA:
+            self.data_frame(flags, stream_id, payload)
+        elif ftype == HEADERS:
+            if not stream_id:
+                raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+            payload = self.unpad(flags, payload)
+            if flags & PRIORITY_FLAG:
+                payload = payload[5:]
+            if flags & END_HEADERS:
+                self.headers_complete(stream_id, flags, payload)
+            else:
+                self.headers_pending = (stream_id, flags, bytearray(payload))
+        elif ftype == CONTINUATION:
+            if self.headers_pending is None or self.headers_pending[0] != stream_id:
+                raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            block = self.headers_pending[2]
+            block += payload
+            if len(block) > MAX_HEADER_LIST:
+                raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large")
+            if flags & END_HEADERS:
+                opened_flags = self.headers_pending[1]
+                self.headers_pending = None
+                self.headers_complete(stream_id, opened_flags, bytes(block))
+        elif ftype == RST_STREAM:
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                self.stream_done(stream)
+                if stream.listener is not None:
+                    stream.listener.reset_received()
+        elif ftype == SETTINGS:
+            self.settings_frame(flags, stream_id, payload)
+        elif ftype == PING:
+            self.ping_frame(flags, payload)
+        elif ftype == GOAWAY:
+            self.going_away = True
+            if not self.streams:
+                self.close()
+        elif ftype == WINDOW_UPDATE:
+            self.window_update(stream_id, payload)
+        elif ftype == PUSH_PROMISE:
+            raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
+
+    @staticmethod
+    def unpad(flags: int, payload: bytes) -> bytes:
+        if not flags & PADDED:
+            return payload
+        if not payload or payload[0] >= len(payload):
+            raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+        return payload[1:len(payload) - payload[0]]
+
+    def data_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self.unacked += len(payload)
+        if self.unacked >= CONNECTION_WINDOW // 2:
+            self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
+            self.unacked = 0
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.remote_closed:
+            if stream_id > self.last_stream_id or not stream_id:
+                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            return  # A stream we closed or reset: its data is counted and dropped.
+        data = self.unpad(flags, payload)
+        if flags & END_STREAM:
+            stream.remote_closed = True
+        else:
+            stream.unacked += len(payload)
+            if stream.unacked >= STREAM_WINDOW // 2:
+                self.send_frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.unacked))
+                stream.unacked = 0
+        if data:
+            stream.listener.data_received(data)
+        if flags & END_STREAM and not stream.closed:
+            stream.listener.end_received()
+
+    def headers_complete(self, stream_id: int, flags: int, block: bytes) -> None:
+        try:
+            headers = self.decoder.decode(block)  # Always: the table must follow every block.
+        except HpackError as exc:
+            raise ConnectionError_(COMPRESSION_ERROR, str(exc)) from None
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers: only an end is expected
+            if not flags & END_STREAM:
+                raise ConnectionError_(PROTOCOL_ERROR, "trailers without END_STREAM")
+            stream.remote_closed = True
+            stream.listener.end_received()
+            return
+        if stream_id % 2 == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {stream_id}")
+        if stream_id <= self.last_stream_id:
+            return  # trailers of a stream we already closed
+        self.last_stream_id = stream_id
+        if self.going_away or len(self.streams) >= self.policy.max_concurrent_streams:
+            self.send_frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM))
+            return
+        stream = Stream(stream_id, self, self.peer_stream_window)
+        self.streams[stream_id] = stream
+        idle = self.timers.pop("idle", None)
+        if idle is not None:
+            idle.cancel()
+        self.app.stream_opened(stream, headers)
+        if stream.listener is None:
+            raise RuntimeError("the app left a stream without a listener")
+        if flags & END_STREAM and not stream.closed:
+            stream.remote_closed = True
+            stream.listener.end_received()
+
+    def settings_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            return
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS of a bad length")
+        for key, value in struct.iter_unpack(">HI", payload):
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
+                delta, self.peer_stream_window = value - self.peer_stream_window, value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise ConnectionError_(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
+                self.peer_frame_size = value
+        self.send_frame(SETTINGS, ACK, 0)
+        if not self.settings_seen:
+            self.settings_seen = True
+            self.timers.pop("handshake").cancel()
+
+    def ping_frame(self, flags: int, payload: bytes) -> None:
+        if len(payload) != 8:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "PING of a bad length")
+        if flags & ACK:
+            return
+        now = time.monotonic()
+        # As gRPC's server: pings closer together than the interval are strikes; answers sent clear them.
+        if self.last_ping and now - self.last_ping < self.policy.min_ping_interval_s:
+            self.ping_strikes += 1
+            if self.ping_strikes > self.policy.max_ping_strikes:
+                self.go_away(ENHANCE_YOUR_CALM, b"too_many_pings")
+                return
+        self.last_ping = now
+        self.send_frame(PING, ACK, 0, payload)
+
+    def window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of a bad length")
+        increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
+        if not stream_id:
+            if not increment:
+                raise ConnectionError_(PROTOCOL_ERROR, "a window update of 0")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
+        else:
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                stream.send_window += increment
+        if self.blocked:
+            self.send_blocked()
