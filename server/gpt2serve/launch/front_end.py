@@ -70,6 +70,7 @@ class Transports:
     async def start(cls, config: ServeConfig, service: InferenceService, reuse_port: bool = False) -> Transports:
         """Listening, not serving yet: probes answer (alive, not ready) while the model loads."""
         grpc = grpc_transport(service, config)  # Both set SO_REUSEPORT on the gRPC port.
+        log.info("gRPC served by %s", "the built-in server" if config.grpc_server == "builtin" else "grpc.aio")
         http_socket = bind_http_socket(config.host, config.http_port, reuse_port)
         app, direct = create_app(service, config)
         http_server = uvicorn.Server(uvicorn.Config(
