@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from .grpc_calls import BIDI, SERVER_STREAM, UNARY, GrpcApp, GrpcMethod
-from .h2_connection import ConnectionPolicy, Http2Connection
+from .h2_connection import Http2Connection
+from .h2_frames import ConnectionPolicy
 
 log = logging.getLogger(__name__)
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name

@@ -17,12 +17,13 @@ import logging
 import struct
 import time
 import urllib.parse
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import grpc
 
-from .h2_connection import NO_ERROR, Stream
+from .h2_frames import NO_ERROR, Stream
 from .hpack_codec import Header, encode_literal
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ MESSAGE_HEAD = struct.Struct(">BI")  # compressed flag, length
 UNARY, SERVER_STREAM, BIDI = "unary", "server_stream", "bidi"
 ANSWER_HEADERS = b"\x88" + encode_literal(b"content-type", b"application/grpc")  # :status 200 is static 8
 OK_TRAILERS = encode_literal(b"grpc-status", b"0")
+# Compressed requests, by grpc-encoding: zlib's window bits for each (answers go uncompressed).
+DECOMPRESSORS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
 TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 # What grpc.aio leaves out of invocation_metadata(): the call's own HTTP/2 and gRPC headers.
 TRANSPORT_HEADERS = frozenset({b"te", b"content-type", b"grpc-timeout", b"grpc-encoding", b"grpc-accept-encoding"})
@@ -102,8 +105,10 @@ class CallContext:
 class Call:
     """One gRPC call on one HTTP/2 stream (the stream's listener)."""
 
-    def __init__(self, app: GrpcApp, stream: Stream, method: GrpcMethod, context_args: tuple, max_message: int):
+    def __init__(self, app: GrpcApp, stream: Stream, method: GrpcMethod, context_args: tuple, max_message: int,
+                 encoding: bytes | None = None):
         self.app, self.stream, self.method, self.max_message = app, stream, method, max_message
+        self.encoding = encoding
         self.context = CallContext(self, *context_args)
         self.buffer = bytearray()
         self.requests: list[bytes] = []
@@ -132,15 +137,35 @@ class Call:
                 return
             if len(buffer) < 5 + length:
                 return
-            if compressed:
-                self.refuse(grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported; send identity")
-                return
             payload = bytes(buffer[5:5 + length])
             del buffer[:5 + length]
+            if compressed:
+                payload = self.decompress(payload)
+                if payload is None:
+                    return
             if self.inbox is not None:
                 self.inbox.put_nowait(payload)
             else:
                 self.requests.append(payload)
+
+    def decompress(self, payload: bytes) -> bytes | None:
+        """A compressed message's bytes, at most the message limit; None when refused."""
+        wbits = DECOMPRESSORS.get(self.encoding)
+        if wbits is None:
+            self.refuse(grpc.StatusCode.UNIMPLEMENTED,
+                        f"a compressed message in grpc-encoding {self.encoding!r}; send identity, gzip or deflate")
+            return None
+        try:
+            inflater = zlib.decompressobj(wbits)
+            data = inflater.decompress(payload, self.max_message + 1)
+        except zlib.error as exc:
+            self.refuse(grpc.StatusCode.INTERNAL, f"a compressed message that does not decompress: {exc}")
+            return None
+        if len(data) > self.max_message:
+            self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"Received message larger than max (more than {self.max_message} bytes decompressed)")
+            return None
+        return data
 
     def end_received(self) -> None:
         if self.finished:
@@ -283,7 +308,7 @@ class GrpcApp:
         self.calls: set[Call] = set()
 
     def stream_opened(self, stream: Stream, headers: list[Header]) -> None:
-        path = content_type = timeout = None
+        path = content_type = timeout = encoding = None
         metadata = []
         for name, value in headers:
             if name[:1] == b":":
@@ -293,6 +318,8 @@ class GrpcApp:
                 content_type = value
             elif name == b"grpc-timeout":
                 timeout = parse_timeout(value)
+            elif name == b"grpc-encoding":
+                encoding = value
             elif name not in TRANSPORT_HEADERS:
                 metadata.append((name.decode("latin-1"), value.decode("latin-1")))
         peer = stream.connection.peer
@@ -307,7 +334,7 @@ class GrpcApp:
             refusal = self.guard((path or b"").decode("latin-1"), headers)
         if refusal is not None:
             method = GrpcMethod(UNARY, None, bytes, bytes)
-        call = Call(self, stream, method, (tuple(metadata), deadline, peer), self.max_message)
+        call = Call(self, stream, method, (tuple(metadata), deadline, peer), self.max_message, encoding)
         stream.listener = call
         if refusal is not None:
             call.refuse(*refusal)

@@ -26,7 +26,7 @@ from ..telemetry.tracing import propagated_fields
 from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, Health, reflection_methods
 from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod
 from .guard import AUTH_HINT, OPEN_GRPC_SERVICES, BearerKey, GrpcAuthInterceptor
-from .h2_connection import ConnectionPolicy
+from .h2_frames import ConnectionPolicy
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name

@@ -19,117 +19,17 @@ import asyncio
 import logging
 import struct
 import time
-from dataclasses import dataclass
-from typing import Protocol
 
-from .hpack_codec import TABLE_SIZE_ZERO, Header, HeaderDecoder, HpackError
+from .h2_frames import (
+    ACK, COMPRESSION_ERROR, CONNECTION_WINDOW, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS,
+    END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_HEAD, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_HEADER_LIST,
+    MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
+    RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_WINDOW, WINDOW_UPDATE, ConnectionPolicy, Http2App, Http2Error, Stream,
+)
+from .hpack_codec import TABLE_SIZE_ZERO, HeaderDecoder, HpackError
 
 log = logging.getLogger(__name__)
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-FRAME_HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 5, 6, 7, 8, 9
-ENHANCE_YOUR_CALM = 11
-SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 1, 3, 4
-SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 5, 6
-DEFAULT_WINDOW, DEFAULT_FRAME_SIZE, MAX_WINDOW = 65535, 16384, 2**31 - 1
-# Windows we give the peer: a stream may send 4 MiB before we read it, a connection 16 MiB.
-STREAM_WINDOW, CONNECTION_WINDOW = 4 << 20, 16 << 20
-MAX_HEADER_LIST = 64 << 10
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return FRAME_HEAD.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
-
-
-class ConnectionError_(Exception):
-    """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, then close."""
-
-    def __init__(self, code: int, reason: str):
-        super().__init__(reason)
-        self.code = code
-
-
-@dataclass(frozen=True)
-class ConnectionPolicy:
-    max_concurrent_streams: int = 256
-    handshake_timeout_s: float = 10.0
-    min_ping_interval_s: float = 10.0
-    max_ping_strikes: int = 2
-    idle_timeout_s: float = 0.0  # 0: never
-    max_age_s: float = 0.0  # 0: never
-    age_grace_s: float = 10.0
-
-
-class StreamListener(Protocol):
-    def data_received(self, data: bytes) -> None: ...
-    def end_received(self) -> None: ...
-    def reset_received(self) -> None: ...
-
-
-class Http2App(Protocol):
-    def stream_opened(self, stream: Stream, headers: list[Header]) -> None: ...
-
-
-class Stream:
-    """One request and its answer. `send_headers`/`send_data` queue frames; data the peer has no
-    window for waits here, in order, with any trailers behind it."""
-
-    __slots__ = ("id", "connection", "listener", "send_window", "pending", "remote_closed", "closed",
-                 "unacked", "_waiter")
-
-    def __init__(self, stream_id: int, connection: Http2Connection, send_window: int):
-        self.id, self.connection, self.send_window = stream_id, connection, send_window
-        self.listener: StreamListener | None = None
-        self.pending: list[tuple[int, bytes, bool]] = []  # (frame type, payload, end_stream) held back
-        self.remote_closed = self.closed = False
-        self.unacked = 0  # bytes read that the peer's window has not been given back
-        self._waiter: asyncio.Future | None = None
-
-    def send_headers(self, block: bytes, end_stream: bool = False) -> None:
-        if self.closed:
-            return
-        if self.pending:
-            self.pending.append((HEADERS, block, end_stream))
-            return
-        self.connection.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), self.id, block)
-        if end_stream:
-            self.connection.stream_done(self)
-
-    def send_data(self, payload: bytes, end_stream: bool = False) -> None:
-        if self.closed:
-            return
-        if self.pending or not self.connection.send_now(self, payload, end_stream):
-            self.pending.append((DATA, payload, end_stream))
-            self.connection.blocked.add(self)
-            self.connection.send_blocked()  # what the windows allow of it now
-
-    def reset(self, code: int = CANCEL) -> None:
-        """Ends the stream from our side (RST_STREAM); nothing more is sent or read."""
-        if not self.closed:
-            self.connection.send_frame(RST_STREAM, 0, self.id, struct.pack(">I", code))
-            self.connection.stream_done(self)
-
-    @property
-    def blocked(self) -> bool:
-        return bool(self.pending) or self.connection.paused
-
-    async def writable(self) -> None:
-        """Until what was sent has left for the peer's window and the socket's buffer."""
-        while self.blocked and not self.closed:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
 
 class Http2Connection(asyncio.Protocol):
@@ -306,10 +206,10 @@ class Http2Connection(asyncio.Protocol):
             if not self.preface_seen:
                 if len(buffer) < len(PREFACE):
                     if not PREFACE.startswith(bytes(buffer)):
-                        raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                        raise Http2Error(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
                     return
                 if buffer[:len(PREFACE)] != PREFACE:
-                    raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    raise Http2Error(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
                 self.preface_seen = True
                 del buffer[:len(PREFACE)]
             pos, size = 0, len(buffer)
@@ -317,14 +217,14 @@ class Http2Connection(asyncio.Protocol):
                 head, flags, stream_id = FRAME_HEAD.unpack_from(buffer, pos)
                 length = head >> 8
                 if length > DEFAULT_FRAME_SIZE:
-                    raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                    raise Http2Error(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
                 if size - pos - 9 < length:
                     break
                 payload = bytes(buffer[pos + 9:pos + 9 + length])
                 pos += 9 + length
                 self.frame_received(head & 0xFF, flags, stream_id & 0x7FFFFFFF, payload)
             del buffer[:pos]
-        except ConnectionError_ as exc:
+        except Http2Error as exc:
             log.debug("HTTP/2 connection error: %s", exc)
             self.buffer.clear()
             self.go_away(exc.code, str(exc).encode()[:200])
@@ -334,14 +234,14 @@ class Http2Connection(asyncio.Protocol):
 
     def frame_received(self, ftype: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self.headers_pending is not None and ftype != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "a frame between HEADERS and its CONTINUATION")
+            raise Http2Error(PROTOCOL_ERROR, "a frame between HEADERS and its CONTINUATION")
         if not self.settings_seen and ftype != SETTINGS:
-            raise ConnectionError_(PROTOCOL_ERROR, "the preface's SETTINGS must come first")
+            raise Http2Error(PROTOCOL_ERROR, "the preface's SETTINGS must come first")
         if ftype == DATA:
             self.data_frame(flags, stream_id, payload)
         elif ftype == HEADERS:
             if not stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+                raise Http2Error(PROTOCOL_ERROR, "HEADERS on stream 0")
             payload = self.unpad(flags, payload)
             if flags & PRIORITY_FLAG:
                 payload = payload[5:]
@@ -351,11 +251,11 @@ class Http2Connection(asyncio.Protocol):
                 self.headers_pending = (stream_id, flags, bytearray(payload))
         elif ftype == CONTINUATION:
             if self.headers_pending is None or self.headers_pending[0] != stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+                raise Http2Error(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
             block = self.headers_pending[2]
             block += payload
             if len(block) > MAX_HEADER_LIST:
-                raise ConnectionError_(ENHANCE_YOUR_CALM, "header block too large")
+                raise Http2Error(ENHANCE_YOUR_CALM, "header block too large")
             if flags & END_HEADERS:
                 opened_flags = self.headers_pending[1]
                 self.headers_pending = None
@@ -377,7 +277,7 @@ class Http2Connection(asyncio.Protocol):
         elif ftype == WINDOW_UPDATE:
             self.window_update(stream_id, payload)
         elif ftype == PUSH_PROMISE:
-            raise ConnectionError_(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+            raise Http2Error(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
 
     @staticmethod
@@ -385,7 +285,7 @@ class Http2Connection(asyncio.Protocol):
         if not flags & PADDED:
             return payload
         if not payload or payload[0] >= len(payload):
-            raise ConnectionError_(PROTOCOL_ERROR, "padding longer than the frame")
+            raise Http2Error(PROTOCOL_ERROR, "padding longer than the frame")
         return payload[1:len(payload) - payload[0]]
 
     def data_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
@@ -396,7 +296,7 @@ class Http2Connection(asyncio.Protocol):
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:
             if stream_id > self.last_stream_id or not stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+                raise Http2Error(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             return  # A stream we closed or reset: its data is counted and dropped.
         data = self.unpad(flags, payload)
         if flags & END_STREAM:
@@ -415,16 +315,16 @@ class Http2Connection(asyncio.Protocol):
         try:
             headers = self.decoder.decode(block)  # Always: the table must follow every block.
         except HpackError as exc:
-            raise ConnectionError_(COMPRESSION_ERROR, str(exc)) from None
+            raise Http2Error(COMPRESSION_ERROR, str(exc)) from None
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers: only an end is expected
             if not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, "trailers without END_STREAM")
+                raise Http2Error(PROTOCOL_ERROR, "trailers without END_STREAM")
             stream.remote_closed = True
             stream.listener.end_received()
             return
         if stream_id % 2 == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {stream_id}")
+            raise Http2Error(PROTOCOL_ERROR, f"HEADERS opening stream {stream_id}")
         if stream_id <= self.last_stream_id:
             return  # trailers of a stream we already closed
         self.last_stream_id = stream_id
@@ -445,21 +345,21 @@ class Http2Connection(asyncio.Protocol):
 
     def settings_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id:
-            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+            raise Http2Error(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
             return
         if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS of a bad length")
+            raise Http2Error(FRAME_SIZE_ERROR, "SETTINGS of a bad length")
         for key, value in struct.iter_unpack(">HI", payload):
             if key == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window too large")
+                    raise Http2Error(FLOW_CONTROL_ERROR, "initial window too large")
                 delta, self.peer_stream_window = value - self.peer_stream_window, value
                 for stream in self.streams.values():
                     stream.send_window += delta
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
-                    raise ConnectionError_(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
+                    raise Http2Error(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
                 self.peer_frame_size = value
         self.send_frame(SETTINGS, ACK, 0)
         if not self.settings_seen:
@@ -468,7 +368,7 @@ class Http2Connection(asyncio.Protocol):
 
     def ping_frame(self, flags: int, payload: bytes) -> None:
         if len(payload) != 8:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "PING of a bad length")
+            raise Http2Error(FRAME_SIZE_ERROR, "PING of a bad length")
         if flags & ACK:
             return
         now = time.monotonic()
@@ -483,14 +383,14 @@ class Http2Connection(asyncio.Protocol):
 
     def window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of a bad length")
+            raise Http2Error(FRAME_SIZE_ERROR, "WINDOW_UPDATE of a bad length")
         increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
         if not stream_id:
             if not increment:
-                raise ConnectionError_(PROTOCOL_ERROR, "a window update of 0")
+                raise Http2Error(PROTOCOL_ERROR, "a window update of 0")
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
-                raise ConnectionError_(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
+                raise Http2Error(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
         else:
             stream = self.streams.get(stream_id)
             if stream is not None:

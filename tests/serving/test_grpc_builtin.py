@@ -1,0 +1,181 @@
+"""The built-in gRPC server (--grpc-server builtin) on the wire, with grpcio's own client: what our
+HTTP/2 and gRPC layers do that grpc.aio's core did for us.
+
+- HPACK: the decoder reads what the reference encoder writes (Huffman, indexing, table resizes).
+- Flow control both ways: an answer larger than the client's window, a request larger than the
+  window we give, and a message past --max-message-bytes refused with RESOURCE_EXHAUSTED.
+- Compressed requests (gzip, deflate), deadlines, a client's cancel, and the connection count:
+  connections past --grpc-max-connections are refused and counted (grpc.aio's core could not).
+- The services a user reaches with tools: health (Check and Watch) and reflection.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import grpc
+import hpack
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from gpt2serve.transport.hpack_codec import HeaderDecoder, HpackError
+from gpt2serve_client._proto import gpt2serve_pb2 as pb, gpt2serve_pb2_grpc as pb_grpc
+from support.servers import launch_server, metric_value
+
+MAX_MESSAGE = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    srv = launch_server(tmp_path_factory.mktemp("builtin"), "--model", "random:tiny", "--grpc-server", "builtin",
+                        "--max-message-bytes", str(MAX_MESSAGE), "--grpc-max-connections", "8")
+    yield srv
+    srv.stop()
+
+
+def stub(channel: grpc.Channel) -> pb_grpc.Gpt2ServeStub:
+    return pb_grpc.Gpt2ServeStub(channel)
+
+
+def test_the_hpack_decoder_reads_what_the_reference_encoder_writes():
+    rng = random.Random(7)
+    encoder, ours, reference = hpack.Encoder(), HeaderDecoder(), hpack.Decoder()
+    for i in range(2000):
+        headers = [(":method", "POST"), (":path", f"/gpt2serve.v1.Gpt2Serve/M{rng.randint(0, 40)}"),
+                   ("grpc-timeout", f"{rng.randint(1, 10**6)}u"),
+                   (f"x-key-{rng.randint(0, 200)}", "v" * rng.randint(0, 400)),
+                   hpack.NeverIndexedHeaderTuple("authorization", f"Bearer {rng.random()}")]
+        if i % 250 == 0:
+            encoder.header_table_size = rng.choice([0, 256, 4096])  # a table size update in the next block
+        block = encoder.encode(headers, huffman=bool(i % 2))
+        assert ours.decode(block) == [tuple(header) for header in reference.decode(block, raw=True)]
+    with pytest.raises(HpackError):
+        ours.decode(b"\xff\xff\xff\xff\xff\xff\x7f")  # an index past any table
+    with pytest.raises(HpackError):
+        ours.decode(b"\x00\x85ab")  # a string cut short
+
+
+def test_an_answer_larger_than_the_clients_window_arrives_whole(builtin):
+    """A client whose window stays at 64 KiB (no BDP probing) reads a ~1 MiB answer: the server
+    sends what the window allows and the rest as the client's WINDOW_UPDATEs come."""
+    prompts = [pb.Prompt(prompt_token_ids=[(i * 7 + j) % 50000 for j in range(200)]) for i in range(48)]
+    request = pb.NextTokenBatchRequest(prompts=prompts, top_k=5, prompt_logprobs=5)
+    with grpc.insecure_channel(builtin.grpc_target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        answer = stub(channel).NextTokenBatch(request, timeout=120)
+        assert answer.ByteSize() > 512 << 10
+        assert len(answer.results) == 48
+        assert all(len(result.prompt_logprobs) == 200 for result in answer.results)  # the first without one
+        # The same prompt alone is answered the same (a small answer, one frame).
+        alone = stub(channel).NextToken(pb.NextTokenRequest(prompt_token_ids=prompts[3].prompt_token_ids, top_k=5),
+                                        timeout=60)
+        assert alone.token_id == answer.results[3].token_id
+
+
+def test_a_request_larger_than_the_window_given_is_read_and_one_past_the_limit_refused(builtin):
+    """A 6 MiB request is more than the 4 MiB a stream may send before the server reads it, so it
+    arrives only if the server tops up the window as it reads; one past --max-message-bytes is
+    RESOURCE_EXHAUSTED, and the connection still serves."""
+    big = pb.NextTokenRequest(prompt_token_ids=[50000] * (2 << 20))  # 3 bytes an id: 6 MiB
+    too_big = pb.NextTokenRequest(prompt_token_ids=[50000] * (MAX_MESSAGE // 3 + 100))
+    assert big.ByteSize() > 6 << 20 and too_big.ByteSize() > MAX_MESSAGE
+    with grpc.insecure_channel(builtin.grpc_target, options=[("grpc.max_send_message_length", -1)]) as channel:
+        with pytest.raises(grpc.RpcError) as read:
+            stub(channel).NextToken(big, timeout=60)
+        assert read.value.code() == grpc.StatusCode.INVALID_ARGUMENT, read.value.details()  # read, then judged
+        assert "token" in read.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(channel).NextToken(too_big, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(MAX_MESSAGE) in refused.value.details()
+        assert stub(channel).NextToken(pb.NextTokenRequest(prompt="still served"), timeout=30).token
+
+
+@pytest.mark.parametrize("compression", [grpc.Compression.Gzip, grpc.Compression.Deflate])
+def test_compressed_requests_are_answered(builtin, compression):
+    with grpc.insecure_channel(builtin.grpc_target, compression=compression) as channel:
+        plain = stub(channel).NextToken(pb.NextTokenRequest(prompt="Hello world " * 50, top_k=3), timeout=30)
+    with grpc.insecure_channel(builtin.grpc_target) as channel:
+        again = stub(channel).NextToken(pb.NextTokenRequest(prompt="Hello world " * 50, top_k=3), timeout=30)
+    assert plain.prompt_token_ids == again.prompt_token_ids
+    assert [t.token_id for t in plain.top] == [t.token_id for t in again.top]
+
+
+def test_a_deadline_ends_a_generation_and_a_cancel_frees_its_stream(builtin):
+    with grpc.insecure_channel(builtin.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as late:
+            for _ in stub(channel).Generate(pb.GenerateRequest(prompt="on and on", max_tokens=250, ignore_eos=True),
+                                            timeout=0.05):  # 250 steps of random:tiny take longer
+                pass
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stream = stub(channel).Generate(pb.GenerateRequest(prompt="on and on", max_tokens=250, ignore_eos=True),
+                                        timeout=60)
+        next(stream)
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as cancelled:
+            next(stream)
+        assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+        assert stub(channel).NextToken(pb.NextTokenRequest(prompt="after"), timeout=30).token
+
+
+def test_health_check_watch_and_reflection(builtin):
+    with grpc.insecure_channel(builtin.grpc_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service="gpt2serve.v1.Gpt2Serve"), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(reflect.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="gpt2serve.v1.Gpt2Serve")]), timeout=10))
+        names = {service.name for service in answers[0].list_services_response.service}
+        assert {"gpt2serve.v1.Gpt2Serve", "grpc.health.v1.Health"} <= names
+        assert answers[1].file_descriptor_response.file_descriptor_proto
+
+
+def test_an_unknown_method_and_a_wrong_content_type_are_refused(builtin):
+    with grpc.insecure_channel(builtin.grpc_target) as channel:
+        unknown = channel.unary_unary("/gpt2serve.v1.Gpt2Serve/NoSuchMethod")
+        with pytest.raises(grpc.RpcError) as refused:
+            unknown(b"", timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "NoSuchMethod" in refused.value.details()
+
+
+def test_connections_past_the_limit_are_refused_and_counted(builtin):
+    """--grpc-max-connections 8: of 20 sockets, those past the limit are closed before a byte and
+    counted in gpt2serve_connections_refused_total{api="grpc"}; a client's calls go on."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    before = metric_value(builtin.http_url, "gpt2serve_connections_refused_total", {"api": "grpc"}) or 0
+    with grpc.insecure_channel(builtin.grpc_target) as channel:
+        assert stub(channel).NextToken(pb.NextTokenRequest(prompt="first"), timeout=30).token
+        flood = [socket.create_connection((host, int(port)), timeout=10) for _ in range(20)]
+        try:
+            cut = 0
+            for sock in flood:
+                sock.settimeout(1.0)
+                try:
+                    cut += sock.recv(1) == b""
+                except ConnectionResetError:
+                    cut += 1
+                except socket.timeout:
+                    pass
+            assert cut == 13  # 8 connections: the channel's and 7 of the flood
+            assert stub(channel).NextToken(pb.NextTokenRequest(prompt="held"), timeout=30).token
+        finally:
+            for sock in flood:
+                sock.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        refused = metric_value(builtin.http_url, "gpt2serve_connections_refused_total", {"api": "grpc"}) or 0
+        if refused - before >= 13:
+            break
+        time.sleep(0.2)
+    assert refused - before == 13
