@@ -98,15 +98,16 @@ class ServeConfig:
     grpc_max_connection_age_s: float = 0.0
     # gRPC connections: keepalive pings a client may send (more often gets GOAWAY after 2 strikes),
     # idle connections closed, streams at once per connection (more wait their turn), and
-    # connections per front end (one past it is closed at once by gRPC's core).
+    # connections per front end (one past it is closed at once, and counted).
     grpc_min_ping_interval_s: float = 10.0
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_concurrent_streams: int = 256
     grpc_max_connections: int = 1024
     # A gRPC connection that has not finished its HTTP/2 handshake (preface and SETTINGS) by then is closed.
     grpc_handshake_timeout_s: float = 10.0
-    # Who serves gRPC: grpc.aio (gRPC's core), or our own HTTP/2 and gRPC layers (transport.grpc_builtin).
-    grpc_server: str = "grpcio"
+    # Who serves gRPC: our own HTTP/2 and gRPC layers (transport.grpc_builtin, a quarter of grpc.aio's CPU a
+    # unary call, measured in docs/benchmarks.md), or grpc.aio (gRPC's core).
+    grpc_server: str = "builtin"
     # REST: an idle keep-alive connection is closed after this many seconds; a request must be read
     # whole within http_request_timeout_s; at http_max_connections a new connection takes the place of
     # the oldest one without a request's headers, or is refused when every one is busy.
@@ -283,15 +284,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-max-concurrent-streams", type=int, default=d.grpc_max_concurrent_streams,
             help="calls at once on one gRPC connection; more wait in the client until one ends")
     env.add("--grpc-max-connections", type=int, default=d.grpc_max_connections,
-            help="open gRPC connections per front end; one past it is closed at once, before a byte is read "
-                 "(by gRPC's core, so not counted in gpt2serve_connections_refused_total)")
+            help="open gRPC connections per front end; one past it is closed at once, before a byte is read, and "
+                 "counted in gpt2serve_connections_refused_total (with --grpc-server grpcio, by gRPC's core: not "
+                 "counted)")
     env.add("--grpc-handshake-timeout-s", type=float, default=d.grpc_handshake_timeout_s,
             help="close a gRPC connection that has not completed its HTTP/2 handshake within this long "
                  "(gRPC's own default is 120 s, long enough for idle sockets to hold a front end's connections)")
     env.add("--grpc-server", default=d.grpc_server, choices=GRPC_SERVERS,
-            help="grpcio: gRPC's own server (grpc.aio); builtin: the project's HTTP/2 and gRPC layers on the "
-                 "front end's event loop, with the same services "
-                 "(health, reflection) and flags, and connections refused at the limit counted")
+            help="builtin: the project's own HTTP/2 and gRPC layers on the front end's event loop (a quarter of "
+                 "grpc.aio's CPU a unary call); grpcio: gRPC's own server (grpc.aio). Both serve the same methods, "
+                 "health and reflection, under the same flags")
     env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
             help="close an idle REST keep-alive connection after this long")
     env.add("--http-request-timeout-s", type=float, default=d.http_request_timeout_s,

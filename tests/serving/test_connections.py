@@ -252,9 +252,11 @@ def test_connections_busy_with_requests_stay_and_a_newcomer_is_refused(few_conne
 
 def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections):
     """--grpc-max-connections 20: a client connected before the flood keeps its answers, the flood
-    gets 20 connections and no more (the rest are closed before a byte), and all is released."""
+    gets 20 connections and no more (the rest are closed before a byte, and counted), and all is
+    released."""
     target, pid = few_connections.grpc_target, few_connections.proc.pid
     host, port = target.rsplit(":", 1)
+    refused_before = metric_value(few_connections.http_url, "gpt2serve_connections_refused_total", {"api": "grpc"})
     with Client(target, retries=0, timeout=30) as client:
         assert client.health()
         baseline = open_descriptors(pid)
@@ -271,6 +273,8 @@ def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections
                     taken = True
                 held, cut = held + taken, cut + (not taken)
             assert (held, cut) == (19, 41)  # the client's own connection is one of the 20
+            refused = metric_value(few_connections.http_url, "gpt2serve_connections_refused_total", {"api": "grpc"})
+            assert refused - refused_before == 41  # each one counted (the built-in server's own count)
             assert open_descriptors(pid) <= baseline + 19 + 2
             assert client.next_token("still answered", top_k=1).top[0].token_id >= 0
         finally:

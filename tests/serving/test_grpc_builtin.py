@@ -179,3 +179,47 @@ def test_connections_past_the_limit_are_refused_and_counted(builtin):
             break
         time.sleep(0.2)
     assert refused - before == 13
+
+
+@pytest.fixture(scope="module")
+def grpcio_server(tmp_path_factory):
+    srv = launch_server(tmp_path_factory.mktemp("grpcio"), "--model", "random:tiny", "--grpc-server", "grpcio")
+    yield srv
+    srv.stop()
+
+
+def every_kind_of_call(target: str) -> list:
+    """One call of each method and service, and two refusals, as (what, answer or status)."""
+    outcomes = []
+    with grpc.insecure_channel(target) as channel:
+        service = stub(channel)
+        outcomes.append(("next token", service.NextToken(pb.NextTokenRequest(prompt="The sky is", top_k=3),
+                                                         timeout=30).top))
+        batch = service.NextTokenBatch(pb.NextTokenBatchRequest(prompts=[pb.Prompt(prompt="a b"), pb.Prompt(
+            prompt="c")], prompt_logprobs=2), timeout=30)
+        outcomes.append(("batch", [(r.token_id, list(r.prompt_logprobs)) for r in batch.results]))
+        # Joined: how many tokens share a message depends on when the client reads (coalescing).
+        outcomes.append(("generate", "".join(m.text for m in service.Generate(
+            pb.GenerateRequest(prompt="Once", max_tokens=6, temperature=0, ignore_eos=True), timeout=30))))
+        outcomes.append(("model", service.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).architecture))
+        for what, call in (("empty prompt", lambda: service.NextToken(pb.NextTokenRequest(), timeout=30)),
+                           ("bad top_k", lambda: service.NextToken(pb.NextTokenRequest(prompt="a", top_k=10**6),
+                                                                    timeout=30))):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            outcomes.append((what, refused.value.code(), refused.value.details()))
+        outcomes.append(("health", health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                             timeout=10).status))
+        listed = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        outcomes.append(("services", sorted(s.name for s in listed.list_services_response.service)))
+    return outcomes
+
+
+def test_both_grpc_servers_answer_alike(builtin, grpcio_server):
+    """--grpc-server grpcio stays a working choice: the same calls get the same answers and
+    statuses from grpc.aio as from the built-in server (same weights: the same random seed)."""
+    ours, theirs = every_kind_of_call(builtin.grpc_target), every_kind_of_call(grpcio_server.grpc_target)
+    assert [o[0] for o in ours] == [o[0] for o in theirs]
+    for mine, reference in zip(ours, theirs):
+        assert mine == reference, mine[0]
