@@ -223,3 +223,54 @@ def test_both_grpc_servers_answer_alike(builtin, grpcio_server):
     assert [o[0] for o in ours] == [o[0] for o in theirs]
     for mine, reference in zip(ours, theirs):
         assert mine == reference, mine[0]
+
+
+def read_frames(sock: socket.socket, seconds: float) -> list[tuple[int, int, int, bytes]]:
+    """(type, flags, stream id, payload) of every frame the server sends within `seconds`."""
+    sock.settimeout(0.2)
+    data, frames, deadline = b"", [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 16)
+        except socket.timeout:
+            continue
+        if not chunk:
+            break
+        data += chunk
+        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
+            length = int.from_bytes(data[:3], "big")
+            frames.append((data[3], data[4], int.from_bytes(data[5:9], "big") & 0x7FFFFFFF, data[9:9 + length]))
+            data = data[9 + length:]
+    return frames
+
+
+def connection_window_given(frames) -> int:
+    return sum(int.from_bytes(payload, "big") for ftype, _, stream_id, payload in frames if ftype == 8 and not stream_id)
+
+
+def test_partial_messages_hold_the_connection_window_until_released(builtin):
+    """A raw HTTP/2 client opens four calls and sends 3 MiB of a 4 MiB message on each: 12 MiB
+    the server must keep. It gives the connection's window back only for bytes a call has taken,
+    so those 12 MiB are not returned while held (a client cannot make it buffer more than the
+    window), and are returned once the client resets the streams."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    encoder = hpack.Encoder()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        opening = read_frames(sock, 1.0)
+        assert connection_window_given(opening) == (16 << 20) - 65535  # 2 x --max-message-bytes (8 MiB)
+        chunk = b"\0" * 16384
+        for stream_id in (1, 3, 5, 7):
+            sock.sendall(frame(1, 0x4, stream_id, encoder.encode([
+                (":method", "POST"), (":scheme", "http"), (":path", "/gpt2serve.v1.Gpt2Serve/NextToken"),
+                (":authority", builtin.grpc_target), ("content-type", "application/grpc"), ("te", "trailers")])))
+            sock.sendall(frame(0, 0, stream_id, b"\0" + (4 << 20).to_bytes(4, "big") + chunk[:16379]))
+            sock.sendall(b"".join(frame(0, 0, stream_id, chunk) for _ in range((3 << 20) // 16384 - 1)))
+        assert connection_window_given(read_frames(sock, 1.0)) == 0  # all 12 MiB held by the calls
+        sock.sendall(b"".join(frame(3, 0, stream_id, (8).to_bytes(4, "big")) for stream_id in (1, 3, 5, 7)))
+        # Given back once released, in updates of at least half the window: 9 MiB after the third reset.
+        assert connection_window_given(read_frames(sock, 1.0)) >= 8 << 20
+
+
+def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + stream_id.to_bytes(4, "big") + payload

@@ -126,6 +126,7 @@ class Call:
 
     def data_received(self, data: bytes) -> None:
         if self.finished:
+            self.stream.release(len(data))
             return
         buffer = self.buffer
         buffer += data
@@ -139,6 +140,7 @@ class Call:
                 return
             payload = bytes(buffer[5:5 + length])
             del buffer[:5 + length]
+            self.stream.release(5 + length)
             if compressed:
                 payload = self.decompress(payload)
                 if payload is None:
@@ -178,7 +180,11 @@ class Call:
                         f"expected one request message, got {len(self.requests)}"
                         + (" and a partial one" if self.buffer else ""))
             return
-        request = self.method.deserialize(self.requests[0])
+        try:
+            request = self.method.deserialize(self.requests[0])
+        except Exception as exc:  # noqa: BLE001 - our own methods parse leniently; the others say why here
+            self.refuse(grpc.StatusCode.INTERNAL, f"the request could not be parsed: {exc}")
+            return
         self.start(self.run_unary(request) if self.method.kind == UNARY else self.run_server_stream(request))
 
     def reset_received(self) -> None:
@@ -206,6 +212,9 @@ class Call:
 
     def done(self) -> None:
         self.finished = True
+        if self.buffer:  # a partial message no one will take
+            self.stream.release(len(self.buffer))
+            self.buffer.clear()
         self.app.calls.discard(self)
         if self.deadline_timer is not None:
             self.deadline_timer.cancel()

@@ -21,7 +21,7 @@ import struct
 import time
 
 from .h2_frames import (
-    ACK, COMPRESSION_ERROR, CONNECTION_WINDOW, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS,
+    ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS,
     END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_HEAD, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_HEADER_LIST,
     MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
     RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
@@ -70,7 +70,7 @@ class Http2Connection(asyncio.Protocol):
             (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
             (SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
         self.send_frame(SETTINGS, 0, 0, settings)
-        self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONNECTION_WINDOW - DEFAULT_WINDOW))
+        self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.policy.connection_window - DEFAULT_WINDOW))
         self.timers["handshake"] = self.loop.call_later(self.policy.handshake_timeout_s, self.close)
         if self.policy.max_age_s > 0:
             self.timers["age"] = self.loop.call_later(self.policy.max_age_s, self.go_away)
@@ -289,16 +289,14 @@ class Http2Connection(asyncio.Protocol):
         return payload[1:len(payload) - payload[0]]
 
     def data_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
-        self.unacked += len(payload)
-        if self.unacked >= CONNECTION_WINDOW // 2:
-            self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
-            self.unacked = 0
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:
             if stream_id > self.last_stream_id or not stream_id:
                 raise Http2Error(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            self.release(len(payload))
             return  # A stream we closed or reset: its data is counted and dropped.
         data = self.unpad(flags, payload)
+        self.release(len(payload) - len(data))  # the padding
         if flags & END_STREAM:
             stream.remote_closed = True
         else:
@@ -307,9 +305,17 @@ class Http2Connection(asyncio.Protocol):
                 self.send_frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.unacked))
                 stream.unacked = 0
         if data:
-            stream.listener.data_received(data)
+            stream.listener.data_received(data)  # It releases the bytes as it takes them.
         if flags & END_STREAM and not stream.closed:
             stream.listener.end_received()
+
+    def release(self, size: int) -> None:
+        """`size` bytes of DATA are off our hands: the connection's window gets them back. Only what a
+        call has taken counts, so a client's partial messages hold at most one window of memory."""
+        self.unacked += size
+        if self.unacked >= self.policy.connection_window // 2:
+            self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
+            self.unacked = 0
 
     def headers_complete(self, stream_id: int, flags: int, block: bytes) -> None:
         try:

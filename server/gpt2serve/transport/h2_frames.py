@@ -48,6 +48,8 @@ class ConnectionPolicy:
     idle_timeout_s: float = 0.0  # 0: never
     max_age_s: float = 0.0  # 0: never
     age_grace_s: float = 10.0
+    # DATA a connection may have in flight and in calls' partial messages: at least two of the largest message.
+    connection_window: int = CONNECTION_WINDOW
 
 
 class StreamListener(Protocol):
@@ -70,6 +72,7 @@ class Connection(Protocol):
     def send_now(self, stream: Stream, payload: bytes, end_stream: bool) -> bool: ...
     def send_blocked(self) -> None: ...
     def stream_done(self, stream: Stream) -> None: ...
+    def release(self, size: int) -> None: ...
 
 
 class Stream:
@@ -104,6 +107,10 @@ class Stream:
             self.pending.append((DATA, payload, end_stream))
             self.connection.blocked.add(self)
             self.connection.send_blocked()  # what the windows allow of it now
+
+    def release(self, size: int) -> None:
+        """The listener has taken `size` bytes of this stream's data (h2_connection.release)."""
+        self.connection.release(size)
 
     def reset(self, code: int = CANCEL) -> None:
         """Ends the stream from our side (RST_STREAM); nothing more is sent or read."""
