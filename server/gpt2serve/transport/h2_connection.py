@@ -23,9 +23,9 @@ import time
 from .h2_frames import (
     ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS,
     END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_HEAD, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_HEADER_LIST,
-    MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
+    MAX_WINDOW, NO_ERROR, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
     RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
-    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_WINDOW, WINDOW_UPDATE, ConnectionPolicy, Http2App, Http2Error, Stream,
+    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_WINDOW, WINDOW_UPDATE, ConnectionPolicy, Http2App, Http2Error, Stream, unpad,
 )
 from .hpack_codec import TABLE_SIZE_ZERO, HeaderDecoder, HpackError
 
@@ -242,7 +242,7 @@ class Http2Connection(asyncio.Protocol):
         elif ftype == HEADERS:
             if not stream_id:
                 raise Http2Error(PROTOCOL_ERROR, "HEADERS on stream 0")
-            payload = self.unpad(flags, payload)
+            payload = unpad(flags, payload)
             if flags & PRIORITY_FLAG:
                 payload = payload[5:]
             if flags & END_HEADERS:
@@ -280,14 +280,6 @@ class Http2Connection(asyncio.Protocol):
             raise Http2Error(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
 
-    @staticmethod
-    def unpad(flags: int, payload: bytes) -> bytes:
-        if not flags & PADDED:
-            return payload
-        if not payload or payload[0] >= len(payload):
-            raise Http2Error(PROTOCOL_ERROR, "padding longer than the frame")
-        return payload[1:len(payload) - payload[0]]
-
     def data_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:
@@ -295,7 +287,7 @@ class Http2Connection(asyncio.Protocol):
                 raise Http2Error(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             self.release(len(payload))
             return  # A stream we closed or reset: its data is counted and dropped.
-        data = self.unpad(flags, payload)
+        data = unpad(flags, payload)
         self.release(len(payload) - len(data))  # the padding
         if flags & END_STREAM:
             stream.remote_closed = True

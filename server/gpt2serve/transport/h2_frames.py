@@ -39,6 +39,15 @@ class Http2Error(Exception):
         self.code = code
 
 
+def unpad(flags: int, payload: bytes) -> bytes:
+    """A DATA or HEADERS frame's payload without its padding."""
+    if not flags & PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise Http2Error(PROTOCOL_ERROR, "padding longer than the frame")
+    return payload[1:len(payload) - payload[0]]
+
+
 @dataclass(frozen=True)
 class ConnectionPolicy:
     max_concurrent_streams: int = 256
