@@ -269,6 +269,8 @@ class Http2Connection(asyncio.Protocol):
         elif ftype == SETTINGS:
             self.settings_frame(flags, stream_id, payload)
         elif ftype == PING:
+            if stream_id:
+                raise Http2Error(PROTOCOL_ERROR, "PING on a stream")
             self.ping_frame(flags, payload)
         elif ftype == GOAWAY:
             self.going_away = True
