@@ -45,7 +45,8 @@ SPY = shutil.which("py-spy") or str(Path(PYTHON).parent / "py-spy")
 # Layer -> path fragments of its code, checked innermost frame first; the first match names the
 # sample. Order matters only where fragments overlap.
 LAYERS = [
-    ("gRPC library (grpc.aio, C core)", ("grpc/", "grpc_aio", "cygrpc", "_server.py")),
+    # grpc/ holds grpc/_server.py and grpc/aio/_server.py; a bare "_server.py" would also take our grpc_server.py.
+    ("gRPC library (grpc.aio, C core)", ("grpc/", "grpc_aio", "cygrpc")),
     ("protobuf messages", ("google/protobuf", "_pb2", "to_proto", "from_proto")),
     ("HTTP (uvicorn, h11/httptools, starlette, fastapi)", ("uvicorn/", "h11/", "httptools", "starlette/",
                                                            "fastapi/", "pydantic")),
