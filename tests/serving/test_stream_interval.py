@@ -34,13 +34,28 @@ def tokens_a_message(messages: list[pb.GenerateResponse]) -> list[int]:
     return [int(m.HasField("token")) + len(m.more_tokens) for m in messages if not m.finish_reason]
 
 
+def first_alone(stream_once, attempts: int = 3):
+    """(messages, tokens a message) of the first of up to `attempts` runs whose first message
+    brings one token, else of the last run. The server sends the first token at once; a reader
+    that falls behind (a loaded machine) may still find it joined with the interval after it, so
+    one run of three has to show it alone. A server that held it for the interval never would."""
+    for _ in range(attempts):
+        run = stream_once()
+        if run[1][0] == 1:
+            break
+    return run
+
+
 def test_grpc_messages_bring_the_tokens_an_interval_at_a_time(server, interval_server):
     with Client(server.grpc_target) as client:  # the same weights, one token a message
         want = client.generate(PROMPT, max_tokens=TOKENS, ignore_eos=True, temperature=0)
     request = pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=TOKENS, ignore_eos=True, temperature=0)
     with grpc.insecure_channel(interval_server.grpc_target) as channel:
-        messages = list(pb_grpc.Gpt2ServeStub(channel).Generate(request, timeout=60))
-    counts = tokens_a_message(messages)
+        def once():
+            messages = list(pb_grpc.Gpt2ServeStub(channel).Generate(request, timeout=60))
+            return messages, tokens_a_message(messages)
+
+        messages, counts = first_alone(once)
     assert counts[0] == 1  # the first token at once: time to first token is not the interval's
     # Then whole intervals and the rest at the end; a reader behind may get queued ones joined
     # (two intervals as one, or the last interval with the rest), never a part of an interval.
@@ -68,11 +83,15 @@ def test_the_clients_still_give_one_chunk_a_token(server, interval_server):
 
 def test_sse_events_bring_the_tokens_an_interval_at_a_time(interval_server):
     body = {"prompt_token_ids": PROMPT, "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.stream("POST", f"{interval_server.http_url}/v1/generate", json=body, timeout=60) as response:
-        assert response.status_code == 200
-        events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
-    counts = [int(e.get("token") is not None) + len(e.get("more_tokens") or []) for e in events
-              if not e.get("finish_reason")]
+
+    def once():
+        with httpx.stream("POST", f"{interval_server.http_url}/v1/generate", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            events = [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+        return events, [int(e.get("token") is not None) + len(e.get("more_tokens") or []) for e in events
+                        if not e.get("finish_reason")]
+
+    _, counts = first_alone(once)
     assert counts[0] == 1 and sum(counts) == TOKENS and len(counts) <= 1 + -(-(TOKENS - 1) // INTERVAL), counts
 
 
