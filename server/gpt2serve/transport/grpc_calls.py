@@ -308,10 +308,11 @@ def parse_timeout(value: bytes) -> float | None:
 
 
 class GrpcApp:
-    """The methods, by path, that streams open; `guard(path, headers)` may refuse a call first."""
+    """The methods, by path, that streams open. `guard(path, headers)` may put a method of its own
+    in a call's place (one that refuses it, as an interceptor of grpc.aio would)."""
 
     def __init__(self, methods: dict[str, GrpcMethod], max_message: int,
-                 guard: Callable[[str, list[Header]], tuple[grpc.StatusCode, str] | None] | None = None):
+                 guard: Callable[[str, list[Header]], GrpcMethod | None] | None = None):
         self.methods = {path.encode(): method for path, method in methods.items()}
         self.max_message, self.guard = max_message, guard
         self.calls: set[Call] = set()
@@ -340,7 +341,7 @@ class GrpcApp:
         elif method is None:
             refusal = (grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {(path or b'').decode('latin-1')}")
         elif self.guard is not None:
-            refusal = self.guard((path or b"").decode("latin-1"), headers)
+            method = self.guard(path.decode("latin-1"), headers) or method
         if refusal is not None:
             method = GrpcMethod(UNARY, None, bytes, bytes)
         call = Call(self, stream, method, (tuple(metadata), deadline, peer), self.max_message, encoding)

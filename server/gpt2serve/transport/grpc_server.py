@@ -19,7 +19,7 @@ from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
-from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
+from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown, Unauthenticated
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
 from ..telemetry.tracing import propagated_fields
@@ -290,14 +290,20 @@ class BuiltinGrpcTransport:
         methods.update(reflection_methods((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)))
         key = BearerKey(config.api_key) if config.api_key else None
 
-        def guard(path: str, headers) -> tuple[grpc.StatusCode, str] | None:
+        def guard(path: str, headers) -> GrpcMethod | None:
+            """In a protected method's place without the key: a refusal, counted by abort_with."""
             service_name, _, method = path.lstrip("/").partition("/")
             if key is None or service_name in OPEN_GRPC_SERVICES:
                 return None
             if key.accepts(next((value for name, value in headers if name == b"authorization"), None)):
                 return None
-            service.count_refusal("grpc", method, "UNAUTHENTICATED")
-            return grpc.StatusCode.UNAUTHENTICATED, f"missing or wrong API key: {AUTH_HINT}"
+
+            async def deny(request, context):
+                await abort_with(context, Unauthenticated(f"missing or wrong API key: {AUTH_HINT}"), method,
+                                 service.count_refusal)
+
+            # A unary refusal for streaming methods too: it answers before any message is sent.
+            return GrpcMethod(UNARY, deny, bytes, bytes)
 
         policy = ConnectionPolicy(
             max_concurrent_streams=config.grpc_max_concurrent_streams,
