@@ -5,8 +5,9 @@ process, answering with prebuilt messages.
   thread's CPU per message while a client process runs 64 streams x 5 calls x 64 messages (the
   same shape as generate_host_cost.py's load).
 - `--unary`: NextToken answered with a prebuilt NextTokenResponse (top 5), by grpc.aio, by
-  grpc's sync server on a thread pool and by the built-in server (`--grpc-server builtin`), under h2load (64 calls in flight over 16 connections, one
-  thread: the load generator takes a few percent of a core). Prints the server process's whole
+  grpc's sync server on a thread pool and by the built-in server (`--grpc-server builtin`),
+  under h2load (64 calls in flight over 16 connections, one thread: the load generator takes a
+  few percent of a core). Prints the server process's whole
   CPU per call, its threads included, against which a front end's CPU per unary call
   (bench/host_path/front_end_profile.py) compares.
 

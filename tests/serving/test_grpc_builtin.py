@@ -245,7 +245,8 @@ def read_frames(sock: socket.socket, seconds: float) -> list[tuple[int, int, int
 
 
 def connection_window_given(frames) -> int:
-    return sum(int.from_bytes(payload, "big") for ftype, _, stream_id, payload in frames if ftype == 8 and not stream_id)
+    return sum(int.from_bytes(payload, "big")
+               for ftype, _, stream_id, payload in frames if ftype == 8 and not stream_id)  # WINDOW_UPDATE on 0
 
 
 def test_partial_messages_hold_the_connection_window_until_released(builtin):

@@ -310,7 +310,8 @@ class BuiltinGrpcTransport:
             handshake_timeout_s=config.grpc_handshake_timeout_s,
             min_ping_interval_s=config.grpc_min_ping_interval_s,
             idle_timeout_s=config.grpc_max_connection_idle_s, max_age_s=config.grpc_max_connection_age_s,
-            age_grace_s=config.shutdown_grace_s, connection_window=min(max(CONNECTION_WINDOW, 2 * config.max_message_bytes), MAX_WINDOW))
+            age_grace_s=config.shutdown_grace_s,
+            connection_window=min(max(CONNECTION_WINDOW, 2 * config.max_message_bytes), MAX_WINDOW))
         self.server = BuiltinGrpcServer(GrpcApp(methods, config.max_message_bytes, guard), policy,
                                         config.grpc_max_connections,
                                         lambda: service.telemetry.connection_refused("grpc"))
