@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -36,25 +35,13 @@ from ..telemetry.tracing import flush_traces, setup_tracing
 from ..transport.grpc_server import BuiltinGrpcTransport, GrpcTransport, grpc_transport
 from ..transport.http_connections import bounded_http_protocol
 from ..transport.rest import create_app
+from ..transport.sockets import bind_listening_socket
 from .process_common import ENGINE_GONE_SIGNAL, child_setup, freeze_startup_heap, run_front_end_loop, watch_parent
 
 log = logging.getLogger("gpt2serve")
 # Once the drain is over, the transports close within this: the calls it waited for are answered
 # (or were cut and told so); what is left is idle connections and quick GETs (probes, /metrics).
 CLOSE_S = 1.0
-
-
-def bind_http_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """Bind here rather than in uvicorn, so port 0 yields a known ephemeral port. With
-    `reuse_port`, front-end processes share the port (the kernel spreads connections)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
 
 
 @dataclass
@@ -71,7 +58,7 @@ class Transports:
         """Listening, not serving yet: probes answer (alive, not ready) while the model loads."""
         grpc = grpc_transport(service, config)  # Both set SO_REUSEPORT on the gRPC port.
         log.info("gRPC served by %s", "the built-in server" if config.grpc_server == "builtin" else "grpc.aio")
-        http_socket = bind_http_socket(config.host, config.http_port, reuse_port)
+        http_socket = bind_listening_socket(config.host, config.http_port, reuse_port)
         app, direct = create_app(service, config)
         http_server = uvicorn.Server(uvicorn.Config(
             app, log_level=config.log_level, access_log=False, lifespan="off",

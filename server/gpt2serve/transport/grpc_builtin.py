@@ -12,56 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import ssl
 from typing import Callable
 
-import grpc
 from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
-from .grpc_calls import BIDI, SERVER_STREAM, UNARY, GrpcApp, GrpcMethod
+from .grpc_calls import BIDI, SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
 from .h2_connection import Http2Connection
 from .h2_frames import ConnectionPolicy
+from .sockets import bind_listening_socket
 
 log = logging.getLogger(__name__)
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
-class Health:
-    """grpc.health.v1.Health: Check answers a service's status, Watch streams its changes."""
-
-    def __init__(self):
-        self.statuses: dict[str, int] = {}
-        self.changed = asyncio.Event()
-
-    def set(self, service: str, status: int) -> None:
-        self.statuses[service] = status
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    async def check(self, request, context):
-        status = self.statuses.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def watch(self, request, context):
-        last = None
-        while True:
-            status = self.statuses.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
-            if status != last:
-                last = status
-                yield health_pb2.HealthCheckResponse(status=status)
-            await self.changed.wait()
-
-    def methods(self) -> dict[str, GrpcMethod]:
-        def serialize(message):
-            return message.SerializeToString()
-
-        request = health_pb2.HealthCheckRequest.FromString
-        return {f"/{HEALTH_SERVICE}/Check": GrpcMethod(UNARY, self.check, request, serialize),
-                f"/{HEALTH_SERVICE}/Watch": GrpcMethod(SERVER_STREAM, self.watch, request, serialize)}
+def health_methods(servicer: health_aio.HealthServicer) -> dict[str, GrpcMethod]:
+    """grpc.health.v1.Health from grpc_health's own servicer, the one the grpc.aio server runs."""
+    request = health_pb2.HealthCheckRequest.FromString
+    return {f"/{HEALTH_SERVICE}/Check": GrpcMethod(UNARY, servicer.Check, request, serialize),
+            f"/{HEALTH_SERVICE}/Watch": GrpcMethod(SERVER_STREAM, servicer.Watch, request, serialize)}
 
 
 def reflection_methods(service_names: tuple[str, ...]) -> dict[str, GrpcMethod]:
@@ -74,7 +45,7 @@ def reflection_methods(service_names: tuple[str, ...]) -> dict[str, GrpcMethod]:
                 yield response
 
     return {f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": GrpcMethod(
-        BIDI, info, reflection_pb2.ServerReflectionRequest.FromString, lambda message: message.SerializeToString())}
+        BIDI, info, reflection_pb2.ServerReflectionRequest.FromString, serialize)}
 
 
 class RefusedConnection(asyncio.Protocol):
@@ -100,12 +71,7 @@ class BuiltinGrpcServer:
         return connection
 
     async def listen(self, host: str, port: int, tls: tuple[str, str] | None = None) -> int:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # front ends share the port
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
+        sock = bind_listening_socket(host, port, reuse_port=True)  # as grpc.aio does: front ends share the port
         context = None
         if tls is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -62,11 +62,16 @@ def message(payload: bytes) -> bytes:
     return MESSAGE_HEAD.pack(0, len(payload)) + payload
 
 
+def serialize(answer) -> bytes:
+    """A protobuf answer's bytes (GrpcMethod.serialize for every method that answers protobuf)."""
+    return answer.SerializeToString()
+
+
 class CallContext:
     """The part of `grpc.aio.ServicerContext` our servicers use."""
 
     def __init__(self, call: Call, metadata: tuple[tuple[str, str], ...], deadline: float | None, peer: str):
-        self._call, self._metadata, self._deadline, self._peer = call, metadata, deadline, peer
+        self._call, self._metadata, self.deadline, self._peer = call, metadata, deadline, peer
         self.trailing: tuple = ()
         self.code: grpc.StatusCode | None = None
         self.details: str | None = None
@@ -75,7 +80,7 @@ class CallContext:
         return self._metadata
 
     def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     def set_trailing_metadata(self, metadata) -> None:
         self.trailing = tuple(metadata)
@@ -85,6 +90,11 @@ class CallContext:
 
     def set_details(self, details: str) -> None:
         self.details = details
+
+    async def write(self, answer) -> None:
+        """A streaming answer's next message, for a handler that writes rather than yields
+        (grpc_health's HealthServicer.Watch)."""
+        await self._call.send(answer)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
         self.code, self.details = code, details
@@ -105,17 +115,17 @@ class CallContext:
 class Call:
     """One gRPC call on one HTTP/2 stream (the stream's listener)."""
 
-    def __init__(self, app: GrpcApp, stream: Stream, method: GrpcMethod, context_args: tuple, max_message: int,
+    def __init__(self, app: GrpcApp, stream: Stream, method: GrpcMethod, max_message: int, *,
+                 metadata: tuple[tuple[str, str], ...] = (), deadline: float | None = None, peer: str = "",
                  encoding: bytes | None = None):
         self.app, self.stream, self.method, self.max_message = app, stream, method, max_message
         self.encoding = encoding
-        self.context = CallContext(self, *context_args)
+        self.context = CallContext(self, metadata, deadline, peer)
         self.buffer = bytearray()
         self.requests: list[bytes] = []
         self.task: asyncio.Task | None = None
         self.inbox: asyncio.Queue | None = None
         self.headers_sent = self.cancelled = self.finished = False
-        deadline = context_args[1]
         self.deadline_timer = None if deadline is None else asyncio.get_running_loop().call_later(
             max(deadline - time.monotonic(), 0.0), self.expire)
         if method.kind == BIDI:
@@ -198,17 +208,15 @@ class Call:
 
     def cancel(self) -> None:
         if not self.finished:
-            self.cancelled = self.finished = True
+            self.cancelled = True
             self.done()
             if self.task is not None:
                 self.task.cancel()
 
     def expire(self) -> None:
         if not self.finished:
-            self.refuse(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             self.cancelled = True
-            if self.task is not None:
-                self.task.cancel()
+            self.refuse(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")  # and cancels the task
 
     def done(self) -> None:
         self.finished = True
@@ -252,20 +260,30 @@ class Call:
             self.failed(exc)
 
     async def send_all(self, answers) -> None:
-        stream = self.stream
-        async for answer in answers:
-            if self.finished:
-                return
-            if not self.headers_sent:
-                stream.send_headers(ANSWER_HEADERS)
-                self.headers_sent = True
-            stream.send_data(message(self.method.serialize(answer)))
-            if stream.blocked:
-                await stream.writable()
+        """A streaming handler's answers: the messages it yields, or those it writes
+        (`context.write`) until its coroutine returns; then the status."""
+        if hasattr(answers, "__aiter__"):
+            async for answer in answers:
+                if self.finished:
+                    return
+                await self.send(answer)
+        else:
+            await answers
         if self.finished:
             return
         code = self.context.code or grpc.StatusCode.OK
         self.finish(code, self.context.details if code != grpc.StatusCode.OK else None)
+
+    async def send(self, answer) -> None:
+        """One message of a streaming answer (the headers first), then waits while the peer's
+        window or the socket holds it back."""
+        stream = self.stream
+        if not self.headers_sent:
+            stream.send_headers(ANSWER_HEADERS)
+            self.headers_sent = True
+        stream.send_data(message(self.method.serialize(answer)))
+        if stream.blocked:
+            await stream.writable()
 
     def failed(self, exc: BaseException) -> None:
         if isinstance(exc, asyncio.CancelledError):
@@ -344,7 +362,8 @@ class GrpcApp:
             method = self.guard(path.decode("latin-1"), headers) or method
         if refusal is not None:
             method = GrpcMethod(UNARY, None, bytes, bytes)
-        call = Call(self, stream, method, (tuple(metadata), deadline, peer), self.max_message, encoding)
+        call = Call(self, stream, method, self.max_message, metadata=tuple(metadata), deadline=deadline, peer=peer,
+                    encoding=encoding)
         stream.listener = call
         if refusal is not None:
             call.refuse(*refusal)

@@ -23,8 +23,8 @@ from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
 from ..telemetry.tracing import propagated_fields
-from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, Health, reflection_methods
-from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod
+from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, health_methods, reflection_methods
+from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
 from .guard import AUTH_HINT, OPEN_GRPC_SERVICES, BearerKey, GrpcAuthInterceptor
 from .h2_frames import CONNECTION_WINDOW, MAX_WINDOW, ConnectionPolicy
 
@@ -192,9 +192,6 @@ def unary_methods(servicer: Gpt2ServeServicer) -> dict:
 
 def builtin_methods(servicer: Gpt2ServeServicer) -> dict[str, GrpcMethod]:
     """The service's methods for the built-in server, by path, with lenient request parsing."""
-    def serialize(message):
-        return message.SerializeToString()
-
     methods = {f"/{SERVICE_NAME}/{name}": GrpcMethod(UNARY, behaviour, lenient(request), serialize)
                for name, (behaviour, request, _) in unary_methods(servicer).items()}
     methods[f"/{SERVICE_NAME}/Generate"] = GrpcMethod(SERVER_STREAM, servicer.Generate, lenient(pb.GenerateRequest),
@@ -222,7 +219,21 @@ def grpc_transport(service: InferenceService, config: ServeConfig) -> GrpcTransp
     return (BuiltinGrpcTransport if config.grpc_server == "builtin" else GrpcTransport)(service, config)
 
 
-class GrpcTransport:
+class ServingHealth:
+    """What both gRPC servers share: health (grpc_health's servicer, `self.health`) and the stop."""
+
+    health: health_aio.HealthServicer
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+
+
+class GrpcTransport(ServingHealth):
     def __init__(self, service: InferenceService, config: ServeConfig):
         interceptors = []
         if config.api_key:
@@ -270,23 +281,16 @@ class GrpcTransport:
     async def start(self) -> None:
         await self.server.start()
 
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, status)
-
-    async def stop(self, grace_s: float) -> None:
-        await self.server.stop(grace_s)
 
 
-class BuiltinGrpcTransport:
+class BuiltinGrpcTransport(ServingHealth):
     """The same services over transport.grpc_builtin; `listen` binds (grpc.aio binds in __init__)."""
 
     def __init__(self, service: InferenceService, config: ServeConfig):
         self.config = config
-        self.health = Health()
+        self.health = health_aio.HealthServicer()
         methods = builtin_methods(Gpt2ServeServicer(service))
-        methods.update(self.health.methods())
+        methods.update(health_methods(self.health))
         methods.update(reflection_methods((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)))
         key = BearerKey(config.api_key) if config.api_key else None
 
@@ -321,10 +325,3 @@ class BuiltinGrpcTransport:
         tls = (self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
         self.port = await self.server.listen(self.config.host, self.config.grpc_port, tls)
 
-    async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, status)
-
-    async def stop(self, grace_s: float) -> None:
-        await self.server.stop(grace_s)

@@ -4,13 +4,11 @@ What a gRPC server needs of HTTP/2 and no more: no push, no priorities, no HTTP/
 gRPC layer (`grpc_calls`) sees streams: `Http2App.stream_opened(stream, headers)` sets a
 `StreamListener` for the request's data, end and reset, and answers through `Stream.send_*`.
 
-- Out: frames wait in one buffer written once per event-loop turn, so the answers a turn makes
-  (many calls' headers, messages and trailers) leave in one system call.
-- Flow control: we give the peer large windows and top them up as data is read; answers wait in
-  their stream for the peer's window (`Stream.writable()` for a streaming call's back-pressure).
-- The policies of gRPC's own server (`ConnectionPolicy`): a handshake deadline, a ping flood sent
-  GOAWAY, idle and aged connections closed gracefully, streams per connection refused past the
-  limit with REFUSED_STREAM (which clients retry transparently).
+- Out: frames wait in one buffer written once per event-loop turn (one system call for a turn's answers).
+- Flow control: the peer's windows come back as calls take its data (`release`); answers wait in
+  their stream for ours (`Stream.writable()` for a streaming call's back-pressure).
+- gRPC's own server's policies (`ConnectionPolicy`): a handshake deadline, a ping flood sent GOAWAY,
+  idle and aged connections closed gracefully, streams past the limit refused (clients retry them).
 """
 
 from __future__ import annotations
@@ -120,19 +118,28 @@ class Http2Connection(asyncio.Protocol):
         self.out.clear()
 
     def send_now(self, stream: Stream, payload: bytes, end_stream: bool) -> bool:
-        """Sends `payload` as DATA if both windows allow all of it (split to the peer's frame size)."""
-        size = len(payload)
-        if size > self.send_window or size > stream.send_window:
+        """Sends `payload` as DATA if both windows allow all of it."""
+        if len(payload) > self.send_window or len(payload) > stream.send_window:
             return False
-        self.send_window -= size
-        stream.send_window -= size
+        self.data_frames(stream, payload, end_stream)
+        return True
+
+    def data_frames(self, stream: Stream, data: bytes, end_stream: bool) -> None:
+        """`data` as DATA frames of at most the peer's frame size, taken from both windows
+        (the caller checked them); END_STREAM on the last when `end_stream`."""
+        self.send_window -= len(data)
+        stream.send_window -= len(data)
         limit = self.peer_frame_size
-        for start in range(0, max(size, 1), limit):
-            last = start + limit >= size
-            self.send_frame(DATA, END_STREAM if end_stream and last else 0, stream.id, payload[start:start + limit])
+        for start in range(0, max(len(data), 1), limit):
+            last = start + limit >= len(data)
+            self.send_frame(DATA, END_STREAM if end_stream and last else 0, stream.id, data[start:start + limit])
         if end_stream:
             self.stream_done(stream)
-        return True
+
+    def headers_frame(self, stream: Stream, block: bytes, end_stream: bool) -> None:
+        self.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream.id, block)
+        if end_stream:
+            self.stream_done(stream)
 
     def send_blocked(self) -> None:
         """Sends what the windows now allow of what waited, each stream in order."""
@@ -141,26 +148,19 @@ class Http2Connection(asyncio.Protocol):
                 ftype, payload, end_stream = stream.pending[0]
                 if ftype == HEADERS:
                     stream.pending.pop(0)
-                    self.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream.id, payload)
-                    if end_stream:
-                        self.stream_done(stream)
+                    self.headers_frame(stream, payload, end_stream)
                     continue
                 room = min(self.send_window, stream.send_window)
                 if room <= 0 and payload:
                     break
                 part, rest = payload[:room], payload[room:]
-                self.send_window -= len(part)
-                stream.send_window -= len(part)
-                for start in range(0, max(len(part), 1), self.peer_frame_size):
-                    last = not rest and start + self.peer_frame_size >= len(part)
-                    self.send_frame(DATA, END_STREAM if end_stream and last else 0, stream.id,
-                                    part[start:start + self.peer_frame_size])
                 if rest:
                     stream.pending[0] = (DATA, rest, end_stream)
+                else:
+                    stream.pending.pop(0)
+                self.data_frames(stream, part, end_stream and not rest)
+                if rest:
                     break
-                stream.pending.pop(0)
-                if end_stream:
-                    self.stream_done(stream)
             if not stream.pending or stream.closed:
                 self.blocked.discard(stream)
                 stream.wake()
@@ -188,10 +188,13 @@ class Http2Connection(asyncio.Protocol):
 
     def idle(self) -> None:
         if self.policy.idle_timeout_s > 0 and not self.lost:
-            old = self.timers.get("idle")
-            if old is not None:
-                old.cancel()
+            self.cancel_timer("idle")
             self.timers["idle"] = self.loop.call_later(self.policy.idle_timeout_s, self._idle_expired)
+
+    def cancel_timer(self, name: str) -> None:
+        timer = self.timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
 
     def _idle_expired(self) -> None:
         if not self.streams:
@@ -333,9 +336,7 @@ class Http2Connection(asyncio.Protocol):
             return
         stream = Stream(stream_id, self, self.peer_stream_window)
         self.streams[stream_id] = stream
-        idle = self.timers.pop("idle", None)
-        if idle is not None:
-            idle.cancel()
+        self.cancel_timer("idle")
         self.app.stream_opened(stream, headers)
         if stream.listener is None:
             raise RuntimeError("the app left a stream without a listener")
@@ -364,7 +365,7 @@ class Http2Connection(asyncio.Protocol):
         self.send_frame(SETTINGS, ACK, 0)
         if not self.settings_seen:
             self.settings_seen = True
-            self.timers.pop("handshake").cancel()
+            self.cancel_timer("handshake")
 
     def ping_frame(self, flags: int, payload: bytes) -> None:
         if len(payload) != 8:

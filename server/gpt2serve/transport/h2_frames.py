@@ -76,9 +76,11 @@ class Connection(Protocol):
 
     blocked: set[Stream]
     paused: bool
+    peer: str  # the client's address, as grpc.aio's ServicerContext.peer() gives it
 
     def send_frame(self, ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> None: ...
     def send_now(self, stream: Stream, payload: bytes, end_stream: bool) -> bool: ...
+    def headers_frame(self, stream: Stream, block: bytes, end_stream: bool) -> None: ...
     def send_blocked(self) -> None: ...
     def stream_done(self, stream: Stream) -> None: ...
     def release(self, size: int) -> None: ...
@@ -105,9 +107,7 @@ class Stream:
         if self.pending:
             self.pending.append((HEADERS, block, end_stream))
             return
-        self.connection.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), self.id, block)
-        if end_stream:
-            self.connection.stream_done(self)
+        self.connection.headers_frame(self, block, end_stream)
 
     def send_data(self, payload: bytes, end_stream: bool = False) -> None:
         if self.closed:
