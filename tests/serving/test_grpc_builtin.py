@@ -7,6 +7,7 @@ HTTP/2 and gRPC layers do that grpc.aio's core did for us.
 - Compressed requests (gzip, deflate), deadlines, a client's cancel, and the connection count:
   connections past --grpc-max-connections are refused and counted (grpc.aio's core could not).
 - The services a user reaches with tools: health (Check and Watch) and reflection.
+- A client that never reads cannot make the server buffer what it owes it without bound.
 """
 
 from __future__ import annotations
@@ -275,3 +276,34 @@ def test_partial_messages_hold_the_connection_window_until_released(builtin):
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+@pytest.mark.parametrize("flood", ["settings", "refused streams"])
+def test_a_client_that_never_reads_cannot_make_the_server_buffer_without_bound(builtin, flood):
+    """SETTINGS acks and the RST_STREAMs that refuse streams past the limit are not flow-controlled:
+    a client that asks for them and never reads would have them pile up in the server. The server
+    stops reading such a client once its answers back up, so the client's sends stall within the
+    sockets' buffers (the server took 100 MiB of SETTINGS in 9 s before), and others are served."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    encoder = hpack.Encoder()
+    request = [(":method", "POST"), (":scheme", "http"), (":path", "/gpt2serve.v1.Gpt2Serve/Generate"),
+               (":authority", builtin.grpc_target), ("content-type", "application/grpc"), ("te", "trailers")]
+    sent, stream_id, stalled = 0, 1, False
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        sock.settimeout(3.0)
+        while sent < 64 << 20 and not stalled:
+            if flood == "settings":
+                chunk = frame(4, 0, 0, (4).to_bytes(2, "big") + (1 << 16).to_bytes(4, "big")) * 10_000
+            else:  # past the 256 streams a connection may open, each HEADERS is answered by a refusal
+                chunk = b"".join(frame(1, 0x4, stream_id + 2 * i, encoder.encode(request)) for i in range(2000))
+                stream_id += 4000
+            try:
+                sock.sendall(chunk)
+                sent += len(chunk)
+            except socket.timeout:
+                stalled = True
+        assert stalled and sent < 32 << 20, sent
+        with grpc.insecure_channel(builtin.grpc_target) as channel:
+            assert stub(channel).NextToken(pb.NextTokenRequest(prompt="still served"), timeout=30).token

@@ -51,8 +51,7 @@ class Http2Connection(asyncio.Protocol):
         self.out: list[bytes] = []
         self.flush_scheduled = False
         self.first_block_sent = False
-        self.last_ping = 0.0
-        self.ping_strikes = 0
+        self.last_ping, self.ping_strikes = 0.0, 0
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.peer = "unknown"
 
@@ -79,19 +78,25 @@ class Http2Connection(asyncio.Protocol):
         for timer in self.timers.values():
             timer.cancel()
         for stream in list(self.streams.values()):
-            self.stream_done(stream)
-            if stream.listener is not None:
-                stream.listener.reset_received()
+            self.reset_by_peer(stream)
         if self.on_closed is not None:
             self.on_closed(self)
 
     def pause_writing(self) -> None:
+        # A peer that does not read is not read: the acks and refusals it asks for are not flow-controlled.
         self.paused = True
+        self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
+        self.transport.resume_reading()
         for stream in list(self.streams.values()):
             stream.wake()
+
+    def reset_by_peer(self, stream: Stream) -> None:
+        self.stream_done(stream)
+        if stream.listener is not None:
+            stream.listener.reset_received()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -189,14 +194,14 @@ class Http2Connection(asyncio.Protocol):
     def idle(self) -> None:
         if self.policy.idle_timeout_s > 0 and not self.lost:
             self.cancel_timer("idle")
-            self.timers["idle"] = self.loop.call_later(self.policy.idle_timeout_s, self._idle_expired)
+            self.timers["idle"] = self.loop.call_later(self.policy.idle_timeout_s, self.go_away_if_idle)
 
     def cancel_timer(self, name: str) -> None:
         timer = self.timers.pop(name, None)
         if timer is not None:
             timer.cancel()
 
-    def _idle_expired(self) -> None:
+    def go_away_if_idle(self) -> None:
         if not self.streams:
             self.go_away()
 
@@ -264,11 +269,8 @@ class Http2Connection(asyncio.Protocol):
                 self.headers_pending = None
                 self.headers_complete(stream_id, opened_flags, bytes(block))
         elif ftype == RST_STREAM:
-            stream = self.streams.get(stream_id)
-            if stream is not None:
-                self.stream_done(stream)
-                if stream.listener is not None:
-                    stream.listener.reset_received()
+            if (stream := self.streams.get(stream_id)) is not None:
+                self.reset_by_peer(stream)
         elif ftype == SETTINGS:
             self.settings_frame(flags, stream_id, payload)
         elif ftype == PING:
@@ -392,9 +394,7 @@ class Http2Connection(asyncio.Protocol):
             self.send_window += increment
             if self.send_window > MAX_WINDOW:
                 raise Http2Error(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
-        else:
-            stream = self.streams.get(stream_id)
-            if stream is not None:
-                stream.send_window += increment
+        elif (stream := self.streams.get(stream_id)) is not None:
+            stream.send_window += increment
         if self.blocked:
             self.send_blocked()

@@ -111,7 +111,7 @@ class HeaderDecoder:
                 text = decode_huffman(raw)
             except Exception as exc:
                 raise HpackError(f"bad Huffman string: {exc}") from None
-            if len(self.huffman_seen) < 256:
+            if len(self.huffman_seen) < 256 and length <= 128:  # short ones only: a peer's large strings are not kept
                 self.huffman_seen[raw] = text
         return text, pos + length
 
