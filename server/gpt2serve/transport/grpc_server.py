@@ -103,7 +103,8 @@ def prompt_input(msg: pb.NextTokenRequest | pb.Prompt) -> PromptInput:
 def request_options(method: str, request, context: grpc.aio.ServicerContext) -> RequestOptions:
     """Span name and attributes, the caller's W3C trace context (metadata), and what it asked to see."""
     fields = propagated_fields()
-    carrier = {key: value for key, value in (context.invocation_metadata() or ()) if key in fields and isinstance(value, str)}
+    carrier = {key: value for key, value in (context.invocation_metadata() or ())
+               if key in fields and isinstance(value, str)}
     remaining = context.time_remaining()
     return RequestOptions(
         api="grpc", method=method, span_name=f"{SERVICE_NAME}/{method}", trace_carrier=carrier or None,

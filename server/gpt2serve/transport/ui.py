@@ -82,7 +82,8 @@ def add_ui_routes(app: FastAPI, config: ServeConfig) -> None:
         if name not in PRESETS:  # rendered by the app's ServeError handler, like every HTTP error
             raise NotFound(f"no preset {name!r}; {PRESETS_PATH} lists them")
         if not (1 <= tokens <= MAX_PRESET_TOKENS and 1 <= batch <= MAX_PRESET_BATCH):
-            raise InvalidArgument(f"tokens must be within 1..{MAX_PRESET_TOKENS} and batch within 1..{MAX_PRESET_BATCH}")
+            raise InvalidArgument(f"tokens must be within 1..{MAX_PRESET_TOKENS} "
+                                  f"and batch within 1..{MAX_PRESET_BATCH}")
         arch = PRESETS[name]
         breakdown = count(arch)
         return JSONResponse({
