@@ -314,7 +314,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process); on a GPU, the front ends the engine's measured rate needs "
-                 "at about 600 us of CPU a call, at most the cores less 2 for the engine (logged)")
+                 "at about 150 us of CPU a call (600 with --grpc-server grpcio), at most the cores less 2 for "
+                 "the engine (logged)")
     parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
 
 

@@ -38,17 +38,21 @@ def test_a_given_count_is_kept():
     assert (plan.workers, plan.auto) == (3, False) and plan.reason() == "--workers 3"
 
 
-@pytest.mark.parametrize("rate,cores,expected", [
-    (57_070, 16, 14),  # the H200's next-token rate needs 35 front ends; 16 cores allow 14
-    (2_000, 16, 2),  # a slower engine: 1.2 front ends' worth
-    (100, 16, 1),
-    (57_070, 64, math.ceil(57_070 * FRONT_END_CALL_US / 1e6)),  # enough cores: what keeps up
+@pytest.mark.parametrize("server,rate,cores,expected", [
+    ("builtin", 82_086, 16, 13),  # the H200's next-token rate at 150 µs a call: 12.3 front ends' worth
+    ("grpcio", 57_070, 16, 14),  # at 600 µs it needs 35; 16 cores allow 14
+    ("builtin", 8_000, 16, 2),  # a slower engine: 1.2 front ends' worth
+    ("grpcio", 2_000, 16, 2),
+    ("builtin", 100, 16, 1),
+    ("builtin", 200_000, 64, 30),  # enough cores: what keeps up
+    ("grpcio", 57_070, 64, math.ceil(57_070 * FRONT_END_CALL_US["grpcio"] / 1e6)),
 ])
-def test_the_count_keeps_up_with_the_engine_within_the_cores(rate, cores, expected):
-    plan = plan_workers(config("--device", "cuda"), cores=cores)
+def test_the_count_keeps_up_with_the_engine_within_the_cores(server, rate, cores, expected):
+    plan = plan_workers(config("--device", "cuda", "--grpc-server", server), cores=cores)
     chosen, why = plan.with_engine_rate(rate)
     assert chosen == expected
     assert f"{chosen} front ends" in why and f"{rate:,.0f} prompts/s" in why and f"{cores} cores" in why
+    assert f"about {FRONT_END_CALL_US[server]:.0f} us of CPU a call" in why
 
 
 def test_the_single_process_server_says_why(server):
@@ -79,7 +83,7 @@ def test_the_supervisor_starts_the_front_ends_the_measured_rate_needs(tmp_path):
                          r"keep up; 5 cores, 2 left to the engine, allow 3", log)
         assert line, log
         chosen, needed = int(line.group(1)), int(line.group(3))
-        share = rate * FRONT_END_CALL_US / 1e6  # front ends' worth of calls at the engine's rate
+        share = rate * FRONT_END_CALL_US["builtin"] / 1e6  # front ends' worth of calls at the engine's rate
         assert max(1.0, share) <= needed < share + 1.01  # ceil, of the rate as the engine logged it
         assert chosen == min(needed, 3)
         # The rate came before any front end started, and exactly `chosen` of them serve.

@@ -12,8 +12,10 @@ engine has its own:
     front ends = clamp(ceil(engine rate x CPU per call), 1, cores - engine cores)
 
 The CPU per call is the project's measurement of a unary gRPC `NextToken` in a front end
-(bench/host_path/front_end_profile.py, docs/benchmarks.md), the costliest common call: erring high costs
-an idle process, erring low caps the server.
+(bench/host_path/front_end_profile.py, docs/benchmarks.md), the costliest common call, with the
+gRPC server the front ends run: erring high costs an idle process, erring low caps the server.
+grpc.aio's core measured 381-490 µs a call on a 2-core EPYC, taken as 600; the built-in server
+91-101 µs on the same machine, taken as 150 (the same margin).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ..config import ServeConfig
 from .resources import available_cpus
 
 log = logging.getLogger("gpt2serve")
-FRONT_END_CALL_US = 600.0  # CPU a unary gRPC call costs a front end (bench/host_path/front_end_profile.py)
+# CPU a unary gRPC call costs a front end, by --grpc-server (bench/host_path/front_end_profile.py)
+FRONT_END_CALL_US = {"builtin": 150.0, "grpcio": 600.0}
 ENGINE_CORES_ON_GPU = 2  # the engine core's loop and its IPC input and output threads
 
 
@@ -37,18 +40,19 @@ class WorkersPlan:
     cores: int
     engine_cores: int
     gpu: bool
+    call_us: float = FRONT_END_CALL_US["builtin"]  # a front end's CPU a call
 
     @property
     def most(self) -> int:
         """Front ends the cores allow beside the engine."""
         return max(1, self.cores - self.engine_cores)
 
-    def with_engine_rate(self, prompts_per_s: float, call_us: float = FRONT_END_CALL_US) -> tuple[int, str]:
+    def with_engine_rate(self, prompts_per_s: float) -> tuple[int, str]:
         """The count for an engine measured at `prompts_per_s`, and the line that says why."""
-        needed = max(1, math.ceil(prompts_per_s * call_us / 1e6))
+        needed = max(1, math.ceil(prompts_per_s * self.call_us / 1e6))
         chosen = min(needed, self.most)
         return chosen, (f"--workers auto: {chosen} front ends: the engine answers {prompts_per_s:,.0f} prompts/s "
-                        f"(measured at its largest batch) and a front end spends about {call_us:.0f} us of CPU a "
+                        f"(measured at its largest batch) and a front end spends about {self.call_us:.0f} us of CPU a "
                         f"call, so {needed} would keep up; {self.cores} cores, {self.engine_cores} left to the "
                         f"engine, allow {self.most}")
 
@@ -75,7 +79,8 @@ def plan_workers(config: ServeConfig, cores: int | None = None) -> WorkersPlan:
 
         gpu = torch.cuda.is_available()
     engine_cores = ENGINE_CORES_ON_GPU if gpu else cores
+    call_us = FRONT_END_CALL_US[config.grpc_server]
     if config.workers is not None:
-        return WorkersPlan(config.workers, False, cores, engine_cores, gpu)
-    plan = WorkersPlan(1, True, cores, engine_cores, gpu)
+        return WorkersPlan(config.workers, False, cores, engine_cores, gpu, call_us)
+    plan = WorkersPlan(1, True, cores, engine_cores, gpu, call_us)
     return replace(plan, workers=plan.most)  # an upper bound until the engine has measured its rate
