@@ -103,8 +103,10 @@ class ServeConfig:
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_concurrent_streams: int = 256
     grpc_max_connections: int = 1024
-    # A gRPC connection that has not finished its HTTP/2 handshake (preface and SETTINGS) by then is closed.
+    # A gRPC connection that has not finished its HTTP/2 handshake (preface and SETTINGS) by then is closed,
+    # and a call whose request has not arrived whole (the client's END_STREAM) by then is cancelled.
     grpc_handshake_timeout_s: float = 10.0
+    grpc_request_timeout_s: float = 30.0
     # Who serves gRPC: our own HTTP/2 and gRPC layers (transport.grpc_builtin, a quarter of grpc.aio's CPU a
     # unary call, measured in docs/benchmarks.md), or grpc.aio (gRPC's core).
     grpc_server: str = "builtin"
@@ -284,12 +286,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-max-concurrent-streams", type=int, default=d.grpc_max_concurrent_streams,
             help="calls at once on one gRPC connection; more wait in the client until one ends")
     env.add("--grpc-max-connections", type=int, default=d.grpc_max_connections,
-            help="open gRPC connections per front end; one past it is closed at once, before a byte is read, and "
-                 "counted in gpt2serve_connections_refused_total (with --grpc-server grpcio, by gRPC's core: not "
-                 "counted)")
+            help="open gRPC connections per front end; a new one past it takes the place of the oldest connection "
+                 "with no call open (sent GOAWAY; gpt2serve_connections_evicted_total), or is closed at once when "
+                 "every one has calls (gpt2serve_connections_refused_total); with --grpc-server grpcio, gRPC's core "
+                 "refuses it, uncounted")
     env.add("--grpc-handshake-timeout-s", type=float, default=d.grpc_handshake_timeout_s,
             help="close a gRPC connection that has not completed its HTTP/2 handshake within this long "
                  "(gRPC's own default is 120 s, long enough for idle sockets to hold a front end's connections)")
+    env.add("--grpc-request-timeout-s", type=float, default=d.grpc_request_timeout_s,
+            help="cancel a gRPC call whose request has not arrived whole within this long of its opening, so stalled "
+                 "calls cannot hold a connection (--grpc-server builtin; gRPC's core has no such limit)")
     env.add("--grpc-server", default=d.grpc_server, choices=GRPC_SERVERS,
             help="builtin: the project's own HTTP/2 and gRPC layers on the front end's event loop (a quarter of "
                  "grpc.aio's CPU a unary call); grpcio: gRPC's own server (grpc.aio). Both serve the same methods, "
@@ -375,8 +381,8 @@ def validate(config: ServeConfig) -> None:
         problems.append("--http-request-timeout-s must be > 0 and --http-max-connections >= 1")
     if config.grpc_max_concurrent_streams < 1 or config.grpc_max_connections < 1:
         problems.append("--grpc-max-concurrent-streams and --grpc-max-connections must be >= 1")
-    if config.grpc_handshake_timeout_s <= 0:
-        problems.append("--grpc-handshake-timeout-s must be > 0")
+    if config.grpc_handshake_timeout_s <= 0 or config.grpc_request_timeout_s <= 0:
+        problems.append("--grpc-handshake-timeout-s and --grpc-request-timeout-s must be > 0")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.stream_interval < 1:

@@ -2,8 +2,10 @@
 a keepalive ping flood is sent away, calls on one gRPC connection are bounded (the rest wait their
 turn in the client), gRPC sockets that never send the HTTP/2 preface are closed, idle REST
 keep-alive connections are closed, a slowloris is cut off while others are answered, and at the
-connection limit a newcomer takes the place of the oldest connection without a request (a
-slowloris larger than the limit keeps nobody out), or is refused when all are busy. Each loop is bounded, and each test checks an order of events, not a speed."""
+connection limit a newcomer takes the place of the oldest connection without a request or call (a
+slowloris larger than the limit keeps nobody out), or is refused when all are busy; a gRPC call
+whose request stalls is ended at --grpc-request-timeout-s. Each loop is bounded, and each test
+checks an order of events, not a speed."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import threading
 import time
 
 import grpc
+import hpack
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -146,7 +149,7 @@ def test_a_slowloris_is_cut_off_while_others_are_answered(limited):
 @pytest.fixture(scope="module")
 def few_connections(tmp_path_factory):
     srv = launch_server(tmp_path_factory.mktemp("few-connections"), "--model", "random:tiny",
-                        "--http-max-connections", "20", "--grpc-max-connections", "20")
+                        "--http-max-connections", "20", "--grpc-max-connections", "20", "--grpc-request-timeout-s", "2")
     yield srv
     srv.stop()
 
@@ -250,33 +253,26 @@ def test_connections_busy_with_requests_stay_and_a_newcomer_is_refused(few_conne
     assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "rest"}) == refused_before + 1
 
 
-def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections):
-    """--grpc-max-connections 20: a client connected before the flood keeps its answers, the flood
-    gets 20 connections and no more (the rest are closed before a byte, and counted), and all is
-    released."""
-    target, pid = few_connections.grpc_target, few_connections.proc.pid
+def test_a_grpc_connection_flood_takes_the_limit_and_no_more_oldest_out_first(few_connections):
+    """--grpc-max-connections 20: a client's connection (idle between its calls) and 60 sockets that
+    send nothing. Each one past the limit takes the place of the oldest connection with no call open,
+    which is sent GOAWAY and closed: the client's first, then the flood's first 40 (41 evicted and
+    counted, none refused). The client's next call reconnects and is answered; all is released after."""
+    target, url, pid = few_connections.grpc_target, few_connections.http_url, few_connections.proc.pid
     host, port = target.rsplit(":", 1)
-    refused_before = metric_value(few_connections.http_url, "gpt2serve_connections_refused_total", {"api": "grpc"})
+    evicted_before = metric_value(url, "gpt2serve_connections_evicted_total", {"api": "grpc"})
+    refused_before = metric_value(url, "gpt2serve_connections_refused_total", {"api": "grpc"})
     with Client(target, retries=0, timeout=30) as client:
         assert client.health()
         baseline = open_descriptors(pid)
         flood = [socket.create_connection((host, int(port)), timeout=10) for _ in range(60)]
         try:
-            held, cut = 0, 0
-            for sock in flood:
-                sock.settimeout(0.5)
-                try:
-                    taken = sock.recv(1) != b""  # gRPC opens a connection it takes with its SETTINGS
-                except ConnectionResetError:
-                    taken = False
-                except socket.timeout:
-                    taken = True
-                held, cut = held + taken, cut + (not taken)
-            assert (held, cut) == (19, 41)  # the client's own connection is one of the 20
-            refused = metric_value(few_connections.http_url, "gpt2serve_connections_refused_total", {"api": "grpc"})
-            assert refused - refused_before == 41  # each one counted (the built-in server's own count)
-            assert open_descriptors(pid) <= baseline + 19 + 2
-            assert client.next_token("still answered", top_k=1).top[0].token_id >= 0
+            assert all(closed_by_server(sock, 10) for sock in flood[:40])
+            assert not any(closed_by_server(sock, 0.2) for sock in flood[40:])
+            assert metric_value(url, "gpt2serve_connections_evicted_total", {"api": "grpc"}) == evicted_before + 41
+            assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "grpc"}) == refused_before
+            assert open_descriptors(pid) <= baseline - 1 + 20 + 2  # the client's was one of them
+            assert client.next_token("still answered", top_k=1).top[0].token_id >= 0  # over a new connection
         finally:
             for sock in flood:
                 sock.close()
@@ -286,6 +282,50 @@ def test_a_grpc_connection_flood_is_refused_at_once_and_released(few_connections
         assert open_descriptors(pid) <= baseline + 2
     with Client(target, retries=0, timeout=30) as late:  # room again for new clients
         assert late.health()
+
+
+def stalled_call(sock: socket.socket, authority: str) -> None:
+    """The HTTP/2 preface, then a NextToken call's headers and never its message."""
+    headers = hpack.Encoder().encode([
+        (":method", "POST"), (":scheme", "http"), (":path", "/gpt2serve.v1.Gpt2Serve/NextToken"),
+        (":authority", authority), ("content-type", "application/grpc"), ("te", "trailers")])
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\x04\0\0\0\0\0"  # an empty SETTINGS
+                 + len(headers).to_bytes(3, "big") + b"\x01\x04\0\0\0\x01" + headers)  # HEADERS, stream 1
+
+
+def test_grpc_connections_with_calls_stay_and_stalled_calls_end_at_the_request_timeout(few_connections):
+    """20 connections, each with a call whose message never comes, fill --grpc-max-connections 20:
+    they are busy, not evicted, so a newcomer is closed at once and counted as refused. Within
+    --grpc-request-timeout-s (2 s) and a sweep, each stalled call is answered CANCELLED, its
+    connection is idle again, and a new client takes the place of one of them."""
+    target, url = few_connections.grpc_target, few_connections.http_url
+    host, port = target.rsplit(":", 1)
+    refused_before = metric_value(url, "gpt2serve_connections_refused_total", {"api": "grpc"})
+    busy = [socket.create_connection((host, int(port)), timeout=10) for _ in range(20)]
+    try:
+        for sock in busy:
+            stalled_call(sock, target)
+        time.sleep(0.5)  # their headers read (a few ms on an idle front end)
+        with socket.create_connection((host, int(port)), timeout=10) as late:
+            assert closed_by_server(late, 5)
+        assert metric_value(url, "gpt2serve_connections_refused_total", {"api": "grpc"}) == refused_before + 1
+        started = time.monotonic()
+        answers = []
+        for sock in busy:
+            sock.settimeout(10)
+            data = b""
+            while b"grpc-status" not in data:
+                chunk = sock.recv(4096)
+                assert chunk, "closed without the call's status"
+                data += chunk
+            answers.append(data)
+        assert time.monotonic() - started < 10
+        assert all(b"grpc-status\x011" in data and b"--grpc-request-timeout-s" in data for data in answers)  # CANCELLED
+        with Client(target, retries=0, timeout=30) as client:
+            assert client.health()
+    finally:
+        for sock in busy:
+            sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -100,8 +100,8 @@ class Metrics:
                                            ["api"], registry=r)
         self.connections_evicted = Counter("gpt2serve_connections_evicted",
                                            "Connections closed to make room for a new one at the front end's "
-                                           "connection limit: the oldest without a request's headers", ["api"],
-                                           registry=r)
+                                           "connection limit: the oldest without a request's headers (REST) or "
+                                           "with no call open (gRPC)", ["api"], registry=r)
         self._compat_counters: list[tuple[Counter, Counter]] = []  # (ours, under another server's name)
         live_sum = dict(multiprocess_mode="livesum")  # across the processes alive (multiprocess mode)
         self.in_flight = Gauge("gpt2serve_in_flight_requests", "Requests being handled", registry=r, **live_sum)

@@ -2,10 +2,13 @@
 end's own event loop, in place of grpc.aio's core, whose per-call cost is most of a unary call's.
 
 It serves the same servicer, health (grpc.health.v1, Check and Watch) and reflection (v1alpha)
-as grpc.aio does, with the same flags: connections past `--grpc-max-connections` are closed at
-once and counted (gpt2serve_connections_refused_total{api="grpc"}), streams past
-`--grpc-max-concurrent-streams` refused for the client to retry, and a socket that has not sent
-the preface and its SETTINGS within `--grpc-handshake-timeout-s` closed.
+as grpc.aio does, with the same flags: streams past `--grpc-max-concurrent-streams` are refused
+for the client to retry, and a socket that has not sent the preface and its SETTINGS within
+`--grpc-handshake-timeout-s` is closed. At `--grpc-max-connections` a new connection takes the place
+of the oldest one with no call open (sent GOAWAY, which clients take as "reconnect for the next
+call"; gpt2serve_connections_evicted_total{api="grpc"}), as NGINX drains idle connections, so
+connections that open and sit never keep a client out; only when every connection has calls is
+the new one closed at once and counted (gpt2serve_connections_refused_total{api="grpc"}).
 """
 
 from __future__ import annotations
@@ -57,18 +60,33 @@ class RefusedConnection(asyncio.Protocol):
 
 class BuiltinGrpcServer:
     def __init__(self, app: GrpcApp, policy: ConnectionPolicy, max_connections: int,
-                 on_refused: Callable[[], None]):
-        self.app, self.policy, self.max_connections, self.on_refused = app, policy, max_connections, on_refused
-        self.connections: set[Http2Connection] = set()
+                 on_refused: Callable[[], None], on_evicted: Callable[[], None] = lambda: None):
+        self.app, self.policy, self.max_connections = app, policy, max_connections
+        self.on_refused, self.on_evicted = on_refused, on_evicted
+        self.connections: dict[Http2Connection, None] = {}  # oldest first
         self.server: asyncio.AbstractServer | None = None
 
     def connection(self) -> asyncio.Protocol:
-        if len(self.connections) >= self.max_connections:
+        if len(self.connections) >= self.max_connections and not self.evict_one():
             self.on_refused()
             return RefusedConnection()
-        connection = Http2Connection(self.app, self.policy, on_closed=self.connections.discard)
-        self.connections.add(connection)
+        connection = Http2Connection(self.app, self.policy, on_closed=self.forget)
+        self.connections[connection] = None
         return connection
+
+    def forget(self, connection: Http2Connection) -> None:
+        self.connections.pop(connection, None)
+
+    def evict_one(self) -> bool:
+        """Sends the oldest connection with no call open away, if there is one."""
+        idle = next((c for c in self.connections  # (no transport yet: still in its TLS handshake)
+                     if c.transport is not None and not c.streams and not c.going_away), None)
+        if idle is None:
+            return False
+        self.forget(idle)
+        idle.go_away()  # with no stream open it closes at once
+        self.on_evicted()
+        return True
 
     async def listen(self, host: str, port: int, tls: tuple[str, str] | None = None) -> int:
         sock = bind_listening_socket(host, port, reuse_port=True)  # as grpc.aio does: front ends share the port
@@ -77,8 +95,9 @@ class BuiltinGrpcServer:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(tls[0], tls[1])
             context.set_alpn_protocols(["h2"])
-        self.server = await asyncio.get_running_loop().create_server(
-            self.connection, sock=sock, ssl=context, backlog=1024)
+        self.server = await asyncio.get_running_loop().create_server(  # a TLS handshake within the same timeout
+            self.connection, sock=sock, ssl=context, backlog=1024,
+            ssl_handshake_timeout=self.policy.handshake_timeout_s if context else None)
         return sock.getsockname()[1]
 
     async def stop(self, grace_s: float) -> None:

@@ -7,7 +7,8 @@ its handler once the request is whole, a bidirectional one at once over an async
 requests. The answer goes out as headers, messages and trailers (for a unary call, one write
 with the connection's other answers of that turn); an error before any message is a
 trailers-only answer. A client's RST_STREAM, a lost connection or the deadline cancels the
-handler's task.
+handler's task. A request that has not arrived whole within the app's request timeout is
+cancelled (one sweep an app), so stalled calls cannot hold their connections open.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class Call:
         self.headers_sent = self.cancelled = self.finished = False
         self.deadline_timer = None if deadline is None else asyncio.get_running_loop().call_later(
             max(deadline - time.monotonic(), 0.0), self.expire)
+        app.awaiting_request(self)
         if method.kind == BIDI:
             self.inbox = asyncio.Queue()
             self.start(self.run_bidi())
@@ -180,6 +182,7 @@ class Call:
         return data
 
     def end_received(self) -> None:
+        self.app.waiting.pop(self, None)
         if self.finished:
             return
         if self.inbox is not None:
@@ -224,6 +227,7 @@ class Call:
             self.stream.release(len(self.buffer))
             self.buffer.clear()
         self.app.calls.discard(self)
+        self.app.waiting.pop(self, None)
         if self.deadline_timer is not None:
             self.deadline_timer.cancel()
 
@@ -330,10 +334,30 @@ class GrpcApp:
     in a call's place (one that refuses it, as an interceptor of grpc.aio would)."""
 
     def __init__(self, methods: dict[str, GrpcMethod], max_message: int,
-                 guard: Callable[[str, list[Header]], GrpcMethod | None] | None = None):
+                 guard: Callable[[str, list[Header]], GrpcMethod | None] | None = None,
+                 request_timeout_s: float = 30.0):
         self.methods = {path.encode(): method for path, method in methods.items()}
-        self.max_message, self.guard = max_message, guard
+        self.max_message, self.guard, self.request_timeout_s = max_message, guard, request_timeout_s
         self.calls: set[Call] = set()
+        self.waiting: dict[Call, float] = {}  # calls whose request is not whole yet: when they are cut, oldest first
+        self.sweep_timer: asyncio.TimerHandle | None = None
+
+    def awaiting_request(self, call: Call) -> None:
+        self.waiting[call] = time.monotonic() + self.request_timeout_s
+        if self.sweep_timer is None:
+            self.sweep_timer = asyncio.get_running_loop().call_later(min(1.0, self.request_timeout_s / 10), self.sweep)
+
+    def sweep(self) -> None:
+        """Cancels the calls whose request is late; runs while any request is awaited."""
+        self.sweep_timer, now = None, time.monotonic()
+        for call, cut_at in list(self.waiting.items()):
+            if cut_at > now:
+                break  # one timeout for all: later calls are cut later
+            call.refuse(grpc.StatusCode.CANCELLED, f"the request did not arrive whole within "
+                                                   f"{self.request_timeout_s:g} s (--grpc-request-timeout-s)")
+            self.waiting.pop(call, None)
+        if self.waiting:
+            self.sweep_timer = asyncio.get_running_loop().call_later(min(1.0, self.request_timeout_s / 10), self.sweep)
 
     def stream_opened(self, stream: Stream, headers: list[Header]) -> None:
         path = content_type = timeout = encoding = None

@@ -317,9 +317,10 @@ class BuiltinGrpcTransport(ServingHealth):
             idle_timeout_s=config.grpc_max_connection_idle_s, max_age_s=config.grpc_max_connection_age_s,
             age_grace_s=config.shutdown_grace_s,
             connection_window=min(max(CONNECTION_WINDOW, 2 * config.max_message_bytes), MAX_WINDOW))
-        self.server = BuiltinGrpcServer(GrpcApp(methods, config.max_message_bytes, guard), policy,
-                                        config.grpc_max_connections,
-                                        lambda: service.telemetry.connection_refused("grpc"))
+        app = GrpcApp(methods, config.max_message_bytes, guard, config.grpc_request_timeout_s)
+        self.server = BuiltinGrpcServer(app, policy, config.grpc_max_connections,
+                                        lambda: service.telemetry.connection_refused("grpc"),
+                                        lambda: service.telemetry.connection_evicted("grpc"))
         self.port: int | None = None
 
     async def start(self) -> None:
