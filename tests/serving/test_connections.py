@@ -201,7 +201,7 @@ def test_a_connection_flood_takes_the_limit_and_no_more_oldest_out_first(few_con
 def two_front_ends(tmp_path_factory):
     """--workers 2: each front end has its own limits (the kernel spreads connections over them)."""
     srv = launch_server(tmp_path_factory.mktemp("two-front-ends"), "--model", "random:tiny", "--workers", "2",
-                        "--http-max-connections", "20", "--grpc-handshake-timeout-s", "1")
+                        "--http-max-connections", "20", "--grpc-max-connections", "20", "--grpc-handshake-timeout-s", "1")
     yield srv
     srv.stop()
 
@@ -326,6 +326,30 @@ def test_grpc_connections_with_calls_stay_and_stalled_calls_end_at_the_request_t
     finally:
         for sock in busy:
             sock.close()
+
+
+@pytest.mark.parametrize("server_name", ["few_connections", "two_front_ends"])
+def test_idle_grpc_connections_over_the_limit_cannot_keep_a_client_out(request, server_name):
+    """60 gRPC connections that finish the handshake and sit, against --grpc-max-connections 20 a
+    front end, beside 5 with a call that never sends its message: a new client is answered every
+    time it comes, with one front end or two (it takes the place of the oldest idle connection)."""
+    server = request.getfixturevalue(server_name)
+    host, port = server.grpc_target.rsplit(":", 1)
+    evicted_before = metric_value(server.http_url, "gpt2serve_connections_evicted_total", {"api": "grpc"})
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(65)]
+    try:
+        for sock in held[:60]:
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0\0\0\x04\0\0\0\0\0")  # an empty SETTINGS
+        for sock in held[60:]:
+            stalled_call(sock, server.grpc_target)
+        for _ in range(3):
+            with Client(server.grpc_target, retries=0, timeout=30) as client:
+                assert client.next_token("during the flood", top_k=1).top[0].token_id >= 0
+    finally:
+        for sock in held:
+            sock.close()
+    # 65 held over 40 places at most (20 a front end): at least 25 made room for others
+    assert metric_value(server.http_url, "gpt2serve_connections_evicted_total", {"api": "grpc"}) >= evicted_before + 25
 
 
 @pytest.fixture(scope="module")
