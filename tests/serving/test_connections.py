@@ -413,3 +413,25 @@ def test_grpc_sockets_that_never_send_the_http2_preface_are_closed(request, serv
     finally:
         for sock in idle:
             sock.close()
+
+
+def server_side_timer(port: int, peer_port: int) -> str | None:
+    """The kernel's timer on the server's end of a loopback connection (/proc/net/tcp's `tr`:
+    0 none, 1 retransmit, 2 keepalive)."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and int(fields[2].split(":")[1], 16) == peer_port:
+            return fields[5].split(":")[0]
+    return None
+
+
+def test_accepted_connections_carry_the_kernels_keepalive(limited):
+    """A peer that vanishes without a FIN is found by the kernel's keepalive probes, as gRPC's own
+    server finds it by its pings: both ports' accepted connections have the keepalive timer armed."""
+    for target in (limited.grpc_target, limited.http_url.removeprefix("http://")):
+        host, port = target.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            deadline = time.monotonic() + 5
+            while (timer := server_side_timer(int(port), sock.getsockname()[1])) is None and time.monotonic() < deadline:
+                time.sleep(0.05)  # until the server has accepted it
+            assert timer == "02", (target, timer)
