@@ -108,6 +108,42 @@ def test_pipelined_requests_are_answered_in_order_with_asgi_routes_between(wire)
     assert json.loads(wire.answer()[2])["prompt_token_ids"] == PROMPTS[2]
 
 
+def test_pipelined_requests_are_read_ahead_at_most_the_depth_and_the_rest_left_for_the_client(server):
+    """A client may pipeline PIPELINE_DEPTH (64) requests past the one being answered: all are
+    answered in order and the connection is kept. Past the depth, the server reads no more: it
+    answers those it queued, then closes (RFC 9112 9.3.2: the client retries the rest). So a
+    client that writes requests and never reads cannot make the server queue them without bound
+    (it queued 700 MiB for 13 MiB of GET /healthz before)."""
+    from gpt2serve.transport.http_connections import PIPELINE_DEPTH
+
+    health = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    kept = Wire(server.http_url)
+    try:
+        kept.send(post("/v1/next-token", prompt_body(PROMPTS[0])) + health * PIPELINE_DEPTH)
+        answers = [kept.answer() for _ in range(PIPELINE_DEPTH + 1)]
+        assert [status for status, _, _ in answers] == [200] * (PIPELINE_DEPTH + 1)
+        assert json.loads(answers[0][2])["prompt_token_ids"] == PROMPTS[0]
+        kept.send(post("/v1/next-token", prompt_body(PROMPTS[1])))  # still kept alive
+        assert json.loads(kept.answer()[2])["prompt_token_ids"] == PROMPTS[1]
+    finally:
+        kept.close()
+    flood = Wire(server.http_url)
+    try:
+        flood.send(post("/v1/next-token", prompt_body(PROMPTS[2])) + health * 1000)
+        answered = 0
+        try:
+            while True:
+                status, _, _ = flood.answer()
+                assert status == 200
+                answered += 1
+        except AssertionError as closed:
+            assert "closed before an answer's head" in str(closed) and not flood.buffer
+        # the one being answered and the depth behind it (more only if the kernel split the write)
+        assert PIPELINE_DEPTH + 1 <= answered < 1001
+    finally:
+        flood.close()
+
+
 def test_expect_100_continue_is_answered_before_the_body_is_sent(wire):
     body = prompt_body(PROMPTS[0])
     wire.send(post("/v1/next-token", b"", b"Expect: 100-continue").replace(b"Content-Length: 0",

@@ -10,7 +10,12 @@
   keep a well-behaved client out;
 - a request must arrive whole, headers and body, within `--http-request-timeout-s` of its first
   byte (or of the connection's opening): a slowloris sending a header line a second is closed;
-- between requests, uvicorn's keep-alive limit (`--http-keep-alive-s`) closes idle connections.
+- between requests, uvicorn's keep-alive limit (`--http-keep-alive-s`) closes idle connections;
+- a client that pipelines requests is read ahead of its answers by at most PIPELINE_DEPTH
+  requests: reading waits until the queued ones are answered, and a request past the depth ends
+  the connection once those are (RFC 9112 9.3.2: the client retries what was not answered).
+  uvicorn read on after every answer, so a client that sent requests and never read the answers
+  had them queued without bound (700 MiB for 13 MiB of `GET /healthz`).
 
 A request asking to upgrade to a protocol this server does not speak (`Upgrade: h2c`, which
 `curl --http2` sends with every request to an http:// URL) is answered in HTTP/1.1, the upgrade
@@ -32,6 +37,12 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .http_direct import DirectCall, DirectRoutes
+
+PIPELINE_DEPTH = 64  # requests a connection may have read and queued ahead of its answer
+
+
+class PipelineFull(Exception):
+    """Raised from the parser's callback to stop reading a connection's requests."""
 
 
 def bounded_http_protocol(max_connections: int, request_timeout_s: float, refused: Callable[[], None],
@@ -58,6 +69,7 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         # Since when it has been waiting for a request's headers (monotonic); None: busy with a request.
         _waiting_since: float | None = None
         _answering: DirectCall | None = None  # the direct call whose route runs, if one does
+        _pipeline_full = False  # PIPELINE_DEPTH requests queued and more sent: answer those, then close
         _sweep: ClockSweep | None = None  # the class's: its server's
         # Of a request whose upgrade is ignored: its body's bytes still to read (llhttp takes the
         # request to end at its headers and stops there, so the body is read here); None: no such request.
@@ -89,6 +101,9 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             return True
 
         def on_message_begin(self) -> None:
+            if len(self.pipeline) >= PIPELINE_DEPTH:
+                self._pipeline_full = True
+                raise PipelineFull
             self.url, self.headers, self.expect_100_continue = b"", [], False
             self._deadline = time.monotonic() + request_timeout_s
 
@@ -119,6 +134,9 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
+                if self._pipeline_full:  # nothing more is read; the connection ends after the queued answers
+                    self.flow.pause_reading()
+                    return
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
             except httptools.HttpParserUpgrade as stop:
@@ -225,11 +243,13 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             self.server_state.total_requests += 1
             if self.transport.is_closing():
                 return
-            self.flow.resume_reading()
-            if self.pipeline:  # a pipelined request starts now
+            if self.pipeline:  # a pipelined request starts now; reading waits until the last queued one
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
+            elif self._pipeline_full:
+                self.transport.close()
             else:  # kept alive for the next request's headers
+                self.flow.resume_reading()
                 self._waiting_since = now = time.monotonic()
                 self._deadline = now + self.timeout_keep_alive
 
