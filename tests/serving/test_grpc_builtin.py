@@ -275,3 +275,71 @@ def test_a_client_that_never_reads_cannot_make_the_server_buffer_without_bound(b
         assert stalled and sent < 32 << 20, sent
         with grpc.insecure_channel(builtin.grpc_target) as channel:
             assert stub(channel).NextToken(pb.NextTokenRequest(prompt="still served"), timeout=30).token
+
+
+def open_call(sock: socket.socket, encoder: hpack.Encoder, stream_id: int, path: str, authority: str) -> None:
+    sock.sendall(frame(1, 0x4, stream_id, encoder.encode([
+        (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", authority),
+        ("content-type", "application/grpc"), ("te", "trailers")])))
+
+
+def grpc_status(frames, stream_id: int) -> bytes | None:
+    """The grpc-status a stream's trailers carry (decoded with the server's literal encoding)."""
+    decoder = hpack.Decoder()
+    for ftype, _, sid, payload in frames:
+        if ftype == 1:
+            headers = dict(decoder.decode(payload, raw=True))
+            if sid == stream_id and b"grpc-status" in headers:
+                return headers[b"grpc-status"]
+    return None
+
+
+def test_a_second_request_message_on_a_unary_call_is_refused_at_once(builtin):
+    """A client that sends NextToken message after message without ending its request gets
+    UNIMPLEMENTED at the second, not a call that holds every message until it ends."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    request = pb.NextTokenRequest(prompt="one of many").SerializeToString()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        open_call(sock, hpack.Encoder(), 1, "/gpt2serve.v1.Gpt2Serve/NextToken", builtin.grpc_target)
+        sock.sendall(frame(0, 0, 1, (b"\0" + len(request).to_bytes(4, "big") + request) * 2))
+        frames = read_frames(sock, 2.0)
+    assert grpc_status(frames, 1) == b"12"  # UNIMPLEMENTED
+    assert any(ftype == 3 and sid == 1 for ftype, _, sid, _ in frames)  # and the stream reset: nothing more is read
+
+
+def test_a_bidirectional_call_that_is_never_read_holds_a_bounded_queue(builtin):
+    """Reflection requests from a client that gives no window for the answers: the handler waits on
+    its first answer and the requests queue. Past 64 waiting, the call is ended (its stream reset),
+    so a client that writes and never reads holds neither the handler's queue nor the window."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    request = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        no_window = (4).to_bytes(2, "big") + (0).to_bytes(4, "big")  # SETTINGS_INITIAL_WINDOW_SIZE 0
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, no_window))
+        open_call(sock, hpack.Encoder(), 1, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                  builtin.grpc_target)
+        sock.sendall(frame(0, 0, 1, (b"\0" + len(request).to_bytes(4, "big") + request) * 200))
+        frames = read_frames(sock, 2.0)
+    assert any(ftype == 3 and sid == 1 for ftype, _, sid, _ in frames), frames
+    assert not any(ftype == 7 for ftype, _, _, _ in frames)  # the connection itself goes on
+
+
+def test_data_past_the_connection_window_ends_the_connection(builtin):
+    """A client that ignores flow control: 16 MiB of partial messages fill the window the server
+    gave (held by their calls, so none of it comes back), then one byte more is sent GOAWAY
+    FLOW_CONTROL_ERROR. The window bounds what any client can make the server hold."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    encoder, chunk = hpack.Encoder(), b"\0" * 16384
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        for stream_id in (1, 3, 5, 7):  # 4 MiB each of an 8 MiB message: 16 MiB, the whole window
+            open_call(sock, encoder, stream_id, "/gpt2serve.v1.Gpt2Serve/NextToken", builtin.grpc_target)
+            sock.sendall(frame(0, 0, stream_id, b"\0" + (8 << 20).to_bytes(4, "big") + chunk[:16379]))
+            sock.sendall(b"".join(frame(0, 0, stream_id, chunk) for _ in range((4 << 20) // 16384 - 1)))
+        opened = read_frames(sock, 1.0)  # all of it read by the server before the last byte comes
+        assert not any(ftype == 7 for ftype, _, _, _ in opened)
+        sock.sendall(frame(0, 0, 1, b"\0"))
+        frames = read_frames(sock, 2.0)
+    goaway = [payload for ftype, _, _, payload in frames if ftype == 7]
+    assert goaway and int.from_bytes(goaway[0][4:8], "big") == 3, frames[-3:]  # FLOW_CONTROL_ERROR

@@ -24,12 +24,14 @@ from typing import Any, Callable
 
 import grpc
 
-from .h2_frames import NO_ERROR, Stream
+from .grpc_context import CallContext
+from .h2_frames import Stream
 from .hpack_codec import Header, encode_literal
 
 log = logging.getLogger(__name__)
 
 MESSAGE_HEAD = struct.Struct(">BI")  # compressed flag, length
+MAX_WAITING_MESSAGES = 64  # a bidirectional call's requests its handler has not taken yet
 UNARY, SERVER_STREAM, BIDI = "unary", "server_stream", "bidi"
 ANSWER_HEADERS = b"\x88" + encode_literal(b"content-type", b"application/grpc")  # :status 200 is static 8
 OK_TRAILERS = encode_literal(b"grpc-status", b"0")
@@ -66,51 +68,6 @@ def message(payload: bytes) -> bytes:
 def serialize(answer) -> bytes:
     """A protobuf answer's bytes (GrpcMethod.serialize for every method that answers protobuf)."""
     return answer.SerializeToString()
-
-
-class CallContext:
-    """The part of `grpc.aio.ServicerContext` our servicers use."""
-
-    def __init__(self, call: Call, metadata: tuple[tuple[str, str], ...], deadline: float | None, peer: str):
-        self._call, self._metadata, self.deadline, self._peer = call, metadata, deadline, peer
-        self.trailing: tuple = ()
-        self.code: grpc.StatusCode | None = None
-        self.details: str | None = None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
-
-    def set_trailing_metadata(self, metadata) -> None:
-        self.trailing = tuple(metadata)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    async def write(self, answer) -> None:
-        """A streaming answer's next message, for a handler that writes rather than yields
-        (grpc_health's HealthServicer.Watch)."""
-        await self._call.send(answer)
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()) -> None:
-        self.code, self.details = code, details
-        if trailing_metadata:
-            self.trailing = tuple(trailing_metadata)
-        raise grpc.aio.AbortError()
-
-    def peer(self) -> str:
-        return self._peer
-
-    def cancelled(self) -> bool:
-        return self._call.cancelled
-
-    def done(self) -> bool:
-        return self._call.stream.closed
 
 
 class Call:
@@ -152,15 +109,22 @@ class Call:
                 return
             payload = bytes(buffer[5:5 + length])
             del buffer[:5 + length]
-            self.stream.release(5 + length)
             if compressed:
                 payload = self.decompress(payload)
                 if payload is None:
                     return
-            if self.inbox is not None:
-                self.inbox.put_nowait(payload)
-            else:
-                self.requests.append(payload)
+            if self.inbox is not None:  # its window comes back when the handler takes it
+                if self.inbox.qsize() >= MAX_WAITING_MESSAGES:
+                    self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {MAX_WAITING_MESSAGES} request "
+                                "messages waiting for the handler: read the answers before sending more")
+                    return
+                self.inbox.put_nowait((payload, 5 + length))
+                continue
+            self.stream.release(5 + length)
+            if self.requests:  # a second message for a one-request method: refused now, not held
+                self.refuse(grpc.StatusCode.UNIMPLEMENTED, "expected one request message, got more")
+                return
+            self.requests.append(payload)
 
     def decompress(self, payload: bytes) -> bytes | None:
         """A compressed message's bytes, at most the message limit; None when refused."""
@@ -188,10 +152,9 @@ class Call:
         if self.inbox is not None:
             self.inbox.put_nowait(None)
             return
-        if len(self.requests) != 1 or self.buffer:
-            self.refuse(grpc.StatusCode.UNIMPLEMENTED if len(self.requests) > 1 else grpc.StatusCode.INTERNAL,
-                        f"expected one request message, got {len(self.requests)}"
-                        + (" and a partial one" if self.buffer else ""))
+        if not self.requests or self.buffer:
+            self.refuse(grpc.StatusCode.INTERNAL, "expected one request message, got "
+                        + ("a partial one" if self.buffer else "none"))
             return
         try:
             request = self.method.deserialize(self.requests[0])
@@ -226,6 +189,9 @@ class Call:
         if self.buffer:  # a partial message no one will take
             self.stream.release(len(self.buffer))
             self.buffer.clear()
+        while self.inbox is not None and not self.inbox.empty():  # and whole ones
+            if (taken := self.inbox.get_nowait()) is not None:
+                self.stream.release(taken[1])
         self.app.calls.discard(self)
         self.app.waiting.pop(self, None)
         if self.deadline_timer is not None:
@@ -254,9 +220,10 @@ class Call:
             self.failed(exc)
 
     async def run_bidi(self) -> None:
-        async def requests():
-            while (payload := await self.inbox.get()) is not None:
-                yield self.method.deserialize(payload)
+        async def requests():  # each message's window back as it is taken, so an unread inbox holds one window
+            while (taken := await self.inbox.get()) is not None:
+                self.stream.release(taken[1])
+                yield self.method.deserialize(taken[0])
 
         try:
             await self.send_all(self.method.behaviour(requests(), self.context))
@@ -317,8 +284,7 @@ class Call:
             self.task.cancel()
 
     def ended(self) -> None:
-        if not self.stream.remote_closed:
-            self.stream.reset(NO_ERROR)
+        self.stream.stop_peer()
         self.done()
 
 

@@ -23,7 +23,8 @@ from .h2_frames import (
     END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_HEAD, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_HEADER_LIST,
     MAX_WINDOW, NO_ERROR, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
     RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
-    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_WINDOW, WINDOW_UPDATE, ConnectionPolicy, Http2App, Http2Error, Stream, unpad,
+    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_WINDOW, WINDOW_UPDATE, ConnectionPolicy, Http2App, Http2Error, Stream,
+    read_settings, unpad,
 )
 from .hpack_codec import TABLE_SIZE_ZERO, HeaderDecoder, HpackError
 
@@ -48,6 +49,7 @@ class Http2Connection(asyncio.Protocol):
         self.peer_stream_window = DEFAULT_WINDOW
         self.peer_frame_size = DEFAULT_FRAME_SIZE
         self.unacked = 0
+        self.recv_window = policy.connection_window  # what the peer may still send: more is an error
         self.out: list[bytes] = []
         self.flush_scheduled = False
         self.first_block_sent = False
@@ -288,6 +290,9 @@ class Http2Connection(asyncio.Protocol):
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
 
     def data_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self.recv_window -= len(payload)
+        if self.recv_window < 0:  # a peer past the window would make us hold what it sends without bound
+            raise Http2Error(FLOW_CONTROL_ERROR, "DATA past the connection's window")
         stream = self.streams.get(stream_id)
         if stream is None or stream.remote_closed:
             if stream_id > self.last_stream_id or not stream_id:
@@ -314,7 +319,7 @@ class Http2Connection(asyncio.Protocol):
         self.unacked += size
         if self.unacked >= self.policy.connection_window // 2:
             self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
-            self.unacked = 0
+            self.recv_window, self.unacked = self.recv_window + self.unacked, 0
 
     def headers_complete(self, stream_id: int, flags: int, block: bytes) -> None:
         try:
@@ -351,19 +356,12 @@ class Http2Connection(asyncio.Protocol):
             raise Http2Error(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
             return
-        if len(payload) % 6:
-            raise Http2Error(FRAME_SIZE_ERROR, "SETTINGS of a bad length")
-        for key, value in struct.iter_unpack(">HI", payload):
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise Http2Error(FLOW_CONTROL_ERROR, "initial window too large")
-                delta, self.peer_stream_window = value - self.peer_stream_window, value
-                for stream in self.streams.values():
-                    stream.send_window += delta
-            elif key == SETTINGS_MAX_FRAME_SIZE:
-                if not DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
-                    raise Http2Error(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
-                self.peer_frame_size = value
+        settings = read_settings(payload)
+        if (window := settings.get(SETTINGS_INITIAL_WINDOW_SIZE)) is not None:
+            delta, self.peer_stream_window = window - self.peer_stream_window, window
+            for stream in self.streams.values():
+                stream.send_window += delta
+        self.peer_frame_size = settings.get(SETTINGS_MAX_FRAME_SIZE, self.peer_frame_size)
         self.send_frame(SETTINGS, ACK, 0)
         if not self.settings_seen:
             self.settings_seen = True

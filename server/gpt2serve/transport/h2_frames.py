@@ -61,6 +61,18 @@ class ConnectionPolicy:
     connection_window: int = CONNECTION_WINDOW
 
 
+def read_settings(payload: bytes) -> dict[int, int]:
+    """A SETTINGS frame's values by key (the last of a repeated one), those we act on checked."""
+    if len(payload) % 6:
+        raise Http2Error(FRAME_SIZE_ERROR, "SETTINGS of a bad length")
+    settings = dict(struct.iter_unpack(">HI", payload))
+    if settings.get(SETTINGS_INITIAL_WINDOW_SIZE, 0) > MAX_WINDOW:
+        raise Http2Error(FLOW_CONTROL_ERROR, "initial window too large")
+    if not DEFAULT_FRAME_SIZE <= settings.get(SETTINGS_MAX_FRAME_SIZE, DEFAULT_FRAME_SIZE) <= 2**24 - 1:
+        raise Http2Error(PROTOCOL_ERROR, "bad MAX_FRAME_SIZE")
+    return settings
+
+
 class StreamListener(Protocol):
     def data_received(self, data: bytes) -> None: ...
     def end_received(self) -> None: ...
@@ -126,6 +138,13 @@ class Stream:
         if not self.closed:
             self.connection.send_frame(RST_STREAM, 0, self.id, struct.pack(">I", code))
             self.connection.stream_done(self)
+
+    def stop_peer(self) -> None:
+        """After our END_STREAM, tells a peer still sending to stop (RST_STREAM NO_ERROR, RFC 9113
+        8.1); an answer still waiting for window is left to finish first."""
+        if self.closed and not self.remote_closed:
+            self.remote_closed = True
+            self.connection.send_frame(RST_STREAM, 0, self.id, struct.pack(">I", NO_ERROR))
 
     @property
     def blocked(self) -> bool:
