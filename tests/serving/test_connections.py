@@ -201,7 +201,8 @@ def test_a_connection_flood_takes_the_limit_and_no_more_oldest_out_first(few_con
 def two_front_ends(tmp_path_factory):
     """--workers 2: each front end has its own limits (the kernel spreads connections over them)."""
     srv = launch_server(tmp_path_factory.mktemp("two-front-ends"), "--model", "random:tiny", "--workers", "2",
-                        "--http-max-connections", "20", "--grpc-max-connections", "20", "--grpc-handshake-timeout-s", "1")
+                        "--http-max-connections", "20", "--grpc-max-connections", "20",
+                        "--grpc-handshake-timeout-s", "1")
     yield srv
     srv.stop()
 
@@ -432,6 +433,7 @@ def test_accepted_connections_carry_the_kernels_keepalive(limited):
         host, port = target.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             deadline = time.monotonic() + 5
-            while (timer := server_side_timer(int(port), sock.getsockname()[1])) is None and time.monotonic() < deadline:
+            peer_port = sock.getsockname()[1]
+            while (timer := server_side_timer(int(port), peer_port)) is None and time.monotonic() < deadline:
                 time.sleep(0.05)  # until the server has accepted it
             assert timer == "02", (target, timer)
