@@ -343,3 +343,23 @@ def test_data_past_the_connection_window_ends_the_connection(builtin):
         frames = read_frames(sock, 2.0)
     goaway = [payload for ftype, _, _, payload in frames if ftype == 7]
     assert goaway and int.from_bytes(goaway[0][4:8], "big") == 3, frames[-3:]  # FLOW_CONTROL_ERROR
+
+
+def test_refused_messages_give_their_window_back(builtin):
+    """Six calls of one connection each send a whole 3 MiB message flagged compressed with no
+    grpc-encoding: 18 MiB against the 16 MiB window. Each is refused (UNIMPLEMENTED), and each
+    refused message's bytes come back to the connection's window, so the connection goes on;
+    were they kept, the sixth would pass the window and end the connection."""
+    host, port = builtin.grpc_target.rsplit(":", 1)
+    encoder, chunk = hpack.Encoder(), b"\0" * 16384
+    frames = []
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        for stream_id in (1, 3, 5, 7, 9, 11):
+            open_call(sock, encoder, stream_id, "/gpt2serve.v1.Gpt2Serve/NextToken", builtin.grpc_target)
+            sock.sendall(frame(0, 0, stream_id, b"\1" + (3 << 20).to_bytes(4, "big") + chunk[:16379]))
+            sock.sendall(b"".join(frame(0, 0, stream_id, chunk) for _ in range((3 << 20) // 16384 - 1)))
+            sock.sendall(frame(0, 1, stream_id, b"\0" * 5))  # the rest, and END_STREAM
+            frames += read_frames(sock, 0.5)
+    assert [grpc_status(frames, stream_id) for stream_id in (1, 3, 5, 7, 9, 11)] == [b"12"] * 6
+    assert not any(ftype == 7 for ftype, _, _, _ in frames)  # no GOAWAY

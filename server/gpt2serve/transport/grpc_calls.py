@@ -107,23 +107,23 @@ class Call:
                 return
             if len(buffer) < 5 + length:
                 return
+            # A refused message stays in the buffer, whose window done() gives back with the rest.
             payload = bytes(buffer[5:5 + length])
-            del buffer[:5 + length]
-            if compressed:
-                payload = self.decompress(payload)
-                if payload is None:
-                    return
+            if compressed and (payload := self.decompress(payload)) is None:
+                return
             if self.inbox is not None:  # its window comes back when the handler takes it
                 if self.inbox.qsize() >= MAX_WAITING_MESSAGES:
                     self.refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {MAX_WAITING_MESSAGES} request "
                                 "messages waiting for the handler: read the answers before sending more")
                     return
+                del buffer[:5 + length]
                 self.inbox.put_nowait((payload, 5 + length))
                 continue
-            self.stream.release(5 + length)
             if self.requests:  # a second message for a one-request method: refused now, not held
                 self.refuse(grpc.StatusCode.UNIMPLEMENTED, "expected one request message, got more")
                 return
+            del buffer[:5 + length]
+            self.stream.release(5 + length)
             self.requests.append(payload)
 
     def decompress(self, payload: bytes) -> bytes | None:
@@ -311,7 +311,7 @@ class GrpcApp:
     def awaiting_request(self, call: Call) -> None:
         self.waiting[call] = time.monotonic() + self.request_timeout_s
         if self.sweep_timer is None:
-            self.sweep_timer = asyncio.get_running_loop().call_later(min(1.0, self.request_timeout_s / 10), self.sweep)
+            self.schedule_sweep()
 
     def sweep(self) -> None:
         """Cancels the calls whose request is late; runs while any request is awaited."""
@@ -321,9 +321,11 @@ class GrpcApp:
                 break  # one timeout for all: later calls are cut later
             call.refuse(grpc.StatusCode.CANCELLED, f"the request did not arrive whole within "
                                                    f"{self.request_timeout_s:g} s (--grpc-request-timeout-s)")
-            self.waiting.pop(call, None)
-        if self.waiting:
-            self.sweep_timer = asyncio.get_running_loop().call_later(min(1.0, self.request_timeout_s / 10), self.sweep)
+        if self.waiting:  # (a refused call has left it: Call.done)
+            self.schedule_sweep()
+
+    def schedule_sweep(self) -> None:
+        self.sweep_timer = asyncio.get_running_loop().call_later(min(1.0, self.request_timeout_s / 10), self.sweep)
 
     def stream_opened(self, stream: Stream, headers: list[Header]) -> None:
         path = content_type = timeout = encoding = None

@@ -141,7 +141,8 @@ class Stream:
 
     def stop_peer(self) -> None:
         """After our END_STREAM, tells a peer still sending to stop (RST_STREAM NO_ERROR, RFC 9113
-        8.1); an answer still waiting for window is left to finish first."""
+        8.1). While the answer still waits for window, nothing is sent: it is left to go out, and
+        what the peer sends meanwhile is dropped as it comes (the finished call releases it)."""
         if self.closed and not self.remote_closed:
             self.remote_closed = True
             self.connection.send_frame(RST_STREAM, 0, self.id, struct.pack(">I", NO_ERROR))
