@@ -90,7 +90,7 @@ def serve(kind: str, port, ready) -> None:
 
         from gpt2serve.transport.grpc_builtin import BuiltinGrpcServer
         from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
-        from gpt2serve.transport.h2_frames import ConnectionPolicy
+        from gpt2serve.transport.h2_stream import ConnectionPolicy
 
         async def run_builtin() -> None:
             method = GrpcMethod(UNARY, AsyncAnswerer().NextToken, pb.NextTokenRequest.FromString,

@@ -107,6 +107,9 @@ class ServeConfig:
     # and a call whose request has not arrived whole (the client's END_STREAM) by then is cancelled.
     grpc_handshake_timeout_s: float = 10.0
     grpc_request_timeout_s: float = 30.0
+    # An answer that waits this long for a client that gives it no window (does not read) has its
+    # stream reset, so calls held at window 0 cannot hold a connection (NGINX's send_timeout).
+    grpc_send_timeout_s: float = 30.0
     # Who serves gRPC: our own HTTP/2 and gRPC layers (transport.grpc_builtin, a quarter of grpc.aio's CPU a
     # unary call, measured in docs/benchmarks.md), or grpc.aio (gRPC's core).
     grpc_server: str = "builtin"
@@ -116,6 +119,10 @@ class ServeConfig:
     http_keep_alive_s: float = 5.0
     http_request_timeout_s: float = 30.0
     http_max_connections: int = 1024
+    # A REST request's header section (431 past it) and its request line (414 past it), in bytes;
+    # NGINX's large_client_header_buffers and Node's --max-http-header-size are 8-16 KiB.
+    http_max_header_bytes: int = 16384
+    http_max_request_line_bytes: int = 8192
     # A streamed generation (gRPC Generate, SSE) sends its tokens this many at a time, as vLLM's
     # --stream-interval: its first token at once, then every this many and whatever is left at its
     # end. 1: each token as it comes. Tokens a slow reader has not taken go together at any interval.
@@ -296,6 +303,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-request-timeout-s", type=float, default=d.grpc_request_timeout_s,
             help="cancel a gRPC call whose request has not arrived whole within this long of its opening, so stalled "
                  "calls cannot hold a connection (--grpc-server builtin; gRPC's core has no such limit)")
+    env.add("--grpc-send-timeout-s", type=float, default=d.grpc_send_timeout_s,
+            help="reset a gRPC call's stream when its answer has waited this long, without progress, for a client "
+                 "that gives it no window (does not read), so such calls cannot hold a connection "
+                 "(--grpc-server builtin; gRPC's core has no such limit)")
     env.add("--grpc-server", default=d.grpc_server, choices=GRPC_SERVERS,
             help="builtin: the project's own HTTP/2 and gRPC layers on the front end's event loop (a quarter of "
                  "grpc.aio's CPU a unary call); grpcio: gRPC's own server (grpc.aio). Both serve the same methods, "
@@ -309,6 +320,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="open REST connections per front end; a new one past it takes the place of the oldest "
                  "connection without a request's headers (gpt2serve_connections_evicted_total), or is closed at "
                  "once when every one is busy with a request (gpt2serve_connections_refused_total)")
+    env.add("--http-max-header-bytes", type=int, default=d.http_max_header_bytes,
+            help="a REST request's header section may be this large; a larger one is answered 431 and its "
+                 "connection closed")
+    env.add("--http-max-request-line-bytes", type=int, default=d.http_max_request_line_bytes,
+            help="a REST request line (method, target, version) may be this long; a longer one is answered 414 "
+                 "and its connection closed")
     env.add("--stream-interval", type=int, default=d.stream_interval,
             help="a streamed generation (gRPC Generate, SSE) sends its tokens this many at a time: its first at "
                  "once, then every this many, the rest at its end (as vLLM's); fewer messages for less front-end "
@@ -381,8 +398,10 @@ def validate(config: ServeConfig) -> None:
         problems.append("--http-request-timeout-s must be > 0 and --http-max-connections >= 1")
     if config.grpc_max_concurrent_streams < 1 or config.grpc_max_connections < 1:
         problems.append("--grpc-max-concurrent-streams and --grpc-max-connections must be >= 1")
-    if config.grpc_handshake_timeout_s <= 0 or config.grpc_request_timeout_s <= 0:
-        problems.append("--grpc-handshake-timeout-s and --grpc-request-timeout-s must be > 0")
+    if config.grpc_handshake_timeout_s <= 0 or config.grpc_request_timeout_s <= 0 or config.grpc_send_timeout_s <= 0:
+        problems.append("--grpc-handshake-timeout-s, --grpc-request-timeout-s and --grpc-send-timeout-s must be > 0")
+    if config.http_max_header_bytes < 1024 or config.http_max_request_line_bytes < 256:
+        problems.append("--http-max-header-bytes must be >= 1024 and --http-max-request-line-bytes >= 256")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.stream_interval < 1:

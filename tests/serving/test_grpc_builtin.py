@@ -1,7 +1,6 @@
 """The built-in gRPC server (--grpc-server builtin) on the wire, with grpcio's own client: what our
 HTTP/2 and gRPC layers do that grpc.aio's core did for us.
 
-- HPACK: the decoder reads what the reference encoder writes (Huffman, indexing, table resizes).
 - Flow control both ways: an answer larger than the client's window, a request larger than the
   window we give, and a message past --max-message-bytes refused with RESOURCE_EXHAUSTED.
 - Compressed requests (gzip, deflate), deadlines and a client's cancel (the connection limit, its
@@ -12,7 +11,6 @@ HTTP/2 and gRPC layers do that grpc.aio's core did for us.
 
 from __future__ import annotations
 
-import random
 import socket
 import time
 
@@ -22,11 +20,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gpt2serve.transport.hpack_codec import HeaderDecoder, HpackError
 from gpt2serve_client._proto import gpt2serve_pb2 as pb, gpt2serve_pb2_grpc as pb_grpc
 from support.servers import launch_server
 
 MAX_MESSAGE = 8 << 20
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SETTINGS_ACK = b"\0\0\0\x04\x01\0\0\0\0"  # a conformant client acks the server's SETTINGS (its 4 MiB stream window)
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +38,6 @@ def builtin(tmp_path_factory):
 
 def stub(channel: grpc.Channel) -> pb_grpc.Gpt2ServeStub:
     return pb_grpc.Gpt2ServeStub(channel)
-
-
-def test_the_hpack_decoder_reads_what_the_reference_encoder_writes():
-    rng = random.Random(7)
-    encoder, ours, reference = hpack.Encoder(), HeaderDecoder(), hpack.Decoder()
-    for i in range(2000):
-        headers = [(":method", "POST"), (":path", f"/gpt2serve.v1.Gpt2Serve/M{rng.randint(0, 40)}"),
-                   ("grpc-timeout", f"{rng.randint(1, 10**6)}u"),
-                   (f"x-key-{rng.randint(0, 200)}", "v" * rng.randint(0, 400)),
-                   hpack.NeverIndexedHeaderTuple("authorization", f"Bearer {rng.random()}")]
-        if i % 250 == 0:
-            encoder.header_table_size = rng.choice([0, 256, 4096])  # a table size update in the next block
-        block = encoder.encode(headers, huffman=bool(i % 2))
-        assert ours.decode(block) == [tuple(header) for header in reference.decode(block, raw=True)]
-    with pytest.raises(HpackError):
-        ours.decode(b"\xff\xff\xff\xff\xff\xff\x7f")  # an index past any table
-    with pytest.raises(HpackError):
-        ours.decode(b"\x00\x85ab")  # a string cut short
 
 
 def test_an_answer_larger_than_the_clients_window_arrives_whole(builtin):
@@ -226,7 +207,7 @@ def test_partial_messages_hold_the_connection_window_until_released(builtin):
     host, port = builtin.grpc_target.rsplit(":", 1)
     encoder = hpack.Encoder()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        sock.sendall(PREFACE + frame(4, 0, 0) + SETTINGS_ACK)
         opening = read_frames(sock, 1.0)
         assert connection_window_given(opening) == (16 << 20) - 65535  # 2 x --max-message-bytes (8 MiB)
         chunk = b"\0" * 16384
@@ -251,7 +232,8 @@ def test_a_client_that_never_reads_cannot_make_the_server_buffer_without_bound(b
     """SETTINGS acks and the RST_STREAMs that refuse streams past the limit are not flow-controlled:
     a client that asks for them and never reads would have them pile up in the server. The server
     stops reading such a client once its answers back up, so the client's sends stall within the
-    sockets' buffers (the server took 100 MiB of SETTINGS in 9 s before), and others are served."""
+    sockets' buffers, or ends the connection as a flood (the server took 100 MiB of SETTINGS in 9 s
+    before), and others are served."""
     host, port = builtin.grpc_target.rsplit(":", 1)
     encoder = hpack.Encoder()
     request = [(":method", "POST"), (":scheme", "http"), (":path", "/gpt2serve.v1.Gpt2Serve/Generate"),
@@ -259,7 +241,7 @@ def test_a_client_that_never_reads_cannot_make_the_server_buffer_without_bound(b
     sent, stream_id, stalled = 0, 1, False
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        sock.sendall(PREFACE + frame(4, 0, 0) + SETTINGS_ACK)
         sock.settimeout(3.0)
         while sent < 64 << 20 and not stalled:
             if flood == "settings":
@@ -271,6 +253,8 @@ def test_a_client_that_never_reads_cannot_make_the_server_buffer_without_bound(b
                 sock.sendall(chunk)
                 sent += len(chunk)
             except socket.timeout:
+                stalled = True
+            except (BrokenPipeError, ConnectionResetError):  # sent GOAWAY (ENHANCE_YOUR_CALM) and cut off
                 stalled = True
         assert stalled and sent < 32 << 20, sent
         with grpc.insecure_channel(builtin.grpc_target) as channel:
@@ -300,7 +284,7 @@ def test_a_second_request_message_on_a_unary_call_is_refused_at_once(builtin):
     host, port = builtin.grpc_target.rsplit(":", 1)
     request = pb.NextTokenRequest(prompt="one of many").SerializeToString()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        sock.sendall(PREFACE + frame(4, 0, 0) + SETTINGS_ACK)
         open_call(sock, hpack.Encoder(), 1, "/gpt2serve.v1.Gpt2Serve/NextToken", builtin.grpc_target)
         sock.sendall(frame(0, 0, 1, (b"\0" + len(request).to_bytes(4, "big") + request) * 2))
         frames = read_frames(sock, 2.0)
@@ -316,7 +300,7 @@ def test_a_bidirectional_call_that_is_never_read_holds_a_bounded_queue(builtin):
     request = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         no_window = (4).to_bytes(2, "big") + (0).to_bytes(4, "big")  # SETTINGS_INITIAL_WINDOW_SIZE 0
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, no_window))
+        sock.sendall(PREFACE + frame(4, 0, 0, no_window) + SETTINGS_ACK)
         open_call(sock, hpack.Encoder(), 1, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
                   builtin.grpc_target)
         sock.sendall(frame(0, 0, 1, (b"\0" + len(request).to_bytes(4, "big") + request) * 200))
@@ -332,7 +316,7 @@ def test_data_past_the_connection_window_ends_the_connection(builtin):
     host, port = builtin.grpc_target.rsplit(":", 1)
     encoder, chunk = hpack.Encoder(), b"\0" * 16384
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        sock.sendall(PREFACE + frame(4, 0, 0) + SETTINGS_ACK)
         for stream_id in (1, 3, 5, 7):  # 4 MiB each of an 8 MiB message: 16 MiB, the whole window
             open_call(sock, encoder, stream_id, "/gpt2serve.v1.Gpt2Serve/NextToken", builtin.grpc_target)
             sock.sendall(frame(0, 0, stream_id, b"\0" + (8 << 20).to_bytes(4, "big") + chunk[:16379]))
@@ -354,7 +338,7 @@ def test_refused_messages_give_their_window_back(builtin):
     encoder, chunk = hpack.Encoder(), b"\0" * 16384
     frames = []
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0))
+        sock.sendall(PREFACE + frame(4, 0, 0) + SETTINGS_ACK)
         for stream_id in (1, 3, 5, 7, 9, 11):
             open_call(sock, encoder, stream_id, "/gpt2serve.v1.Gpt2Serve/NextToken", builtin.grpc_target)
             sock.sendall(frame(0, 0, stream_id, b"\1" + (3 << 20).to_bytes(4, "big") + chunk[:16379]))

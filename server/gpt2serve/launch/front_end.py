@@ -67,7 +67,9 @@ class Transports:
             timeout_keep_alive=config.http_keep_alive_s,
             http=bounded_http_protocol(config.http_max_connections, config.http_request_timeout_s,
                                        lambda: service.telemetry.connection_refused("rest"),
-                                       lambda: service.telemetry.connection_evicted("rest"), direct),
+                                       lambda: service.telemetry.connection_evicted("rest"), direct,
+                                       max_header_bytes=config.http_max_header_bytes,
+                                       max_request_line_bytes=config.http_max_request_line_bytes),
         ))
         await grpc.start()
         await grpc.set_serving(False)

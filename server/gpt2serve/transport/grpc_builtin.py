@@ -5,10 +5,12 @@ It serves the same servicer, health (grpc.health.v1, Check and Watch) and reflec
 as grpc.aio does, with the same flags: streams past `--grpc-max-concurrent-streams` are refused
 for the client to retry, and a socket that has not sent the preface and its SETTINGS within
 `--grpc-handshake-timeout-s` is closed. At `--grpc-max-connections` a new connection takes the place
-of the oldest one with no call open (sent GOAWAY, which clients take as "reconnect for the next
-call"; gpt2serve_connections_evicted_total{api="grpc"}), as NGINX drains idle connections, so
-connections that open and sit never keep a client out; only when every connection has calls is
-the new one closed at once and counted (gpt2serve_connections_refused_total{api="grpc"}).
+of the oldest one whose calls all wait on a client that does not read their answers, or else the
+oldest with no call open (sent GOAWAY, which clients take as "reconnect for the next call";
+gpt2serve_connections_evicted_total{api="grpc"}), as NGINX drains idle connections, so
+connections that open and sit, or never read, never keep a client out; only when every
+connection has calls in progress is the new one closed at once and counted
+(gpt2serve_connections_refused_total{api="grpc"}).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from .grpc_calls import BIDI, SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
 from .h2_connection import Http2Connection
-from .h2_frames import ConnectionPolicy
+from .h2_stream import ENHANCE_YOUR_CALM, ConnectionPolicy
 from .sockets import bind_listening_socket
 
 log = logging.getLogger(__name__)
@@ -78,13 +80,19 @@ class BuiltinGrpcServer:
         self.connections.pop(connection, None)
 
     def evict_one(self) -> bool:
-        """Sends the oldest connection with no call open away, if there is one."""
-        idle = next((c for c in self.connections  # (no transport yet: still in its TLS handshake)
-                     if c.transport is not None and not c.streams and not c.going_away), None)
-        if idle is None:
+        """Sends away the oldest connection whose every call waits on a client that does not read,
+        or else the oldest with no call open, if there is one."""
+        candidates = [c for c in self.connections  # (no transport yet: still in its TLS handshake)
+                      if c.transport is not None and not c.going_away and not c.ended]
+        victim = next((c for c in candidates if c.stalled), None) or next((c for c in candidates if not c.streams),
+                                                                          None)
+        if victim is None:
             return False
-        self.forget(idle)
-        idle.go_away()  # with no stream open it closes at once
+        self.forget(victim)
+        if victim.streams:  # its calls cannot finish while the client does not read
+            victim.go_away(ENHANCE_YOUR_CALM, b"evicted: the answers are not read")
+        else:
+            victim.go_away()  # with no stream open it closes at once
         self.on_evicted()
         return True
 

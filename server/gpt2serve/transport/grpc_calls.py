@@ -25,16 +25,15 @@ from typing import Any, Callable
 import grpc
 
 from .grpc_context import CallContext
-from .h2_frames import Stream
-from .hpack_codec import Header, encode_literal
+from .h2_stream import Header, Stream
 
 log = logging.getLogger(__name__)
 
 MESSAGE_HEAD = struct.Struct(">BI")  # compressed flag, length
 MAX_WAITING_MESSAGES = 64  # a bidirectional call's requests its handler has not taken yet
 UNARY, SERVER_STREAM, BIDI = "unary", "server_stream", "bidi"
-ANSWER_HEADERS = b"\x88" + encode_literal(b"content-type", b"application/grpc")  # :status 200 is static 8
-OK_TRAILERS = encode_literal(b"grpc-status", b"0")
+ANSWER_HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
+OK_TRAILERS = [(b"grpc-status", b"0")]
 # Compressed requests, by grpc-encoding: zlib's window bits for each (answers go uncompressed).
 DECOMPRESSORS = {b"gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
 TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
@@ -50,15 +49,15 @@ class GrpcMethod:
     serialize: Callable[[Any], bytes]
 
 
-def status_block(code: grpc.StatusCode, details: str | None, metadata=()) -> bytes:
-    block = encode_literal(b"grpc-status", str(code.value[0]).encode())
+def status_headers(code: grpc.StatusCode, details: str | None, metadata=()) -> list[Header]:
+    headers = [(b"grpc-status", str(code.value[0]).encode())]
     if details:
         # gRPC's percent-encoding: printable ASCII but '%' as is, everything else %XX of its UTF-8.
-        block += encode_literal(b"grpc-message", urllib.parse.quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
-                                .encode())
+        headers.append((b"grpc-message", urllib.parse.quote(details, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
+                        .encode()))
     for key, value in metadata:
-        block += encode_literal(key.encode(), value if isinstance(value, bytes) else str(value).encode())
-    return block
+        headers.append((key.encode(), value if isinstance(value, bytes) else str(value).encode()))
+    return headers
 
 
 def message(payload: bytes) -> bytes:
@@ -106,6 +105,7 @@ class Call:
                             f"Received message larger than max ({length} vs. {self.max_message})")
                 return
             if len(buffer) < 5 + length:
+                self.stream.expect(5 + length)  # a message larger than the stream's window still comes whole
                 return
             # A refused message stays in the buffer, whose window done() gives back with the rest.
             payload = bytes(buffer[5:5 + length])
@@ -209,7 +209,7 @@ class Call:
         stream, context = self.stream, self.context
         stream.send_headers(ANSWER_HEADERS)
         stream.send_data(payload)
-        stream.send_headers(status_block(grpc.StatusCode.OK, None, context.trailing)
+        stream.send_headers(status_headers(grpc.StatusCode.OK, None, context.trailing)
                             if context.trailing else OK_TRAILERS, end_stream=True)
         self.ended()
 
@@ -273,9 +273,9 @@ class Call:
 
     def finish(self, code: grpc.StatusCode, details: str | None) -> None:
         """Trailers (trailers-only when nothing was sent), and a reset if the client still sends."""
-        block = status_block(code, details, self.context.trailing)
+        trailers = status_headers(code, details, self.context.trailing)
         stream = self.stream
-        stream.send_headers(block if self.headers_sent else ANSWER_HEADERS + block, end_stream=True)
+        stream.send_headers(trailers if self.headers_sent else ANSWER_HEADERS + trailers, end_stream=True)
         self.ended()
 
     def refuse(self, code: grpc.StatusCode, details: str) -> None:
@@ -300,7 +300,7 @@ class GrpcApp:
     in a call's place (one that refuses it, as an interceptor of grpc.aio would)."""
 
     def __init__(self, methods: dict[str, GrpcMethod], max_message: int,
-                 guard: Callable[[str, list[Header]], GrpcMethod | None] | None = None,
+                 guard: Callable[[str, tuple[Header, ...]], GrpcMethod | None] | None = None,
                  request_timeout_s: float = 30.0):
         self.methods = {path.encode(): method for path, method in methods.items()}
         self.max_message, self.guard, self.request_timeout_s = max_message, guard, request_timeout_s
@@ -327,7 +327,7 @@ class GrpcApp:
     def schedule_sweep(self) -> None:
         self.sweep_timer = asyncio.get_running_loop().call_later(min(1.0, self.request_timeout_s / 10), self.sweep)
 
-    def stream_opened(self, stream: Stream, headers: list[Header]) -> None:
+    def stream_opened(self, stream: Stream, headers: tuple[Header, ...]) -> None:
         path = content_type = timeout = encoding = None
         metadata = []
         for name, value in headers:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import grpc
 
-from .h2_frames import Stream
+from .h2_stream import Stream
 
 
 class Call(Protocol):

@@ -26,7 +26,7 @@ from ..telemetry.tracing import propagated_fields
 from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, health_methods, reflection_methods
 from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
 from .guard import AUTH_HINT, OPEN_GRPC_SERVICES, BearerKey, GrpcAuthInterceptor
-from .h2_frames import CONNECTION_WINDOW, MAX_WINDOW, ConnectionPolicy
+from .h2_stream import CONNECTION_WINDOW, MAX_WINDOW, ConnectionPolicy
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
@@ -315,7 +315,7 @@ class BuiltinGrpcTransport(ServingHealth):
             handshake_timeout_s=config.grpc_handshake_timeout_s,
             min_ping_interval_s=config.grpc_min_ping_interval_s,
             idle_timeout_s=config.grpc_max_connection_idle_s, max_age_s=config.grpc_max_connection_age_s,
-            age_grace_s=config.shutdown_grace_s,
+            age_grace_s=config.shutdown_grace_s, send_timeout_s=config.grpc_send_timeout_s,
             connection_window=min(max(CONNECTION_WINDOW, 2 * config.max_message_bytes), MAX_WINDOW))
         app = GrpcApp(methods, config.max_message_bytes, guard, config.grpc_request_timeout_s)
         self.server = BuiltinGrpcServer(app, policy, config.grpc_max_connections,

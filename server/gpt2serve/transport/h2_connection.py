@@ -1,14 +1,23 @@
-"""HTTP/2 (RFC 9113) server connections for the built-in gRPC server: frames, streams, flow control.
+"""HTTP/2 (RFC 9113) server connections for the built-in gRPC server, on libnghttp2 (`ngh2`).
 
-What a gRPC server needs of HTTP/2 and no more: no push, no priorities, no HTTP/1.1 upgrade. The
-gRPC layer (`grpc_calls`) sees streams: `Http2App.stream_opened(stream, headers)` sets a
-`StreamListener` for the request's data, end and reset, and answers through `Stream.send_*`.
+libnghttp2 reads and writes the frames, keeps HPACK, flow control and the stream states, checks
+every request as RFC 9113 section 8 asks (a malformed one is a stream error, never a call), and
+holds its own flood limits (RST_STREAM and "glitch" rates, CONTINUATION count, queued acks,
+header list size). What is ours is the asyncio side and gRPC's server policies:
 
-- Out: frames wait in one buffer written once per event-loop turn (one system call for a turn's answers).
-- Flow control: the peer's windows come back as calls take its data (`release`); answers wait in
-  their stream for ours (`Stream.writable()` for a streaming call's back-pressure).
-- gRPC's own server's policies (`ConnectionPolicy`): a handshake deadline, a ping flood sent GOAWAY,
-  idle and aged connections closed gracefully, streams past the limit refused (clients retry them).
+- Out: the codec's bytes are written once per event-loop turn (one system call for a turn's answers).
+- In: at most `bytes_per_turn` of a connection's input a turn, so one client sending as fast as
+  it can gets its share of the loop, and frames that cost work and bring none (updates to windows
+  with nothing waiting, empty DATA, running calls reset) are counted: past a token bucket, GOAWAY
+  ENHANCE_YOUR_CALM.
+- Flow control: the peer's windows come back as calls take its data (`release`), so a client's
+  partial messages hold at most one window; an answer the peer gives no window for within
+  `send_timeout_s` has its stream reset.
+- gRPC's own server's policies: a handshake deadline, a ping flood sent GOAWAY, idle and aged
+  connections closed gracefully, streams past the limit refused (clients retry them).
+- Ending: a connection the codec or a policy ends gets GOAWAY with its code, then writes nothing
+  more; what the peer still sends is read and dropped for a moment, so the peer reads the GOAWAY
+  rather than a reset, then the socket closes. A fatal codec error is one log line, rate-limited.
 """
 
 from __future__ import annotations
@@ -18,17 +27,72 @@ import logging
 import struct
 import time
 
-from .h2_frames import (
-    ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS,
-    END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_HEAD, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_HEADER_LIST,
-    MAX_WINDOW, NO_ERROR, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
-    RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
-    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_WINDOW, WINDOW_UPDATE, ConnectionPolicy, Http2App, Http2Error, Stream,
-    read_settings, unpad,
+import ngh2
+from ngh2 import (
+    Configuration, DataReceived, GoAwayReceived, PingReceived, RequestReceived, Role, SettingsReceived,
+    StreamClosed, StreamReset, TrailersReceived, WindowUpdated,
 )
-from .hpack_codec import TABLE_SIZE_ZERO, HeaderDecoder, HpackError
+
+from .h2_stream import (
+    CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM, HEADER_BUDGET, INTERNAL_ERROR, MAX_HEADER_LIST, MAX_WINDOW,
+    NO_ERROR,
+    PROTOCOL_ERROR, REFUSED_STREAM, STREAM_WINDOW, ConnectionPolicy, Header, Http2App, Stream,
+)
 
 log = logging.getLogger(__name__)
+LINGER_S = 1.0  # after our GOAWAY, how long the peer's bytes are read and dropped before the socket closes
+LINGER_BYTES = 1 << 20  # and how many: a peer still sending more is not reading, and is cut off
+CODEC = Configuration(auto_window_update=False, max_inbound_header_list_size=MAX_HEADER_LIST)
+
+
+class RateLimitedLog:
+    """One line per `interval_s` at most; the lines left out are counted in the next."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s, self.next_at, self.left_out = interval_s, 0.0, 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.left_out += 1
+            return
+        if self.left_out:
+            message += f" ({self.left_out} more since the last line)"
+        self.next_at, self.left_out = now + self.interval_s, 0
+        log.warning(message, *args)
+
+
+ENDED_LOG = RateLimitedLog()
+
+
+class TokenBucket:
+    def __init__(self, burst: int, rate: float):
+        self.burst, self.rate, self.tokens, self.at = burst, rate, float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        """False once the bucket is empty."""
+        if self.tokens < 1.0:
+            now = time.monotonic()
+            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.rate), now
+            if self.tokens < 1.0:
+                return False
+        self.tokens -= 1.0
+        return True
+
+
+def goaway_frame(last_stream_id: int, code: int, reason: bytes) -> bytes:
+    """A GOAWAY written by hand, for when the codec itself can no longer be used."""
+    payload = struct.pack(">II", last_stream_id, code) + reason[:200]
+    return len(payload).to_bytes(3, "big") + b"\x07\x00\x00\x00\x00\x00" + payload  # type 7, no flags, stream 0
+
+
+def fatal_code(exc: ngh2.NGH2Error) -> int:
+    """The GOAWAY code for an error that ended the codec."""
+    if isinstance(exc, ngh2.DenialOfServiceError):
+        return ENHANCE_YOUR_CALM
+    if "compression" in str(exc).lower() or "header" in str(exc).lower():
+        return COMPRESSION_ERROR
+    return INTERNAL_ERROR if isinstance(exc, ngh2.InternalError) else PROTOCOL_ERROR
 
 
 class Http2Connection(asyncio.Protocol):
@@ -37,25 +101,25 @@ class Http2Connection(asyncio.Protocol):
     def __init__(self, app: Http2App, policy: ConnectionPolicy, on_closed=None):
         self.app, self.policy, self.on_closed = app, policy, on_closed
         self.loop = asyncio.get_running_loop()
+        self.codec = ngh2.Connection(Role.SERVER, CODEC)
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.preface_seen = self.settings_seen = self.going_away = self.paused = self.lost = False
+        self.settings_seen = self.going_away = self.paused = self.lost = self.ended = False
         self.streams: dict[int, Stream] = {}
-        self.blocked: set[Stream] = set()
+        self.header_bytes = 0  # decoded headers the open streams hold
         self.last_stream_id = 0
-        self.decoder = HeaderDecoder(max_list_size=MAX_HEADER_LIST)
-        self.headers_pending: tuple[int, int, bytearray] | None = None  # (stream id, flags, block) until END_HEADERS
-        self.send_window = DEFAULT_WINDOW
-        self.peer_stream_window = DEFAULT_WINDOW
-        self.peer_frame_size = DEFAULT_FRAME_SIZE
-        self.unacked = 0
-        self.recv_window = policy.connection_window  # what the peer may still send: more is an error
-        self.out: list[bytes] = []
+        self.backlog = b""  # input past this turn's share, fed next turn
+        self.lingered = 0
+        self.waiting: set[Stream] = set()  # streaming answers waiting for window or the socket
+        self.wasted = TokenBucket(*policy.wasted_frames)
         self.flush_scheduled = False
-        self.first_block_sent = False
         self.last_ping, self.ping_strikes = 0.0, 0
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.peer = "unknown"
+        self.handlers = {RequestReceived: self.request_received, DataReceived: self.data_frame,
+                         TrailersReceived: self.trailers_received, StreamReset: self.stream_reset,
+                         StreamClosed: self.stream_closed, WindowUpdated: self.window_updated,
+                         SettingsReceived: self.settings_received, PingReceived: self.ping_received,
+                         GoAwayReceived: self.goaway_received}
 
     # The transport ------------------------------------------------------------------------------
 
@@ -64,134 +128,374 @@ class Http2Connection(asyncio.Protocol):
         address = transport.get_extra_info("peername")
         if isinstance(address, tuple):
             self.peer = f"{'ipv6:[' + address[0] + ']' if ':' in address[0] else 'ipv4:' + address[0]}:{address[1]}"
-        settings = b"".join(struct.pack(">HI", key, value) for key, value in (
-            (SETTINGS_MAX_CONCURRENT_STREAMS, self.policy.max_concurrent_streams),
-            (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
-            (SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)))
-        self.send_frame(SETTINGS, 0, 0, settings)
-        self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.policy.connection_window - DEFAULT_WINDOW))
+        self.codec.initiate_connection({
+            ngh2.Setting.MAX_CONCURRENT_STREAMS: self.policy.max_concurrent_streams,
+            ngh2.Setting.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+            ngh2.Setting.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST})
+        self.codec.set_local_window_size(self.policy.connection_window)
         self.timers["handshake"] = self.loop.call_later(self.policy.handshake_timeout_s, self.close)
         if self.policy.max_age_s > 0:
             self.timers["age"] = self.loop.call_later(self.policy.max_age_s, self.go_away)
         self.idle()
+        self.flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
+        self.lost = self.ended = True
         for timer in self.timers.values():
             timer.cancel()
         for stream in list(self.streams.values()):
-            self.reset_by_peer(stream)
+            self.stream_gone(stream)
         if self.on_closed is not None:
             self.on_closed(self)
 
     def pause_writing(self) -> None:
         # A peer that does not read is not read: the acks and refusals it asks for are not flow-controlled.
         self.paused = True
-        self.transport.pause_reading()
+        self.set_reading()
 
     def resume_writing(self) -> None:
         self.paused = False
-        self.transport.resume_reading()
-        for stream in list(self.streams.values()):
-            stream.wake()
+        self.set_reading()
+        self.schedule_flush()  # wakes the streams that waited on the socket
 
-    def reset_by_peer(self, stream: Stream) -> None:
-        self.stream_done(stream)
-        if stream.listener is not None:
-            stream.listener.reset_received()
+    def set_reading(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if (self.paused or self.backlog) and not self.ended:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.flush()
             self.transport.close()
 
+    # In -----------------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.ended:  # lingering after GOAWAY: dropped
+            self.lingered += len(data)
+            if self.lingered > LINGER_BYTES and self.transport is not None:
+                self.transport.abort()
+            return
+        if self.backlog:
+            self.backlog += data
+            return
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """This turn's share of `data` to the codec, and its events handled; the rest waits a turn."""
+        share = self.policy.bytes_per_turn
+        chunk, self.backlog = (data, b"") if len(data) <= share else (data[:share], data[share:])
+        try:
+            self.codec.receive_data(chunk)
+        except ngh2.NGH2Error as exc:
+            self.codec_failed(exc)
+            return
+        self.handle_events()
+        if self.backlog and not self.ended:
+            self.loop.call_soon(self.feed_backlog)
+        self.set_reading()
+        self.schedule_flush()
+
+    def feed_backlog(self) -> None:
+        if self.backlog and not self.ended:
+            data, self.backlog = self.backlog, b""
+            self.feed(data)
+
+    def handle_events(self) -> None:
+        events = self.codec.events()
+        if not events:
+            return
+        handlers = self.handlers
+        reset_now = {e.stream_id for e in events if type(e) is StreamReset} if len(events) > 2 else ()
+        for event in events:
+            if self.ended:
+                return
+            if reset_now and type(event) is RequestReceived and event.stream_id in reset_now:
+                self.last_stream_id = max(self.last_stream_id, event.stream_id)
+                self.waste("a stream reset as it opened")  # Rapid Reset: no call is made for it
+                continue
+            handler = handlers.get(type(event))
+            if handler is not None:
+                handler(event)
+
+    def request_received(self, event: RequestReceived) -> None:
+        stream_id, headers = event.stream_id, event.headers
+        self.last_stream_id = max(self.last_stream_id, stream_id)
+        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        if self.going_away or len(self.streams) >= self.policy.max_concurrent_streams:
+            self.codec.reset_stream(stream_id, REFUSED_STREAM)  # the client may retry it
+            return
+        if self.header_bytes + size > HEADER_BUDGET:
+            self.codec.reset_stream(stream_id, ENHANCE_YOUR_CALM)
+            return
+        stream = Stream(stream_id, self, size)
+        self.streams[stream_id] = stream
+        self.header_bytes += size
+        self.cancel_timer("idle")
+        self.app.stream_opened(stream, headers)
+        if stream.listener is None:
+            raise RuntimeError("the app left a stream without a listener")
+        if event.end_stream and not stream.closed:
+            stream.remote_closed = True
+            stream.listener.end_received()
+
+    def data_frame(self, event: DataReceived) -> None:
+        stream_id, data = event.stream_id, event.data
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.remote_closed or stream.closed:
+            if data:
+                self.codec.acknowledge_received_data(len(data), stream_id)  # counted and dropped
+            return
+        if data:
+            stream.listener.data_received(data)  # it releases the bytes as it takes them
+        elif not event.end_stream:
+            self.waste("empty DATA")
+        if event.end_stream:
+            stream.remote_closed = True
+            stream.listener.end_received()
+
+    def trailers_received(self, event: TrailersReceived) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is not None and not stream.remote_closed:  # the request's end; a call runs once
+            stream.remote_closed = True
+            stream.listener.end_received()
+
+    def stream_reset(self, event: StreamReset) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is not None and not stream.response_sent:
+            self.waste("a running call reset")
+        if stream is not None:
+            self.stream_gone(stream)
+
+    def stream_closed(self, event: StreamClosed) -> None:
+        stream = self.streams.get(event.stream_id)
+        if stream is not None:  # a stream error of the codec's (a malformed request) cancels its call too
+            self.stream_gone(stream)
+
+    def stream_gone(self, stream: Stream) -> None:
+        """The stream is over for the codec: its call is told (a no-op for a call that finished)."""
+        self.stream_done(stream)
+        if stream.listener is not None:
+            stream.listener.reset_received()
+
+    def window_updated(self, event: WindowUpdated) -> None:
+        stream_id = event.stream_id
+        if not stream_id:
+            queued = self.codec.queued_body_size()
+        else:
+            queued = self.codec.queued_body_size(stream_id) if stream_id in self.streams else 0
+        if not queued:
+            self.waste("a window update with nothing waiting")
+
+    def settings_received(self, event: SettingsReceived) -> None:
+        if self.settings_seen:
+            self.waste("SETTINGS")
+            return
+        self.settings_seen = True
+        self.cancel_timer("handshake")
+
+    def ping_received(self, event: PingReceived) -> None:
+        now = time.monotonic()  # (the codec answers it)
+        # As gRPC's server: pings closer together than the interval are strikes; answers sent clear them.
+        if self.last_ping and now - self.last_ping < self.policy.min_ping_interval_s:
+            self.ping_strikes += 1
+            if self.ping_strikes > self.policy.max_ping_strikes:
+                self.go_away(ENHANCE_YOUR_CALM, b"too_many_pings")
+        self.last_ping = now
+
+    def goaway_received(self, event: GoAwayReceived) -> None:
+        self.going_away = True
+        if not self.streams:
+            self.end("the client sent GOAWAY")
+
+    def waste(self, what: str) -> None:
+        if not self.wasted.take() and not self.going_away:
+            ENDED_LOG.warning("gRPC connection from %s sent GOAWAY ENHANCE_YOUR_CALM: too many frames that "
+                              "do no work (last: %s)", self.peer, what)
+            self.go_away(ENHANCE_YOUR_CALM, b"too_many_wasted_frames")
+
+    def codec_failed(self, exc: ngh2.NGH2Error) -> None:
+        """The codec can no longer be used: GOAWAY by hand, with the code the error calls for."""
+        code = fatal_code(exc)
+        ENDED_LOG.warning("gRPC connection from %s ended with GOAWAY %s: %s", self.peer, code.name, exc)
+        self.backlog = b""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(goaway_frame(self.last_stream_id, code, str(exc).encode()))
+        self.end(str(exc))
+
     # Out ----------------------------------------------------------------------------------------
 
-    def send_frame(self, ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
-        if ftype <= HEADERS:  # DATA or HEADERS: an answer, which clears a ping flood's strikes (as gRPC's)
-            self.ping_strikes = 0
-            if ftype == HEADERS and not self.first_block_sent:
-                payload, self.first_block_sent = TABLE_SIZE_ZERO + payload, True
-        self.out.append(FRAME_HEAD.pack(len(payload) << 8 | ftype, flags, stream_id))
-        self.out.append(payload)
-        if not self.flush_scheduled:
+    def send_headers(self, stream: Stream, headers: list[Header], end_stream: bool) -> None:
+        self.ping_strikes = 0  # an answer clears a ping flood's strikes, as gRPC's server does
+        try:
+            if not stream.response_sent:
+                stream.response_sent = True
+                self.codec.send_response(stream.id, headers, end_stream=end_stream)
+            else:
+                self.codec.send_trailers(stream.id, headers)
+        except ngh2.NGH2Error:  # the stream closed under us (the peer reset it meanwhile)
+            return
+        self.schedule_flush()
+
+    def send_data(self, stream: Stream, payload: bytes, end_stream: bool) -> None:
+        self.ping_strikes = 0
+        try:
+            self.codec.send_data(stream.id, payload, end_stream=end_stream)
+        except ngh2.NGH2Error:
+            return
+        self.schedule_flush()
+
+    def over_window(self, stream: Stream) -> bool:
+        """More of the stream's answer is queued than the peer's windows let out."""
+        try:
+            queued = self.codec.queued_body_size(stream.id)
+            return queued > 0 and queued > min(self.codec.stream_remote_window_size(stream.id),
+                                               self.codec.remote_window_size)
+        except ngh2.NGH2Error:
+            return False
+
+    def reset(self, stream: Stream, code: int) -> None:
+        try:
+            self.codec.reset_stream(stream.id, code)
+        except ngh2.NGH2Error:
+            pass
+        stream.closed = True
+        self.schedule_flush()
+
+    def release(self, stream: Stream, size: int) -> None:
+        """`size` bytes of DATA are off our hands: the windows get them back. Only what a call has
+        taken counts, so a client's partial messages hold at most one window of memory."""
+        if self.ended:
+            return
+        try:
+            self.codec.acknowledge_received_data(size, stream.id)
+        except ngh2.NGH2Error:
+            return
+        self.schedule_flush()
+
+    def widen(self, stream: Stream, window: int) -> None:
+        try:
+            self.codec.set_local_window_size(min(window, MAX_WINDOW), stream_id=stream.id)
+        except ngh2.NGH2Error:
+            return
+        self.schedule_flush()
+
+    def wait_writable(self, stream: Stream) -> None:
+        self.waiting.add(stream)
+        self.schedule_flush()
+
+    def schedule_flush(self) -> None:
+        if not self.flush_scheduled and not self.ended:
             self.flush_scheduled = True
             self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
+        """Writes what the codec has for the peer, then what follows from it: streams it closed,
+        peers told to stop sending, waiting answers woken, and the end once the codec has ended."""
         self.flush_scheduled = False
-        if self.out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(self.out))
-        self.out.clear()
-
-    def send_now(self, stream: Stream, payload: bytes, end_stream: bool) -> bool:
-        """Sends `payload` as DATA if both windows allow all of it."""
-        if len(payload) > self.send_window or len(payload) > stream.send_window:
-            return False
-        self.data_frames(stream, payload, end_stream)
-        return True
-
-    def data_frames(self, stream: Stream, data: bytes, end_stream: bool) -> None:
-        """`data` as DATA frames of at most the peer's frame size, taken from both windows
-        (the caller checked them); END_STREAM on the last when `end_stream`."""
-        self.send_window -= len(data)
-        stream.send_window -= len(data)
-        limit = self.peer_frame_size
-        for start in range(0, max(len(data), 1), limit):
-            last = start + limit >= len(data)
-            self.send_frame(DATA, END_STREAM if end_stream and last else 0, stream.id, data[start:start + limit])
-        if end_stream:
-            self.stream_done(stream)
-
-    def headers_frame(self, stream: Stream, block: bytes, end_stream: bool) -> None:
-        self.send_frame(HEADERS, END_HEADERS | (END_STREAM if end_stream else 0), stream.id, block)
-        if end_stream:
-            self.stream_done(stream)
-
-    def send_blocked(self) -> None:
-        """Sends what the windows now allow of what waited, each stream in order."""
-        for stream in list(self.blocked):
-            while stream.pending and not stream.closed:
-                ftype, payload, end_stream = stream.pending[0]
-                if ftype == HEADERS:
-                    stream.pending.pop(0)
-                    self.headers_frame(stream, payload, end_stream)
-                    continue
-                room = min(self.send_window, stream.send_window)
-                if room <= 0 and payload:
-                    break
-                part, rest = payload[:room], payload[room:]
-                if rest:
-                    stream.pending[0] = (DATA, rest, end_stream)
-                else:
-                    stream.pending.pop(0)
-                self.data_frames(stream, part, end_stream and not rest)
-                if rest:
-                    break
-            if not stream.pending or stream.closed:
-                self.blocked.discard(stream)
+        if self.ended or self.transport is None or self.transport.is_closing():
+            return
+        codec = self.codec
+        try:
+            data = codec.data_to_send()
+            if data:
+                self.transport.write(data)
+            self.handle_events()  # streams closed by what was just sent
+            stopping = [s for s in self.streams.values() if s.stop_peer_pending and not s.remote_closed
+                        and not codec.queued_body_size(s.id)]
+            for stream in stopping:  # the answer has left: RST_STREAM NO_ERROR (RFC 9113 8.1)
+                stream.stop_peer_pending, stream.remote_closed = False, True
+                codec.reset_stream(stream.id, NO_ERROR)
+            if stopping:
+                self.transport.write(codec.data_to_send())
+                self.handle_events()
+        except ngh2.NGH2Error as exc:
+            self.codec_failed(exc)
+            return
+        for stream in list(self.waiting):
+            if stream.closed or not stream.blocked:
+                self.waiting.discard(stream)
                 stream.wake()
+        if not codec.want_read and not codec.want_write:
+            self.end("the codec ended the connection")
+        elif "stall" not in self.timers and self.streams and codec.queued_body_size():
+            self.timers["stall"] = self.loop.call_later(min(1.0, self.policy.send_timeout_s / 4), self.check_stalls)
+
+    def check_stalls(self) -> None:
+        """Resets the streams whose answers have waited `send_timeout_s` for the peer's window with
+        no progress, so calls held at window 0 cannot keep a connection (or a call) forever."""
+        self.timers.pop("stall", None)
+        if self.ended:
+            return
+        now, waited = time.monotonic(), False
+        for stream in list(self.streams.values()):
+            queued = self.codec.queued_body_size(stream.id) if not stream.closed else 0
+            if not queued or not self.over_window(stream):
+                stream.stalled_since = None
+                continue
+            waited = True
+            if stream.stalled_since is None or queued < stream.stalled_queue:
+                stream.stalled_since, stream.stalled_queue = now, queued
+            elif now - stream.stalled_since >= self.policy.send_timeout_s:
+                stream.reset(CANCEL)
+                self.stream_gone(stream)
+        if waited:
+            self.timers["stall"] = self.loop.call_later(min(1.0, self.policy.send_timeout_s / 4), self.check_stalls)
+
+    @property
+    def stalled(self) -> bool:
+        """Every call open waits on a peer that does not read (an eviction's first choice)."""
+        return bool(self.streams) and all(s.stalled_since is not None for s in self.streams.values())
 
     def stream_done(self, stream: Stream) -> None:
         stream.closed = True
-        stream.pending.clear()
-        self.blocked.discard(stream)
+        self.waiting.discard(stream)
         stream.wake()
-        if self.streams.pop(stream.id, None) is not None and not self.streams:
-            self.idle()
-            if self.going_away:
-                self.loop.call_soon(self.close)
+        if self.streams.pop(stream.id, None) is not None:
+            self.header_bytes -= stream.header_bytes
+            if not self.streams:
+                self.idle()
+                if self.going_away:
+                    self.loop.call_soon(self.end, "gone away, its last call over")
 
     def go_away(self, code: int = NO_ERROR, reason: bytes = b"") -> None:
-        """No new streams; those under way finish (within the age grace), then the connection closes."""
-        if self.going_away or self.transport is None:
+        """No new streams; those under way finish (within the age grace), then the connection ends.
+        With an error code, it ends as soon as the GOAWAY is out."""
+        if self.going_away or self.transport is None or self.ended:
             return
         self.going_away = True
-        self.send_frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream_id, code) + reason)
-        if not self.streams or code != NO_ERROR:
-            self.loop.call_soon(self.close)
+        try:
+            self.codec.send_goaway(code, debug_data=reason)
+        except ngh2.NGH2Error:
+            pass
+        self.flush()
+        if code != NO_ERROR:
+            self.end(reason.decode("latin-1"))
+        elif not self.streams:
+            self.loop.call_soon(self.end, "gone away")
         else:
             self.timers["grace"] = self.loop.call_later(self.policy.age_grace_s, self.close)
+
+    def end(self, why: str) -> None:
+        """Writes nothing more; reads and drops what the peer still sends for LINGER_S (so it reads
+        our GOAWAY rather than a reset), then closes, and aborts a socket that still will not drain."""
+        if self.ended or self.transport is None:
+            return
+        log.debug("HTTP/2 connection from %s ending: %s", self.peer, why)
+        self.ended, self.backlog = True, b""
+        for timer in self.timers.values():
+            timer.cancel()
+        for stream in list(self.streams.values()):
+            self.stream_gone(stream)
+        transport = self.transport
+        if transport.is_closing():
+            return
+        transport.resume_reading()
+        self.loop.call_later(LINGER_S, transport.close)
+        self.loop.call_later(2 * LINGER_S, transport.abort)
 
     def idle(self) -> None:
         if self.policy.idle_timeout_s > 0 and not self.lost:
@@ -206,193 +510,3 @@ class Http2Connection(asyncio.Protocol):
     def go_away_if_idle(self) -> None:
         if not self.streams:
             self.go_away()
-
-    # In -----------------------------------------------------------------------------------------
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        try:
-            if not self.preface_seen:
-                if len(buffer) < len(PREFACE):
-                    if not PREFACE.startswith(bytes(buffer)):
-                        raise Http2Error(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                    return
-                if buffer[:len(PREFACE)] != PREFACE:
-                    raise Http2Error(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                self.preface_seen = True
-                del buffer[:len(PREFACE)]
-            pos, size = 0, len(buffer)
-            while size - pos >= 9:
-                head, flags, stream_id = FRAME_HEAD.unpack_from(buffer, pos)
-                length = head >> 8
-                if length > DEFAULT_FRAME_SIZE:
-                    raise Http2Error(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-                if size - pos - 9 < length:
-                    break
-                payload = bytes(buffer[pos + 9:pos + 9 + length])
-                pos += 9 + length
-                self.frame_received(head & 0xFF, flags, stream_id & 0x7FFFFFFF, payload)
-            del buffer[:pos]
-        except Http2Error as exc:
-            log.debug("HTTP/2 connection error: %s", exc)
-            self.buffer.clear()
-            self.go_away(exc.code, str(exc).encode()[:200])
-            self.close()
-        if self.blocked:
-            self.send_blocked()
-
-    def frame_received(self, ftype: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if self.headers_pending is not None and ftype != CONTINUATION:
-            raise Http2Error(PROTOCOL_ERROR, "a frame between HEADERS and its CONTINUATION")
-        if not self.settings_seen and ftype != SETTINGS:
-            raise Http2Error(PROTOCOL_ERROR, "the preface's SETTINGS must come first")
-        if ftype == DATA:
-            self.data_frame(flags, stream_id, payload)
-        elif ftype == HEADERS:
-            if not stream_id:
-                raise Http2Error(PROTOCOL_ERROR, "HEADERS on stream 0")
-            payload = unpad(flags, payload)
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            if flags & END_HEADERS:
-                self.headers_complete(stream_id, flags, payload)
-            else:
-                self.headers_pending = (stream_id, flags, bytearray(payload))
-        elif ftype == CONTINUATION:
-            if self.headers_pending is None or self.headers_pending[0] != stream_id:
-                raise Http2Error(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
-            block = self.headers_pending[2]
-            block += payload
-            if len(block) > MAX_HEADER_LIST:
-                raise Http2Error(ENHANCE_YOUR_CALM, "header block too large")
-            if flags & END_HEADERS:
-                opened_flags = self.headers_pending[1]
-                self.headers_pending = None
-                self.headers_complete(stream_id, opened_flags, bytes(block))
-        elif ftype == RST_STREAM:
-            if (stream := self.streams.get(stream_id)) is not None:
-                self.reset_by_peer(stream)
-        elif ftype == SETTINGS:
-            self.settings_frame(flags, stream_id, payload)
-        elif ftype == PING:
-            if stream_id:
-                raise Http2Error(PROTOCOL_ERROR, "PING on a stream")
-            self.ping_frame(flags, payload)
-        elif ftype == GOAWAY:
-            self.going_away = True
-            if not self.streams:
-                self.close()
-        elif ftype == WINDOW_UPDATE:
-            self.window_update(stream_id, payload)
-        elif ftype == PUSH_PROMISE:
-            raise Http2Error(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
-        # PRIORITY and unknown frame types are ignored (RFC 9113 5.5).
-
-    def data_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
-        self.recv_window -= len(payload)
-        if self.recv_window < 0:  # a peer past the window would make us hold what it sends without bound
-            raise Http2Error(FLOW_CONTROL_ERROR, "DATA past the connection's window")
-        stream = self.streams.get(stream_id)
-        if stream is None or stream.remote_closed:
-            if stream_id > self.last_stream_id or not stream_id:
-                raise Http2Error(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
-            self.release(len(payload))
-            return  # A stream we closed or reset: its data is counted and dropped.
-        data = unpad(flags, payload)
-        self.release(len(payload) - len(data))  # the padding
-        if flags & END_STREAM:
-            stream.remote_closed = True
-        else:
-            stream.unacked += len(payload)
-            if stream.unacked >= STREAM_WINDOW // 2:
-                self.send_frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", stream.unacked))
-                stream.unacked = 0
-        if data:
-            stream.listener.data_received(data)  # It releases the bytes as it takes them.
-        if flags & END_STREAM and not stream.closed:
-            stream.listener.end_received()
-
-    def release(self, size: int) -> None:
-        """`size` bytes of DATA are off our hands: the connection's window gets them back. Only what a
-        call has taken counts, so a client's partial messages hold at most one window of memory."""
-        self.unacked += size
-        if self.unacked >= self.policy.connection_window // 2:
-            self.send_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
-            self.recv_window, self.unacked = self.recv_window + self.unacked, 0
-
-    def headers_complete(self, stream_id: int, flags: int, block: bytes) -> None:
-        try:
-            headers = self.decoder.decode(block)  # Always: the table must follow every block.
-        except HpackError as exc:
-            raise Http2Error(COMPRESSION_ERROR, str(exc)) from None
-        stream = self.streams.get(stream_id)
-        if stream is not None:  # trailers: only an end is expected
-            if not flags & END_STREAM:
-                raise Http2Error(PROTOCOL_ERROR, "trailers without END_STREAM")
-            stream.remote_closed = True
-            stream.listener.end_received()
-            return
-        if stream_id % 2 == 0:
-            raise Http2Error(PROTOCOL_ERROR, f"HEADERS opening stream {stream_id}")
-        if stream_id <= self.last_stream_id:
-            return  # trailers of a stream we already closed
-        self.last_stream_id = stream_id
-        if self.going_away or len(self.streams) >= self.policy.max_concurrent_streams:
-            self.send_frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM))
-            return
-        stream = Stream(stream_id, self, self.peer_stream_window)
-        self.streams[stream_id] = stream
-        self.cancel_timer("idle")
-        self.app.stream_opened(stream, headers)
-        if stream.listener is None:
-            raise RuntimeError("the app left a stream without a listener")
-        if flags & END_STREAM and not stream.closed:
-            stream.remote_closed = True
-            stream.listener.end_received()
-
-    def settings_frame(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if stream_id:
-            raise Http2Error(PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & ACK:
-            return
-        settings = read_settings(payload)
-        if (window := settings.get(SETTINGS_INITIAL_WINDOW_SIZE)) is not None:
-            delta, self.peer_stream_window = window - self.peer_stream_window, window
-            for stream in self.streams.values():
-                stream.send_window += delta
-        self.peer_frame_size = settings.get(SETTINGS_MAX_FRAME_SIZE, self.peer_frame_size)
-        self.send_frame(SETTINGS, ACK, 0)
-        if not self.settings_seen:
-            self.settings_seen = True
-            self.cancel_timer("handshake")
-
-    def ping_frame(self, flags: int, payload: bytes) -> None:
-        if len(payload) != 8:
-            raise Http2Error(FRAME_SIZE_ERROR, "PING of a bad length")
-        if flags & ACK:
-            return
-        now = time.monotonic()
-        # As gRPC's server: pings closer together than the interval are strikes; answers sent clear them.
-        if self.last_ping and now - self.last_ping < self.policy.min_ping_interval_s:
-            self.ping_strikes += 1
-            if self.ping_strikes > self.policy.max_ping_strikes:
-                self.go_away(ENHANCE_YOUR_CALM, b"too_many_pings")
-                return
-        self.last_ping = now
-        self.send_frame(PING, ACK, 0, payload)
-
-    def window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise Http2Error(FRAME_SIZE_ERROR, "WINDOW_UPDATE of a bad length")
-        increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
-        if not stream_id:
-            if not increment:
-                raise Http2Error(PROTOCOL_ERROR, "a window update of 0")
-            self.send_window += increment
-            if self.send_window > MAX_WINDOW:
-                raise Http2Error(FLOW_CONTROL_ERROR, "connection window past 2^31-1")
-        elif (stream := self.streams.get(stream_id)) is not None:
-            stream.send_window += increment
-        if self.blocked:
-            self.send_blocked()

@@ -11,6 +11,10 @@
 - a request must arrive whole, headers and body, within `--http-request-timeout-s` of its first
   byte (or of the connection's opening): a slowloris sending a header line a second is closed;
 - between requests, uvicorn's keep-alive limit (`--http-keep-alive-s`) closes idle connections;
+- a request's head is bounded as NGINX bounds it: a request line past `--http-max-request-line-bytes`
+  is answered 414, a header section past `--http-max-header-bytes` 431 (counted as its bytes
+  arrive, so one endless header line is cut off at the limit, not held whole), and an HTTP/1.1
+  request without exactly one Host 400 (RFC 9112 3.2); each closes its connection;
 - a client that pipelines requests is read ahead of its answers by at most PIPELINE_DEPTH
   requests: reading waits until the queued ones are answered, and a request past the depth ends
   the connection once those are (RFC 9112 9.3.2: the client retries what was not answered).
@@ -34,7 +38,7 @@ import time
 from typing import Callable
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from .http_direct import DirectCall, DirectRoutes
 
@@ -45,8 +49,13 @@ class PipelineFull(Exception):
     """Raised from the parser's callback to stop reading a connection's requests."""
 
 
+class RequestRefused(Exception):
+    """Raised from the parser's callback to answer a request's head with an error and close."""
+
+
 def bounded_http_protocol(max_connections: int, request_timeout_s: float, refused: Callable[[], None],
-                          evicted: Callable[[], None] = lambda: None, direct: DirectRoutes | None = None) -> type:
+                          evicted: Callable[[], None] = lambda: None, direct: DirectRoutes | None = None,
+                          max_header_bytes: int = 16384, max_request_line_bytes: int = 8192) -> type:
     """uvicorn's `http` protocol class with this front end's limits; `refused()` counts a
     refusal, `evicted()` a connection closed to make room for a new one. POSTs to `direct`'s
     paths are answered by it, not through ASGI (transport.http_direct)."""
@@ -74,6 +83,9 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         # Of a request whose upgrade is ignored: its body's bytes still to read (llhttp takes the
         # request to end at its headers and stops there, so the body is read here); None: no such request.
         _upgrade_body_left: int | None = None
+        _in_head = False  # between a request's first byte and the end of its headers
+        _head_bytes = 0  # of the request's head read so far (the read it began in counted whole)
+        _refusal: tuple[int, str] | None = None  # the answer to a head refused from a parser callback
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= max_connections and not self._evict_one():  # this server's connections
@@ -106,8 +118,31 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 raise PipelineFull
             self.url, self.headers, self.expect_100_continue = b"", [], False
             self._deadline = time.monotonic() + request_timeout_s
+            self._in_head, self._head_bytes = True, 0
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+            if len(self.url) > max_request_line_bytes:
+                self._refuse(414, f"The request line is longer than {max_request_line_bytes} bytes "
+                                  "(--http-max-request-line-bytes).")
+
+        def _refuse(self, status: int, message: str) -> None:
+            self._refusal = (status, message)
+            raise RequestRefused
+
+        def _check_head(self) -> None:
+            """At the headers' end: the section's size, and HTTP/1.1's one Host."""
+            size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+            if max(size, self._head_bytes if self._in_head else 0) > max_header_bytes:
+                self._refuse(431, f"The request's header section is larger than {max_header_bytes} bytes "
+                                  "(--http-max-header-bytes).")
+            hosts = sum(1 for name, _ in self.headers if name == b"host")
+            if hosts != 1 and (hosts or self.parser.get_http_version() == "1.1"):
+                self._refuse(400, "An HTTP/1.1 request carries exactly one Host header (RFC 9112 section 3.2).")
 
         def on_headers_complete(self) -> None:
+            self._check_head()
+            self._in_head = False
             self._waiting_since = None  # a request under way: its connection stays
             parser = self.parser
             upgrade = False  # to a WebSocket, made by uvicorn (when it has a WebSocket protocol)
@@ -133,7 +168,14 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 data = self._ignored_upgrade_body(data)
             try:
                 self.parser.feed_data(data)
-            except httptools.HttpParserError:
+                if self._in_head:
+                    self._head_bytes += len(data)
+                    if self._head_bytes > max_header_bytes:  # an unfinished head is not held past the limit
+                        self._refuse(431, f"The request's header section is larger than {max_header_bytes} bytes "
+                                          "(--http-max-header-bytes).")
+            except (httptools.HttpParserError, RequestRefused):
+                if self._refusal is not None:
+                    return self._send_refusal(*self._refusal)
                 if self._pipeline_full:  # nothing more is read; the connection ends after the queued answers
                     self.flow.pause_reading()
                     return
@@ -152,6 +194,19 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 rest = data[stop.args[0]:]
                 if rest:
                     self.data_received(rest)
+
+        def _send_refusal(self, status: int, message: str) -> None:
+            """uvicorn's 400 answer, with this status: its headers, the message, and the connection closed."""
+            self._deadline = None
+            content = [STATUS_LINE[status]]
+            for name, value in self.server_state.default_headers:
+                content.extend([name, b": ", value, b"\r\n"])
+            body = message.encode("ascii")
+            content.extend([b"content-type: text/plain; charset=utf-8\r\n",
+                            b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+                            b"connection: close\r\n\r\n", body])
+            self.transport.write(b"".join(content))
+            self.transport.close()
 
         def _content_length(self) -> int:
             """The request's Content-Length (0 without one), or -1 for a chunked body."""
