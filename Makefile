@@ -26,7 +26,7 @@ test: $(STAMP)
 ## The quick tiers only (no compose stack, browser, Helm tools, fuzzing, GPU or slow tests).
 test-fast: $(STAMP)
 	scripts/debian_test_deps.sh
-	$(BIN)/python -m pytest -m "not (stack or browser or helm or fuzz or gpu or slow or sanitize)" $(ARGS)
+	$(BIN)/python -m pytest -m "not (stack or browser or helm or fuzz or flood or gpu or slow or sanitize)" $(ARGS)
 
 ## The compose stack with no registry access: installs Docker and compose from Debian when absent,
 ## starts the engine when none runs, builds every image here (no pulls), waits until healthy.

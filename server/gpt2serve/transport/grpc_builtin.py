@@ -6,7 +6,7 @@ as grpc.aio does, with the same flags: streams past `--grpc-max-concurrent-strea
 for the client to retry, and a socket that has not sent the preface and its SETTINGS within
 `--grpc-handshake-timeout-s` is closed. At `--grpc-max-connections` a new connection takes the place
 of the oldest one whose calls all wait on a client that does not read their answers, or else the
-oldest with no call open (sent GOAWAY, which clients take as "reconnect for the next call";
+oldest that has opened no call, or else the oldest with none open (sent GOAWAY, which clients take as "reconnect for the next call";
 gpt2serve_connections_evicted_total{api="grpc"}), as NGINX drains idle connections, so
 connections that open and sit, or never read, never keep a client out; only when every
 connection has calls in progress is the new one closed at once and counted
@@ -81,11 +81,13 @@ class BuiltinGrpcServer:
 
     def evict_one(self) -> bool:
         """Sends away the oldest connection whose every call waits on a client that does not read,
-        or else the oldest with no call open, if there is one."""
+        or else the oldest that has opened no call, or else the oldest with no call open, if any."""
         candidates = [c for c in self.connections  # (no transport yet: still in its TLS handshake)
                       if c.transport is not None and not c.going_away and not c.ended]
-        victim = next((c for c in candidates if c.stalled), None) or next((c for c in candidates if not c.streams),
-                                                                          None)
+        # A client that sends nothing or reads nothing before one that is between its calls.
+        victim = (next((c for c in candidates if c.stalled), None)
+                  or next((c for c in candidates if not c.streams and not c.streams_opened), None)
+                  or next((c for c in candidates if not c.streams), None))
         if victim is None:
             return False
         self.forget(victim)

@@ -106,6 +106,7 @@ class Http2Connection(asyncio.Protocol):
         self.settings_seen = self.going_away = self.paused = self.lost = self.ended = False
         self.streams: dict[int, Stream] = {}
         self.header_bytes = 0  # decoded headers the open streams hold
+        self.streams_opened = 0
         self.last_stream_id = 0
         self.backlog = b""  # input past this turn's share, fed next turn
         self.lingered = 0
@@ -233,6 +234,7 @@ class Http2Connection(asyncio.Protocol):
             return
         stream = Stream(stream_id, self, size)
         self.streams[stream_id] = stream
+        self.streams_opened += 1
         self.header_bytes += size
         self.cancel_timer("idle")
         self.app.stream_opened(stream, headers)
@@ -447,8 +449,8 @@ class Http2Connection(asyncio.Protocol):
 
     @property
     def stalled(self) -> bool:
-        """Every call open waits on a peer that does not read (an eviction's first choice)."""
-        return bool(self.streams) and all(s.stalled_since is not None for s in self.streams.values())
+        """Every call open has an answer waiting on a peer that gives it no window (an eviction's first choice)."""
+        return bool(self.streams) and all(self.over_window(s) for s in self.streams.values())
 
     def stream_done(self, stream: Stream) -> None:
         stream.closed = True
