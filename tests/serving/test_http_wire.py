@@ -8,6 +8,7 @@ server-sent events (chunked, then the connection kept for the next request)."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import subprocess
 import time
@@ -317,3 +318,68 @@ def test_curl_http2_posts_are_answered_in_http_1_1(server):
         assert b"< HTTP/1.1 200" in run.stderr, run.stderr[-2000:]
         answer = json.loads(run.stdout)
         assert key in answer, answer
+
+
+# A request's head is bounded: the request line (414), the header section (431), Host (400) -------------
+
+def test_a_request_line_past_the_limit_is_414_and_the_connection_closed(server, wire):
+    wire.send(b"GET /healthz?" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, headers, body = wire.answer()
+    assert status == 414 and b"--http-max-request-line-bytes" in body
+    assert headers["connection"] == "close" and wire.closed_by_server()
+    assert_a_new_connection_is_served(server)
+
+
+def test_a_header_section_past_the_limit_is_431_whole_or_in_pieces(server):
+    """Sent whole (one 20 KiB header), or as one header line that never ends: either is answered
+    431 once the limit is passed, so a client cannot make the front end hold an endless head."""
+    whole = Wire(server.http_url)
+    try:
+        whole.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 20000 + b"\r\n\r\n")
+        status, _, body = whole.answer()
+        assert status == 431 and b"--http-max-header-bytes" in body
+        assert whole.closed_by_server()
+    finally:
+        whole.close()
+    endless = Wire(server.http_url)
+    try:
+        endless.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+        sent = 0
+        try:  # far past the 16 KiB limit: the answer comes within the first reads, and sending stops at it
+            while sent < 4 << 20 and not select.select([endless.sock], [], [], 0.01)[0]:
+                endless.send(b"e" * 8192)
+                sent += 8192
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert sent < 1 << 20, "no answer before a megabyte of one header line"
+        status, _, _ = endless.answer()
+        assert status == 431
+    finally:
+        endless.close()
+    assert_a_new_connection_is_served(server)
+
+
+@pytest.mark.parametrize("hosts", [b"", b"Host: a\r\nHost: b\r\n"], ids=["no Host", "two Hosts"])
+def test_an_http_1_1_request_without_exactly_one_host_is_400(server, wire, hosts):
+    wire.send(b"GET /healthz HTTP/1.1\r\n" + hosts + b"\r\n")
+    status, _, body = wire.answer()
+    assert status == 400 and b"Host" in body
+    assert_a_new_connection_is_served(server)
+
+
+def test_an_http_1_0_request_without_host_is_served(wire):
+    wire.send(b"GET /healthz HTTP/1.0\r\n\r\n")
+    assert wire.answer()[0] == 200
+
+
+def test_uvicorns_protocol_is_the_one_http_connections_subclasses():
+    """transport/http_connections.py overrides uvicorn's private httptools protocol method by
+    method: this fails when uvicorn renames or drops one of them, before a user meets it."""
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+    for name in ("connection_made", "connection_lost", "data_received", "on_message_begin", "on_url",
+                 "on_header", "on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
+                 "send_400_response", "_unset_keepalive_if_required", "_should_upgrade",
+                 "handle_websocket_upgrade", "_start_asgi_task"):
+        assert callable(getattr(HttpToolsProtocol, name, None)), name
+    assert {400, 414, 431} <= set(STATUS_LINE)
