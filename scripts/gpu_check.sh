@@ -46,7 +46,7 @@ else
   python=python3
 fi
 $python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check here')" || exit 1
-$python -c "import gpt2serve.launch.single_process, openai, msgpack, uvloop, fastapi_offline, hpack" ||
+$python -c "import gpt2serve.launch.single_process, openai, msgpack, uvloop, fastapi_offline, ngh2" ||
   { echo "missing packages: without registry access, carry the wheels of scripts/gpu-wheels.txt in .whl/"; exit 1; }
 
 t0=$(date +%s)

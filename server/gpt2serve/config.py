@@ -93,39 +93,28 @@ class ServeConfig:
     trace_ui_url: str | None = None
     # Also export the router gauges under another server's names ("vllm"; telemetry.metrics).
     metrics_compat: str | None = None
-    # gRPC connections are closed (gracefully, GOAWAY) after this many seconds, so long-lived
-    # clients re-resolve and reach replicas added since; 0: never.
+    # gRPC connections closed (GOAWAY) after this long, so clients re-resolve and reach new replicas; 0: never.
     grpc_max_connection_age_s: float = 0.0
-    # gRPC connections: keepalive pings a client may send (more often gets GOAWAY after 2 strikes),
-    # idle connections closed, streams at once per connection (more wait their turn), and
-    # connections per front end (one past it is closed at once, and counted).
+    # gRPC: keepalive pings a client may send (GOAWAY after 2 strikes), idle connections closed, streams
+    # per connection (more wait their turn), connections per front end (past it: eviction or refusal).
     grpc_min_ping_interval_s: float = 10.0
     grpc_max_connection_idle_s: float = 300.0
     grpc_max_concurrent_streams: int = 256
     grpc_max_connections: int = 1024
-    # A gRPC connection that has not finished its HTTP/2 handshake (preface and SETTINGS) by then is closed,
-    # and a call whose request has not arrived whole (the client's END_STREAM) by then is cancelled.
+    # A connection without its HTTP/2 handshake by then is closed; a call without its whole request, cancelled.
     grpc_handshake_timeout_s: float = 10.0
     grpc_request_timeout_s: float = 30.0
-    # An answer that waits this long for a client that gives it no window (does not read) has its
-    # stream reset, so calls held at window 0 cannot hold a connection (NGINX's send_timeout).
-    grpc_send_timeout_s: float = 30.0
-    # Who serves gRPC: our own HTTP/2 and gRPC layers (transport.grpc_builtin, a quarter of grpc.aio's CPU a
-    # unary call, measured in docs/benchmarks.md), or grpc.aio (gRPC's core).
-    grpc_server: str = "builtin"
-    # REST: an idle keep-alive connection is closed after this many seconds; a request must be read
-    # whole within http_request_timeout_s; at http_max_connections a new connection takes the place of
-    # the oldest one without a request's headers, or is refused when every one is busy.
+    grpc_send_timeout_s: float = 30.0  # an answer a client gives no window resets its stream (NGINX's send_timeout)
+    grpc_server: str = "builtin"  # our gRPC layer on libnghttp2 (transport.grpc_builtin), or grpc.aio
+    # REST: idle keep-alive connections closed, a request read whole in time; past the connection limit a new
+    # one takes the place of the oldest without a request's headers, or is refused when all are busy.
     http_keep_alive_s: float = 5.0
     http_request_timeout_s: float = 30.0
     http_max_connections: int = 1024
-    # A REST request's header section (431 past it) and its request line (414 past it), in bytes;
-    # NGINX's large_client_header_buffers and Node's --max-http-header-size are 8-16 KiB.
-    http_max_header_bytes: int = 16384
-    http_max_request_line_bytes: int = 8192
-    # A streamed generation (gRPC Generate, SSE) sends its tokens this many at a time, as vLLM's
-    # --stream-interval: its first token at once, then every this many and whatever is left at its
-    # end. 1: each token as it comes. Tokens a slow reader has not taken go together at any interval.
+    http_max_header_bytes: int = 16384  # 431 past it (NGINX's and Node's defaults are 8-16 KiB)
+    http_max_request_line_bytes: int = 8192  # 414 past it
+    # Streamed tokens go this many at a time, as vLLM's --stream-interval: the first at once, then every this
+    # many, the rest at the end; 1: each as it comes. What a slow reader has not taken goes together.
     stream_interval: int = 1
     # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
     chat_template: str | None = None
@@ -303,12 +292,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     env.add("--grpc-request-timeout-s", type=float, default=d.grpc_request_timeout_s,
             help="cancel a gRPC call whose request has not arrived whole within this long of its opening, so stalled "
                  "calls cannot hold a connection (--grpc-server builtin; gRPC's core has no such limit)")
-    env.add("--grpc-send-timeout-s", type=float, default=d.grpc_send_timeout_s,
-            help="reset a gRPC call's stream when its answer has waited this long, without progress, for a client "
-                 "that gives it no window (does not read), so such calls cannot hold a connection "
-                 "(--grpc-server builtin; gRPC's core has no such limit)")
+    env.add("--grpc-send-timeout-s", type=float, default=d.grpc_send_timeout_s, help="reset a call's stream when its "
+            "answer has waited this long, without progress, for a client that does not read (builtin server only)")
     env.add("--grpc-server", default=d.grpc_server, choices=GRPC_SERVERS,
-            help="builtin: the project's own HTTP/2 and gRPC layers on the front end's event loop (a quarter of "
+            help="builtin: the project's gRPC layer on libnghttp2 on the front end's event loop (a quarter of "
                  "grpc.aio's CPU a unary call); grpcio: gRPC's own server (grpc.aio). Both serve the same methods, "
                  "health and reflection, under the same flags")
     env.add("--http-keep-alive-s", type=float, default=d.http_keep_alive_s,
@@ -321,11 +308,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "connection without a request's headers (gpt2serve_connections_evicted_total), or is closed at "
                  "once when every one is busy with a request (gpt2serve_connections_refused_total)")
     env.add("--http-max-header-bytes", type=int, default=d.http_max_header_bytes,
-            help="a REST request's header section may be this large; a larger one is answered 431 and its "
-                 "connection closed")
+            help="a REST request's largest header section; a larger one is answered 431 and its connection closed")
     env.add("--http-max-request-line-bytes", type=int, default=d.http_max_request_line_bytes,
-            help="a REST request line (method, target, version) may be this long; a longer one is answered 414 "
-                 "and its connection closed")
+            help="a REST request's longest request line; a longer one is answered 414 and its connection closed")
     env.add("--stream-interval", type=int, default=d.stream_interval,
             help="a streamed generation (gRPC Generate, SSE) sends its tokens this many at a time: its first at "
                  "once, then every this many, the rest at its end (as vLLM's); fewer messages for less front-end "
@@ -401,7 +386,7 @@ def validate(config: ServeConfig) -> None:
     if config.grpc_handshake_timeout_s <= 0 or config.grpc_request_timeout_s <= 0 or config.grpc_send_timeout_s <= 0:
         problems.append("--grpc-handshake-timeout-s, --grpc-request-timeout-s and --grpc-send-timeout-s must be > 0")
     if config.http_max_header_bytes < 1024 or config.http_max_request_line_bytes < 256:
-        problems.append("--http-max-header-bytes must be >= 1024 and --http-max-request-line-bytes >= 256")
+        problems.append("--http-max-header-bytes must be >= 1024, --http-max-request-line-bytes >= 256")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
     if config.stream_interval < 1:

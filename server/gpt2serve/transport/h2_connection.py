@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 
 import ngh2
@@ -33,69 +32,19 @@ from ngh2 import (
     StreamClosed, StreamReset, TrailersReceived, WindowUpdated,
 )
 
+from .h2_events import PeerEvents
+from .h2_limits import LINGER_BYTES, LINGER_S, RateLimitedLog, TokenBucket, fatal_code, goaway_frame
 from .h2_stream import (
-    CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM, HEADER_BUDGET, INTERNAL_ERROR, MAX_HEADER_LIST, MAX_WINDOW,
-    NO_ERROR,
-    PROTOCOL_ERROR, REFUSED_STREAM, STREAM_WINDOW, ConnectionPolicy, Header, Http2App, Stream,
+    CANCEL, ENHANCE_YOUR_CALM, MAX_HEADER_LIST, MAX_WINDOW, NO_ERROR, STREAM_WINDOW, ConnectionPolicy, Header,
+    Http2App, Stream,
 )
 
 log = logging.getLogger(__name__)
-LINGER_S = 1.0  # after our GOAWAY, how long the peer's bytes are read and dropped before the socket closes
-LINGER_BYTES = 1 << 20  # and how many: a peer still sending more is not reading, and is cut off
 CODEC = Configuration(auto_window_update=False, max_inbound_header_list_size=MAX_HEADER_LIST)
-
-
-class RateLimitedLog:
-    """One line per `interval_s` at most; the lines left out are counted in the next."""
-
-    def __init__(self, interval_s: float = 10.0):
-        self.interval_s, self.next_at, self.left_out = interval_s, 0.0, 0
-
-    def warning(self, message: str, *args) -> None:
-        now = time.monotonic()
-        if now < self.next_at:
-            self.left_out += 1
-            return
-        if self.left_out:
-            message += f" ({self.left_out} more since the last line)"
-        self.next_at, self.left_out = now + self.interval_s, 0
-        log.warning(message, *args)
-
-
 ENDED_LOG = RateLimitedLog()
 
 
-class TokenBucket:
-    def __init__(self, burst: int, rate: float):
-        self.burst, self.rate, self.tokens, self.at = burst, rate, float(burst), time.monotonic()
-
-    def take(self) -> bool:
-        """False once the bucket is empty."""
-        if self.tokens < 1.0:
-            now = time.monotonic()
-            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.rate), now
-            if self.tokens < 1.0:
-                return False
-        self.tokens -= 1.0
-        return True
-
-
-def goaway_frame(last_stream_id: int, code: int, reason: bytes) -> bytes:
-    """A GOAWAY written by hand, for when the codec itself can no longer be used."""
-    payload = struct.pack(">II", last_stream_id, code) + reason[:200]
-    return len(payload).to_bytes(3, "big") + b"\x07\x00\x00\x00\x00\x00" + payload  # type 7, no flags, stream 0
-
-
-def fatal_code(exc: ngh2.NGH2Error) -> int:
-    """The GOAWAY code for an error that ended the codec."""
-    if isinstance(exc, ngh2.DenialOfServiceError):
-        return ENHANCE_YOUR_CALM
-    if "compression" in str(exc).lower() or "header" in str(exc).lower():
-        return COMPRESSION_ERROR
-    return INTERNAL_ERROR if isinstance(exc, ngh2.InternalError) else PROTOCOL_ERROR
-
-
-class Http2Connection(asyncio.Protocol):
+class Http2Connection(PeerEvents, asyncio.Protocol):
     """One client connection. `app` opens streams; `server` counts connections and sets policy."""
 
     def __init__(self, app: Http2App, policy: ConnectionPolicy, on_closed=None):
@@ -221,97 +170,6 @@ class Http2Connection(asyncio.Protocol):
             handler = handlers.get(type(event))
             if handler is not None:
                 handler(event)
-
-    def request_received(self, event: RequestReceived) -> None:
-        stream_id, headers = event.stream_id, event.headers
-        self.last_stream_id = max(self.last_stream_id, stream_id)
-        size = sum(len(name) + len(value) + 32 for name, value in headers)
-        if self.going_away or len(self.streams) >= self.policy.max_concurrent_streams:
-            self.codec.reset_stream(stream_id, REFUSED_STREAM)  # the client may retry it
-            return
-        if self.header_bytes + size > HEADER_BUDGET:
-            self.codec.reset_stream(stream_id, ENHANCE_YOUR_CALM)
-            return
-        stream = Stream(stream_id, self, size)
-        self.streams[stream_id] = stream
-        self.streams_opened += 1
-        self.header_bytes += size
-        self.cancel_timer("idle")
-        self.app.stream_opened(stream, headers)
-        if stream.listener is None:
-            raise RuntimeError("the app left a stream without a listener")
-        if event.end_stream and not stream.closed:
-            stream.remote_closed = True
-            stream.listener.end_received()
-
-    def data_frame(self, event: DataReceived) -> None:
-        stream_id, data = event.stream_id, event.data
-        stream = self.streams.get(stream_id)
-        if stream is None or stream.remote_closed or stream.closed:
-            if data:
-                self.codec.acknowledge_received_data(len(data), stream_id)  # counted and dropped
-            return
-        if data:
-            stream.listener.data_received(data)  # it releases the bytes as it takes them
-        elif not event.end_stream:
-            self.waste("empty DATA")
-        if event.end_stream:
-            stream.remote_closed = True
-            stream.listener.end_received()
-
-    def trailers_received(self, event: TrailersReceived) -> None:
-        stream = self.streams.get(event.stream_id)
-        if stream is not None and not stream.remote_closed:  # the request's end; a call runs once
-            stream.remote_closed = True
-            stream.listener.end_received()
-
-    def stream_reset(self, event: StreamReset) -> None:
-        stream = self.streams.get(event.stream_id)
-        if stream is not None and not stream.response_sent:
-            self.waste("a running call reset")
-        if stream is not None:
-            self.stream_gone(stream)
-
-    def stream_closed(self, event: StreamClosed) -> None:
-        stream = self.streams.get(event.stream_id)
-        if stream is not None:  # a stream error of the codec's (a malformed request) cancels its call too
-            self.stream_gone(stream)
-
-    def stream_gone(self, stream: Stream) -> None:
-        """The stream is over for the codec: its call is told (a no-op for a call that finished)."""
-        self.stream_done(stream)
-        if stream.listener is not None:
-            stream.listener.reset_received()
-
-    def window_updated(self, event: WindowUpdated) -> None:
-        stream_id = event.stream_id
-        if not stream_id:
-            queued = self.codec.queued_body_size()
-        else:
-            queued = self.codec.queued_body_size(stream_id) if stream_id in self.streams else 0
-        if not queued:
-            self.waste("a window update with nothing waiting")
-
-    def settings_received(self, event: SettingsReceived) -> None:
-        if self.settings_seen:
-            self.waste("SETTINGS")
-            return
-        self.settings_seen = True
-        self.cancel_timer("handshake")
-
-    def ping_received(self, event: PingReceived) -> None:
-        now = time.monotonic()  # (the codec answers it)
-        # As gRPC's server: pings closer together than the interval are strikes; answers sent clear them.
-        if self.last_ping and now - self.last_ping < self.policy.min_ping_interval_s:
-            self.ping_strikes += 1
-            if self.ping_strikes > self.policy.max_ping_strikes:
-                self.go_away(ENHANCE_YOUR_CALM, b"too_many_pings")
-        self.last_ping = now
-
-    def goaway_received(self, event: GoAwayReceived) -> None:
-        self.going_away = True
-        if not self.streams:
-            self.end("the client sent GOAWAY")
 
     def waste(self, what: str) -> None:
         if not self.wasted.take() and not self.going_away:

@@ -1,0 +1,64 @@
+"""What the built-in gRPC server's connections (h2_connection) hold a client to, beyond what
+libnghttp2 holds it to: a token bucket for frames that do no work, the GOAWAY for a codec that
+failed, the linger after it, and a log that a flood cannot fill."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+
+import ngh2
+
+from .h2_stream import COMPRESSION_ERROR, ENHANCE_YOUR_CALM, INTERNAL_ERROR, PROTOCOL_ERROR
+
+log = logging.getLogger("gpt2serve.transport.h2_connection")
+LINGER_S = 1.0  # after our GOAWAY, how long the peer's bytes are read and dropped before the socket closes
+LINGER_BYTES = 1 << 20  # and how many: a peer still sending more is not reading, and is cut off
+
+
+class RateLimitedLog:
+    """One line per `interval_s` at most; the lines left out are counted in the next."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s, self.next_at, self.left_out = interval_s, 0.0, 0
+
+    def warning(self, message: str, *args) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.left_out += 1
+            return
+        if self.left_out:
+            message += f" ({self.left_out} more since the last line)"
+        self.next_at, self.left_out = now + self.interval_s, 0
+        log.warning(message, *args)
+
+
+class TokenBucket:
+    def __init__(self, burst: int, rate: float):
+        self.burst, self.rate, self.tokens, self.at = burst, rate, float(burst), time.monotonic()
+
+    def take(self) -> bool:
+        """False once the bucket is empty."""
+        if self.tokens < 1.0:
+            now = time.monotonic()
+            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.rate), now
+            if self.tokens < 1.0:
+                return False
+        self.tokens -= 1.0
+        return True
+
+
+def goaway_frame(last_stream_id: int, code: int, reason: bytes) -> bytes:
+    """A GOAWAY written by hand, for when the codec itself can no longer be used."""
+    payload = struct.pack(">II", last_stream_id, code) + reason[:200]
+    return len(payload).to_bytes(3, "big") + b"\x07\x00\x00\x00\x00\x00" + payload  # type 7, no flags, stream 0
+
+
+def fatal_code(exc: ngh2.NGH2Error) -> int:
+    """The GOAWAY code for an error that ended the codec."""
+    if isinstance(exc, ngh2.DenialOfServiceError):
+        return ENHANCE_YOUR_CALM
+    if "compression" in str(exc).lower() or "header" in str(exc).lower():
+        return COMPRESSION_ERROR
+    return INTERNAL_ERROR if isinstance(exc, ngh2.InternalError) else PROTOCOL_ERROR
