@@ -1,8 +1,8 @@
 """The known HTTP/2 attacks, from raw sockets, against a gRPC port: each runs for a few seconds on
 one or two connections (reconnecting when sent away) and reports what the server did to it.
 
-Used by the flood tier (tests/serving/test_floods.py) and by `python -m support.h2_attacks HOST:PORT`,
-which prints the same table for docs/deploy.md.
+Used by the flood tier (tests/serving/test_floods.py) and by bench/security/h2_floods.py, which
+prints the table in docs/deploy.md.
 """
 
 from __future__ import annotations
