@@ -6,8 +6,9 @@ as grpc.aio does, with the same flags: streams past `--grpc-max-concurrent-strea
 for the client to retry, and a socket that has not sent the preface and its SETTINGS within
 `--grpc-handshake-timeout-s` is closed. At `--grpc-max-connections` a new connection takes the place
 of the oldest one whose calls all wait on a client that does not read their answers, or else the
-oldest that has opened no call, or else the oldest with none open (sent GOAWAY, which clients take as "reconnect for the next call";
-gpt2serve_connections_evicted_total{api="grpc"}), as NGINX drains idle connections, so
+oldest that has opened no call, or else the oldest with none open (sent GOAWAY, which clients take
+as "reconnect for the next call"; gpt2serve_connections_evicted_total{api="grpc"}), as NGINX drains
+idle connections, so
 connections that open and sit, or never read, never keep a client out; only when every
 connection has calls in progress is the new one closed at once and counted
 (gpt2serve_connections_refused_total{api="grpc"}).

@@ -41,7 +41,7 @@ from .h2_stream import (
 
 log = logging.getLogger(__name__)
 CODEC = Configuration(auto_window_update=False, max_inbound_header_list_size=MAX_HEADER_LIST)
-ENDED_LOG = RateLimitedLog()
+ENDED_LOG = RateLimitedLog(log)
 
 
 class Http2Connection(PeerEvents, asyncio.Protocol):
@@ -60,6 +60,7 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
         self.backlog = b""  # input past this turn's share, fed next turn
         self.lingered = 0
         self.waiting: set[Stream] = set()  # streaming answers waiting for window or the socket
+        self.stopping: set[Stream] = set()  # answered streams whose peer is to be told to stop sending
         self.wasted = TokenBucket(*policy.wasted_frames)
         self.flush_scheduled = False
         self.last_ping, self.ping_strikes = 0.0, 0
@@ -243,6 +244,10 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             return
         self.schedule_flush()
 
+    def stop_peer(self, stream: Stream) -> None:
+        self.stopping.add(stream)
+        self.schedule_flush()
+
     def wait_writable(self, stream: Stream) -> None:
         self.waiting.add(stream)
         self.schedule_flush()
@@ -264,12 +269,15 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             if data:
                 self.transport.write(data)
             self.handle_events()  # streams closed by what was just sent
-            stopping = [s for s in self.streams.values() if s.stop_peer_pending and not s.remote_closed
-                        and not codec.queued_body_size(s.id)]
-            for stream in stopping:  # the answer has left: RST_STREAM NO_ERROR (RFC 9113 8.1)
-                stream.stop_peer_pending, stream.remote_closed = False, True
-                codec.reset_stream(stream.id, NO_ERROR)
-            if stopping:
+            stopped = False
+            for stream in list(self.stopping):
+                if stream.remote_closed or stream.closed:
+                    self.stopping.discard(stream)
+                elif not codec.queued_body_size(stream.id):  # the answer has left: RST_STREAM NO_ERROR (RFC 9113 8.1)
+                    self.stopping.discard(stream)
+                    stream.remote_closed = stopped = True
+                    codec.reset_stream(stream.id, NO_ERROR)
+            if stopped:
                 self.transport.write(codec.data_to_send())
                 self.handle_events()
         except ngh2.NGH2Error as exc:
@@ -292,11 +300,10 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             return
         now, waited = time.monotonic(), False
         for stream in list(self.streams.values()):
-            queued = self.codec.queued_body_size(stream.id) if not stream.closed else 0
-            if not queued or not self.over_window(stream):
+            if not self.over_window(stream):
                 stream.stalled_since = None
                 continue
-            waited = True
+            waited, queued = True, self.codec.queued_body_size(stream.id)
             if stream.stalled_since is None or queued < stream.stalled_queue:
                 stream.stalled_since, stream.stalled_queue = now, queued
             elif now - stream.stalled_since >= self.policy.send_timeout_s:
@@ -313,6 +320,7 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
     def stream_done(self, stream: Stream) -> None:
         stream.closed = True
         self.waiting.discard(stream)
+        self.stopping.discard(stream)
         stream.wake()
         if self.streams.pop(stream.id, None) is not None:
             self.header_bytes -= stream.header_bytes

@@ -61,15 +61,14 @@ class PeerEvents:
             stream.listener.end_received()
 
     def stream_reset(self, event: StreamReset) -> None:
+        """Counted only: the codec's StreamClosed, which follows every reset, lets the stream go."""
         stream = self.streams.get(event.stream_id)
         if stream is not None and not stream.response_sent:
             self.waste("a running call reset")
-        if stream is not None:
-            self.stream_gone(stream)
 
     def stream_closed(self, event: StreamClosed) -> None:
         stream = self.streams.get(event.stream_id)
-        if stream is not None:  # a stream error of the codec's (a malformed request) cancels its call too
+        if stream is not None:  # reset by the peer, or a stream error of the codec's (a malformed request)
             self.stream_gone(stream)
 
     def stream_gone(self, stream: Stream) -> None:

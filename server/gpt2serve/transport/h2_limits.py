@@ -12,7 +12,6 @@ import ngh2
 
 from .h2_stream import COMPRESSION_ERROR, ENHANCE_YOUR_CALM, INTERNAL_ERROR, PROTOCOL_ERROR
 
-log = logging.getLogger("gpt2serve.transport.h2_connection")
 LINGER_S = 1.0  # after our GOAWAY, how long the peer's bytes are read and dropped before the socket closes
 LINGER_BYTES = 1 << 20  # and how many: a peer still sending more is not reading, and is cut off
 
@@ -20,8 +19,8 @@ LINGER_BYTES = 1 << 20  # and how many: a peer still sending more is not reading
 class RateLimitedLog:
     """One line per `interval_s` at most; the lines left out are counted in the next."""
 
-    def __init__(self, interval_s: float = 10.0):
-        self.interval_s, self.next_at, self.left_out = interval_s, 0.0, 0
+    def __init__(self, log: logging.Logger, interval_s: float = 10.0):
+        self.log, self.interval_s, self.next_at, self.left_out = log, interval_s, 0.0, 0
 
     def warning(self, message: str, *args) -> None:
         now = time.monotonic()
@@ -31,7 +30,7 @@ class RateLimitedLog:
         if self.left_out:
             message += f" ({self.left_out} more since the last line)"
         self.next_at, self.left_out = now + self.interval_s, 0
-        log.warning(message, *args)
+        self.log.warning(message, *args)
 
 
 class TokenBucket:

@@ -71,6 +71,7 @@ class Connection(Protocol):
     def reset(self, stream: Stream, code: int) -> None: ...
     def release(self, stream: Stream, size: int) -> None: ...
     def widen(self, stream: Stream, window: int) -> None: ...
+    def stop_peer(self, stream: Stream) -> None: ...
     def wait_writable(self, stream: Stream) -> None: ...
 
 
@@ -80,12 +81,12 @@ class Stream:
     trailers behind it."""
 
     __slots__ = ("id", "connection", "listener", "header_bytes", "response_sent", "remote_closed", "closed",
-                 "stop_peer_pending", "stalled_since", "stalled_queue", "window", "_waiter")
+                 "stalled_since", "stalled_queue", "window", "_waiter")
 
     def __init__(self, stream_id: int, connection: Connection, header_bytes: int = 0):
         self.id, self.connection, self.header_bytes = stream_id, connection, header_bytes
         self.listener: StreamListener | None = None
-        self.response_sent = self.remote_closed = self.closed = self.stop_peer_pending = False
+        self.response_sent = self.remote_closed = self.closed = False
         self.window = STREAM_WINDOW  # the window we give the peer on this stream
         self.stalled_since: float | None = None  # since when its answer has waited for the peer's window
         self.stalled_queue = 0  # what was queued then: less since is progress
@@ -120,7 +121,7 @@ class Stream:
         """After our END_STREAM, tells a peer still sending to stop (RST_STREAM NO_ERROR, RFC 9113
         8.1), once the answer has left: a reset sent earlier would drop what still waits for window."""
         if not self.remote_closed:
-            self.stop_peer_pending = True
+            self.connection.stop_peer(self)
 
     @property
     def blocked(self) -> bool:

@@ -130,12 +130,15 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             self._refusal = (status, message)
             raise RequestRefused
 
+        def _refuse_large_head(self) -> None:
+            self._refuse(431, f"The request's header section is larger than {max_header_bytes} bytes "
+                              "(--http-max-header-bytes).")
+
         def _check_head(self) -> None:
-            """At the headers' end: the section's size, and HTTP/1.1's one Host."""
-            size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-            if max(size, self._head_bytes if self._in_head else 0) > max_header_bytes:
-                self._refuse(431, f"The request's header section is larger than {max_header_bytes} bytes "
-                                  "(--http-max-header-bytes).")
+            """At the headers' end: the section's size (the reads before were checked as they came),
+            and HTTP/1.1's one Host."""
+            if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > max_header_bytes:
+                self._refuse_large_head()
             hosts = sum(1 for name, _ in self.headers if name == b"host")
             if hosts != 1 and (hosts or self.parser.get_http_version() == "1.1"):
                 self._refuse(400, "An HTTP/1.1 request carries exactly one Host header (RFC 9112 section 3.2).")
@@ -171,8 +174,7 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
                 if self._in_head:
                     self._head_bytes += len(data)
                     if self._head_bytes > max_header_bytes:  # an unfinished head is not held past the limit
-                        self._refuse(431, f"The request's header section is larger than {max_header_bytes} bytes "
-                                          "(--http-max-header-bytes).")
+                        self._refuse_large_head()
             except (httptools.HttpParserError, RequestRefused):
                 if self._refusal is not None:
                     return self._send_refusal(*self._refusal)
