@@ -23,19 +23,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpt2serve_client import Client
+from support.h2_attacks import PREFACE, frame, split_frames
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(900)]
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PING, GOAWAY = 6, 7
 PROBE = b"fuzzdone"
 FUZZ = settings(max_examples=400, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 OUTCOMES = {"answered": 0, "sent away": 0}
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
 frames = st.lists(st.builds(
@@ -57,10 +53,8 @@ def outcome(sock: socket.socket, timeout: float = 5.0) -> str:
             return "sent away"
         if not chunk:
             return "sent away"
-        data += chunk
-        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
-            length, ftype, flags = int.from_bytes(data[:3], "big"), data[3], data[4]
-            payload, data = data[9:9 + length], data[9 + length:]
+        frames, data = split_frames(data + chunk)
+        for ftype, flags, _, payload in frames:
             if ftype == PING and flags & 1 and payload == PROBE:
                 return "answered"
             if ftype == GOAWAY:

@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError
+from support.h2_attacks import split_frames
 from support.servers import launch_server, metric_value
 
 
@@ -302,10 +303,8 @@ def call_status(sock: socket.socket) -> tuple[bytes, bytes]:
     while True:
         chunk = sock.recv(4096)
         assert chunk, "closed without the call's status"
-        data += chunk
-        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
-            length, ftype = int.from_bytes(data[:3], "big"), data[3]
-            payload, data = data[9:9 + length], data[9 + length:]
+        frames, data = split_frames(data + chunk)
+        for ftype, _, _, payload in frames:
             if ftype == 1:
                 headers = dict(decoder.decode(payload, raw=True))
                 if b"grpc-status" in headers:
@@ -333,7 +332,8 @@ def test_grpc_connections_with_calls_stay_and_stalled_calls_end_at_the_request_t
         for sock in busy:
             answers.append(call_status(sock))
         assert time.monotonic() - started < 10
-        assert all(status == b"1" and b"--grpc-request-timeout-s" in message for status, message in answers)  # CANCELLED
+        assert all(status == b"1" and b"--grpc-request-timeout-s" in message  # CANCELLED
+                   for status, message in answers)
         with Client(target, retries=0, timeout=30) as client:
             assert client.health()
     finally:

@@ -12,7 +12,6 @@ HTTP/2 and gRPC layers do that grpc.aio's core did for us.
 from __future__ import annotations
 
 import socket
-import time
 
 import grpc
 import hpack
@@ -21,11 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gpt2serve_client._proto import gpt2serve_pb2 as pb, gpt2serve_pb2_grpc as pb_grpc
+from support.h2_attacks import PREFACE, SETTINGS_ACK, frame, read_frames  # (a conformant client acks SETTINGS)
 from support.servers import launch_server
 
 MAX_MESSAGE = 8 << 20
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SETTINGS_ACK = b"\0\0\0\x04\x01\0\0\0\0"  # a conformant client acks the server's SETTINGS (its 4 MiB stream window)
 
 
 @pytest.fixture(scope="module")
@@ -175,25 +173,6 @@ def test_both_grpc_servers_answer_alike(builtin, grpcio_server):
         assert mine == reference, mine[0]
 
 
-def read_frames(sock: socket.socket, seconds: float) -> list[tuple[int, int, int, bytes]]:
-    """(type, flags, stream id, payload) of every frame the server sends within `seconds`."""
-    sock.settimeout(0.2)
-    data, frames, deadline = b"", [], time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            chunk = sock.recv(1 << 16)
-        except socket.timeout:
-            continue
-        if not chunk:
-            break
-        data += chunk
-        while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
-            length = int.from_bytes(data[:3], "big")
-            frames.append((data[3], data[4], int.from_bytes(data[5:9], "big") & 0x7FFFFFFF, data[9:9 + length]))
-            data = data[9 + length:]
-    return frames
-
-
 def connection_window_given(frames) -> int:
     return sum(int.from_bytes(payload, "big")
                for ftype, _, stream_id, payload in frames if ftype == 8 and not stream_id)  # WINDOW_UPDATE on 0
@@ -221,10 +200,6 @@ def test_partial_messages_hold_the_connection_window_until_released(builtin):
         sock.sendall(b"".join(frame(3, 0, stream_id, (8).to_bytes(4, "big")) for stream_id in (1, 3, 5, 7)))
         # Given back once released, in updates of at least half the window: 9 MiB after the third reset.
         assert connection_window_given(read_frames(sock, 1.0)) >= 8 << 20
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
 @pytest.mark.parametrize("flood", ["settings", "refused streams"])

@@ -15,7 +15,9 @@ import hpack
 import ngh2
 import pytest
 
-from support.h2_attacks import NEXT_TOKEN_REQUEST, PREFACE, SETTINGS_ACK, frame, request_headers
+from support.h2_attacks import (
+    NEXT_TOKEN_REQUEST, PREFACE, SETTINGS_ACK, Frame, frame, read_frames, request_headers,
+)
 from support.servers import metric_value
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, GOAWAY, WINDOW_UPDATE = 0, 1, 2, 3, 4, 7, 8
@@ -23,29 +25,12 @@ PROTOCOL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR, COMPRESSION
 NEXT_TOKENS = ("gpt2serve_requests_total", {"api": "grpc", "method": "NextToken", "status": "OK"})
 
 
-def exchange(server, payload: bytes, seconds: float = 1.5) -> list[tuple[int, int, int, bytes]]:
+def exchange(server, payload: bytes, seconds: float = 1.5) -> list[Frame]:
     """The preface (and an ack of the server's SETTINGS), `payload`; then every frame the server sends."""
     host, port = server.grpc_target.rsplit(":", 1)
-    frames, data = [], b""
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(PREFACE + frame(SETTINGS, 0, 0) + SETTINGS_ACK + payload)
-        sock.settimeout(0.2)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                chunk = sock.recv(1 << 16)
-            except socket.timeout:
-                continue
-            except ConnectionResetError:
-                break
-            if not chunk:
-                break
-            data += chunk
-    while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
-        length = int.from_bytes(data[:3], "big")
-        frames.append((data[3], data[4], int.from_bytes(data[5:9], "big") & 0x7FFFFFFF, data[9:9 + length]))
-        data = data[9 + length:]
-    return frames
+        return read_frames(sock, seconds)
 
 
 def goaway_code(frames) -> int | None:

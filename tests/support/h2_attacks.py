@@ -1,5 +1,7 @@
 """The known HTTP/2 attacks, from raw sockets, against a gRPC port: each runs for a few seconds on
-one or two connections (reconnecting when sent away) and reports what the server did to it.
+one or two connections (reconnecting when sent away) and reports what the server did to it. Also
+the raw client's parts the wire tests share: frames written (`frame`) and read (`split_frames`,
+`read_frames`).
 
 Used by the flood tier (tests/serving/test_floods.py) and by bench/security/h2_floods.py, which
 prints the table in docs/deploy.md.
@@ -25,6 +27,34 @@ NEXT_TOKEN = "/gpt2serve.v1.Gpt2Serve/NextToken"
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+Frame = tuple[int, int, int, bytes]  # type, flags, stream id, payload
+
+
+def split_frames(data: bytes) -> tuple[list[Frame], bytes]:
+    """The whole frames at the front of `data`, and the bytes after them (a frame still coming)."""
+    frames = []
+    while len(data) >= 9 and len(data) >= 9 + (length := int.from_bytes(data[:3], "big")):
+        frames.append((data[3], data[4], int.from_bytes(data[5:9], "big") & 0x7FFFFFFF, data[9:9 + length]))
+        data = data[9 + length:]
+    return frames, data
+
+
+def read_frames(sock: socket.socket, seconds: float) -> list[Frame]:
+    """Every frame the server sends within `seconds`, or until it closes."""
+    sock.settimeout(0.2)
+    data, frames, deadline = b"", [], time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(1 << 16)
+        except socket.timeout:
+            continue
+        if not chunk:
+            break
+        whole, data = split_frames(data + chunk)
+        frames += whole
+    return frames
 
 
 def request_headers(authority: str, path: str = NEXT_TOKEN) -> list[tuple[str, str]]:
@@ -97,14 +127,12 @@ class Attacker:
                 break
             if not chunk:
                 break
-            data += chunk
-            while len(data) >= 9 and len(data) >= 9 + int.from_bytes(data[:3], "big"):
-                length, ftype = int.from_bytes(data[:3], "big"), data[3]
+            frames, data = split_frames(data + chunk)
+            for ftype, _, _, payload in frames:
                 if ftype == GOAWAY:
-                    self.outcome.goaways.append(int.from_bytes(data[13:17], "big"))
+                    self.outcome.goaways.append(int.from_bytes(payload[4:8], "big"))
                 elif ftype == RST_STREAM:
                     self.outcome.resets += 1
-                data = data[9 + length:]
         self.gone()
 
     def open(self, end_stream: bool = False, path: str = NEXT_TOKEN, authority: str = "x") -> bytes:
