@@ -40,6 +40,8 @@ from .h2_stream import (
 )
 
 log = logging.getLogger(__name__)
+# Events that start, feed or end calls: after them, a flush goes behind the calls' first steps.
+CALL_EVENTS = frozenset({RequestReceived, DataReceived, TrailersReceived, StreamReset, StreamClosed})
 CODEC = Configuration(auto_window_update=False, max_inbound_header_list_size=MAX_HEADER_LIST)
 ENDED_LOG = RateLimitedLog(log)
 
@@ -144,26 +146,33 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
         except ngh2.NGH2Error as exc:
             self.codec_failed(exc)
             return
-        self.handle_events()
+        calls = self.handle_events()
         if self.backlog and not self.ended:
             self.loop.call_soon(self.feed_backlog)
         self.set_reading()
-        self.schedule_flush()
+        # Scheduled now, behind the steps of the calls this input started, their answers go out this
+        # turn; input that only updates windows or acks (a client's reply to answers) flushes nothing
+        # unless the codec has something to send.
+        codec = self.codec
+        if calls or codec.want_write or not codec.want_read:
+            self.schedule_flush()
 
     def feed_backlog(self) -> None:
         if self.backlog and not self.ended:
             data, self.backlog = self.backlog, b""
             self.feed(data)
 
-    def handle_events(self) -> None:
+    def handle_events(self) -> bool:
+        """Handles the codec's events; whether any started, fed or ended a call."""
         events = self.codec.events()
         if not events:
-            return
-        handlers = self.handlers
+            return False
+        handlers, calls = self.handlers, False
         reset_now = {e.stream_id for e in events if type(e) is StreamReset} if len(events) > 2 else ()
         for event in events:
             if self.ended:
-                return
+                return calls
+            calls = calls or type(event) in CALL_EVENTS
             if reset_now and type(event) is RequestReceived and event.stream_id in reset_now:
                 self.last_stream_id = max(self.last_stream_id, event.stream_id)
                 self.waste("a stream reset as it opened")  # Rapid Reset: no call is made for it
@@ -171,6 +180,7 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             handler = handlers.get(type(event))
             if handler is not None:
                 handler(event)
+        return calls
 
     def waste(self, what: str) -> None:
         if not self.wasted.take() and not self.going_away:
@@ -235,7 +245,8 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             self.codec.acknowledge_received_data(size, stream.id)
         except ngh2.NGH2Error:
             return
-        self.schedule_flush()
+        if self.codec.want_write:  # a WINDOW_UPDATE is due (half a window taken): most releases owe none
+            self.schedule_flush()
 
     def widen(self, stream: Stream, window: int) -> None:
         try:
@@ -270,7 +281,7 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
                 self.transport.write(data)
             self.handle_events()  # streams closed by what was just sent
             stopped = False
-            for stream in list(self.stopping):
+            for stream in list(self.stopping) if self.stopping else ():
                 if stream.remote_closed or stream.closed:
                     self.stopping.discard(stream)
                 elif not codec.queued_body_size(stream.id):  # the answer has left: RST_STREAM NO_ERROR (RFC 9113 8.1)
@@ -283,7 +294,7 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
         except ngh2.NGH2Error as exc:
             self.codec_failed(exc)
             return
-        for stream in list(self.waiting):
+        for stream in list(self.waiting) if self.waiting else ():
             if stream.closed or not stream.blocked:
                 self.waiting.discard(stream)
                 stream.wake()

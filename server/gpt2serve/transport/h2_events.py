@@ -5,6 +5,7 @@ SETTINGS and PING. Frames that cost work and bring none are counted (`waste`).""
 from __future__ import annotations
 
 import time
+from itertools import chain
 
 from ngh2 import (
     DataReceived, GoAwayReceived, PingReceived, RequestReceived, SettingsReceived, StreamClosed, StreamReset,
@@ -20,7 +21,7 @@ class PeerEvents:
     def request_received(self, event: RequestReceived) -> None:
         stream_id, headers = event.stream_id, event.headers
         self.last_stream_id = max(self.last_stream_id, stream_id)
-        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        size = 32 * len(headers) + sum(map(len, chain.from_iterable(headers)))  # as RFC 9113 counts a list
         if self.going_away or len(self.streams) >= self.policy.max_concurrent_streams:
             self.codec.reset_stream(stream_id, REFUSED_STREAM)  # the client may retry it
             return
