@@ -322,3 +322,16 @@ def test_refused_messages_give_their_window_back(builtin):
             frames += read_frames(sock, 0.5)
     assert [grpc_status(frames, stream_id) for stream_id in (1, 3, 5, 7, 9, 11)] == [b"12"] * 6
     assert not any(ftype == 7 for ftype, _, _, _ in frames)  # no GOAWAY
+
+
+def test_a_busy_client_is_not_taken_for_a_flood(builtin):
+    """grpcio sends a WINDOW_UPDATE or two after reading each answer, with nothing of ours waiting
+    on them: thousands of calls back to back on one connection are frames that do no work one by
+    one, yet each came with a call. None may be refused as a flood (GOAWAY ENHANCE_YOUR_CALM)."""
+    request = pb.NextTokenRequest(prompt_token_ids=[464, 3139], top_k=1)
+    floods_before = builtin.log().count("ENHANCE_YOUR_CALM")  # (the flood tests above send some)
+    with grpc.insecure_channel(builtin.grpc_target, options=[("grpc.enable_retries", 0)]) as channel:
+        calls = [stub(channel).NextToken.future(request, timeout=60) for _ in range(3000)]
+        codes = [call.code() for call in calls]
+    assert codes.count(grpc.StatusCode.OK) == 3000, {code: codes.count(code) for code in set(codes)}
+    assert builtin.log().count("ENHANCE_YOUR_CALM") == floods_before

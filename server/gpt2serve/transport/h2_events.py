@@ -69,8 +69,11 @@ class PeerEvents:
 
     def stream_closed(self, event: StreamClosed) -> None:
         stream = self.streams.get(event.stream_id)
-        if stream is not None:  # reset by the peer, or a stream error of the codec's (a malformed request)
-            self.stream_gone(stream)
+        if stream is None:
+            return
+        if stream.response_sent:  # a call answered earns its client the frames that come with it
+            self.wasted.give(self.policy.wasted_frames_per_call)
+        self.stream_gone(stream)  # (also reset by the peer, or a stream error of the codec's: a malformed request)
 
     def stream_gone(self, stream: Stream) -> None:
         """The stream is over for the codec: its call is told (a no-op for a call that finished)."""

@@ -47,6 +47,10 @@ class TokenBucket:
         self.tokens -= 1.0
         return True
 
+    def give(self, tokens: float) -> None:
+        """Tokens earned (not by time), up to the burst."""
+        self.tokens = min(self.burst, self.tokens + tokens)
+
 
 def goaway_frame(last_stream_id: int, code: int, reason: bytes) -> bytes:
     """A GOAWAY written by hand, for when the codec itself can no longer be used."""

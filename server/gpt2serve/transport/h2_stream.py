@@ -45,8 +45,10 @@ class ConnectionPolicy:
     # Frames that cost us work and bring none (updates to windows with nothing waiting, empty
     # DATA, a running call reset): a token bucket (burst, per second), past it GOAWAY
     # ENHANCE_YOUR_CALM. libnghttp2 keeps its own limits below ours; this one is for what it
-    # takes as valid.
+    # takes as valid. Each call answered puts `wasted_frames_per_call` back: a client reading its
+    # answers sends a window update or two for each, so only frames without calls can run it dry.
     wasted_frames: tuple[int, float] = (1000, 200.0)
+    wasted_frames_per_call: int = 4
 
 
 class StreamListener(Protocol):
