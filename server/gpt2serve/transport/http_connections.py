@@ -137,9 +137,12 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         def _check_head(self) -> None:
             """At the headers' end: the section's size (the reads before were checked as they came),
             and HTTP/1.1's one Host."""
-            if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > max_header_bytes:
+            size, hosts = len(self.url), 0
+            for name, value in self.headers:  # one pass: this runs for every request
+                size += len(name) + len(value) + 4
+                hosts += name == b"host"
+            if size > max_header_bytes:
                 self._refuse_large_head()
-            hosts = sum(1 for name, _ in self.headers if name == b"host")
             if hosts != 1 and (hosts or self.parser.get_http_version() == "1.1"):
                 self._refuse(400, "An HTTP/1.1 request carries exactly one Host header (RFC 9112 section 3.2).")
 
