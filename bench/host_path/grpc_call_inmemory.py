@@ -1,0 +1,111 @@
+"""The built-in gRPC server's own CPU per unary call with no sockets and no event-loop I/O: an
+`Http2Connection` and its `GrpcApp` fed a client's bytes in memory (an ngh2 client writes the
+requests and reads the answers, outside the timer), so the figure is the HTTP/2 and gRPC layers'
+work alone and varies far less than a loaded server's.
+
+    .venv/bin/python bench/host_path/grpc_call_inmemory.py [--per-read 1] [--reps 5]
+
+`--per-read`: calls whose bytes arrive in one read (1: one call a read, as 64 connections with a
+call each; 16: a busy multiplexed connection). Prints the best of `--reps` runs of 4,800 calls.
+To compare against another commit, run this file with that checkout's `server/` and `client/`
+first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import ngh2
+import uvloop
+
+from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
+from gpt2serve.transport.h2_connection import Http2Connection
+from gpt2serve_client._proto import gpt2serve_pb2 as pb
+
+try:
+    from gpt2serve.transport.h2_stream import ConnectionPolicy
+except ImportError:  # the hand-written stack (139f00f and before)
+    from gpt2serve.transport.h2_frames import ConnectionPolicy
+
+ANSWER = pb.NextTokenResponse(token_id=262, token=" the", logprob=-0.5,
+                              top=[pb.TokenLogprob(token_id=262 + i, token=" the", logprob=-0.5 - i) for i in range(5)])
+REQUEST_HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/gpt2serve.v1.Gpt2Serve/NextToken"),
+                   (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+
+
+class MemoryTransport:
+    def __init__(self):
+        self.written: list[bytes] = []
+
+    def write(self, data) -> None:
+        self.written.append(bytes(data))
+
+    def take(self) -> bytes:
+        data, self.written = b"".join(self.written), []
+        return data
+
+    def get_extra_info(self, name):
+        return ("127.0.0.1", 1) if name == "peername" else None
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def next_token(request, context):
+    return ANSWER
+
+
+async def turns(count: int) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+async def server_us_a_call(calls: int, per_read: int) -> float:
+    method = GrpcMethod(UNARY, next_token, pb.NextTokenRequest.FromString, pb.NextTokenResponse.SerializeToString)
+    connection = Http2Connection(GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20), ConnectionPolicy())
+    transport = MemoryTransport()
+    connection.connection_made(transport)
+    client = ngh2.Connection(ngh2.Role.CLIENT)
+    client.initiate_connection()
+    request = pb.NextTokenRequest(prompt_token_ids=[464, 3139, 286, 4881, 318]).SerializeToString()
+    body = b"\0" + len(request).to_bytes(4, "big") + request
+    for _ in range(2):  # the handshake both ways
+        connection.data_received(client.data_to_send())
+        await turns(4)
+        client.receive_data(transport.take())
+        client.events()
+    spent = 0.0
+    for _ in range(calls // per_read):
+        for _ in range(per_read):
+            stream_id = client.send_request(REQUEST_HEADERS)
+            client.send_data(stream_id, body, end_stream=True)
+        reply = client.data_to_send()
+        while reply:  # the requests; then the client's reply to the answers, if it has one
+            started = time.process_time()
+            connection.data_received(reply)
+            await turns(4)
+            spent += time.process_time() - started
+            client.receive_data(transport.take())
+            client.events()
+            reply = client.data_to_send()
+    return spent / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-read", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    best = min(uvloop.run(server_us_a_call(4800, args.per_read)) for _ in range(args.reps))
+    print(f"{best:.1f} us of the server's CPU a unary call ({args.per_read} a read)")
+
+
+if __name__ == "__main__":
+    main()
