@@ -20,6 +20,7 @@ import time
 import ngh2
 import uvloop
 
+from gpt2serve.config import ServeConfig
 from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
 from gpt2serve.transport.h2_connection import Http2Connection
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
@@ -69,7 +70,9 @@ async def turns(count: int) -> None:
 
 async def server_us_a_call(calls: int, per_read: int) -> float:
     method = GrpcMethod(UNARY, next_token, pb.NextTokenRequest.FromString, pb.NextTokenResponse.SerializeToString)
-    connection = Http2Connection(GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20), ConnectionPolicy())
+    # The server's default idle limit (--grpc-max-connection-idle-s): its timer is part of a call's upkeep.
+    policy = ConnectionPolicy(idle_timeout_s=ServeConfig().grpc_max_connection_idle_s)
+    connection = Http2Connection(GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20), policy)
     transport = MemoryTransport()
     connection.connection_made(transport)
     client = ngh2.Connection(ngh2.Role.CLIENT)

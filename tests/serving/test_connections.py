@@ -62,6 +62,22 @@ def test_an_idle_grpc_connection_is_closed_and_the_client_reconnects(limited):
         assert health(channel) == health_pb2.HealthCheckResponse.SERVING  # a new connection, at the next call
 
 
+def test_a_connection_with_calls_under_the_idle_limit_apart_is_kept(limited):
+    """The idle clock restarts at each call's end: calls 0.3 s apart for 3 s (3x the idle limit)
+    keep one connection; once they stop, it is closed."""
+    with grpc.insecure_channel(limited.grpc_target) as channel:
+        states: list = []
+        channel.subscribe(states.append, try_to_connect=True)
+        try:
+            for _ in range(10):
+                assert health(channel) == health_pb2.HealthCheckResponse.SERVING
+                time.sleep(0.3)
+            assert grpc.ChannelConnectivity.IDLE not in states[states.index(grpc.ChannelConnectivity.READY):]
+            assert wait_for_state(channel, {grpc.ChannelConnectivity.IDLE}, timeout=15)
+        finally:
+            channel.unsubscribe(states.append)
+
+
 @pytest.fixture(scope="module")
 def ping_limited(tmp_path_factory):
     """Pings enforced, idle connections kept: only a ping flood can close a connection here."""

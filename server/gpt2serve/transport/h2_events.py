@@ -32,7 +32,6 @@ class PeerEvents:
         self.streams[stream_id] = stream
         self.streams_opened += 1
         self.header_bytes += size
-        self.cancel_timer("idle")
         self.app.stream_opened(stream, headers)
         if stream.listener is None:
             raise RuntimeError("the app left a stream without a listener")
