@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from . import _requests
 from ._proto import gpt2serve_pb2 as pb
 from ._proto import gpt2serve_pb2_grpc as pb_grpc
+from ._starting import ServerStarting, grpc_connect_failed, retry_after_s
 from .errors import Gpt2ServeError
 from .generation import GenerateChunk, GenerateResult
 from .types import HealthStatus, ModelInfo, NextTokenResult
@@ -55,7 +56,10 @@ def channel_options(retries: int, load_balancing: str = "pick_first") -> list[tu
     # the server refused unopened (past its --grpc-max-concurrent-streams on a connection that has
     # just opened), which would otherwise reach the caller as UNAVAILABLE.
     options += [("grpc.enable_retries", 1), ("grpc.service_config", json.dumps(config)),
-                ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_RESOLUTION_INTERVAL_MS)]
+                ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_RESOLUTION_INTERVAL_MS),
+                # A server that is starting is connected within about a second of opening its port
+                # (gRPC's own backoff grows to 120 s, so a late start would be seen late).
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
     return options
 
 
@@ -84,13 +88,27 @@ def _refused_wait_s(refused: int) -> float:
     return min(0.002 * 2 ** refused, 0.1) * random.uniform(0.5, 1.0)
 
 
-class _Attempts:
-    """One call's attempts: the retries its policy allows on UNAVAILABLE (a failover), and
-    refused streams sent again (see REFUSED_STREAM_RETRIES), all within its deadline."""
+def _not_ready(exc: grpc.RpcError) -> tuple[str, float | None] | None:
+    """(why, the server's retry-after) when the call met a server not ready yet: its port closed,
+    or its model still loading (UNAVAILABLE with retry-after); None for any other error."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = exc.details() or ""
+    if grpc_connect_failed(details):
+        return f"could not connect: {details}", None
+    retry_after = next((retry_after_s(v) for k, v in (exc.trailing_metadata() or ()) if k == "retry-after"), None)
+    return (details, retry_after) if retry_after is not None else None
 
-    def __init__(self, failovers: int, timeout: float | None):
-        self.failovers, self.refused = failovers, 0
+
+class _Attempts:
+    """One call's attempts: the retries its policy allows on UNAVAILABLE (a failover), refused
+    streams sent again (see REFUSED_STREAM_RETRIES), and, with `starting`, the waits for a server
+    that is starting (_starting.py), all within its deadline."""
+
+    def __init__(self, failovers: int, timeout: float | None, starting: ServerStarting | None = None):
+        self.failovers, self.refused, self.starting = failovers, 0, starting
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_for_ready = False  # once a connection failed: gRPC holds the next attempt until it connects
 
     def timeout(self) -> float | None:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
@@ -103,6 +121,16 @@ class _Attempts:
             left = self.timeout()
             if left is None or left > wait:
                 return wait
+        if self.starting is not None and (not_ready := _not_ready(exc)) is not None:
+            why, retry_after = not_ready
+            wait = self.starting.wait_s(why, retry_after)
+            if wait is None:
+                raise self.starting.error() from None
+            if retry_after is None:  # not connected: the channel's own reconnection is the wait
+                self.wait_for_ready, wait = True, 0.0
+            return wait
+        if self.wait_for_ready and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise self.starting.error() from None  # the deadline passed while it waited to connect
         if _error(exc).code == "UNAVAILABLE" and self.failovers > 1:
             self.failovers -= 1
             return 0.0
@@ -128,7 +156,9 @@ def _error(exc: grpc.RpcError) -> Gpt2ServeError:
 
 class Client:
     """Blocking gRPC client. Every call has a deadline (`timeout` seconds unless overridden) and
-    is retried on UNAVAILABLE / RESOURCE_EXHAUSTED up to `retries` times within it.
+    is retried on UNAVAILABLE / RESOURCE_EXHAUSTED up to `retries` times within it. A server that
+    is starting (its port not open yet, or its model still loading) is waited for within the
+    deadline (`wait_for_ready=False`: fail at once instead).
 
     `api_key` is sent as `authorization: Bearer <key>`; `tls=True` (or `root_certificates`, PEM
     bytes or a file path, for a private CA) connects over TLS.
@@ -141,8 +171,9 @@ class Client:
     def __init__(self, target: str = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, tls: bool = False, root_certificates: bytes | str | Path | None = None,
                  retries: int = _requests.DEFAULT_RETRIES, channel: grpc.Channel | None = None,
-                 load_balancing: str | None = None):
+                 load_balancing: str | None = None, wait_for_ready: bool = True):
         self.target = target
+        self.wait_for_ready = wait_for_ready
         self.timeout = timeout
         self._api_key = api_key
         credentials = tls_credentials(tls, root_certificates)
@@ -157,11 +188,16 @@ class Client:
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return tuple(_requests.request_headers(self._api_key).items()) or None
 
+    def _new_attempts(self, failovers: int, timeout: float | None) -> _Attempts:
+        timeout = self.timeout if timeout is None else timeout
+        return _Attempts(failovers, timeout, ServerStarting(self.target, timeout) if self.wait_for_ready else None)
+
     def _call(self, method, request, timeout: float | None):
-        attempts = _Attempts(self._attempts, self.timeout if timeout is None else timeout)
+        attempts = self._new_attempts(self._attempts, timeout)
         while True:
             try:
-                return method(request, timeout=attempts.timeout(), metadata=self._metadata())
+                return method(request, timeout=attempts.timeout(), metadata=self._metadata(),
+                              wait_for_ready=attempts.wait_for_ready)
             except grpc.RpcError as exc:
                 time.sleep(attempts.wait_or_raise(exc))
 
@@ -202,9 +238,11 @@ class Client:
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
             json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
-        attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
+        attempts = self._new_attempts(1, timeout)  # no failover: refused streams and a starting server only
         while True:
-            call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata(),
+                                       wait_for_ready=attempts.wait_for_ready)
+            started = False
             try:
                 for message in call:
                     started = True
@@ -244,8 +282,9 @@ class AsyncClient:
     def __init__(self, target: str = "localhost:50051", *, timeout: float = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, tls: bool = False, root_certificates: bytes | str | Path | None = None,
                  retries: int = _requests.DEFAULT_RETRIES, channel: grpc.aio.Channel | None = None,
-                 load_balancing: str | None = None):
+                 load_balancing: str | None = None, wait_for_ready: bool = True):
         self.target = target
+        self.wait_for_ready = wait_for_ready
         self.timeout = timeout
         self._api_key = api_key
         credentials = tls_credentials(tls, root_certificates)
@@ -258,12 +297,14 @@ class AsyncClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     _metadata = Client._metadata
+    _new_attempts = Client._new_attempts
 
     async def _call(self, method, request, timeout: float | None):
-        attempts = _Attempts(self._attempts, self.timeout if timeout is None else timeout)
+        attempts = self._new_attempts(self._attempts, timeout)
         while True:
             try:
-                return await method(request, timeout=attempts.timeout(), metadata=self._metadata())
+                return await method(request, timeout=attempts.timeout(), metadata=self._metadata(),
+                                    wait_for_ready=attempts.wait_for_ready)
             except grpc.RpcError as exc:
                 await asyncio.sleep(attempts.wait_or_raise(exc))
 
@@ -301,9 +342,11 @@ class AsyncClient:
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
             json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
-        attempts = _Attempts(1, self.timeout if timeout is None else timeout)  # refused streams only
+        attempts = self._new_attempts(1, timeout)  # no failover: refused streams and a starting server only
         while True:
-            call, started = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata()), False
+            call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata(),
+                                       wait_for_ready=attempts.wait_for_ready)
+            started = False
             try:
                 async for message in call:
                     started = True

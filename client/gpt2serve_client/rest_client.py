@@ -12,6 +12,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import httpx
 
 from . import _requests
+from ._starting import ServerStarting, retry_after_s
 from .errors import Gpt2ServeError
 from .status import ERROR_STATUSES, code_for_http
 from .generation import GenerateChunk, GenerateResult
@@ -41,6 +42,12 @@ def retry_delay(attempt: int, retry_after: str | None) -> float:
     return min(0.1 * 2 ** attempt, MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
 
 
+def base_url_of(url: str) -> str:
+    """A base URL from what a user may type: `host:port` means http://host:port, as `Client` takes it."""
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
 def ssl_context(root_certificates: bytes | str | Path | None) -> ssl.SSLContext | bool:
     """Verify against the system roots, or against a private CA (PEM bytes or a file path)."""
     if root_certificates is None:
@@ -51,13 +58,18 @@ def ssl_context(root_certificates: bytes | str | Path | None) -> ssl.SSLContext 
 class RestClient:
     """REST client; the same methods as the gRPC `Client`. Calls have a deadline (`timeout`, the
     whole call with its retries) and are retried on 503 / 429 / connection failures up to
-    `retries` times, after the server's Retry-After. Use an https:// URL for TLS, with
-    `root_certificates` for a private CA; `api_key` is sent as `authorization: Bearer <key>`."""
+    `retries` times, after the server's Retry-After. A server that is starting (not listening yet,
+    or answering 503 with Retry-After while its model loads) is waited for within the deadline
+    (`wait_for_ready=False`: fail at once instead). `base_url` may be `host:port` (http://). Use
+    an https:// URL for TLS, with `root_certificates` for a private CA; `api_key` is sent as
+    `authorization: Bearer <key>`."""
 
     def __init__(self, base_url: str = "http://localhost:8000", *, timeout: float = DEFAULT_TIMEOUT_S,
                  api_key: str | None = None, root_certificates: bytes | str | Path | None = None,
-                 retries: int = _requests.DEFAULT_RETRIES, http_client: httpx.Client | None = None):
-        self.base_url = base_url.rstrip("/")
+                 retries: int = _requests.DEFAULT_RETRIES, http_client: httpx.Client | None = None,
+                 wait_for_ready: bool = True):
+        self.base_url = base_url_of(base_url)
+        self.wait_for_ready = wait_for_ready
         self.timeout = timeout
         self.retries = retries
         self._api_key = api_key
@@ -66,16 +78,23 @@ class RestClient:
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                  timeout: float | None = None) -> dict[str, Any]:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        for attempt in range(self.retries + 1):
+        timeout = self.timeout if timeout is None else timeout
+        deadline, attempt = time.monotonic() + timeout, 0
+        starting = ServerStarting(self.base_url, timeout) if self.wait_for_ready else None
+        while True:
             try:
                 return self._attempt(method, path, body, deadline)
             except _Retryable as retry:
-                delay = retry_delay(attempt, retry.retry_after)
-                if attempt == self.retries or time.monotonic() + delay >= deadline:
-                    raise retry.error from None
+                if starting is not None and retry.starting:  # not ready yet: waited for, within the deadline
+                    delay = starting.wait_s(retry.error.message, retry_after_s(retry.retry_after))
+                    if delay is None:
+                        raise starting.error(retry.error.http_status) from None
+                else:
+                    delay = retry_delay(attempt, retry.retry_after)
+                    if attempt == self.retries or time.monotonic() + delay >= deadline:
+                        raise retry.error from None
+                    attempt += 1
                 time.sleep(delay)
-        raise AssertionError("unreachable")
 
     def _attempt(self, method: str, path: str, body: dict[str, Any] | None, deadline: float) -> dict[str, Any]:
         headers = _requests.request_headers(self._api_key)
@@ -86,7 +105,10 @@ class RestClient:
             response = self._http.request(method, path, json=body, headers=headers, timeout=remaining)
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
-        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # Not sent, or the server closed.
+        except httpx.ConnectError as exc:  # not sent: the server is not listening (yet)
+            raise _Retryable(Gpt2ServeError("UNAVAILABLE", f"could not connect: {exc or type(exc).__name__}"),
+                             starting=True) from None
+        except httpx.RemoteProtocolError as exc:  # the server closed the connection
             raise _Retryable(Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__)) from None
         except httpx.TransportError as exc:
             raise Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__) from None
@@ -94,7 +116,9 @@ class RestClient:
             return response.json()
         error = error_from_response(response)
         if response.status_code in RETRYABLE_HTTP_STATUS:  # whatever the body says (a proxy may have answered)
-            raise _Retryable(error, response.headers.get("retry-after"))
+            retry_after = response.headers.get("retry-after")
+            # 503 with Retry-After: the model still loading, or a restart (the next server not up yet).
+            raise _Retryable(error, retry_after, starting=response.status_code == 503 and retry_after is not None)
         raise error
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
@@ -130,11 +154,32 @@ class RestClient:
             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
             json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
         timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        starting = ServerStarting(self.base_url, timeout) if self.wait_for_ready else None
+        while True:  # tried again only while the server is starting, before any token
+            try:
+                yield from self._stream_events(body, deadline)
+                return
+            except _Retryable as retry:
+                if starting is None or not retry.starting:
+                    raise retry.error from None
+                delay = starting.wait_s(retry.error.message, retry_after_s(retry.retry_after))
+                if delay is None:
+                    raise starting.error(retry.error.http_status) from None
+                time.sleep(delay)
+
+    def _stream_events(self, body: dict[str, Any], deadline: float) -> Iterator[GenerateChunk]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise Gpt2ServeError("DEADLINE_EXCEEDED", "the call's deadline passed")
         try:
-            with self._http.stream("POST", "/v1/generate", json={**body, "stream": True}, timeout=timeout,
+            with self._http.stream("POST", "/v1/generate", json={**body, "stream": True}, timeout=remaining,
                                    headers=_requests.request_headers(self._api_key)) as response:
                 if not response.is_success:
                     response.read()
+                    retry_after = response.headers.get("retry-after")
+                    if response.status_code == 503 and retry_after is not None:
+                        raise _Retryable(error_from_response(response), retry_after, starting=True)
                     raise error_from_response(response)
                 event = ""
                 for line in response.iter_lines():
@@ -148,6 +193,9 @@ class RestClient:
                         event = ""
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
+        except httpx.ConnectError as exc:
+            raise _Retryable(Gpt2ServeError("UNAVAILABLE", f"could not connect: {exc or type(exc).__name__}"),
+                             starting=True) from None
         except httpx.TransportError as exc:
             raise Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__) from None
 
@@ -188,6 +236,7 @@ GENERATE_DEFAULTS: dict[str, Any] = dict(max_tokens=16, temperature=None, top_k=
 class _Retryable(Exception):
     """A failed attempt worth repeating (the server was unavailable or overloaded)."""
 
-    def __init__(self, error: Gpt2ServeError, retry_after: str | None = None):
+    def __init__(self, error: Gpt2ServeError, retry_after: str | None = None, starting: bool = False):
         self.error = error
         self.retry_after = retry_after
+        self.starting = starting  # the server is not ready yet (see _starting.py)

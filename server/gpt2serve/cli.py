@@ -1,8 +1,9 @@
-"""The `gpt2serve` command: `serve` runs the server, `next` asks one for a next token, `score`
-for every prompt token's log-probability.
+"""The `gpt2serve` command: `serve` runs the server; `next`, `score`, `generate` and `tokenize` ask
+a running one for a next token, every prompt token's log-probability, a generation, or a text's
+tokens; `bench` loads a server; `params` shows where a model's parameters live.
 
-`next` and `score` use only the client package, so they start fast and need neither torch nor
-transformers.
+The client commands use only the client package, so they start fast and need neither torch nor
+transformers; they wait for a server that is still starting, within their --timeout.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def cmd_params(args: argparse.Namespace) -> int:
 
 
 def build_parser(environ=os.environ) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpt2serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gpt2serve", description=__doc__.split("\n\n")[0].replace("\n", " "))
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gRPC + REST server")

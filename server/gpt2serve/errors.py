@@ -80,6 +80,11 @@ class Unavailable(ServeError):
     kind = "unavailable"
 
 
+class ModelLoading(Unavailable):
+    """Refused because the model is not loaded yet: clients wait and try again (REST: Retry-After;
+    gRPC: retry-after metadata), which ours do within their deadline."""
+
+
 class ShuttingDown(Unavailable):
     """Refused because this server is draining: retry elsewhere, not here (gRPC tells retry
     policies so with a negative grpc-retry-pushback-ms)."""

@@ -60,13 +60,13 @@ def test_not_ready_while_the_model_loads(tmp_path):
             assert ready.status_code == 503
             if not seen_loading:
                 seen_loading = True
-                with Client(srv.grpc_target) as client:
+                # Told not to wait for a starting server, the clients see what the server says.
+                with Client(srv.grpc_target, wait_for_ready=False) as client:
                     assert client.health().status == "NOT_SERVING"
-                    try:
+                    with pytest.raises(Gpt2ServeError) as refused:
                         client.next_token("hello")
-                    except Gpt2ServeError as exc:
-                        assert exc.code == "UNAVAILABLE" and "loading" in exc.message
-                with RestClient(srv.http_url) as rest:
+                    assert refused.value.code == "UNAVAILABLE" and "loading" in refused.value.message
+                with RestClient(srv.http_url, wait_for_ready=False) as rest:
                     assert rest.health().serving is False
             time.sleep(0.05)
         assert seen_loading, "never observed the loading state"

@@ -141,7 +141,7 @@ class TransformersGenerate:
 
 
 def run_generate_bench(args) -> int:
-    info = asyncio.run(fetch_info(args.target))
+    info = asyncio.run(fetch_info(args.target, args.ready_timeout))
     stream_counts = [int(s) for s in args.streams.split(",")]
     prompts = make_prompts(max(stream_counts) * 4, args.prompt_tokens, info.architecture.vocab_size, args.seed)
     reference = TransformersGenerate.like(info)

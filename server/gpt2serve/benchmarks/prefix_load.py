@@ -106,7 +106,7 @@ async def warm(target: str, prompt: list[int]) -> None:
 
 
 def run_prefix_bench(args) -> int:
-    info = asyncio.run(fetch_info(args.target))
+    info = asyncio.run(fetch_info(args.target, args.ready_timeout))
     vocab = info.architecture.vocab_size
     rng = random.Random(args.seed)
     prefix = fresh(rng, args.prefix_tokens, vocab)

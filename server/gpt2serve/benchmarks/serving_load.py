@@ -291,8 +291,9 @@ def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult
     return "\n".join(lines)
 
 
-async def fetch_info(target: str) -> ModelInfo:
-    async with AsyncClient(target) as client:
+async def fetch_info(target: str, ready_timeout_s: float) -> ModelInfo:
+    """The server's model, once it is up: a server still starting is waited for (the client's wait)."""
+    async with AsyncClient(target, timeout=ready_timeout_s) as client:
         return await client.model_info()
 
 
@@ -309,7 +310,7 @@ def native_load(args, target: str, prompts, per_call: int) -> tuple[LoadResult, 
 
 
 def run_bench(args) -> int:
-    info = asyncio.run(fetch_info(args.target))
+    info = asyncio.run(fetch_info(args.target, args.ready_timeout))
     prompts = make_prompts(256, args.prompt_tokens, info.architecture.vocab_size, args.seed)
     # The server's batch size, and the largest the clients could fill, whichever is faster alone:
     # the ratio is against the best the model does here, not just the size the server was given.
@@ -368,6 +369,8 @@ def run_bench(args) -> int:
 def add_bench_arguments(parser) -> None:
     parser.add_argument("--target", default="localhost:50051", help="gRPC server host:port")
     parser.add_argument("--http-target", default="http://localhost:8000", help="REST base URL (--api rest)")
+    parser.add_argument("--ready-timeout", type=float, default=120.0,
+                        help="seconds to wait for a server that is still starting (its port or its model)")
     parser.add_argument("--api", choices=("grpc", "rest", "grpc-batch"), default="grpc",
                         help="grpc-batch: NextTokenBatch calls of --batch-prompts prompts")
     parser.add_argument("--batch-prompts", type=int, default=64, help="--api grpc-batch: prompts per call")

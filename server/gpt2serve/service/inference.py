@@ -21,7 +21,7 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult
 
 from ..config import ServeConfig
 from ..engine.tokenizer import Tokenizer
-from ..errors import InvalidArgument, ShuttingDown, Unavailable
+from ..errors import InvalidArgument, ModelLoading, ShuttingDown
 from ..protocol import EngineClient, GenerateRequest
 from ..telemetry.records import RequestOptions, RequestRefused
 from ..telemetry.spans import Telemetry
@@ -137,7 +137,7 @@ class InferenceService:
         if not self.accepting and not _TAKEN_BEFORE_DRAIN.get():
             raise ShuttingDown("the server is shutting down; retry on another replica")
         if self._attached is None:
-            raise Unavailable("the model is still loading; retry shortly")
+            raise ModelLoading("the model is still loading; retry shortly")
         return self._attached
 
     def model_info(self) -> ModelInfo:

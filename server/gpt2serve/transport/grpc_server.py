@@ -19,7 +19,7 @@ from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
-from ..errors import INTERNAL_MESSAGE, InvalidArgument, ServeError, ShuttingDown, Unauthenticated
+from ..errors import INTERNAL_MESSAGE, InvalidArgument, ModelLoading, ServeError, ShuttingDown, Unauthenticated
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
 from ..telemetry.tracing import propagated_fields
@@ -27,6 +27,7 @@ from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, health_methods, ref
 from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
 from .guard import AUTH_HINT, OPEN_GRPC_SERVICES, BearerKey, GrpcAuthInterceptor
 from .h2_stream import CONNECTION_WINDOW, MAX_WINDOW, ConnectionPolicy
+from .http_errors import RETRY_AFTER_S
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gpt2Serve"].full_name
@@ -37,7 +38,8 @@ NO_RETRY_PUSHBACK_MS = "-1"
 
 
 def retry_pushback_ms(exc: ServeError) -> str | None:
-    if isinstance(exc, ShuttingDown):
+    # Loading: not a retry policy's few quick tries either; retry-after says when (our clients wait).
+    if isinstance(exc, (ShuttingDown, ModelLoading)):
         return NO_RETRY_PUSHBACK_MS
     return RETRY_PUSHBACK_MS if exc.code == "RESOURCE_EXHAUSTED" else None
 
@@ -74,7 +76,9 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: 
     if isinstance(exc, ServeError):
         pushback = retry_pushback_ms(exc)
         if pushback is not None:
-            context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
+            # A loading server also says when to come back, as REST's Retry-After does.
+            loading = (("retry-after", RETRY_AFTER_S),) if isinstance(exc, ModelLoading) else ()
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback), *loading))
         await context.abort(grpc.StatusCode[exc.code], exc.message)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
