@@ -17,6 +17,7 @@ from .types import (
     ShapeStep,
     Timings,
     TokenLogprob,
+    TokenizeResult,
     perplexity,
 )
 
@@ -24,5 +25,5 @@ __all__ = [
     "Architecture", "AsyncClient", "Client", "GenerateChunk", "GenerateResult", "GenerateTimings",
     "GeneratedToken", "GenerationStep", "Gpt2ServeError", "HealthStatus", "ModelInfo",
     "NextTokenResult", "ParameterBreakdown", "PromptTokenLogprob", "RestClient", "ShapeStep", "Timings",
-    "TokenLogprob", "Usage", "perplexity",
+    "TokenLogprob", "TokenizeResult", "Usage", "perplexity",
 ]

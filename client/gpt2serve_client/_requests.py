@@ -130,3 +130,23 @@ def generate_json(**options: Any) -> dict[str, Any]:
 
 def generate_proto(**options: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(**generate_fields(**options))
+
+
+Messages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
+
+
+def tokenize_proto(prompt: str | None, messages: Messages | None, add_generation_prompt: bool,
+                   return_token_strs: bool) -> pb.TokenizeRequest:
+    return pb.TokenizeRequest(prompt=prompt or "", messages=[pb.ChatTurn(role=m["role"], content=m["content"])
+                                                             for m in messages or ()],
+                              add_generation_prompt=add_generation_prompt, return_token_strs=return_token_strs)
+
+
+def tokenize_json(prompt: str | None, messages: Messages | None, add_generation_prompt: bool,
+                  return_token_strs: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"add_generation_prompt": add_generation_prompt, "return_token_strs": return_token_strs}
+    if messages is not None:
+        body["messages"] = [dict(m) for m in messages]
+    else:
+        body["prompt"] = prompt or ""
+    return body

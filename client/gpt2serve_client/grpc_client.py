@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Mapping, Sequence
@@ -15,10 +14,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from . import _requests
 from ._proto import gpt2serve_pb2 as pb
 from ._proto import gpt2serve_pb2_grpc as pb_grpc
-from ._starting import ServerStarting, grpc_connect_failed, retry_after_s
+from ._grpc_attempts import Attempts, error_of
+from ._starting import ServerStarting
 from .errors import Gpt2ServeError
 from .generation import GenerateChunk, GenerateResult
-from .types import HealthStatus, ModelInfo, NextTokenResult
+from .types import HealthStatus, ModelInfo, NextTokenResult, TokenizeResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024  # include_layers on a big batch of a big model is large
@@ -70,90 +70,6 @@ def tls_credentials(tls: bool, root_certificates: bytes | str | Path | None) -> 
     return grpc.ssl_channel_credentials(root_certificates=_requests.read_pem(root_certificates))
 
 
-# A stream the server refused unopened (RST_STREAM REFUSED_STREAM, HTTP/2 error code 7: past its
-# concurrent streams on a connection whose SETTINGS had not yet reached us, or were counted
-# apart): the server never saw the call (RFC 9113 §8.7), so it is sent again whatever the retry
-# policy, after a short wait, within the call's deadline. gRPC's own transparent retry does not
-# catch every case of it (300 calls at once on a fresh channel met 32 such UNAVAILABLEs).
-REFUSED_STREAM_RETRIES = 50
-
-
-def _refused_stream(exc: grpc.RpcError) -> bool:
-    details = exc.details() or ""
-    return exc.code() == grpc.StatusCode.UNAVAILABLE and "RST_STREAM" in details and "error code 7" in details
-
-
-def _refused_wait_s(refused: int) -> float:
-    """Waits of 2, 4, 8 ... up to 100 ms, jittered, before a refused stream is sent again."""
-    return min(0.002 * 2 ** refused, 0.1) * random.uniform(0.5, 1.0)
-
-
-def _not_ready(exc: grpc.RpcError) -> tuple[str, float | None] | None:
-    """(why, the server's retry-after) when the call met a server not ready yet: its port closed,
-    or its model still loading (UNAVAILABLE with retry-after); None for any other error."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return None
-    details = exc.details() or ""
-    if grpc_connect_failed(details):
-        return f"could not connect: {details}", None
-    retry_after = next((retry_after_s(v) for k, v in (exc.trailing_metadata() or ()) if k == "retry-after"), None)
-    return (details, retry_after) if retry_after is not None else None
-
-
-class _Attempts:
-    """One call's attempts: the retries its policy allows on UNAVAILABLE (a failover), refused
-    streams sent again (see REFUSED_STREAM_RETRIES), and, with `starting`, the waits for a server
-    that is starting (_starting.py), all within its deadline."""
-
-    def __init__(self, failovers: int, timeout: float | None, starting: ServerStarting | None = None):
-        self.failovers, self.refused, self.starting = failovers, 0, starting
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.wait_for_ready = False  # once a connection failed: gRPC holds the next attempt until it connects
-
-    def timeout(self) -> float | None:
-        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
-
-    def again(self, exc: grpc.RpcError) -> float | None:
-        """Seconds to wait before the next attempt, or None: raise this error."""
-        if _refused_stream(exc) and self.refused < REFUSED_STREAM_RETRIES:
-            self.refused += 1
-            wait = _refused_wait_s(self.refused)
-            left = self.timeout()
-            if left is None or left > wait:
-                return wait
-        if self.starting is not None and (not_ready := _not_ready(exc)) is not None:
-            why, retry_after = not_ready
-            wait = self.starting.wait_s(why, retry_after)
-            if wait is None:
-                raise self.starting.error() from None
-            if retry_after is None:  # not connected: the channel's own reconnection is the wait
-                self.wait_for_ready, wait = True, 0.0
-            return wait
-        if self.wait_for_ready and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise self.starting.error() from None  # the deadline passed while it waited to connect
-        if _error(exc).code == "UNAVAILABLE" and self.failovers > 1:
-            self.failovers -= 1
-            return 0.0
-        return None
-
-    def wait_or_raise(self, exc: grpc.RpcError, resend: bool = True) -> float:
-        """Seconds to wait before sending again; the call's error raised where it is not sent
-        again (resend=False: never, e.g. a stream that has already given a token)."""
-        wait = self.again(exc) if resend else None
-        if wait is None:
-            raise _error(exc) from None
-        return wait
-
-
-def _error(exc: grpc.RpcError) -> Gpt2ServeError:
-    if exc.code() == grpc.StatusCode.CANCELLED:
-        # Our callers cancel by cancelling their task (CancelledError), never through a status:
-        # a CANCELLED status comes from the other side, e.g. a retry that met a closing server.
-        # Callers should fail over, as for any unavailable server.
-        return Gpt2ServeError("UNAVAILABLE", f"the server cancelled the call: {exc.details() or 'no details'}")
-    return Gpt2ServeError(exc.code().name, exc.details() or "")
-
-
 class Client:
     """Blocking gRPC client. Every call has a deadline (`timeout` seconds unless overridden) and
     is retried on UNAVAILABLE / RESOURCE_EXHAUSTED up to `retries` times within it. A server that
@@ -188,9 +104,9 @@ class Client:
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return tuple(_requests.request_headers(self._api_key).items()) or None
 
-    def _new_attempts(self, failovers: int, timeout: float | None) -> _Attempts:
+    def _new_attempts(self, failovers: int, timeout: float | None) -> Attempts:
         timeout = self.timeout if timeout is None else timeout
-        return _Attempts(failovers, timeout, ServerStarting(self.target, timeout) if self.wait_for_ready else None)
+        return Attempts(failovers, timeout, ServerStarting(self.target, timeout) if self.wait_for_ready else None)
 
     def _call(self, method, request, timeout: float | None):
         attempts = self._new_attempts(self._attempts, timeout)
@@ -257,6 +173,18 @@ class Client:
     def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
         """The whole generation once it is done; the options of `generate_stream`."""
         return GenerateResult.from_chunks(self.generate_stream(prompt, **options))
+
+    def tokenize(self, prompt: str | None = None, *, messages: _requests.Messages | None = None,
+                 add_generation_prompt: bool = True, return_token_strs: bool = False,
+                 timeout: float | None = None) -> TokenizeResult:
+        """A text's token ids as the model reads them, or a conversation's (`messages`) through the
+        server's chat template; no length limit applies, so a prompt can be counted before it is sent."""
+        request = _requests.tokenize_proto(prompt, messages, add_generation_prompt, return_token_strs)
+        return TokenizeResult.from_proto(self._call(self._stub.Tokenize, request, timeout))
+
+    def detokenize(self, tokens: Sequence[int], timeout: float | None = None) -> str:
+        """Token ids back to their text."""
+        return self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=list(tokens)), timeout).prompt
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_proto(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
@@ -362,6 +290,16 @@ class AsyncClient:
     async def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
         """The whole generation once it is done; the options of `generate_stream`."""
         return GenerateResult.from_chunks([chunk async for chunk in self.generate_stream(prompt, **options)])
+
+    async def tokenize(self, prompt: str | None = None, *, messages: _requests.Messages | None = None,
+                       add_generation_prompt: bool = True, return_token_strs: bool = False,
+                       timeout: float | None = None) -> TokenizeResult:
+        """As `Client.tokenize`, awaited."""
+        request = _requests.tokenize_proto(prompt, messages, add_generation_prompt, return_token_strs)
+        return TokenizeResult.from_proto(await self._call(self._stub.Tokenize, request, timeout))
+
+    async def detokenize(self, tokens: Sequence[int], timeout: float | None = None) -> str:
+        return (await self._call(self._stub.Detokenize, pb.DetokenizeRequest(tokens=list(tokens)), timeout)).prompt
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_proto(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))

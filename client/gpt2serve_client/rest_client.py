@@ -16,7 +16,7 @@ from ._starting import ServerStarting, retry_after_s
 from .errors import Gpt2ServeError
 from .status import ERROR_STATUSES, code_for_http
 from .generation import GenerateChunk, GenerateResult
-from .types import HealthStatus, ModelInfo, NextTokenResult
+from .types import HealthStatus, ModelInfo, NextTokenResult, TokenizeResult
 
 DEFAULT_TIMEOUT_S = _requests.DEFAULT_TIMEOUT_S
 MAX_BACKOFF_S = 2.0
@@ -204,6 +204,16 @@ class RestClient:
         of `generate_stream`."""
         body = _requests.generate_json(prompt=prompt, **{**GENERATE_DEFAULTS, **options})
         return GenerateResult.from_dict(self._request("POST", "/v1/generate", body, timeout))
+
+    def tokenize(self, prompt: str | None = None, *, messages: _requests.Messages | None = None,
+                 add_generation_prompt: bool = True, return_token_strs: bool = False,
+                 timeout: float | None = None) -> TokenizeResult:
+        """As the gRPC `Client.tokenize` (POST /tokenize, vLLM's shape)."""
+        body = _requests.tokenize_json(prompt, messages, add_generation_prompt, return_token_strs)
+        return TokenizeResult.from_dict(self._request("POST", "/tokenize", body, timeout))
+
+    def detokenize(self, tokens: Sequence[int], timeout: float | None = None) -> str:
+        return self._request("POST", "/detokenize", {"tokens": list(tokens)}, timeout)["prompt"]
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_dict(self._request("GET", "/v1/model", timeout=timeout))

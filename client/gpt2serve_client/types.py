@@ -335,3 +335,21 @@ class ModelInfo:
 class HealthStatus:
     serving: bool
     status: str  # "SERVING", "NOT_SERVING", ...
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """A text's (or a conversation's) token ids, their count, and the longest prompt the server takes."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None  # each token's text, when asked
+
+    @classmethod
+    def from_proto(cls, msg: pb.TokenizeResponse) -> TokenizeResult:
+        return cls(list(msg.tokens), msg.count, msg.max_model_len, list(msg.token_strs) if msg.token_strs else None)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TokenizeResult:
+        return cls(list(data["tokens"]), data["count"], data["max_model_len"], data.get("token_strs"))

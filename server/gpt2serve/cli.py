@@ -9,6 +9,7 @@ transformers; they wait for a server that is still starting, within their --time
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -22,7 +23,7 @@ from .benchmarks.generate_load import add_generate_bench_arguments, run_generate
 from .benchmarks.prefix_load import add_prefix_bench_arguments, run_prefix_bench
 from .benchmarks.serving_load import add_bench_arguments, add_engine_bench_arguments, run_bench
 from .config import ENV_ERRORS, EnvDefaults, add_serve_arguments, config_from_args
-from .errors import ModelLoadError
+from .errors import ModelLoadError, StartupError
 from .introspection.params import add_params_arguments, run_params
 from .launch.supervisor import chat_template_parses, run_workers
 from .launch.workers_plan import plan_workers
@@ -98,6 +99,19 @@ def cmd_next(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    try:
+        with Client(args.target, timeout=args.timeout) as client:
+            result = client.tokenize(args.text, return_token_strs=True)
+    except Gpt2ServeError as exc:
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    print(f"{result.count} tokens (this server takes prompts of up to {result.max_model_len}): {result.tokens}")
+    if args.strs:
+        print("\n".join(f"{token_id:>6}  {visible(text)!r}" for token_id, text in zip(result.tokens, result.token_strs or ())))
+    return 0
+
+
 def format_scores(result) -> str:
     """One row per prompt token: its log-probability and rank after the tokens before it, and
     what the model would have put there; then the text's perplexity."""
@@ -161,16 +175,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"gpt2serve serve: {exc}", file=sys.stderr)
         return 2
     plan = plan_workers(config)
-    if plan.workers > 1:  # the supervisor checks the chat template once its metrics directory is set
-        return run_workers(config, plan)
-    if not chat_template_parses(config):
-        return 2
-    from .launch.single_process import run  # lazy: it imports torch, which only serving needs
-
     try:
+        if plan.workers > 1:  # the supervisor checks the chat template once its metrics directory is set
+            return run_workers(config, plan)
+        if not chat_template_parses(config):
+            return 2
+        from .launch.single_process import run  # lazy: it imports torch, which only serving needs
+
         run(replace(config, workers=1), plan.reason())  # resolved: nothing left to measure for it
-    except ModelLoadError as exc:
-        print(f"gpt2serve serve: cannot load model: {exc}", file=sys.stderr)
+    except (ModelLoadError, StartupError) as exc:
+        # One line that names the cause and the flag; the traceback only when asked for.
+        logging.getLogger("gpt2serve").debug("start-up failed", exc_info=exc)
+        what = "cannot load model" if isinstance(exc, ModelLoadError) else "cannot start"
+        print(f"gpt2serve serve: {what}: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -231,6 +248,14 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--timeout", type=float, default=120.0, help="deadline in seconds")
     gen.add_argument("--trace", action="store_true", help="trace the prompt's layers and print the trace id")
     gen.set_defaults(func=cmd_generate)
+
+    tok = sub.add_parser("tokenize", help="a text's token ids as the model reads them, and their count")
+    tok.add_argument("text")
+    env = EnvDefaults(tok, environ, prefix="GPT2SERVE_TOKENIZE_")
+    env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
+    env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
+    tok.add_argument("--strs", action="store_true", help="also each token's text, one a line")
+    tok.set_defaults(func=cmd_tokenize)
 
     bench = sub.add_parser("bench", help="load a running server and compare with the in-process limit")
     add_bench_arguments(bench)

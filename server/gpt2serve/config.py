@@ -3,8 +3,8 @@
 Every flag `--some-flag` of `serve` may also come from `GPT2SERVE_SOME_FLAG`; an explicit flag
 wins. The client commands read theirs under their own name, `GPT2SERVE_<COMMAND>_<FLAG>`
 (GPT2SERVE_GENERATE_SEED is generate's sampling seed, GPT2SERVE_SEED serve's weight seed), except
-GPT2SERVE_TARGET, the server every client command talks to. This is the only module that reads
-the environment for gpt2serve settings.
+GPT2SERVE_TARGET, the server every client command talks to. This module and its flag helpers
+(config_env.py) are the only ones that read the environment for gpt2serve settings.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 import logging
 from typing import Mapping
 
+from .config_env import ENV_ERRORS, ENV_PREFIX, EnvDefaults, auto_float, auto_or_int, env_bool, env_name, parse_bool
+
+__all__ = ["ENV_ERRORS", "ENV_PREFIX", "EnvDefaults", "ServeConfig", "add_serve_arguments", "auto_float",
+           "auto_or_int", "config_from_args", "env_name", "parse_bool", "validate"]
 log = logging.getLogger(__name__)
-ENV_PREFIX = "GPT2SERVE_"
 DEVICES_HELP = "auto (CUDA when present, else CPU), cpu, cuda, cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_MODES = ("none", "int8", "fp16")  # engine.quantize.MODES
@@ -51,6 +54,11 @@ class ServeConfig:
     random_fallback: bool = True
     seed: int = 0
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one object a line, for a log shipper
+    log_requests: bool = True  # a line per request (vLLM's --disable-log-requests turns it off); failures always
+    log_stats_interval_s: float = 10.0  # the engine's stats line; 0: never
+    # The model's name in /v1/models, every "model" field and the metrics' label; None: --model's.
+    served_model_name: str | None = None
     # Per-layer spans and reports: never, when a request asks (trace_layers / include_layers), always.
     trace_layers: str = "on-request"
     # Share of requests traced (parent-based); layer-traced requests are always kept.
@@ -142,60 +150,6 @@ def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def auto_or_int(text: str) -> int | None:
-    return None if text.strip().lower() == "auto" else int(text)
-
-
-def auto_float(text: str) -> float | None:
-    return None if text.strip().lower() == "auto" else float(text)
-
-
-def env_name(flag: str, prefix: str = ENV_PREFIX) -> str:
-    return prefix + flag.lstrip("-").replace("-", "_").upper()
-
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
-
-
-ENV_ERRORS = "_env_errors"  # the Namespace attribute with the chosen command's bad env values
-
-
-class EnvDefaults:
-    """Adds flags whose defaults come from the environment when set there. A bad value is
-    reported only when its command runs (`env_errors`), so it cannot break another command."""
-
-    def __init__(self, parser: argparse.ArgumentParser, environ: Mapping[str, str], prefix: str = ENV_PREFIX):
-        self.parser = parser
-        self.environ = environ
-        self.prefix = prefix
-        self.errors: list[str] = []
-        parser.set_defaults(**{ENV_ERRORS: self.errors})
-
-    def add(self, flag: str, *, type=str, default=None, help: str = "", secret: bool = False, env: str | None = None,
-            **kwargs) -> None:
-        """`env`: the variable's name, when not <prefix><FLAG>."""
-        name = env or env_name(flag, self.prefix)
-        if name in self.environ:
-            raw = self.environ[name]
-            try:
-                default = type(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                self.errors.append(f"{name}={'<secret>' if secret else repr(raw)}: {exc}")
-        if type is parse_bool:
-            kwargs.setdefault("nargs", "?")
-            kwargs.setdefault("const", True)
-        self.parser.add_argument(
-            flag, type=type, default=default,
-            help=f"{help} [env {name}" + ("]" if secret else "; default: %(default)s]"), **kwargs
-        )
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     d = ServeConfig()
     env = EnvDefaults(parser, environ)
@@ -226,7 +180,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="serve random:<arch> weights, with a warning, when the model cannot be loaded; "
                  "set false in production")
     env.add("--seed", type=int, default=d.seed, help="seed for random:<arch> weights")
-    env.add("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"))
+    env.add("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error"),
+            help="debug also shows a start-up error's traceback")
+    env.add("--log-format", default=d.log_format, choices=("text", "json"), help="json: one object a line")
+    parser.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                        default=env_bool(environ, "--log-requests", d.log_requests),
+                        help="no line per request (failures are still logged, with their reason); the variable "
+                             "set false does the same [env GPT2SERVE_LOG_REQUESTS; default: true]")
+    env.add("--log-stats-interval-s", type=float, default=d.log_stats_interval_s,
+            help="seconds between the engine's stats lines (running, waiting, tokens/s, cache use); 0: none")
+    env.add("--served-model-name", default=None,
+            help="the model's name in /v1/models, every `model` field and the metrics; default: --model's")
     env.add("--trace-layers", default=d.trace_layers, choices=TRACE_LAYERS_MODES,
             help="per-layer spans and reports: never, on-request (trace_layers / include_layers), always")
     env.add("--trace-sample-ratio", type=float, default=d.trace_sample_ratio,

@@ -108,5 +108,10 @@ def error_from_code(code: str, message: str) -> ServeError:
     return ServeError(message)
 
 
+class StartupError(Exception):
+    """The server cannot start, for a reason its message names with the flag that changes it
+    (printed as one line; `--log-level debug` also logs the traceback)."""
+
+
 class ModelLoadError(Exception):
     """The requested weights could not be loaded (bad path, unreachable hub, not GPT-2)."""

@@ -25,6 +25,49 @@ def test_reflection_lists_and_describes_the_services(server):
         assert method_names == {"NextToken", "NextTokenBatch", "GetModelInfo", "Generate"}
 
 
+def v1_reflection(target: str, request_fields: dict):
+    """One request of a reflection v1 client: its messages made from grpc.reflection.v1's own
+    descriptor (registered by the server package, as a v1 client's generated code has it), on
+    v1's path."""
+    from google.protobuf import descriptor_pool, message_factory
+
+    from gpt2serve.transport.grpc_reflection import register_v1_descriptor
+
+    register_v1_descriptor()
+    pool = descriptor_pool.Default()
+    request_class = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest"))
+    response_class = message_factory.GetMessageClass(
+        pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse"))
+    with grpc.insecure_channel(target) as channel:
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=request_class.SerializeToString,
+                                     response_deserializer=response_class.FromString)
+        (response,) = list(info(iter([request_class(**request_fields)]), timeout=10))
+    return response
+
+
+@pytest.mark.parametrize("grpc_server", ["builtin", "grpcio"])
+def test_reflection_v1_for_a_v1_client(server, tmp_path, grpc_server):
+    srv = server if grpc_server == "builtin" else launch_server(tmp_path, "--model", "random:tiny",
+                                                                "--grpc-server", "grpcio")
+    try:
+        listed = v1_reflection(srv.grpc_target, {"list_services": ""})
+        names = {s.name for s in listed.list_services_response.service}
+        assert {"gpt2serve.v1.Gpt2Serve", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= names
+        from google.protobuf import descriptor_pb2
+
+        for symbol, method in (("gpt2serve.v1.Gpt2Serve", "Generate"),
+                               ("grpc.reflection.v1.ServerReflection", "ServerReflectionInfo")):
+            found = v1_reflection(srv.grpc_target, {"file_containing_symbol": symbol})
+            files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                     for b in found.file_descriptor_response.file_descriptor_proto]
+            assert method in {m.name for f in files for service in f.service for m in service.method}, symbol
+    finally:
+        if srv is not server:
+            srv.stop()
+
+
 def test_grpc_health_for_the_named_service(server):
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

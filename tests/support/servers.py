@@ -76,7 +76,7 @@ def launch_server(tmp_dir: Path, *args: str, env: dict[str, str] | None = None, 
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     server = ServerProcess(proc, log_path)
-    match = server.wait_for_line(r"gpt2serve listening: grpc=(\S+) http=(\S+)")
+    match = server.wait_for_line(r"gpt2serve listening: grpc=([^\s\"]+) http=([^\s\"]+)")  # text or JSON logs
     server.grpc_target, server.http_url = match.group(1), match.group(2)
     if wait_ready:
         server.wait_for_line(r"gpt2serve ready:")

@@ -419,3 +419,47 @@ class GenerateResponse(_message.Message):
     step: GenerationStep
     more_tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
     def __init__(self, text: _Optional[str] = ..., token: _Optional[_Union[GeneratedToken, _Mapping]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[GenerateTimings, _Mapping]] = ..., trace_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., step: _Optional[_Union[GenerationStep, _Mapping]] = ..., more_tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...
+
+class ChatTurn(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "add_generation_prompt", "return_token_strs")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatTurn]
+    add_generation_prompt: bool
+    return_token_strs: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatTurn, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("tokens", "count", "max_model_len", "token_strs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    max_model_len: int
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("prompt",)
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    def __init__(self, prompt: _Optional[str] = ...) -> None: ...

@@ -57,6 +57,16 @@ class Gpt2ServeStub:
                 request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/gpt2serve.v1.Gpt2Serve/Tokenize',
+                request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/gpt2serve.v1.Gpt2Serve/Detokenize',
+                request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class Gpt2ServeServicer:
@@ -93,6 +103,21 @@ class Gpt2ServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A text's token ids (or a conversation's, through the chat template), as the model reads
+        them; no length limit applies, so a client can count before it asks (vLLM's /tokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to their text (vLLM's /detokenize).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_Gpt2ServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +140,16 @@ def add_Gpt2ServeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateRequest.FromString,
                     response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.TokenizeRequest.FromString,
+                    response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +262,60 @@ class Gpt2Serve:
             '/gpt2serve.v1.Gpt2Serve/Generate',
             gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateRequest.SerializeToString,
             gpt2serve_dot_v1_dot_gpt2serve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpt2serve.v1.Gpt2Serve/Tokenize',
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.TokenizeRequest.SerializeToString,
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpt2serve.v1.Gpt2Serve/Detokenize',
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeRequest.SerializeToString,
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

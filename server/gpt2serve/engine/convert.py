@@ -93,13 +93,22 @@ def from_transformers(hf_model: GPT2LMHeadModel) -> GPT2:
 PICKLE_HINT = "unpickling can run code: convert the checkpoint to safetensors, or pass --allow-pickle if you trust it"
 
 
+# What a checkpoint directory holds, named in every error about one (docs/fine-tuned.md).
+SAVED_FILES_HINT = ("a checkpoint directory holds what `model.save_pretrained(dir)` writes: config.json and "
+                    "model.safetensors (and the tokenizer's vocab.json and merges.txt, from "
+                    "`tokenizer.save_pretrained(dir)`); see docs/fine-tuned.md")
+
+
 def read_checkpoint_dir(path: Path, dtype: torch.dtype, allow_pickle: bool) -> GPT2:
     """A GPT-2 checkpoint directory (config.json, then *.safetensors, sharded or not; or
     pytorch_model*.bin where `allow_pickle`, loaded weights-only) -> our model in `dtype`."""
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json; {SAVED_FILES_HINT}")
     try:
         hf_config = HFConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: {exc}") from exc
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{path}: config.json does not load: {reason}") from exc
     if hf_config.model_type != "gpt2":
         raise ModelLoadError(f"{path}: model_type {hf_config.model_type!r} is not GPT-2 family")
     tensors: dict[str, torch.Tensor] = {}
@@ -119,8 +128,8 @@ def read_checkpoint_dir(path: Path, dtype: torch.dtype, allow_pickle: bool) -> G
     elif any(path.glob("*.bin")):
         raise ModelLoadError(f"{path}: only pickle weights (pytorch_model.bin) were found, and {PICKLE_HINT}")
     else:  # a hub snapshot fetched without --allow-pickle holds no .bin even where the repository has one
-        raise ModelLoadError(f"{path}: not a loadable GPT-2 checkpoint: no *.safetensors file; if it has pickle "
-                             f"weights (pytorch_model.bin) only, {PICKLE_HINT}")
+        raise ModelLoadError(f"{path}: no weights (no *.safetensors file); {SAVED_FILES_HINT}. A checkpoint with "
+                             f"pickle weights (pytorch_model.bin) only: {PICKLE_HINT}")
     return from_tensors(config_from_transformers(hf_config), tensors)
 
 

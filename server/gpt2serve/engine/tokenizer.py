@@ -8,11 +8,13 @@ No torch: front-end processes tokenize, and they never import it.
 from __future__ import annotations
 
 import functools
+import logging
 from importlib import resources
 from pathlib import Path
 
 from transformers import GPT2Tokenizer, PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
 
 
@@ -104,4 +106,8 @@ def load_tokenizer(checkpoint_dir: Path | None = None) -> Tokenizer:
         # GPT2Tokenizer rather than AutoTokenizer: the same tokenizer for a GPT-2 checkpoint (the
         # only kind served), and AutoTokenizer imports torch, which a front-end process must not.
         return Tokenizer(GPT2Tokenizer.from_pretrained(checkpoint_dir), source=str(checkpoint_dir))
+    if checkpoint_dir is not None:  # served, but say so: a fine-tune with its own vocabulary would be wrong
+        log.warning("%s has no tokenizer files (%s): it is served with GPT-2's own tokenizer (50257 tokens, "
+                    "bundled); save yours beside the weights with tokenizer.save_pretrained(dir)",
+                    checkpoint_dir, " or ".join(TOKENIZER_FILES))
     return bundled_gpt2_tokenizer()

@@ -32,6 +32,7 @@ from ..ipc.engine_server import EngineServer
 from ..ipc.inproc_client import InprocEngineClient
 from ..protocol import EngineReady
 from ..scheduling.core import EngineCore, new_engine_thread
+from ..telemetry.logs import StatsLog
 from ..telemetry.records import ModelLoaded, SchedulerStats
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
@@ -193,13 +194,17 @@ class EngineHost:
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
         prefix = engine.prefix_cache
-        self.info = replace(describe_model(loaded), max_running_sequences=generator.slots,
+        described = describe_model(loaded)
+        self.info = replace(described, model=config.served_model_name or described.model,  # the name clients use
+                            max_running_sequences=generator.slots,
                             prefix_cache_tokens=prefix.capacity_blocks * PREFIX_BLOCK if prefix else 0,
                             prefix_cache_bytes=prefix_cache_bytes(engine))
         info = self.info
         telemetry.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
                                            info.architecture.vocab_size),
                                self.stats, device_memory_probe(loaded.device), config.metrics_compat)
+        self.stats_log = StatsLog(config.log_stats_interval_s, self.stats, self.core.runner.counts.totals)
+        self.stats_log.start()
 
     def stats(self) -> SchedulerStats:
         core = self.core
@@ -209,6 +214,7 @@ class EngineHost:
         return InprocEngineClient(self.core)
 
     async def stop(self) -> None:
+        self.stats_log.stop()
         await self.core.stop()
 
 

@@ -30,6 +30,7 @@ from ..ipc.socket_client import SocketEngineClient
 from ..protocol import EngineClient
 from ..service import InferenceService
 from ..telemetry.deferred_writes import defer_metric_writes
+from ..telemetry.logs import RequestLog
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
 from ..transport.grpc_server import BuiltinGrpcTransport, GrpcTransport, grpc_transport
@@ -56,12 +57,13 @@ class Transports:
     @classmethod
     async def start(cls, config: ServeConfig, service: InferenceService, reuse_port: bool = False) -> Transports:
         """Listening, not serving yet: probes answer (alive, not ready) while the model loads."""
-        grpc = grpc_transport(service, config)  # Both set SO_REUSEPORT on the gRPC port.
+        grpc = grpc_transport(service, config, reuse_port)
         log.info("gRPC served by %s", "the built-in server" if config.grpc_server == "builtin" else "grpc.aio")
-        http_socket = bind_listening_socket(config.host, config.http_port, reuse_port)
+        http_socket = bind_listening_socket(config.host, config.http_port, reuse_port, flag="--http-port")
         app, direct = create_app(service, config)
         http_server = uvicorn.Server(uvicorn.Config(
             app, log_level=config.log_level, access_log=False, lifespan="off",
+            log_config=None,  # uvicorn's loggers go through ours (telemetry.logs: text or JSON)
             ws="none",  # no WebSocket routes: a request asking to upgrade is answered in HTTP/1.1
             ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key,
             timeout_keep_alive=config.http_keep_alive_s,
@@ -98,9 +100,11 @@ async def until_signalled(stop: asyncio.Event, *also: asyncio.Task,
 
 
 class FrontEnd:
-    def __init__(self, config: ServeConfig, telemetry: Telemetry, reuse_port: bool = False):
+    def __init__(self, config: ServeConfig, telemetry: Telemetry, reuse_port: bool = False, label: str = ""):
+        """`label`: this process in the request log's lines (a front end of several: "front-end[pid]")."""
         self.config, self.reuse_port = config, reuse_port
         telemetry.metrics.prepare_answered()  # the first request of each kind does not make its series
+        telemetry.request_log = self.request_log = RequestLog(config.log_requests, config.log_format, label)
         self.service = InferenceService(config, telemetry)
         self.transports: Transports | None = None
 
@@ -162,6 +166,7 @@ class FrontEnd:
                 await then()
             await transports.stop(CLOSE_S)
         drained.cancel()
+        self.request_log.flush()
         return max(deadline - loop.time(), 0.0)
 
 
@@ -179,7 +184,7 @@ async def _front_end_process(config: ServeConfig, address: str, status, parent_p
     meanwhile and a caller it took would get a 503."""
     tracer_provider = setup_tracing(config.otel_traces_exporter, config.trace_sample_ratio)
     defer_metric_writes(asyncio.get_running_loop())  # before Telemetry() makes the metrics
-    front = FrontEnd(config, Telemetry(), reuse_port=True)
+    front = FrontEnd(config, Telemetry(), reuse_port=True, label=f"front-end[{os.getpid()}]")
 
     async def listen() -> Transports:
         transports = await front.listen()

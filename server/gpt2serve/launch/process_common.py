@@ -10,6 +10,7 @@ import os
 import signal
 
 from ..config import ServeConfig
+from ..telemetry.logs import setup_logging
 
 log = logging.getLogger("gpt2serve")
 PARENT_POLL_S = 1.0
@@ -31,8 +32,7 @@ def child_setup(config: ServeConfig, name: str, title: str) -> None:
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_title(title)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s {name}[%(process)d] %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format, f"{name}[{os.getpid()}]")
 
 
 def run_front_end_loop(main) -> object:

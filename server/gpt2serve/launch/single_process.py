@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from ..config import ServeConfig
+from ..telemetry.logs import announce, setup_logging
 from ..telemetry.spans import Telemetry
 from ..telemetry.tracing import flush_traces, setup_tracing
 from .engine_host import EngineHost
@@ -21,7 +22,7 @@ async def serve(config: ServeConfig) -> None:
     telemetry = Telemetry()
     front = FrontEnd(config, telemetry)
     await front.listen()
-    print(front.listening_line(), flush=True)
+    announce(front.listening_line(), config.log_format)
     engine = EngineHost(config, telemetry)
     try:
         await engine.start()
@@ -31,7 +32,7 @@ async def serve(config: ServeConfig) -> None:
     await front.serve(engine.tokenizer, engine.info, engine.client())
     telemetry.metrics.front_ends_ready(1)  # the one process is the one front end
     freeze_startup_heap()
-    print(front.ready_line(), flush=True)
+    announce(front.ready_line(), config.log_format)
 
     stop = asyncio.Event()
     await until_signalled(stop, front.transports.http_task)
@@ -42,7 +43,7 @@ async def serve(config: ServeConfig) -> None:
 
 
 def run(config: ServeConfig, workers_reason: str = "") -> None:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)
     if workers_reason:
         log.info("%s", workers_reason)
     run_front_end_loop(serve(config))

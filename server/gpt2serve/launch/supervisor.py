@@ -41,6 +41,9 @@ import time
 from dataclasses import replace
 
 from ..config import ServeConfig
+from ..telemetry.logs import announce, setup_logging
+from ..transport.sockets import bind_listening_socket
+from ..errors import StartupError
 from ..ipc.socket_client import engine_address
 from .process_common import ENGINE_GONE_SIGNAL, set_title
 from .workers_plan import WorkersPlan
@@ -55,9 +58,12 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # = telemetry.metrics's, with
 
 # The supervisor ---------------------------------------------------------------------------------
 
-def reserve_port(host: str, port: int) -> socket.socket:
+def reserve_port(host: str, port: int, flag: str) -> socket.socket:
     """Hold (host, port) with SO_REUSEPORT, unlistened, so port 0 becomes one port all front ends
-    share; the kernel only hands connections to listening sockets."""
+    share; the kernel only hands connections to listening sockets. A port another process holds
+    is an error (StartupError, naming `flag`), not a port shared with it by chance."""
+    if port:
+        bind_listening_socket(host, port, reuse_port=False, flag=flag).close()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
@@ -90,7 +96,12 @@ class Supervisor:
             return 2
 
         self.metrics = Metrics()  # the supervisor's own samples (restarts, front ends up) in that directory
-        reserved = [reserve_port(self.config.host, port) for port in (self.config.grpc_port, self.config.http_port)]
+        try:
+            reserved = [reserve_port(self.config.host, port, flag) for port, flag in
+                        ((self.config.grpc_port, "--grpc-port"), (self.config.http_port, "--http-port"))]
+        except StartupError:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         self.child_config = replace(self.config, grpc_port=reserved[0].getsockname()[1],
                                     http_port=reserved[1].getsockname()[1])
         self.address = engine_address(self.run_dir)
@@ -169,9 +180,10 @@ class Supervisor:
                         listening.add(name)
                         if len(listening) == self.workers and not announced:
                             scheme = "https" if config.tls_cert else "http"
-                            print(f"gpt2serve listening: grpc={config.host}:{config.grpc_port} "
-                                  f"http={scheme}://{config.host}:{config.http_port} "
-                                  f"({self.workers} front ends){' (TLS)' if config.tls_cert else ''}", flush=True)
+                            announce(f"gpt2serve listening: grpc={config.host}:{config.grpc_port} "
+                                     f"http={scheme}://{config.host}:{config.http_port} "
+                                     f"({self.workers} front ends){' (TLS)' if config.tls_cert else ''}",
+                                     config.log_format)
                     elif event == "ready":
                         ready.add(name)
                         if name != "engine":
@@ -184,7 +196,7 @@ class Supervisor:
                                 self._start_front_ends()
                         if len(ready) == self.workers + 1 and not announced:
                             announced = True
-                            print(f"gpt2serve ready: model={engine_model} workers={self.workers}", flush=True)
+                            announce(f"gpt2serve ready: model={engine_model} workers={self.workers}", config.log_format)
                         self.metrics.front_ends_ready(len(ready - {"engine"}))
                 else:
                     name = processes[item]
@@ -284,6 +296,5 @@ def chat_template_parses(config: ServeConfig) -> bool:
 
 
 def run_workers(config: ServeConfig, plan: WorkersPlan) -> int:
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s supervisor %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format, "supervisor")
     return Supervisor(config, plan).run()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import astuple, dataclass
 from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
@@ -43,6 +44,28 @@ log = logging.getLogger(__name__)
 
 class EngineFailure(ServeError):
     """A forward raised; only the requests of that forward see it."""
+
+
+@dataclass
+class TokenCounts:
+    """Running totals for the stats line (telemetry.logs.StatsLog), counted a batch or a step at a
+    time: prompt tokens computed, tokens generated, prompt tokens looked up in the prefix cache and
+    those found there."""
+
+    prompt: int = 0
+    generated: int = 0
+    queried: int = 0
+    hits: int = 0
+
+    def totals(self) -> tuple[int, int, int, int]:
+        return astuple(self)
+
+    def prompts(self, prompt_tokens: int, cached: int | None) -> None:
+        """Prompts read by a forward; `cached`: of them, from the prefix cache (None: the cache is off)."""
+        self.prompt += prompt_tokens - (cached or 0)
+        if cached is not None:
+            self.queried += prompt_tokens
+            self.hits += cached
 
 
 class StepRunner:
@@ -63,6 +86,7 @@ class StepRunner:
         self.prompts_running = 0  # next-token prompts in the forward under way
         self.steps_run = 0
         self.batches_run = 0
+        self.counts = TokenCounts()
 
     def run(self, step: Step) -> None:
         if not step.prompts:  # a batch in flight is read now unless the next one launches first
@@ -185,6 +209,7 @@ class StepRunner:
 
     def _answer(self, batch: list[EngineRequest], output: BatchOutput, started: float, started_ns: int) -> None:
         self.batches_run += 1
+        self.counts.prompts(sum(len(r.prompt) for r in batch), sum(output.cached_tokens) if output.cached_tokens else None)
         self.scheduler.prompts_answered(len(batch), output.forward_s)
         if output.probe is not None:
             # Per-layer reports cost extra (the logit lens): answer everyone who does not need
@@ -273,6 +298,7 @@ class StepRunner:
             return
         if riders:
             self.batches_run += 1
+            self.counts.prompts(sum(len(r.prompt) for r in riders), None)
             self.scheduler.prompts_answered(len(riders), output.forward_s)
             self._answered(riders)
             self._post(self.outputs.answer_prompts, riders, BatchOutput(
@@ -319,6 +345,10 @@ class StepRunner:
             token = tokens.get(request.request_id)
             if token is not None and request.state == "running":
                 taken.append((request, token, request.took(token.token_id, eos)))
+        self.counts.generated += len(taken)
+        if output.kind == "prefill":
+            cached = sum(output.cached_tokens.values()) if output.cached_tokens else None
+            self.counts.prompts(output.tokens_in + (cached or 0), cached)
         if output.failed:
             log.error("%s step: %d of %d sequences had non-finite logits; failing them alone",
                       output.kind, len(output.failed), len(members))

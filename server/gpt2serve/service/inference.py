@@ -95,9 +95,10 @@ class InferenceService:
         self._attached = (engine, info)
         self.telemetry.model_name, self.telemetry.vocab_size = info.model, vocab_size
 
-    def count_refusal(self, api: str, method: str, code: str) -> None:
-        """A request refused before it reached the service (auth, size, malformed): count it too."""
-        self.telemetry.request_refused(RequestRefused(api, method, code))
+    def count_refusal(self, api: str, method: str, code: str, message: str = "", route: str = "",
+                      http_status: int | None = None) -> None:
+        """A request refused before it reached the service (auth, size, malformed): counted and logged too."""
+        self.telemetry.request_refused(RequestRefused(api, method, code, message, route, http_status))
 
     def accepted(self, name: str) -> AcceptedScope:
         """A transport holds this from taking a call until its answer is sent: the drain waits
@@ -177,6 +178,31 @@ class InferenceService:
         except InvalidArgument as exc:
             raise InvalidArgument(f"{exc.message} once rendered by the chat template", param="messages") from None
         return token_ids
+
+    async def tokenize(self, text: str | None, messages: list[dict] | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+        """A text's tokens, or a conversation's through the chat template as chat renders it. No
+        length limit applies: counting a prompt before sending it is what this is for."""
+        self.require_model()
+        if messages is not None:
+            if text:
+                raise InvalidArgument("give prompt or messages, not both")
+            if not messages:
+                raise InvalidArgument("messages: at least one message is needed", param="messages")
+            return await self.chat.prompt(messages, add_generation_prompt, False, None)
+        return await self.validator.tokenize(text or "", "prompt")
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        self.require_model()
+        vocab_size = self.validator.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"tokens: {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}", param="tokens")
+        return self.validator.tokenizer.decode(list(token_ids))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text (a byte-level piece may be part of a character: as the tokenizer shows it)."""
+        return [self.validator.tokenizer.token_text(t) for t in token_ids]
 
     async def generation_request(self, prompt: PromptInput, settings: GenerateSettings) -> GenerateRequest:
         """The prompt tokenized and the settings checked: what `generate` raises for bad input.

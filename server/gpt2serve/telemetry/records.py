@@ -60,6 +60,9 @@ class RequestRefused:
     api: str
     method: str
     code: str
+    message: str = ""  # why, for the log
+    route: str = ""  # the RPC or path, for the log
+    http_status: int | None = None  # the HTTP status sent (REST, OpenAI)
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,11 @@ from gpt2serve_client.generation import GenerationStep
 from gpt2serve_client.types import LayerReport
 
 from ..protocol import GenerateRequest, PromptScores, TraceContext
+from .logs import RequestLog
 from .metrics import Metrics
 from .records import (BatchDone, FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestOptions, RequestRefused,
                       SchedulerStats, StepDone)
-from .tracing import TRACE_LAYERS_ATTRIBUTE, trace_parent
+from .tracing import REQUEST_ID_HEADER, TRACE_LAYERS_ATTRIBUTE, trace_parent
 
 # A caller's cancel this close to its deadline is the deadline: the server's copy of it starts
 # when the request arrives, so the client's own expiry (and its cancel) can come a little earlier.
@@ -206,9 +207,21 @@ class RequestTelemetry:
             if finish_reason is not None:
                 span.set_attribute("gen_ai.response.finish_reasons", [finish_reason])
         span.end()
+        seconds = time.perf_counter() - self.started
         self.telemetry.metrics.request_done(RequestDone(
-            self.options.api, self.options.method, status, time.perf_counter() - self.started, self.trace_id,
+            self.options.api, self.options.method, status, seconds, self.trace_id,
             prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
+        request_log = self.telemetry.request_log
+        if request_log is not None:
+            options, carrier = self.options, self.options.trace_carrier
+            reason, http = "", None
+            if status != "OK":
+                reason = getattr(error, "message", None) or str(error or status)
+                known = getattr(error, "status", None)  # a ServeError's row of the status table
+                if known is not None and options.api != "grpc":
+                    http = known.openai_http if options.api == "openai" else known.http
+            request_log.request(options.span_name, options.api, status, seconds, prompt_tokens, output_tokens,
+                                carrier.get(REQUEST_ID_HEADER) if carrier else None, self.trace_id, reason, http)
 
     @property
     def traceparent(self) -> str:
@@ -272,6 +285,7 @@ class Telemetry:
         self.vocab_size = vocab_size
         self.tracer = tracer or trace.get_tracer("gpt2serve")
         self.metrics = metrics or Metrics()
+        self.request_log: RequestLog | None = None  # set by a front end (--disable-log-requests: failures only)
 
     def start_request(self, options: RequestOptions) -> RequestTelemetry:
         """A request from start to answer: ended by its `finish`, or used as a context, where what
@@ -286,6 +300,9 @@ class Telemetry:
 
     def request_refused(self, record: RequestRefused) -> None:
         self.metrics.request_refused(record)
+        if self.request_log is not None:
+            self.request_log.request(record.route or record.method, record.api, record.code, 0.0, 0, 0, None, "",
+                                     record.message or record.code, record.http_status)
 
     def first_token(self, record: FirstToken) -> None:
         self.metrics.first_token(record)

@@ -54,13 +54,17 @@ class LayerTraceSampler(Sampler):
 _trace_fields: tuple[object, frozenset[str]] = (None, frozenset())  # (the propagator, the fields it reads)
 
 
+REQUEST_ID_HEADER = "x-request-id"
+
+
 def propagated_fields() -> frozenset[str]:
     """The header (gRPC metadata) names the configured propagators read, lower-case: W3C's
-    traceparent, tracestate and baggage unless OTEL_PROPAGATORS says otherwise."""
+    traceparent, tracestate and baggage unless OTEL_PROPAGATORS says otherwise; and the caller's
+    x-request-id, which the request log shows (telemetry.logs), carried with them."""
     global _trace_fields
     textmap = propagate.get_global_textmap()
     if _trace_fields[0] is not textmap:
-        _trace_fields = (textmap, frozenset(field.lower() for field in textmap.fields))
+        _trace_fields = (textmap, frozenset(field.lower() for field in textmap.fields) | {REQUEST_ID_HEADER})
     return _trace_fields[1]
 
 

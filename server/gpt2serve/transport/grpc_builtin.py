@@ -1,7 +1,7 @@
 """The built-in gRPC server (`--grpc-server builtin`): our HTTP/2 and gRPC layers on the front
 end's own event loop, in place of grpc.aio's core, whose per-call cost is most of a unary call's.
 
-It serves the same servicer, health (grpc.health.v1, Check and Watch) and reflection (v1alpha)
+It serves the same servicer, health (grpc.health.v1, Check and Watch) and reflection (v1 and v1alpha)
 as grpc.aio does, with the same flags: streams past `--grpc-max-concurrent-streams` are refused
 for the client to retry, and a socket that has not sent the preface and its SETTINGS within
 `--grpc-handshake-timeout-s` is closed. At `--grpc-max-connections` a new connection takes the place
@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from .grpc_reflection import METHOD, V1_SERVICE, V1ALPHA_SERVICE
 from .grpc_calls import BIDI, SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
 from .h2_connection import Http2Connection
 from .h2_stream import ENHANCE_YOUR_CALM, ConnectionPolicy
@@ -42,7 +43,8 @@ def health_methods(servicer: health_aio.HealthServicer) -> dict[str, GrpcMethod]
 
 
 def reflection_methods(service_names: tuple[str, ...]) -> dict[str, GrpcMethod]:
-    """Server reflection (v1alpha) from grpc_reflection's own servicer, a request at a time."""
+    """Server reflection, v1 and v1alpha (transport.grpc_reflection), from grpc_reflection's own
+    servicer, a request at a time."""
     servicer = reflection.ReflectionServicer(service_names)
 
     async def info(requests, context):
@@ -50,8 +52,8 @@ def reflection_methods(service_names: tuple[str, ...]) -> dict[str, GrpcMethod]:
             for response in servicer.ServerReflectionInfo(iter((request,)), context):
                 yield response
 
-    return {f"/{reflection.SERVICE_NAME}/ServerReflectionInfo": GrpcMethod(
-        BIDI, info, reflection_pb2.ServerReflectionRequest.FromString, serialize)}
+    method = GrpcMethod(BIDI, info, reflection_pb2.ServerReflectionRequest.FromString, serialize)
+    return {f"/{name}/{METHOD}": method for name in (V1ALPHA_SERVICE, V1_SERVICE)}
 
 
 class RefusedConnection(asyncio.Protocol):
@@ -99,8 +101,9 @@ class BuiltinGrpcServer:
         self.on_evicted()
         return True
 
-    async def listen(self, host: str, port: int, tls: tuple[str, str] | None = None) -> int:
-        sock = bind_listening_socket(host, port, reuse_port=True)  # as grpc.aio does: front ends share the port
+    async def listen(self, host: str, port: int, tls: tuple[str, str] | None = None, reuse_port: bool = False) -> int:
+        """`reuse_port`: the front ends of --workers N share the port."""
+        sock = bind_listening_socket(host, port, reuse_port, flag="--grpc-port")
         context = None
         if tls is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

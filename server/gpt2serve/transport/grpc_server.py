@@ -13,18 +13,20 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 from gpt2serve_client._proto import gpt2serve_pb2 as pb
 from gpt2serve_client._proto import gpt2serve_pb2_grpc as pb_grpc
 
 from ..config import ServeConfig
-from ..errors import INTERNAL_MESSAGE, InvalidArgument, ModelLoading, ServeError, ShuttingDown, Unauthenticated
+from ..errors import (INTERNAL_MESSAGE, InvalidArgument, ModelLoading, ServeError, ShuttingDown, StartupError,
+                      Unauthenticated)
 from ..service import GenerateSettings, InferenceService, PromptInput, RequestOptions
 from ..service.validation import one_constraint
 from ..telemetry.tracing import propagated_fields
 from .grpc_builtin import HEALTH_SERVICE, BuiltinGrpcServer, health_methods, reflection_methods
 from .grpc_calls import SERVER_STREAM, UNARY, GrpcApp, GrpcMethod, serialize
+from .grpc_reflection import enable_reflection, service_names
+from .openai.chat import ChatMessage
 from .guard import AUTH_HINT, OPEN_GRPC_SERVICES, BearerKey, GrpcAuthInterceptor
 from .h2_stream import CONNECTION_WINDOW, MAX_WINDOW, ConnectionPolicy
 from .http_errors import RETRY_AFTER_S
@@ -65,14 +67,15 @@ def lenient(message_class):
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: str,
-                     refused: Callable[[str, str, str], None]) -> None:
+                     refused: Callable[..., None]) -> None:
     """Turn ServeError into its gRPC status; anything else is INTERNAL, logged, never a crash.
     The one place gRPC refusals are counted, when the service has not counted them already."""
     if not isinstance(exc, ServeError):
         log.error("unhandled error in %s", method, exc_info=exc)
     code = exc.code if isinstance(exc, ServeError) else "INTERNAL"
     if not getattr(exc, "counted", False):
-        refused("grpc", method, code)
+        refused("grpc", method, code, exc.message if isinstance(exc, ServeError) else INTERNAL_MESSAGE,
+                f"{SERVICE_NAME}/{method}")
     if isinstance(exc, ServeError):
         pushback = retry_pushback_ms(exc)
         if pushback is not None:
@@ -186,12 +189,27 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context) -> pb.ModelInfo:
         return self.service.model_info().to_proto()
 
+    @status_errors
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        service = self.service
+        messages = [ChatMessage(role=m.role, content=m.content).plain(i) for i, m in enumerate(request.messages)]
+        add_generation_prompt = not request.HasField("add_generation_prompt") or request.add_generation_prompt
+        tokens = await service.tokenize(request.prompt, messages or None, add_generation_prompt)
+        return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=service.model_info().max_prompt_tokens,
+                                   token_strs=service.token_strs(tokens) if request.return_token_strs else ())
+
+    @status_errors
+    async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        return pb.DetokenizeResponse(prompt=self.service.detokenize(request.tokens))
+
 
 def unary_methods(servicer: Gpt2ServeServicer) -> dict:
     return {
         "NextToken": (servicer.NextToken, pb.NextTokenRequest, pb.NextTokenResponse),
         "NextTokenBatch": (servicer.NextTokenBatch, pb.NextTokenBatchRequest, pb.NextTokenBatchResponse),
         "GetModelInfo": (servicer.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
+        "Tokenize": (servicer.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+        "Detokenize": (servicer.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
     }
 
 
@@ -219,9 +237,12 @@ def add_servicer(servicer: Gpt2ServeServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # Faster dispatch, as generated code does.
 
 
-def grpc_transport(service: InferenceService, config: ServeConfig) -> GrpcTransport | BuiltinGrpcTransport:
-    """gRPC by grpc.aio, or by the built-in server with --grpc-server builtin."""
-    return (BuiltinGrpcTransport if config.grpc_server == "builtin" else GrpcTransport)(service, config)
+def grpc_transport(service: InferenceService, config: ServeConfig,
+                   reuse_port: bool = False) -> GrpcTransport | BuiltinGrpcTransport:
+    """gRPC by grpc.aio, or by the built-in server with --grpc-server builtin. `reuse_port`: the
+    front ends of --workers N share the port; otherwise a port in use is an error, never shared
+    with another server by chance."""
+    return (BuiltinGrpcTransport if config.grpc_server == "builtin" else GrpcTransport)(service, config, reuse_port)
 
 
 class ServingHealth:
@@ -239,7 +260,7 @@ class ServingHealth:
 
 
 class GrpcTransport(ServingHealth):
-    def __init__(self, service: InferenceService, config: ServeConfig):
+    def __init__(self, service: InferenceService, config: ServeConfig, reuse_port: bool = False):
         interceptors = []
         if config.api_key:
             interceptors.append(GrpcAuthInterceptor(
@@ -258,6 +279,7 @@ class GrpcTransport(ServingHealth):
             ("grpc.max_allowed_incoming_connections", config.grpc_max_connections),
             # A socket that never sends the HTTP/2 preface is closed then, not after gRPC's 120 s.
             ("grpc.server_handshake_timeout_ms", int(config.grpc_handshake_timeout_s * 1000)),
+            ("grpc.so_reuseport", int(reuse_port)),
         ]
         if config.grpc_max_connection_idle_s > 0:
             options.append(("grpc.max_connection_idle_ms", int(config.grpc_max_connection_idle_s * 1000)))
@@ -269,19 +291,21 @@ class GrpcTransport(ServingHealth):
         add_servicer(Gpt2ServeServicer(service), self.server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server,
-        )
+        enable_reflection(self.server, SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         address = f"{config.host}:{config.grpc_port}"
+        credentials = None
         if config.tls_cert:
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
-            self.port = self.server.add_secure_port(address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_secure_port(address, credentials) if config.tls_cert else \
+                self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio says only "Failed to bind"; a port in use is the common cause
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"gRPC could not bind {address}")
+            raise StartupError(f"gRPC cannot listen on {address}: the port is in use by another process, or the "
+                               "address is not this machine's: choose another with --grpc-port (0 picks a free one) "
+                               "or --host")
 
     async def start(self) -> None:
         await self.server.start()
@@ -291,12 +315,12 @@ class GrpcTransport(ServingHealth):
 class BuiltinGrpcTransport(ServingHealth):
     """The same services over transport.grpc_builtin; `listen` binds (grpc.aio binds in __init__)."""
 
-    def __init__(self, service: InferenceService, config: ServeConfig):
-        self.config = config
+    def __init__(self, service: InferenceService, config: ServeConfig, reuse_port: bool = False):
+        self.config, self.reuse_port = config, reuse_port
         self.health = health_aio.HealthServicer()
         methods = builtin_methods(Gpt2ServeServicer(service))
         methods.update(health_methods(self.health))
-        methods.update(reflection_methods((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME)))
+        methods.update(reflection_methods(service_names(SERVICE_NAME, HEALTH_SERVICE)))
         key = BearerKey(config.api_key) if config.api_key else None
 
         def guard(path: str, headers) -> GrpcMethod | None:
@@ -329,5 +353,5 @@ class BuiltinGrpcTransport(ServingHealth):
 
     async def start(self) -> None:
         tls = (self.config.tls_cert, self.config.tls_key) if self.config.tls_cert else None
-        self.port = await self.server.listen(self.config.host, self.config.grpc_port, tls)
+        self.port = await self.server.listen(self.config.host, self.config.grpc_port, tls, self.reuse_port)
 

@@ -27,7 +27,7 @@ B = TypeVar("B", bound=BaseModel)
 
 
 class HttpErrors:
-    def __init__(self, refused: Callable[[str, str, str], None], method_of: Callable[[str], str],
+    def __init__(self, refused: Callable[..., None], method_of: Callable[[str], str],
                  openai_paths: Iterable[str]):
         """`refused(api, method, code)` counts a refusal; `method_of(path)` is its method label."""
         self.refused = refused
@@ -46,11 +46,11 @@ class HttpErrors:
 
     def render(self, path: str, error: ServeError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """(status, headers, body) of the answer; counted unless the service counted it."""
-        if not error.counted:
-            error.counted = True
-            self.refused(self.api_of(path), self.method_of(path), error.code)
         status = error.status
         http = status.openai_http if path in self.openai_paths else status.http
+        if not error.counted:
+            error.counted = True
+            self.refused(self.api_of(path), self.method_of(path), error.code, error.message, path, http)
         body = json.dumps(self.body(path, error), separators=(",", ":")).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status.retry_after:

@@ -38,13 +38,15 @@ from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIR
 from .openai.chat import ChatMessage, conversation_prompt
 from .sampling_fields import SamplingControls, StructuredOutputFields
 from .sse import dataclass_json, json_bytes, sse_event
+from .tokenize_routes import DETOKENIZE_PATHS, TOKENIZE_PATHS, add_tokenize_routes
 from .ui import add_ui_routes
 
 log = logging.getLogger(__name__)
 # The metrics method label of each path: the gRPC method it mirrors (a fixed set, whatever path a client sends).
 METHODS = {"/v1/next-token": "NextToken", "/v1/next-token/batch": "NextTokenBatch", "/v1/generate": "Generate",
            COMPLETIONS_ROUTE: "Completions", CHAT_ROUTE: "ChatCompletions", "/v1/model": "GetModelInfo",
-           MODELS_ROUTE: "ListModels"}
+           MODELS_ROUTE: "ListModels", **dict.fromkeys(TOKENIZE_PATHS, "Tokenize"),
+           **dict.fromkeys(DETOKENIZE_PATHS, "Detokenize")}
 
 
 def method_of(path: str) -> str:
@@ -232,6 +234,8 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: H
         not_ready.counted = True  # a probe's answer, not a refused request
         return errors.response(request.url.path, not_ready)
 
+    add_tokenize_routes(app, service, error_responses(False, ("invalid_argument", "failed_precondition",
+                                                              "not_found", "malformed", "unavailable")))
     add_ui_routes(app, config)
     document_only_real_errors(app)
     return app
