@@ -15,7 +15,7 @@ percent of a core), so the front ends are not sharing the cores with Python clie
 
     .venv/bin/python bench/host_path/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] \
         [--native]
-        [--stream-interval N] [--stream-tokens 64] [--top N] [--save DIR]
+        [--stream-interval N] [--stream-tokens 64] [--top N] [--save DIR] [--server-args "FLAGS"]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
 (a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
@@ -193,8 +193,10 @@ def main() -> None:
     parser.add_argument("--save", type=Path, help="keep py-spy's raw samples in this folder")
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens a stream (stream and sse loads)")
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
+    parser.add_argument("--server-args", default="", help="more flags for the server, e.g. --disable-log-requests")
     args = parser.parse_args()
-    server = StandinServer(workers=2, max_batch=256, extra_args=("--stream-interval", str(args.stream_interval)))
+    server = StandinServer(workers=2, max_batch=256,
+                           extra_args=("--stream-interval", str(args.stream_interval), *args.server_args.split()))
     try:
         for load in args.loads.split(","):
             layers, functions, cost = profile(load, server, args.seconds, args.native, not args.no_spy, args.save,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -150,3 +152,14 @@ def tokenize_json(prompt: str | None, messages: Messages | None, add_generation_
     else:
         body["prompt"] = prompt or ""
     return body
+
+
+def check_options(method: str, options: Mapping[str, Any], takes) -> None:
+    """A `generate(**options)` passes its options on to `generate_stream`; a misspelled one is
+    reported under the name the caller called (`method`), with the closest option it meant."""
+    allowed = [name for name in inspect.signature(takes).parameters if name not in ("self", "prompt")]
+    for name in options:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, allowed, n=1)
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}"
+                            + (f"; did you mean {close[0]!r}?" if close else ""))

@@ -172,6 +172,7 @@ class Client:
 
     def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
         """The whole generation once it is done; the options of `generate_stream`."""
+        _requests.check_options("Client.generate", options, Client.generate_stream)
         return GenerateResult.from_chunks(self.generate_stream(prompt, **options))
 
     def tokenize(self, prompt: str | None = None, *, messages: _requests.Messages | None = None,
@@ -289,6 +290,7 @@ class AsyncClient:
 
     async def generate(self, prompt: _requests.Prompt, **options) -> GenerateResult:
         """The whole generation once it is done; the options of `generate_stream`."""
+        _requests.check_options("AsyncClient.generate", options, AsyncClient.generate_stream)
         return GenerateResult.from_chunks([chunk async for chunk in self.generate_stream(prompt, **options)])
 
     async def tokenize(self, prompt: str | None = None, *, messages: _requests.Messages | None = None,

@@ -202,6 +202,7 @@ class RestClient:
     def generate(self, prompt: _requests.Prompt, timeout: float | None = None, **options) -> GenerateResult:
         """The whole generation in one JSON answer (retried like the other calls); the options
         of `generate_stream`."""
+        _requests.check_options("RestClient.generate", options, RestClient.generate_stream)
         body = _requests.generate_json(prompt=prompt, **{**GENERATE_DEFAULTS, **options})
         return GenerateResult.from_dict(self._request("POST", "/v1/generate", body, timeout))
 

@@ -45,3 +45,11 @@ def test_bench_readme_names_every_script():
                      if p.suffix in (".py", ".sh") and "__pycache__" not in p.parts)
     assert len([s for s in scripts if "/" in s]) > 30, "the scripts' folders were not searched"
     assert [path for path in scripts if f"`{path}`" not in index] == []
+
+
+def test_no_page_links_to_itself():
+    """A link to the page it is on takes the reader nowhere: a section of it is linked by its anchor."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = [f"{page.name}: {match.group(0)}" for page in pages
+             for match in re.finditer(rf"\]\((?:\./)?{re.escape(page.name)}\)", page.read_text())]
+    assert found == []

@@ -153,8 +153,7 @@ def load_from_processes(api: str, target: str, prompts, concurrency: int, durati
 
 
 def median_of(values) -> float:
-    values = list(values)
-    return statistics.median(values) if values else float("nan")
+    return statistics.median(values) if (values := list(values)) else float("nan")
 
 
 async def load_grpc(target: str, prompts, concurrency: int, duration_s: float, warmup_s: float,
@@ -261,8 +260,7 @@ class InProcessModel:
         return times
 
 
-def best_batched(limit: list[InProcessResult]) -> InProcessResult:
-    """The fastest in-process result (batched sizes preferred; batch 1 alone for one client)."""
+def best_batched(limit: list[InProcessResult]) -> InProcessResult:  # batched sizes preferred; 1 for one client
     return max(limit[1:] or limit, key=lambda r: r.prompts_per_s)
 
 
@@ -291,8 +289,7 @@ def format_report(info: ModelInfo, load: LoadResult, limit: list[InProcessResult
     return "\n".join(lines)
 
 
-async def fetch_info(target: str, ready_timeout_s: float) -> ModelInfo:
-    """The server's model, once it is up: a server still starting is waited for (the client's wait)."""
+async def fetch_info(target: str, ready_timeout_s: float) -> ModelInfo:  # a starting server waited for
     async with AsyncClient(target, timeout=ready_timeout_s) as client:
         return await client.model_info()
 
@@ -369,8 +366,7 @@ def run_bench(args) -> int:
 def add_bench_arguments(parser) -> None:
     parser.add_argument("--target", default="localhost:50051", help="gRPC server host:port")
     parser.add_argument("--http-target", default="http://localhost:8000", help="REST base URL (--api rest)")
-    parser.add_argument("--ready-timeout", type=float, default=120.0,
-                        help="seconds to wait for a server that is still starting (its port or its model)")
+    parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for a starting server")
     parser.add_argument("--api", choices=("grpc", "rest", "grpc-batch"), default="grpc",
                         help="grpc-batch: NextTokenBatch calls of --batch-prompts prompts")
     parser.add_argument("--batch-prompts", type=int, default=64, help="--api grpc-batch: prompts per call")
