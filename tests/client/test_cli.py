@@ -224,3 +224,13 @@ def test_bench_generate_against_transformers_generate(server):
         assert len(r["round_ratios"]) == 2 and r["transformers_tokens_per_s"] > 0
         assert min(r["round_ratios"]) <= r["ratio"] <= max(r["round_ratios"])
         assert 0 < r["busiest_client"] < 1.5  # one client process's own CPU, in cores
+
+
+def test_help_is_whole():
+    """`gpt2serve --help` says what every command does, in whole sentences (it once stopped mid-sentence)."""
+    out = run_cli("--help")
+    assert out.returncode == 0
+    description = out.stdout.split("\n\n")[1].replace("\n", " ")
+    assert description.rstrip().endswith(".")
+    for command in ("serve", "next", "score", "generate", "tokenize", "bench", "params"):
+        assert f"`{command}`" in description and command in out.stdout.split("\n\n")[0]

@@ -106,13 +106,18 @@ def test_json_logs_are_one_object_a_line(tmp_path):
             rest.generate("hi", max_tokens=3)
             with pytest.raises(Gpt2ServeError):
                 rest.next_token("")
+        # A path that would end a line or a JSON string early, were it written as it came.
+        assert httpx.post(f"{srv.http_url}/v1/nope%0A%22%7D%0A%7B%22level%22", json={},
+                          headers={"x-request-id": 'id"\\'}).status_code == 404
 
         def records():
             return [json.loads(line) for line in srv.log().splitlines() if line.strip()]  # every line parses
 
-        requests = wait_for(lambda: len(found := [r for r in records() if r["logger"] == "gpt2serve.requests"]) >= 3
-                            and found, timeout=10, what="three request records")
-        assert {r["status"] for r in requests} == {"OK", "INVALID_ARGUMENT"}
+        requests = wait_for(lambda: len(found := [r for r in records() if r["logger"] == "gpt2serve.requests"]) >= 4
+                            and found, timeout=10, what="four request records")
+        assert {r["status"] for r in requests} == {"OK", "INVALID_ARGUMENT", "NOT_FOUND"}
+        (odd,) = [r for r in requests if r["status"] == "NOT_FOUND"]
+        assert odd["route"].startswith("/v1/nope") and "%22}" in odd["route"] and odd["http_status"] == 404
         failed = next(r for r in requests if r["status"] != "OK")
         assert failed["level"] == "WARNING" and failed["http_status"] == 400 and "empty" in failed["reason"]
         assert all(isinstance(r["latency_ms"], float) and r["request_id"] for r in requests)

@@ -5,10 +5,10 @@
   on unless `--disable-log-requests`; every 4xx/5xx with its reason, always (WARNING / ERROR);
 - `StatsLog`: every `--log-stats-interval-s`, the engine's load and throughput, as vLLM's line.
 
-A request line is built with one f-string and kept until the loop's next flush (at most
-FLUSH_S later, or FLUSH_LINES lines), then written with the others in one call: the logging
-module's own path (a record, a formatter, a lock and a write per line) would cost a unary call
-about a tenth of its front end's CPU (docs/benchmarks.md).
+A request's values are kept until the loop's next flush (at most FLUSH_S later, or FLUSH_LINES
+requests), whose lines are made and written together in one call: the logging module's own path
+(a record, a formatter, a lock and a write per line) would cost a unary call about a tenth of
+its front end's CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s {label}%(name)s: %(message)s"
 REQUEST_LOGGER = "gpt2serve.requests"
 FLUSH_S = 0.25
 FLUSH_LINES = 256
+MAX_HEADS = 256
 # A status with no error object to ask (a caller that went away), and OK.
 HTTP_STATUS = {s.code: s.http for s in reversed(ERROR_STATUSES)} | {"OK": 200}  # the first row of a code wins
 SERVER_FAULTS = frozenset({"INTERNAL", "UNKNOWN", "DATA_LOSS"})  # ERROR; every other failure is a WARNING
@@ -69,6 +70,17 @@ def setup_logging(level: str, log_format: str = "text", label: str = "") -> None
     logging.captureWarnings(True)
 
 
+def safe_field(text: str, limit: int = 200) -> str:
+    """What a client sent (a path refused, its x-request-id), fit for a log line: printable ASCII
+    but quotes and backslashes as they are, the rest %XX-escaped, so no field can end a line or a
+    JSON string early; at most `limit` characters."""
+    text = text[:limit]
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return "".join(c if c.isascii() and c.isprintable() and c not in '"\\' else
+                   "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass")) for c in text)
+
+
 def announce(line: str, log_format: str = "text") -> None:
     """A line the server's watchers wait for ("gpt2serve listening: ...", "gpt2serve ready: ..."),
     on stdout: as is, or as a JSON object with it as the message."""
@@ -86,7 +98,8 @@ class RequestLog:
         self.every, self.json, self.label = every, log_format == "json", label
         self.prefix = f"{label} " if label else ""
         self.stream = stream
-        self.lines: list[str] = []
+        self.pending: list[tuple] = []  # a request's values, until the flush makes its line
+        self.heads: dict[tuple, str] = {}  # (route, api, status, http) -> the start of its lines
         self.flush_at: asyncio.TimerHandle | None = None
         self.ids = itertools.count(1)
         self.id_prefix = os.urandom(3).hex()  # ids from different processes do not collide
@@ -96,31 +109,14 @@ class RequestLog:
     def request(self, route: str, api: str, status: str, seconds: float, prompt_tokens: int, output_tokens: int,
                 request_id: str | None, trace_id: str, reason: str = "", http: int | None = None) -> None:
         """`status`: the gRPC status name; `http`: the HTTP status sent (REST, OpenAI), when not the
-        status's usual one; `request_id`: the caller's, or None for one of ours."""
-        if status == "OK":
-            if not self.every:
-                return
-            level = "INFO"
-        else:
-            level = "ERROR" if status in SERVER_FAULTS else "WARNING"
-        if api != "grpc" and http is None:
-            http = HTTP_STATUS.get(status, 500)
-        request_id = request_id or f"{self.id_prefix}-{next(self.ids):x}"
-        millis = int(time.time() * 1000)
-        if millis // 1000 != self.second:  # the second's text made once a second: as logging's asctime, or ISO 8601
-            self.second = millis // 1000
-            self.second_text = time.strftime("%Y-%m-%dT%H:%M:%S" if self.json else "%Y-%m-%d %H:%M:%S",
-                                             (time.gmtime if self.json else time.localtime)(self.second))
-        if self.json:
-            line = self.json_line(f"{self.second_text}.{millis % 1000:03d}Z", level, route, api, status, seconds,
-                                  prompt_tokens, output_tokens, request_id, trace_id, reason, http)
-        else:
-            line = (f"{self.second_text},{millis % 1000:03d} {level} {self.prefix}gpt2serve.requests: {route} {status}"
-                    f"{'' if http is None else f' {http}'} {seconds * 1000:.1f}ms prompt_tokens={prompt_tokens} "
-                    f"output_tokens={output_tokens} request_id={request_id}"
-                    f"{f' trace_id={trace_id}' if trace_id else ''}{f' reason={reason!r}' if reason else ''}")
-        self.lines.append(line)
-        if len(self.lines) >= FLUSH_LINES:
+        status's usual one; `request_id`: the caller's, or None for one of ours. The values are
+        kept as they are and the lines made at the flush, together: made one by one among a
+        call's other work, they cost about three times as much (docs/benchmarks.md)."""
+        if status == "OK" and not self.every:
+            return
+        self.pending.append((time.time(), route, api, status, seconds, prompt_tokens, output_tokens,
+                             request_id or next(self.ids), trace_id, reason, http))
+        if len(self.pending) >= FLUSH_LINES:
             self.flush()
         elif self.flush_at is None:
             try:
@@ -128,28 +124,56 @@ class RequestLog:
             except RuntimeError:  # no loop in this thread: at once
                 self.flush()
 
-    def json_line(self, when: str, level: str, route: str, api: str, status: str, seconds: float,
-                  prompt_tokens: int, output_tokens: int, request_id: str, trace_id: str, reason: str,
-                  http: int | None) -> str:
-        """The JSON object, written out by hand: json.dumps of a dict costs a call three times as much.
-        What the caller sent (its request id, a reason quoting it) is escaped by json.dumps."""
-        return (f'{{"time":"{when}","level":"{level}","logger":"{REQUEST_LOGGER}",'
-                f'"message":"{route} {status}","process":"{self.label or "server"}","pid":{self.pid},'
-                f'"route":"{route}","api":"{api}","status":"{status}","latency_ms":{seconds * 1000:.3f},'
-                f'"prompt_tokens":{prompt_tokens},"output_tokens":{output_tokens},"request_id":{json.dumps(request_id)}'
-                f'{"" if http is None else f",{chr(34)}http_status{chr(34)}:{http}"}'
-                f'{f",{chr(34)}trace_id{chr(34)}:{chr(34)}{trace_id}{chr(34)}" if trace_id else ""}'
-                f'{f",{chr(34)}reason{chr(34)}:{json.dumps(reason, ensure_ascii=False)}" if reason else ""}}}')
+    def lines(self, pending: list[tuple]) -> str:
+        """The lines of `pending`, made in one loop (a call a line would cost a fifth more)."""
+        out, heads, json_format, prefix = [], self.heads, self.json, self.id_prefix
+        for now, route, api, status, seconds, prompt_tokens, output_tokens, request_id, trace_id, reason, http in pending:
+            if type(request_id) is int:
+                request_id = f"{prefix}-{request_id:x}"
+            second = int(now)
+            if second != self.second:  # the second's text made once a second: as logging's asctime, or ISO 8601
+                self.second = second
+                self.second_text = time.strftime("%Y-%m-%dT%H:%M:%S" if json_format else "%Y-%m-%d %H:%M:%S",
+                                                 (time.gmtime if json_format else time.localtime)(second))
+            key = (route, api, status, http)
+            head = heads.get(key)
+            if head is None:
+                head = self.head(*key)
+                if len(heads) < MAX_HEADS:  # refused paths are the client's: no cache grows with them
+                    heads[key] = head
+            if json_format:
+                out.append(f'{{"time":"{self.second_text}.{int((now - second) * 1000):03d}Z",{head},'
+                           f'"latency_ms":{seconds * 1000:.3f},"prompt_tokens":{prompt_tokens},'
+                           f'"output_tokens":{output_tokens},"request_id":{json.dumps(request_id)}'
+                           f'{f",{chr(34)}trace_id{chr(34)}:{chr(34)}{trace_id}{chr(34)}" if trace_id else ""}'
+                           f'{f",{chr(34)}reason{chr(34)}:{json.dumps(reason, ensure_ascii=False)}" if reason else ""}}}')
+            else:
+                out.append(f"{self.second_text},{int((now - second) * 1000):03d} {head} {seconds * 1000:.1f}ms "
+                           f"prompt_tokens={prompt_tokens} output_tokens={output_tokens} request_id={request_id}"
+                           f"{f' trace_id={trace_id}' if trace_id else ''}{f' reason={reason!r}' if reason else ''}")
+        return "\n".join(out) + "\n"
+
+    def head(self, route: str, api: str, status: str, http: int | None) -> str:
+        """What lines of one route and status share, made once: level, logger, route, status."""
+        level = "INFO" if status == "OK" else "ERROR" if status in SERVER_FAULTS else "WARNING"
+        if api != "grpc" and http is None:
+            http = HTTP_STATUS.get(status, 500)
+        if not self.json:
+            return f"{level} {self.prefix}{REQUEST_LOGGER}: {route} {status}{'' if http is None else f' {http}'}"
+        return (f'"level":"{level}","logger":"{REQUEST_LOGGER}","message":{json.dumps(f"{route} {status}")},'
+                f'"process":"{self.label or "server"}","pid":{self.pid},"route":{json.dumps(route)},"api":"{api}",'
+                f'"status":"{status}"{"" if http is None else f",{chr(34)}http_status{chr(34)}:{http}"}')
 
     def flush(self) -> None:
         if self.flush_at is not None:
             self.flush_at.cancel()
             self.flush_at = None
-        if self.lines:
-            lines, self.lines = self.lines, []
+        if self.pending:
+            pending, self.pending = self.pending, []
+            text = self.lines(pending)
             stream = self.stream or sys.stderr
             try:
-                stream.write("\n".join(lines) + "\n")
+                stream.write(text)
                 stream.flush()
             except (OSError, ValueError):  # stderr closed (the process is ending): the lines are lost
                 pass

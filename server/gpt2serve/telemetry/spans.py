@@ -37,7 +37,7 @@ from gpt2serve_client.generation import GenerationStep
 from gpt2serve_client.types import LayerReport
 
 from ..protocol import GenerateRequest, PromptScores, TraceContext
-from .logs import RequestLog
+from .logs import RequestLog, safe_field
 from .metrics import Metrics
 from .records import (BatchDone, FirstToken, ModelLoaded, PrefixCacheUse, RequestDone, RequestOptions, RequestRefused,
                       SchedulerStats, StepDone)
@@ -220,8 +220,9 @@ class RequestTelemetry:
                 known = getattr(error, "status", None)  # a ServeError's row of the status table
                 if known is not None and options.api != "grpc":
                     http = known.openai_http if options.api == "openai" else known.http
+            request_id = carrier.get(REQUEST_ID_HEADER) if carrier else None
             request_log.request(options.span_name, options.api, status, seconds, prompt_tokens, output_tokens,
-                                carrier.get(REQUEST_ID_HEADER) if carrier else None, self.trace_id, reason, http)
+                                request_id and safe_field(request_id, 128), self.trace_id, reason, http)
 
     @property
     def traceparent(self) -> str:
@@ -301,8 +302,8 @@ class Telemetry:
     def request_refused(self, record: RequestRefused) -> None:
         self.metrics.request_refused(record)
         if self.request_log is not None:
-            self.request_log.request(record.route or record.method, record.api, record.code, 0.0, 0, 0, None, "",
-                                     record.message or record.code, record.http_status)
+            self.request_log.request(safe_field(record.route) or record.method, record.api, record.code, 0.0, 0, 0,
+                                     None, "", record.message or record.code, record.http_status)
 
     def first_token(self, record: FirstToken) -> None:
         self.metrics.first_token(record)
