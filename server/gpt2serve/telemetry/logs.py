@@ -6,9 +6,9 @@
 - `StatsLog`: every `--log-stats-interval-s`, the engine's load and throughput, as vLLM's line.
 
 A request's values are kept until the loop's next flush (at most FLUSH_S later, or FLUSH_LINES
-requests), whose lines are made and written together in one call: the logging module's own path
-(a record, a formatter, a lock and a write per line) would cost a unary call about a tenth of
-its front end's CPU (docs/benchmarks.md).
+requests), whose lines are made and written together in one call. The logging module's own path
+(a record, a formatter, a lock and a write per line: 9.3 µs a line alone) would cost a unary call
+several times the 2% this does (docs/benchmarks.md).
 """
 
 from __future__ import annotations
