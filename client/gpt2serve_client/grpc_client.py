@@ -104,12 +104,14 @@ class Client:
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return tuple(_requests.request_headers(self._api_key).items()) or None
 
-    def _new_attempts(self, failovers: int, timeout: float | None) -> Attempts:
+    def _new_attempts(self, failovers: int, timeout: float | None, wait: bool = True) -> Attempts:
         timeout = self.timeout if timeout is None else timeout
-        return Attempts(failovers, timeout, ServerStarting(self.target, timeout) if self.wait_for_ready else None)
+        starting = ServerStarting(self.target, timeout) if self.wait_for_ready and wait else None
+        return Attempts(failovers, timeout, starting)
 
-    def _call(self, method, request, timeout: float | None):
-        attempts = self._new_attempts(self._attempts, timeout)
+    def _call(self, method, request, timeout: float | None, wait: bool = True):
+        """`wait`: for a server that is starting (see _starting.py)."""
+        attempts = self._new_attempts(self._attempts, timeout, wait)
         while True:
             try:
                 return method(request, timeout=attempts.timeout(), metadata=self._metadata(),
@@ -191,7 +193,9 @@ class Client:
         return ModelInfo.from_proto(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
     def health(self, timeout: float | None = None) -> HealthStatus:
-        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(), timeout)
+        """Readiness as the server says it, asked at once (as RestClient.health): a server not
+        listening yet is UNAVAILABLE, not waited for; one loading is NOT_SERVING."""
+        response = self._call(self._health.Check, health_pb2.HealthCheckRequest(), timeout, wait=False)
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         return HealthStatus(serving=status == "SERVING", status=status)
 
@@ -228,8 +232,8 @@ class AsyncClient:
     _metadata = Client._metadata
     _new_attempts = Client._new_attempts
 
-    async def _call(self, method, request, timeout: float | None):
-        attempts = self._new_attempts(self._attempts, timeout)
+    async def _call(self, method, request, timeout: float | None, wait: bool = True):
+        attempts = self._new_attempts(self._attempts, timeout, wait)
         while True:
             try:
                 return await method(request, timeout=attempts.timeout(), metadata=self._metadata(),
@@ -307,7 +311,7 @@ class AsyncClient:
         return ModelInfo.from_proto(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
     async def health(self, timeout: float | None = None) -> HealthStatus:
-        response = await self._call(self._health.Check, health_pb2.HealthCheckRequest(), timeout)
+        response = await self._call(self._health.Check, health_pb2.HealthCheckRequest(), timeout, wait=False)
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         return HealthStatus(serving=status == "SERVING", status=status)
 

@@ -84,7 +84,15 @@ def test_a_deadline_the_start_cannot_meet_says_so(tmp_path, listening, last):
             assert caught.value.code == "UNAVAILABLE"
             assert "did not become ready within 1 s" in caught.value.message
             assert last in caught.value.message
-        # Asked not to wait, a client fails at once.
+        # A health check reports, it does not wait; nor does a client asked not to.
+        began = time.monotonic()
+        if listening:
+            assert Client(grpc_target, timeout=5.0).health().status == "NOT_SERVING"
+        else:
+            with pytest.raises(Gpt2ServeError) as refused:
+                Client(grpc_target, timeout=5.0, retries=0).health()
+            assert refused.value.code == "UNAVAILABLE" and "did not become ready" not in refused.value.message
+        assert time.monotonic() - began < 2.0
         began = time.monotonic()
         with pytest.raises(Gpt2ServeError):
             Client(grpc_target, timeout=5.0, wait_for_ready=False, retries=0).next_token("The")
