@@ -346,6 +346,10 @@ class TokenizeResult:
     max_model_len: int
     token_strs: list[str] | None = None  # each token's text, when asked
 
+    def to_proto(self) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(tokens=self.tokens, count=self.count, max_model_len=self.max_model_len,
+                                   token_strs=self.token_strs or ())
+
     @classmethod
     def from_proto(cls, msg: pb.TokenizeResponse) -> TokenizeResult:
         return cls(list(msg.tokens), msg.count, msg.max_model_len, list(msg.token_strs) if msg.token_strs else None)

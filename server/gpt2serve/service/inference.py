@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from gpt2serve_client.generation import GenerateChunk
-from gpt2serve_client.types import ModelInfo, NextTokenResult
+from gpt2serve_client.types import ModelInfo, NextTokenResult, TokenizeResult
 
 from ..config import ServeConfig
 from ..engine.tokenizer import Tokenizer
@@ -179,18 +179,22 @@ class InferenceService:
             raise InvalidArgument(f"{exc.message} once rendered by the chat template", param="messages") from None
         return token_ids
 
-    async def tokenize(self, text: str | None, messages: list[dict] | None = None,
-                       add_generation_prompt: bool = True) -> list[int]:
-        """A text's tokens, or a conversation's through the chat template as chat renders it. No
-        length limit applies: counting a prompt before sending it is what this is for."""
-        self.require_model()
+    async def tokenize(self, text: str | None, messages: list[dict] | None = None, add_generation_prompt: bool = True,
+                       token_strs: bool = False) -> TokenizeResult:
+        """A text's tokens, or a conversation's through the chat template as chat renders it, and
+        the longest prompt this server takes. No length limit applies: counting a prompt before
+        sending it is what this is for. `token_strs`: each token's own text too."""
+        _, info = self.require_model()
         if messages is not None:
             if text:
                 raise InvalidArgument("give prompt or messages, not both")
             if not messages:
                 raise InvalidArgument("messages: at least one message is needed", param="messages")
-            return await self.chat.prompt(messages, add_generation_prompt, False, None)
-        return await self.validator.tokenize(text or "", "prompt")
+            tokens = await self.chat.prompt(messages, add_generation_prompt, False, None)
+        else:
+            tokens = await self.validator.tokenize(text or "", "prompt")
+        texts = [self.validator.tokenizer.token_text(t) for t in tokens] if token_strs else None
+        return TokenizeResult(tokens, len(tokens), info.max_prompt_tokens, texts)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         self.require_model()
@@ -199,10 +203,6 @@ class InferenceService:
         if bad:
             raise InvalidArgument(f"tokens: {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}", param="tokens")
         return self.validator.tokenizer.decode(list(token_ids))
-
-    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        """Each token's own text (a byte-level piece may be part of a character: as the tokenizer shows it)."""
-        return [self.validator.tokenizer.token_text(t) for t in token_ids]
 
     async def generation_request(self, prompt: PromptInput, settings: GenerateSettings) -> GenerateRequest:
         """The prompt tokenized and the settings checked: what `generate` raises for bad input.

@@ -191,12 +191,10 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
 
     @status_errors
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        service = self.service
         messages = [ChatMessage(role=m.role, content=m.content).plain(i) for i, m in enumerate(request.messages)]
         add_generation_prompt = not request.HasField("add_generation_prompt") or request.add_generation_prompt
-        tokens = await service.tokenize(request.prompt, messages or None, add_generation_prompt)
-        return pb.TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=service.model_info().max_prompt_tokens,
-                                   token_strs=service.token_strs(tokens) if request.return_token_strs else ())
+        return (await self.service.tokenize(request.prompt, messages or None, add_generation_prompt,
+                                            request.return_token_strs)).to_proto()
 
     @status_errors
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
@@ -298,7 +296,7 @@ class GrpcTransport(ServingHealth):
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
         try:
-            self.port = self.server.add_secure_port(address, credentials) if config.tls_cert else \
+            self.port = self.server.add_secure_port(address, credentials) if credentials else \
                 self.server.add_insecure_port(address)
         except RuntimeError:  # grpcio says only "Failed to bind"; a port in use is the common cause
             self.port = 0

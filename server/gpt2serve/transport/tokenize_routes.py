@@ -5,12 +5,14 @@ text. The gRPC RPCs of the same names answer the same (transport.grpc_server).""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from ..errors import ModelNotFound
 from ..service import InferenceService
 from .openai.chat import ChatMessage
+from .openai.common import check_model
 
 TOKENIZE_PATHS = ("/tokenize", "/v1/tokenize")
 DETOKENIZE_PATHS = ("/detokenize", "/v1/detokenize")
@@ -45,25 +47,24 @@ class DetokenizeResult(BaseModel):
     prompt: str
 
 
-def check_model(service: InferenceService, model: str | None) -> None:
-    served = service.model_info().model
-    if model is not None and model != served:
-        raise ModelNotFound(f"The model '{model}' does not exist; this server serves '{served}'", param="model")
+def check_served(service: InferenceService, model: str | None) -> None:
+    """`model`, when given, must be the served name (as the OpenAI routes ask)."""
+    if model is not None:
+        check_model(model, service.model_info().model)
 
 
 def add_tokenize_routes(app: FastAPI, service: InferenceService, responses: dict) -> None:
     async def tokenize(body: TokenizeBody) -> TokenizeResult:
         """A text's token ids as the model reads them, or a conversation's through the chat template.
         No length limit applies: count a prompt before sending it."""
-        check_model(service, body.model)
+        check_served(service, body.model)
         messages = None if body.messages is None else [m.plain(i) for i, m in enumerate(body.messages)]
-        tokens = await service.tokenize(body.prompt, messages, body.add_generation_prompt)
-        return TokenizeResult(count=len(tokens), max_model_len=service.model_info().max_prompt_tokens, tokens=tokens,
-                              token_strs=service.token_strs(tokens) if body.return_token_strs else None)
+        result = await service.tokenize(body.prompt, messages, body.add_generation_prompt, body.return_token_strs)
+        return TokenizeResult(**asdict(result))
 
     async def detokenize(body: DetokenizeBody) -> DetokenizeResult:
         """Token ids back to their text."""
-        check_model(service, body.model)
+        check_served(service, body.model)
         return DetokenizeResult(prompt=service.detokenize(body.tokens))
 
     for paths, handler, result in ((TOKENIZE_PATHS, tokenize, TokenizeResult),
