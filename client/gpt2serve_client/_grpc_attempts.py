@@ -67,8 +67,6 @@ class Attempts:
         if self.starting is not None and (not_ready := _not_ready(exc)) is not None:
             why, retry_after = not_ready
             wait = self.starting.wait_s(why, retry_after)
-            if wait is None:
-                raise self.starting.error() from None
             if retry_after is None:  # not connected: the channel's own reconnection is the wait
                 self.wait_for_ready, wait = True, 0.0
             return wait

@@ -37,18 +37,19 @@ class ServerStarting:
         self.target, self.timeout = target, timeout
         self.started_at = time.monotonic()
         self.deadline = None if timeout is None else self.started_at + timeout
-        self.reason: str | None = None  # the last "not ready" seen; None once the server answers otherwise
+        self.reason: str | None = None  # the last "not ready" seen
         self.waits = 0
 
-    def wait_s(self, reason: str, retry_after: float | None = None) -> float | None:
-        """Seconds to wait before trying again, or None: the deadline leaves no room for another try."""
+    def wait_s(self, reason: str, retry_after: float | None = None, http_status: int | None = None) -> float:
+        """Seconds to wait before trying again; when the deadline leaves no room for another try,
+        the error (`http_status`: the last answer's, REST) is raised instead."""
         self.reason = reason
         wait = min(FIRST_WAIT_S * 2 ** self.waits, MAX_WAIT_S) * random.uniform(0.75, 1.0)
         if retry_after is not None:
             wait = max(wait, min(retry_after, MAX_WAIT_S))  # honoured, capped so readiness is seen soon
         self.waits += 1
         if self.deadline is not None and time.monotonic() + wait >= self.deadline:
-            return None
+            raise self.error(http_status) from None
         return wait
 
     def error(self, http_status: int | None = None) -> Gpt2ServeError:

@@ -86,9 +86,8 @@ class RestClient:
                 return self._attempt(method, path, body, deadline)
             except _Retryable as retry:
                 if starting is not None and retry.starting:  # not ready yet: waited for, within the deadline
-                    delay = starting.wait_s(retry.error.message, retry_after_s(retry.retry_after))
-                    if delay is None:
-                        raise starting.error(retry.error.http_status) from None
+                    delay = starting.wait_s(retry.error.message, retry_after_s(retry.retry_after),
+                                            retry.error.http_status)
                 else:
                     delay = retry_delay(attempt, retry.retry_after)
                     if attempt == self.retries or time.monotonic() + delay >= deadline:
@@ -106,8 +105,7 @@ class RestClient:
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
         except httpx.ConnectError as exc:  # not sent: the server is not listening (yet)
-            raise _Retryable(Gpt2ServeError("UNAVAILABLE", f"could not connect: {exc or type(exc).__name__}"),
-                             starting=True) from None
+            raise _Retryable.not_connected(exc) from None
         except httpx.RemoteProtocolError as exc:  # the server closed the connection
             raise _Retryable(Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__)) from None
         except httpx.TransportError as exc:
@@ -116,9 +114,7 @@ class RestClient:
             return response.json()
         error = error_from_response(response)
         if response.status_code in RETRYABLE_HTTP_STATUS:  # whatever the body says (a proxy may have answered)
-            retry_after = response.headers.get("retry-after")
-            # 503 with Retry-After: the model still loading, or a restart (the next server not up yet).
-            raise _Retryable(error, retry_after, starting=response.status_code == 503 and retry_after is not None)
+            raise _Retryable.refused(response, error)
         raise error
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
@@ -163,10 +159,8 @@ class RestClient:
             except _Retryable as retry:
                 if starting is None or not retry.starting:
                     raise retry.error from None
-                delay = starting.wait_s(retry.error.message, retry_after_s(retry.retry_after))
-                if delay is None:
-                    raise starting.error(retry.error.http_status) from None
-                time.sleep(delay)
+                time.sleep(starting.wait_s(retry.error.message, retry_after_s(retry.retry_after),
+                                           retry.error.http_status))
 
     def _stream_events(self, body: dict[str, Any], deadline: float) -> Iterator[GenerateChunk]:
         remaining = deadline - time.monotonic()
@@ -177,10 +171,8 @@ class RestClient:
                                    headers=_requests.request_headers(self._api_key)) as response:
                 if not response.is_success:
                     response.read()
-                    retry_after = response.headers.get("retry-after")
-                    if response.status_code == 503 and retry_after is not None:
-                        raise _Retryable(error_from_response(response), retry_after, starting=True)
-                    raise error_from_response(response)
+                    refused = _Retryable.refused(response, error_from_response(response))
+                    raise refused if refused.starting else refused.error  # only a starting server, before a token
                 event = ""
                 for line in response.iter_lines():
                     if line.startswith("event:"):
@@ -194,8 +186,7 @@ class RestClient:
         except httpx.TimeoutException as exc:
             raise Gpt2ServeError("DEADLINE_EXCEEDED", str(exc) or "request timed out") from None
         except httpx.ConnectError as exc:
-            raise _Retryable(Gpt2ServeError("UNAVAILABLE", f"could not connect: {exc or type(exc).__name__}"),
-                             starting=True) from None
+            raise _Retryable.not_connected(exc) from None
         except httpx.TransportError as exc:
             raise Gpt2ServeError("UNAVAILABLE", str(exc) or type(exc).__name__) from None
 
@@ -251,3 +242,14 @@ class _Retryable(Exception):
         self.error = error
         self.retry_after = retry_after
         self.starting = starting  # the server is not ready yet (see _starting.py)
+
+    @classmethod
+    def not_connected(cls, exc: httpx.ConnectError) -> _Retryable:
+        return cls(Gpt2ServeError("UNAVAILABLE", f"could not connect: {exc or type(exc).__name__}"), starting=True)
+
+    @classmethod
+    def refused(cls, response: httpx.Response, error: Gpt2ServeError) -> _Retryable:
+        """503 with Retry-After is a server starting: its model still loading, or a restart (the
+        next server not up yet)."""
+        retry_after = response.headers.get("retry-after")
+        return cls(error, retry_after, starting=response.status_code == 503 and retry_after is not None)
