@@ -41,10 +41,10 @@ import time
 from dataclasses import replace
 
 from ..config import ServeConfig
-from ..telemetry.logs import announce, setup_logging
-from ..transport.sockets import bind_listening_socket
 from ..errors import StartupError
 from ..ipc.socket_client import engine_address
+from ..telemetry.logs import announce, setup_logging
+from ..transport.sockets import bind_listening_socket
 from .process_common import ENGINE_GONE_SIGNAL, set_title
 from .workers_plan import WorkersPlan
 

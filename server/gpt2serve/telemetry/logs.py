@@ -85,8 +85,7 @@ def announce(line: str, log_format: str = "text") -> None:
     """A line the server's watchers wait for ("gpt2serve listening: ...", "gpt2serve ready: ..."),
     on stdout: as is, or as a JSON object with it as the message."""
     if log_format == "json":
-        line = json.dumps({"time": iso_time(time.time()), "level": "INFO", "logger": "gpt2serve", "message": line,
-                           "process": "server", "pid": os.getpid()})
+        line = JsonFormatter().format(logging.LogRecord("gpt2serve", logging.INFO, __file__, 0, line, None, None))
     print(line, flush=True)
 
 
