@@ -16,9 +16,14 @@ percent of a core), so the front ends are not sharing the cores with Python clie
     .venv/bin/python bench/host_path/front_end_profile.py [--loads unary,rest,batch,stream,sse] [--seconds 16] \
         [--native]
         [--stream-interval N] [--stream-tokens 64] [--top N] [--save DIR] [--server-args "FLAGS"]
+    .venv/bin/python bench/host_path/front_end_profile.py --against /tmp/old --loads unary,rest,stream [--rounds 4]
 
 Prints, per load, the share of the front ends' samples in each layer, and their CPU per unit
-(a call, a prompt or a streamed token) from /proc and the server's /metrics. Needs py-spy
+(a call, a prompt or a streamed token) from /proc and the server's /metrics.
+`--against TREE [--rounds N]`: no sampling; this checkout's stand-in server and another
+checkout's (e.g. a `git worktree` of an older commit) both run, and each load is put on them in
+turn, N rounds, so a shared machine's drift falls on both; prints each round, the medians and
+their ratio. Needs py-spy
 (`.venv/bin/pip install py-spy`) and the permission to read another process's memory.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -182,6 +188,28 @@ class Cost:
                 f"{self.system_us:.1f}; {self.rate:,.0f} a second; 2 front ends, /proc over /metrics)")
 
 
+def against(tree: Path, loads: list[str], rounds: int, seconds: float, native: bool, tokens: int,
+            extra_args: tuple[str, ...], now_args: tuple[str, ...]) -> None:
+    """Front ends' CPU a unit, this checkout's (with `now_args` too) against `tree`'s, in alternating rounds."""
+    servers = {"now": StandinServer(workers=2, max_batch=256, extra_args=(*extra_args, *now_args))}
+    try:
+        servers[str(tree)] = StandinServer(workers=2, max_batch=256, extra_args=extra_args, tree=tree)
+        for load in loads:
+            costs: dict[str, list[float]] = {name: [] for name in servers}
+            for round_ in range(1, rounds + 1):
+                order = list(servers) if round_ % 2 else list(reversed(servers))  # neither always goes first
+                for name in order:
+                    costs[name].append(profile(load, servers[name], seconds, native, False, None, tokens)[2].us)
+                print(f"{load}, round {round_}: " + ", ".join(f"{name} {costs[name][-1]:.1f} us" for name in servers),
+                      flush=True)
+            now, then = (statistics.median(costs[name]) for name in servers)
+            print(f"{load}: front ends' CPU {UNITS[load][0]}, median of {rounds} rounds: now {now:.1f} us, "
+                  f"{tree} {then:.1f} us: ratio {now / then:.3f}", flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loads", default="unary,rest,batch,stream,sse")
@@ -194,9 +222,17 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens a stream (stream and sse loads)")
     parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     parser.add_argument("--server-args", default="", help="more flags for the server, e.g. --disable-log-requests")
+    parser.add_argument("--against", type=Path, help="compare with another checkout's stand-in server (no sampling)")
+    parser.add_argument("--rounds", type=int, default=4, help="--against: alternating rounds a load")
+    parser.add_argument("--now-server-args", default="",
+                        help="--against: flags for this checkout's server only (one the other lacks)")
     args = parser.parse_args()
-    server = StandinServer(workers=2, max_batch=256,
-                           extra_args=("--stream-interval", str(args.stream_interval), *args.server_args.split()))
+    extra_args = ("--stream-interval", str(args.stream_interval), *args.server_args.split())
+    if args.against:
+        against(args.against, args.loads.split(","), args.rounds, args.seconds, args.native, args.stream_tokens,
+                extra_args, tuple(args.now_server_args.split()))
+        return
+    server = StandinServer(workers=2, max_batch=256, extra_args=extra_args)
     try:
         for load in args.loads.split(","):
             layers, functions, cost = profile(load, server, args.seconds, args.native, not args.no_spy, args.save,

@@ -10,8 +10,13 @@ process, answering with prebuilt messages.
   few percent of a core). Prints the server process's whole
   CPU per call, its threads included, against which a front end's CPU per unary call
   (bench/host_path/front_end_profile.py) compares.
+- `--unary --against TREE`: the built-in server of this checkout and of another one (e.g. a
+  `git worktree` of an older commit), both started once and driven in turn, a short window
+  each, many rounds. Alternating windows of seconds, not whole runs, keep a shared machine's
+  drift out of the ratio; prints each round, the medians and their ratio.
 
     .venv/bin/python bench/host_path/grpc_stream_floor.py [--unary [--seconds 6] [--rounds 2] [--servers aio,builtin]]
+    .venv/bin/python bench/host_path/grpc_stream_floor.py --unary --against /tmp/old [--seconds 3] [--rounds 12]
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
@@ -82,26 +89,32 @@ class SyncAnswerer(pb_grpc.Gpt2ServeServicer):
         return ANSWER
 
 
-def serve(kind: str, port, ready) -> None:
-    """A server process (spawned): grpc.aio, the sync server on 8 threads, or the built-in server
-    (gpt2serve's own HTTP/2 and gRPC layers, on uvloop as a front end runs it)."""
-    if kind == "builtin":
-        import uvloop
+def serve_builtin(idle_timeout_s: float) -> None:
+    """The built-in server alone, as a front end runs it (uvloop, the server's default idle
+    limit), printing its port. Runs against whichever gpt2serve PYTHONPATH names, so the
+    policy's module is found where that tree keeps it."""
+    import uvloop
 
-        from gpt2serve.transport.grpc_builtin import BuiltinGrpcServer
-        from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
+    from gpt2serve.transport.grpc_builtin import BuiltinGrpcServer
+    from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
+    try:
         from gpt2serve.transport.h2_stream import ConnectionPolicy
+    except ImportError:  # the hand-written stack (before the move to libnghttp2)
+        from gpt2serve.transport.h2_frames import ConnectionPolicy
 
-        async def run_builtin() -> None:
-            method = GrpcMethod(UNARY, AsyncAnswerer().NextToken, pb.NextTokenRequest.FromString,
-                                pb.NextTokenResponse.SerializeToString)
-            app = GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20)
-            server = BuiltinGrpcServer(app, ConnectionPolicy(), 1024, lambda: None)
-            port.value = await server.listen("127.0.0.1", 0)
-            ready.set()
-            await asyncio.Event().wait()
-        uvloop.run(run_builtin())
-    elif kind == "aio":
+    async def run() -> None:
+        method = GrpcMethod(UNARY, AsyncAnswerer().NextToken, pb.NextTokenRequest.FromString,
+                            pb.NextTokenResponse.SerializeToString)
+        app = GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20)
+        server = BuiltinGrpcServer(app, ConnectionPolicy(idle_timeout_s=idle_timeout_s), 1024, lambda: None)
+        print(await server.listen("127.0.0.1", 0), flush=True)
+        await asyncio.Event().wait()
+    uvloop.run(run())
+
+
+def serve(kind: str, port, ready) -> None:
+    """A server process (spawned): grpc.aio or the sync server on 8 threads."""
+    if kind == "aio":
         async def run() -> None:
             server = grpc.aio.server()
             pb_grpc.add_Gpt2ServeServicer_to_server(AsyncAnswerer(), server)
@@ -129,20 +142,60 @@ def unary(kind: str, seconds: float) -> tuple[float, float]:
     """(calls a second, server CPU µs a call) under h2load."""
     from gpt2serve.benchmarks.native_load import grpc_request_body, run_h2load
 
-    spawn = multiprocessing.get_context("spawn")
-    port, ready = spawn.Value("i", 0), spawn.Event()
-    server = spawn.Process(target=serve, args=(kind, port, ready), daemon=True)
-    server.start()
-    ready.wait(30)
+    if kind == "builtin":
+        server, port = start_builtin(None)
+    else:
+        spawn = multiprocessing.get_context("spawn")
+        shared_port, ready = spawn.Value("i", 0), spawn.Event()
+        server = spawn.Process(target=serve, args=(kind, shared_port, ready), daemon=True)
+        server.start()
+        ready.wait(30)
+        port = shared_port.value
     path, body = grpc_request_body("grpc", [464, 3139, 286, 4881, 318], 1)
     try:
-        run_h2load(f"127.0.0.1:{port.value}", path, body, 64, 1, 1.0, 0.5)  # warm-up
+        run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, 1.0, 0.5)  # warm-up
         before = process_cpu_s(server.pid)
-        run = run_h2load(f"127.0.0.1:{port.value}", path, body, 64, 1, seconds, 0.1)
+        run = run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, seconds, 0.1)
         spent = process_cpu_s(server.pid) - before
     finally:
         server.kill()
     return run.requests / run.duration_s, spent / run.requests * 1e6  # CPU over the run's measured calls
+
+
+def start_builtin(tree: Path | None) -> tuple[subprocess.Popen, int]:
+    """The built-in server of `tree` (None: this checkout) in its own process, and its port."""
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = f"{tree / 'server'}:{tree / 'client'}"
+    process = subprocess.Popen([sys.executable, __file__, "--serve-builtin"], stdout=subprocess.PIPE, env=env,
+                               text=True)
+    return process, int(process.stdout.readline())
+
+
+def against(tree: Path, seconds: float, rounds: int) -> None:
+    """This checkout's built-in server and `tree`'s, in turn, a window of `seconds` each."""
+    from gpt2serve.benchmarks.native_load import grpc_request_body, run_h2load
+
+    path, body = grpc_request_body("grpc", [464, 3139, 286, 4881, 318], 1)
+    servers = {"now": start_builtin(None), str(tree): start_builtin(tree)}
+    costs: dict[str, list[float]] = {name: [] for name in servers}
+    try:
+        for process, port in servers.values():
+            run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, 2.0, 0.5)  # warm-up
+        for round_ in range(1, rounds + 1):
+            order = list(servers) if round_ % 2 else list(reversed(servers))  # neither always goes first
+            for name in order:
+                process, port = servers[name]
+                before = process_cpu_s(process.pid)
+                run = run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, seconds, 0.1)
+                costs[name].append((process_cpu_s(process.pid) - before) / run.requests * 1e6)
+            print(f"round {round_}: " + ", ".join(f"{name} {costs[name][-1]:.1f} us" for name in servers), flush=True)
+    finally:
+        for process, _ in servers.values():
+            process.kill()
+    now, then = (statistics.median(costs[name]) for name in servers)
+    print(f"server CPU a call, median of {rounds} rounds: now {now:.1f} us, {tree} {then:.1f} us: "
+          f"ratio {now / then:.3f}")
 
 
 SERVER_NAMES = {"aio": "grpc.aio", "sync": "grpc sync server, 8 threads", "builtin": "gpt2serve's built-in server"}
@@ -154,7 +207,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rounds", type=int, default=2, help="--unary: alternating rounds")
     parser.add_argument("--servers", default="aio,sync,builtin", help="--unary: which servers, in turn")
+    parser.add_argument("--against", type=Path, help="--unary: compare the built-in server with this checkout's")
+    parser.add_argument("--serve-builtin", action="store_true", help=argparse.SUPPRESS)  # start_builtin's child
     args = parser.parse_args()
+    if args.serve_builtin:
+        serve_builtin(idle_timeout_s=300.0)  # --grpc-max-connection-idle-s's default
+        return
+    if args.against:
+        against(args.against, args.seconds, args.rounds)
+        return
     if not args.unary:
         asyncio.run(streaming())
         return

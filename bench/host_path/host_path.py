@@ -130,14 +130,20 @@ class StandinServer(RunningServer):
     """bench/host_path/standin_server.py started here, on ephemeral ports, stopped by stop()."""
 
     def __init__(self, workers: int, max_batch: int, extra_args: tuple[str, ...] = (), phases_dir: str | None = None,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, tree: Path | None = None):
+        """`tree`: another checkout (e.g. a `git worktree` of an older commit), whose stand-in and
+        server run instead of this one's."""
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         self.phases_dir = phases_dir
         env = {**os.environ, **(extra_env or {})}
         if phases_dir:
             env["STANDIN_PHASES"] = phases_dir
+        script = Path(__file__).with_name("standin_server.py")
+        if tree is not None:
+            script = tree / "bench" / "host_path" / "standin_server.py"
+            env["PYTHONPATH"] = f"{tree / 'server'}:{tree / 'client'}"
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("standin_server.py")), "serve", "--model", "random:gpt2",
+            [sys.executable, str(script), "serve", "--model", "random:gpt2",
              "--device", "cpu", "--workers", str(workers), "--max-batch-size", str(max_batch),
              "--max-running-sequences", str(max_batch), "--max-queue", "4096", "--prefix-cache-mb", "0",
              "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", *extra_args],

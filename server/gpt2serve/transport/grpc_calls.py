@@ -206,11 +206,9 @@ class Call:
         except BaseException as exc:  # noqa: BLE001 - every way out is a status
             self.failed(exc)
             return
-        stream, context = self.stream, self.context
-        stream.send_headers(ANSWER_HEADERS)
-        stream.send_data(payload)
-        stream.send_headers(status_headers(grpc.StatusCode.OK, None, context.trailing)
-                            if context.trailing else OK_TRAILERS, end_stream=True)
+        context = self.context
+        self.stream.send_answer(ANSWER_HEADERS, payload, status_headers(grpc.StatusCode.OK, None, context.trailing)
+                                if context.trailing else OK_TRAILERS)
         self.ended()
 
     async def run_server_stream(self, request) -> None:

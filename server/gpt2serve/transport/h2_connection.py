@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import ngh2
 from ngh2 import (
@@ -33,7 +32,7 @@ from ngh2 import (
 )
 
 from .h2_events import PeerEvents
-from .h2_limits import LINGER_BYTES, LINGER_S, RateLimitedLog, TokenBucket, fatal_code, goaway_frame
+from .h2_limits import LINGER_BYTES, LINGER_S, RateLimitedLog, SlowPeers, TokenBucket, fatal_code, goaway_frame
 from .h2_stream import (
     CANCEL, ENHANCE_YOUR_CALM, MAX_HEADER_LIST, MAX_WINDOW, NO_ERROR, STREAM_WINDOW, ConnectionPolicy, Header,
     Http2App, Stream,
@@ -46,7 +45,7 @@ CODEC = Configuration(auto_window_update=False, max_inbound_header_list_size=MAX
 ENDED_LOG = RateLimitedLog(log)
 
 
-class Http2Connection(PeerEvents, asyncio.Protocol):
+class Http2Connection(PeerEvents, SlowPeers, asyncio.Protocol):
     """One client connection. `app` opens streams; `server` counts connections and sets policy."""
 
     def __init__(self, app: Http2App, policy: ConnectionPolicy, on_closed=None):
@@ -150,7 +149,7 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
         calls = self.handle_events()
         if self.backlog and not self.ended:
             self.loop.call_soon(self.feed_backlog)
-        self.set_reading()
+            self.set_reading()
         # Scheduled now, behind the steps of the calls this input started, their answers go out this
         # turn; input that only updates windows or acks (a client's reply to answers) flushes nothing
         # unless the codec has something to send.
@@ -162,6 +161,8 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
         if self.backlog and not self.ended:
             data, self.backlog = self.backlog, b""
             self.feed(data)
+            if not self.backlog:
+                self.set_reading()  # caught up: read again
 
     def handle_events(self) -> bool:
         """Handles the codec's events; whether any started, fed or ended a call."""
@@ -220,14 +221,15 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             return
         self.schedule_flush()
 
-    def over_window(self, stream: Stream) -> bool:
-        """More of the stream's answer is queued than the peer's windows let out."""
-        try:
-            queued = self.codec.queued_body_size(stream.id)
-            return queued > 0 and queued > min(self.codec.stream_remote_window_size(stream.id),
-                                               self.codec.remote_window_size)
+    def send_answer(self, stream: Stream, headers: list[Header], payload: bytes, trailers: list[Header]) -> None:
+        self.ping_strikes, stream.response_sent, codec = 0, True, self.codec
+        try:  # one crossing of ours for the three (a unary answer's whole cost here is per call)
+            codec.send_response(stream.id, headers)
+            codec.send_data(stream.id, payload)
+            codec.send_trailers(stream.id, trailers)
         except ngh2.NGH2Error:
-            return False
+            return
+        self.schedule_flush()
 
     def reset(self, stream: Stream, code: int) -> None:
         try:
@@ -303,31 +305,6 @@ class Http2Connection(PeerEvents, asyncio.Protocol):
             self.end("the codec ended the connection")
         elif "stall" not in self.timers and self.streams and codec.queued_body_size():
             self.timers["stall"] = self.loop.call_later(min(1.0, self.policy.send_timeout_s / 4), self.check_stalls)
-
-    def check_stalls(self) -> None:
-        """Resets the streams whose answers have waited `send_timeout_s` for the peer's window with
-        no progress, so calls held at window 0 cannot keep a connection (or a call) forever."""
-        self.timers.pop("stall", None)
-        if self.ended:
-            return
-        now, waited = time.monotonic(), False
-        for stream in list(self.streams.values()):
-            if not self.over_window(stream):
-                stream.stalled_since = None
-                continue
-            waited, queued = True, self.codec.queued_body_size(stream.id)
-            if stream.stalled_since is None or queued < stream.stalled_queue:
-                stream.stalled_since, stream.stalled_queue = now, queued
-            elif now - stream.stalled_since >= self.policy.send_timeout_s:
-                stream.reset(CANCEL)
-                self.stream_gone(stream)
-        if waited:
-            self.timers["stall"] = self.loop.call_later(min(1.0, self.policy.send_timeout_s / 4), self.check_stalls)
-
-    @property
-    def stalled(self) -> bool:
-        """Every call open has an answer waiting on a peer that gives it no window (an eviction's first choice)."""
-        return bool(self.streams) and all(self.over_window(s) for s in self.streams.values())
 
     def stream_done(self, stream: Stream) -> None:
         stream.closed = True

@@ -1,6 +1,6 @@
 """What the built-in gRPC server's connections (h2_connection) hold a client to, beyond what
-libnghttp2 holds it to: a token bucket for frames that do no work, the GOAWAY for a codec that
-failed, the linger after it, and a log that a flood cannot fill."""
+libnghttp2 holds it to: a token bucket for frames that do no work, answers the client does not
+read, the GOAWAY for a codec that failed, the linger after it, and a log that a flood cannot fill."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import ngh2
 
-from .h2_stream import COMPRESSION_ERROR, ENHANCE_YOUR_CALM, INTERNAL_ERROR, PROTOCOL_ERROR
+from .h2_stream import CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM, INTERNAL_ERROR, PROTOCOL_ERROR, Stream
 
 LINGER_S = 1.0  # after our GOAWAY, how long the peer's bytes are read and dropped before the socket closes
 LINGER_BYTES = 1 << 20  # and how many: a peer still sending more is not reading, and is cut off
@@ -50,6 +50,45 @@ class TokenBucket:
     def give(self, tokens: float) -> None:
         """Tokens earned (not by time), up to the burst."""
         self.tokens = min(self.burst, self.tokens + tokens)
+
+
+class SlowPeers:
+    """Http2Connection's answers held by a peer that gives them no window (the state is the
+    connection's): past `send_timeout_s` with no progress, the stream is reset."""
+
+    def over_window(self, stream: Stream) -> bool:
+        """More of the stream's answer is queued than the peer's windows let out."""
+        try:
+            queued = self.codec.queued_body_size(stream.id)
+            return queued > 0 and queued > min(self.codec.stream_remote_window_size(stream.id),
+                                               self.codec.remote_window_size)
+        except ngh2.NGH2Error:
+            return False
+
+    def check_stalls(self) -> None:
+        """Resets the streams whose answers have waited `send_timeout_s` for the peer's window with
+        no progress, so calls held at window 0 cannot keep a connection (or a call) forever."""
+        self.timers.pop("stall", None)
+        if self.ended:
+            return
+        now, waited = time.monotonic(), False
+        for stream in list(self.streams.values()):
+            if not self.over_window(stream):
+                stream.stalled_since = None
+                continue
+            waited, queued = True, self.codec.queued_body_size(stream.id)
+            if stream.stalled_since is None or queued < stream.stalled_queue:
+                stream.stalled_since, stream.stalled_queue = now, queued
+            elif now - stream.stalled_since >= self.policy.send_timeout_s:
+                stream.reset(CANCEL)
+                self.stream_gone(stream)
+        if waited:
+            self.timers["stall"] = self.loop.call_later(min(1.0, self.policy.send_timeout_s / 4), self.check_stalls)
+
+    @property
+    def stalled(self) -> bool:
+        """Every call open has an answer waiting on a peer that gives it no window (an eviction's first choice)."""
+        return bool(self.streams) and all(self.over_window(s) for s in self.streams.values())
 
 
 def goaway_frame(last_stream_id: int, code: int, reason: bytes) -> bytes:

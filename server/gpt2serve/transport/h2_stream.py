@@ -69,6 +69,7 @@ class Connection(Protocol):
 
     def send_headers(self, stream: Stream, headers: list[Header], end_stream: bool) -> None: ...
     def send_data(self, stream: Stream, payload: bytes, end_stream: bool) -> None: ...
+    def send_answer(self, stream: Stream, headers: list[Header], payload: bytes, trailers: list[Header]) -> None: ...
     def over_window(self, stream: Stream) -> bool: ...
     def reset(self, stream: Stream, code: int) -> None: ...
     def release(self, stream: Stream, size: int) -> None: ...
@@ -102,6 +103,11 @@ class Stream:
     def send_data(self, payload: bytes, end_stream: bool = False) -> None:
         if not self.closed:
             self.connection.send_data(self, payload, end_stream)
+
+    def send_answer(self, headers: list[Header], payload: bytes, trailers: list[Header]) -> None:
+        """A whole answer at once (a unary call's): headers, the payload as DATA, trailers."""
+        if not self.closed:
+            self.connection.send_answer(self, headers, payload, trailers)
 
     def release(self, size: int) -> None:
         """The listener has taken `size` bytes of this stream's data: the peer's windows get them back."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from operator import itemgetter
 from typing import Callable
 
 import httptools
@@ -85,6 +86,7 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
         _upgrade_body_left: int | None = None
         _in_head = False  # between a request's first byte and the end of its headers
         _head_bytes = 0  # of the request's head read so far (the read it began in counted whole)
+        _read_bytes = 0  # of the read being parsed
         _refusal: tuple[int, str] | None = None  # the answer to a head refused from a parser callback
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -136,13 +138,13 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
 
         def _check_head(self) -> None:
             """At the headers' end: the section's size (the reads before were checked as they came),
-            and HTTP/1.1's one Host."""
-            size, hosts = len(self.url), 0
-            for name, value in self.headers:  # one pass: this runs for every request
-                size += len(name) + len(value) + 4
-                hosts += name == b"host"
-            if size > max_header_bytes:
-                self._refuse_large_head()
+            and HTTP/1.1's one Host. The size is counted only where the reads the head came in
+            could hold more than the limit: a request in one small read (most) skips it."""
+            headers = self.headers
+            if self._head_bytes + self._read_bytes > max_header_bytes:
+                if len(self.url) + sum(len(name) + len(value) + 4 for name, value in headers) > max_header_bytes:
+                    self._refuse_large_head()
+            hosts = list(map(itemgetter(0), headers)).count(b"host")
             if hosts != 1 and (hosts or self.parser.get_http_version() == "1.1"):
                 self._refuse(400, "An HTTP/1.1 request carries exactly one Host header (RFC 9112 section 3.2).")
 
@@ -172,6 +174,7 @@ def bounded_http_protocol(max_connections: int, request_timeout_s: float, refuse
             self._unset_keepalive_if_required()
             if self._upgrade_body_left is not None and self._upgrade_body_left > 0:
                 data = self._ignored_upgrade_body(data)
+            self._read_bytes = len(data)
             try:
                 self.parser.feed_data(data)
                 if self._in_head:
