@@ -53,7 +53,7 @@ class Http2Connection(PeerEvents, SlowPeers, asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.codec = ngh2.Connection(Role.SERVER, CODEC)
         self.transport: asyncio.Transport | None = None
-        self.settings_seen = self.going_away = self.paused = self.lost = self.ended = False
+        self.settings_seen = self.going_away = self.paused = self.lost = self.ended = self.feeding = False
         self.streams: dict[int, Stream] = {}
         self.header_bytes = 0  # decoded headers the open streams hold
         self.streams_opened = 0
@@ -146,7 +146,11 @@ class Http2Connection(PeerEvents, SlowPeers, asyncio.Protocol):
         except ngh2.NGH2Error as exc:
             self.codec_failed(exc)
             return
-        calls = self.handle_events()
+        self.feeding = True
+        try:
+            calls = self.handle_events()
+        finally:
+            self.feeding = False
         if self.backlog and not self.ended:
             self.loop.call_soon(self.feed_backlog)
             self.set_reading()
@@ -248,7 +252,9 @@ class Http2Connection(PeerEvents, SlowPeers, asyncio.Protocol):
             self.codec.acknowledge_received_data(size, stream.id)
         except ngh2.NGH2Error:
             return
-        if self.codec.want_write:  # a WINDOW_UPDATE is due (half a window taken): most releases owe none
+        # A WINDOW_UPDATE may be due (half a window taken; most releases owe none). Input being fed
+        # is checked once at its end (feed), so only a release between reads asks the codec here.
+        if not self.feeding and not self.flush_scheduled and self.codec.want_write:
             self.schedule_flush()
 
     def widen(self, stream: Stream, window: int) -> None:

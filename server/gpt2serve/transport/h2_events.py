@@ -5,8 +5,6 @@ SETTINGS and PING. Frames that cost work and bring none are counted (`waste`).""
 from __future__ import annotations
 
 import time
-from itertools import chain
-
 from ngh2 import (
     DataReceived, GoAwayReceived, PingReceived, RequestReceived, SettingsReceived, StreamClosed, StreamReset,
     TrailersReceived, WindowUpdated,
@@ -14,14 +12,17 @@ from ngh2 import (
 
 from .h2_stream import ENHANCE_YOUR_CALM, HEADER_BUDGET, REFUSED_STREAM, Stream
 
+JOIN = b"".join
+
 
 class PeerEvents:
     """The event handlers of Http2Connection, which holds the state they read and write."""
 
     def request_received(self, event: RequestReceived) -> None:
         stream_id, headers = event.stream_id, event.headers
-        self.last_stream_id = max(self.last_stream_id, stream_id)
-        size = 32 * len(headers) + sum(map(len, chain.from_iterable(headers)))  # as RFC 9113 counts a list
+        if stream_id > self.last_stream_id:
+            self.last_stream_id = stream_id
+        size = 32 * len(headers) + len(JOIN(map(JOIN, headers)))  # as RFC 9113 counts a list
         if self.going_away or len(self.streams) >= self.policy.max_concurrent_streams:
             self.codec.reset_stream(stream_id, REFUSED_STREAM)  # the client may retry it
             return
