@@ -149,7 +149,7 @@ def main() -> int:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from gpt2serve_client import Client
-    from host_path import StandinServer
+    from servers import StandinServer
 
     with tempfile.TemporaryDirectory() as directory:
         server = StandinServer(args.workers, 256, extra_env={"STANDIN_TIMELINE": directory})

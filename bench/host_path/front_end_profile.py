@@ -42,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from host_path import StandinServer, metric_sum  # noqa: E402
+from servers import StandinServer, metric_sum  # noqa: E402
 from ipc_load import process_cpu_split  # noqa: E402
 
 PYTHON = sys.executable
