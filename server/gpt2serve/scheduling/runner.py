@@ -115,8 +115,7 @@ class StepRunner:
         """(the prompts that ride this step's decode, the rest)."""
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            plain = (r.trace is None or not r.trace.layers_wanted) and r.prompt_logprobs is None and r.controls is None
-            if plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.can_ride(r.prompt):
+            if r.plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.can_ride(r.prompt):
                 riders.append(r)
                 tokens += len(r.prompt)
             else:
@@ -151,8 +150,7 @@ class StepRunner:
         36.5-40.0k whole)."""
         if len(batch) < self.scheduler.max_batch_size and not self.scheduler.prompts:
             return False
-        if any(r.prompt_logprobs is not None or r.controls is not None
-               or (r.trace is not None and r.trace.layers_wanted) for r in batch):
+        if not all(r.plain for r in batch):
             return False
         started, started_ns = time.perf_counter(), time.time_ns()
         try:

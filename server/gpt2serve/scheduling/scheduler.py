@@ -87,6 +87,13 @@ class EngineRequest:
         return finish
 
     @property
+    def plain(self) -> bool:
+        """A next-token prompt that wants its top-k alone: no layer trace, no scores, no controls.
+        Only such a prompt may ride a decode step or be launched ahead of its reading."""
+        return (self.trace is None or not self.trace.layers_wanted) and self.prompt_logprobs is None \
+            and self.controls is None
+
+    @property
     def longest(self) -> int:
         """Positions a generation may hold: its prompt and all its new tokens."""
         return len(self.prompt) + self.new_tokens
