@@ -213,6 +213,15 @@ class Generator:
         cached = len(pool.match(sequence.prompt)) * PREFIX_BLOCK if pool is not None else 0
         return len(sequence.prompt) - cached > self.chunk_tokens
 
+    def queue_chunked(self, sequence: NewSequence) -> None:
+        """A long prompt joins the queue read in chunks, one chunk a step (prefill_chunk)."""
+        self.chunked.append(ChunkedPrefill(sequence))
+
+    @property
+    def next_chunked(self) -> int | None:
+        """The sequence whose chunk prefill_chunk reads next (the oldest queued), or None."""
+        return self.chunked[0].sequence.seq_id if self.chunked else None
+
     @oom_as_out_of_memory
     @torch.inference_mode()
     def prefill_chunk(self) -> StepOutput:

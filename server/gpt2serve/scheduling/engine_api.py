@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from ..engine.engine import BatchOutput
-from ..engine.generator import NewSequence, StepOutput
+from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
 from ..engine.prompt_launch import PromptLaunch
 
 
 class PromptEngine(Protocol):
-    """What the core needs of engine.engine.Engine (tests/support/fake_engine.FakeEngine)."""
+    """What the core needs of engine.engine.Engine (tests/support/fake_engine.FakeEngine stands in
+    for it), and all of it (tests/scheduling/test_engine_api.py)."""
 
     fixed_cost_tokens: float
 
@@ -29,16 +30,34 @@ class PromptEngine(Protocol):
 
 
 class GenerationEngine(Protocol):
-    """What the core needs of engine.generator.Generator."""
+    """What the core needs of engine.generator.Generator: all of it (tests/scheduling/test_engine_api.py
+    checks that the core and its runner use nothing else)."""
 
     slots: int
     capacity_blocks: int
     n_ctx: int
+    running: Sequence  # the sequences holding slots
+
+    @property
+    def overlaps(self) -> bool: ...  # a decode step may be launched before the last one is read
 
     def remove(self, seq_ids) -> None: ...
 
     def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput: ...
 
-    def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> StepOutput: ...
+    # Long prompts, read one chunk a step (engine.chunked_prefill).
+    def reads_in_chunks(self, sequence: NewSequence) -> bool: ...
 
+    def queue_chunked(self, sequence: NewSequence) -> None: ...
+
+    @property
+    def next_chunked(self) -> int | None: ...  # the sequence prefill_chunk reads next
+
+    def prefill_chunk(self) -> StepOutput: ...
+
+    # A decode step, launched and then read; next-token prompts may ride it (engine.riders).
     def can_ride(self, prompt: Sequence[int]) -> bool: ...
+
+    def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> DecodeLaunch: ...
+
+    def finish_decode(self, launch: DecodeLaunch) -> StepOutput: ...

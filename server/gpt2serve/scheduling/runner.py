@@ -32,7 +32,6 @@ from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
 from ..engine.prompt_launch import PromptLaunch
-from ..engine.chunked_prefill import ChunkedPrefill
 from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
@@ -95,7 +94,7 @@ class StepRunner:
             self.generator.remove({r.request_id for r in step.leaving})
         if step.admitted:
             self._prefill_step(step.admitted)
-        if self.generator is not None and self.generator.chunked:
+        if self.generator is not None and self.generator.next_chunked is not None:
             self._chunk_step()
         riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
         if prompts:
@@ -229,7 +228,7 @@ class StepRunner:
         for r in admitted:
             sequence = NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
             if self.generator.reads_in_chunks(sequence):
-                self.generator.chunked.append(ChunkedPrefill(sequence))
+                self.generator.queue_chunked(sequence)
             else:
                 whole.append((r, sequence))
         if whole:
@@ -256,9 +255,10 @@ class StepRunner:
     def _chunk_step(self) -> None:
         """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill): one a step,
         so running generations take a token between chunks."""
-        request = self.scheduler.running.get(self.generator.chunked[0].sequence.seq_id)
-        if request is None:  # failed or left since (its removal drops the job too)
-            self.generator.chunked.popleft()
+        seq_id = self.generator.next_chunked
+        request = self.scheduler.running.get(seq_id)
+        if request is None:  # failed or left since: its job goes, as its removal would drop it
+            self.generator.remove({seq_id})
             return
         output = self._step("prefill", [request], self.generator.prefill_chunk)
         if output is not None:
