@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import collections
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from servers import StandinServer, metric_sum  # noqa: E402
+from servers import StandinServer, alternating, metric_sum  # noqa: E402
 from ipc_load import process_cpu_split  # noqa: E402
 
 PYTHON = sys.executable
@@ -195,16 +194,9 @@ def against(tree: Path, loads: list[str], rounds: int, seconds: float, native: b
     try:
         servers[str(tree)] = StandinServer(workers=2, max_batch=256, extra_args=extra_args, tree=tree)
         for load in loads:
-            costs: dict[str, list[float]] = {name: [] for name in servers}
-            for round_ in range(1, rounds + 1):
-                order = list(servers) if round_ % 2 else list(reversed(servers))  # neither always goes first
-                for name in order:
-                    costs[name].append(profile(load, servers[name], seconds, native, False, None, tokens)[2].us)
-                print(f"{load}, round {round_}: " + ", ".join(f"{name} {costs[name][-1]:.1f} us" for name in servers),
-                      flush=True)
-            now, then = (statistics.median(costs[name]) for name in servers)
-            print(f"{load}: front ends' CPU {UNITS[load][0]}, median of {rounds} rounds: now {now:.1f} us, "
-                  f"{tree} {then:.1f} us: ratio {now / then:.3f}", flush=True)
+            alternating(list(servers), rounds, lambda name: profile(load, servers[name], seconds, native, False, None,
+                                                                    tokens)[2].us,
+                        f"{load}: front ends' CPU {UNITS[load][0]}")
     finally:
         for server in servers.values():
             server.stop()

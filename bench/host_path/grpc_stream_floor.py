@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import grpc
 
 from gpt2serve_client._proto import gpt2serve_pb2 as pb, gpt2serve_pb2_grpc as pb_grpc
 from gpt2serve_client.generation import GeneratedToken, GenerateChunk
+from servers import alternating  # bench/host_path, this script's folder
 
 MESSAGES, STREAMS, CALLS = 64, 64, 5
 TOKEN = GenerateChunk(" the", GeneratedToken(262, " the", -0.5)).to_proto()
@@ -89,12 +89,13 @@ class SyncAnswerer(pb_grpc.Gpt2ServeServicer):
         return ANSWER
 
 
-def serve_builtin(idle_timeout_s: float) -> None:
+def serve_builtin() -> None:
     """The built-in server alone, as a front end runs it (uvloop, the server's default idle
     limit), printing its port. Runs against whichever gpt2serve PYTHONPATH names, so the
     policy's module is found where that tree keeps it."""
     import uvloop
 
+    from gpt2serve.config import ServeConfig
     from gpt2serve.transport.grpc_builtin import BuiltinGrpcServer
     from gpt2serve.transport.grpc_calls import UNARY, GrpcApp, GrpcMethod
     try:
@@ -106,7 +107,8 @@ def serve_builtin(idle_timeout_s: float) -> None:
         method = GrpcMethod(UNARY, AsyncAnswerer().NextToken, pb.NextTokenRequest.FromString,
                             pb.NextTokenResponse.SerializeToString)
         app = GrpcApp({"/gpt2serve.v1.Gpt2Serve/NextToken": method}, 4 << 20)
-        server = BuiltinGrpcServer(app, ConnectionPolicy(idle_timeout_s=idle_timeout_s), 1024, lambda: None)
+        policy = ConnectionPolicy(idle_timeout_s=ServeConfig().grpc_max_connection_idle_s)
+        server = BuiltinGrpcServer(app, policy, 1024, lambda: None)
         print(await server.listen("127.0.0.1", 0), flush=True)
         await asyncio.Event().wait()
     uvloop.run(run())
@@ -138,10 +140,20 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def unary(kind: str, seconds: float) -> tuple[float, float]:
-    """(calls a second, server CPU µs a call) under h2load."""
+PROMPT = [464, 3139, 286, 4881, 318]
+
+
+def cpu_a_call(pid: int, port: int, seconds: float) -> tuple[float, float]:
+    """(calls a second, the server process's CPU µs a call) over `seconds` of h2load."""
     from gpt2serve.benchmarks.native_load import grpc_request_body, run_h2load
 
+    before = process_cpu_s(pid)
+    run = run_h2load(f"127.0.0.1:{port}", *grpc_request_body("grpc", PROMPT, 1), 64, 1, seconds, 0.1)
+    return run.requests / run.duration_s, (process_cpu_s(pid) - before) / run.requests * 1e6
+
+
+def unary(kind: str, seconds: float) -> tuple[float, float]:
+    """(calls a second, server CPU µs a call) under h2load."""
     if kind == "builtin":
         server, port = start_builtin(None)
     else:
@@ -151,15 +163,11 @@ def unary(kind: str, seconds: float) -> tuple[float, float]:
         server.start()
         ready.wait(30)
         port = shared_port.value
-    path, body = grpc_request_body("grpc", [464, 3139, 286, 4881, 318], 1)
     try:
-        run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, 1.0, 0.5)  # warm-up
-        before = process_cpu_s(server.pid)
-        run = run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, seconds, 0.1)
-        spent = process_cpu_s(server.pid) - before
+        cpu_a_call(server.pid, port, 1.0)  # warm-up
+        return cpu_a_call(server.pid, port, seconds)
     finally:
         server.kill()
-    return run.requests / run.duration_s, spent / run.requests * 1e6  # CPU over the run's measured calls
 
 
 def start_builtin(tree: Path | None) -> tuple[subprocess.Popen, int]:
@@ -174,28 +182,15 @@ def start_builtin(tree: Path | None) -> tuple[subprocess.Popen, int]:
 
 def against(tree: Path, seconds: float, rounds: int) -> None:
     """This checkout's built-in server and `tree`'s, in turn, a window of `seconds` each."""
-    from gpt2serve.benchmarks.native_load import grpc_request_body, run_h2load
-
-    path, body = grpc_request_body("grpc", [464, 3139, 286, 4881, 318], 1)
     servers = {"now": start_builtin(None), str(tree): start_builtin(tree)}
-    costs: dict[str, list[float]] = {name: [] for name in servers}
     try:
         for process, port in servers.values():
-            run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, 2.0, 0.5)  # warm-up
-        for round_ in range(1, rounds + 1):
-            order = list(servers) if round_ % 2 else list(reversed(servers))  # neither always goes first
-            for name in order:
-                process, port = servers[name]
-                before = process_cpu_s(process.pid)
-                run = run_h2load(f"127.0.0.1:{port}", path, body, 64, 1, seconds, 0.1)
-                costs[name].append((process_cpu_s(process.pid) - before) / run.requests * 1e6)
-            print(f"round {round_}: " + ", ".join(f"{name} {costs[name][-1]:.1f} us" for name in servers), flush=True)
+            cpu_a_call(process.pid, port, 2.0)  # warm-up
+        alternating(list(servers), rounds, lambda name: cpu_a_call(servers[name][0].pid, servers[name][1], seconds)[1],
+                    "server CPU a call")
     finally:
         for process, _ in servers.values():
             process.kill()
-    now, then = (statistics.median(costs[name]) for name in servers)
-    print(f"server CPU a call, median of {rounds} rounds: now {now:.1f} us, {tree} {then:.1f} us: "
-          f"ratio {now / then:.3f}")
 
 
 SERVER_NAMES = {"aio": "grpc.aio", "sync": "grpc sync server, 8 threads", "builtin": "gpt2serve's built-in server"}
@@ -211,7 +206,7 @@ def main() -> None:
     parser.add_argument("--serve-builtin", action="store_true", help=argparse.SUPPRESS)  # start_builtin's child
     args = parser.parse_args()
     if args.serve_builtin:
-        serve_builtin(idle_timeout_s=300.0)  # --grpc-max-connection-idle-s's default
+        serve_builtin()
         return
     if args.against:
         against(args.against, args.seconds, args.rounds)

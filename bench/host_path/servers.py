@@ -1,17 +1,19 @@
 """The servers the host-path benches drive: one started elsewhere (`RunningServer`, --target), or
 bench/host_path/standin_server.py started here (`StandinServer`), this checkout's or another's;
-and what is read of them: their processes and their /metrics."""
+and what is read of them: their processes and their /metrics. `alternating` compares two of them."""
 
 from __future__ import annotations
 
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 
 def server_processes(root: int) -> dict[str, int]:
@@ -89,3 +91,19 @@ class StandinServer(RunningServer):
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
+
+
+def alternating(names: list[str], rounds: int, measure: Callable[[str], float], what: str) -> dict[str, float]:
+    """`measure(name)` for each of two servers in turn, `rounds` times, the order flipped each
+    round so neither always goes first (a shared machine's drift falls on both). Prints each
+    round, then `what`'s medians and their ratio (the first over the second); returns the medians."""
+    costs: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(1, rounds + 1):
+        for name in names if round_ % 2 else list(reversed(names)):
+            costs[name].append(measure(name))
+        print(f"{what}, round {round_}: " + ", ".join(f"{name} {costs[name][-1]:.1f} us" for name in names), flush=True)
+    medians = {name: statistics.median(values) for name, values in costs.items()}
+    first, second = names
+    print(f"{what}, median of {rounds} rounds: {first} {medians[first]:.1f} us, {second} {medians[second]:.1f} us: "
+          f"ratio {medians[first] / medians[second]:.3f}", flush=True)
+    return medians
