@@ -145,8 +145,7 @@ class StepRunner:
         the device meanwhile; False where it cannot be launched so (then it runs whole). Only
         with a backlog (a full batch, or prompts left waiting): callers that all fit one batch
         are answered sooner whole, and overlapping them split them into two half batches, which
-        cost more a prompt (256 callers over the stand-in device: 33.9-35.6k prompts/s against
-        36.5-40.0k whole)."""
+        cost more a prompt (docs/benchmarks.md, "Next-token batches overlapped with the device")."""
         if len(batch) < self.scheduler.max_batch_size and not self.scheduler.prompts:
             return False
         if not all(r.plain for r in batch):

@@ -106,10 +106,10 @@ def next_token_request(prompt: list[int], top_k: int, output: Any, row: int, cal
                        arrived_ns: int, trace: TraceContext | None = None, prompt_logprobs: int | None = None,
                        controls: StepControls | None = None) -> EngineRequest:
     """The EngineRequest of a next-token prompt (EngineCore.queue_prompts, queue_calls), every
-    slot set here: the dataclass's keyword __init__, with its two clock reads, took 1.4 µs a
-    prompt against 0.6 (2 cores, AMD EPYC, 2026-11-28), at tens of thousands of prompts a
-    second. The same defaults as the dataclass's; tests/scheduling/test_batcher.py compares the
-    two field by field."""
+    slot set here: the dataclass's keyword __init__, with its two clock reads, costs more than
+    twice as much a prompt, at tens of thousands of prompts a second (docs/benchmarks.md, "One
+    output for a front end's plain calls"). The same defaults as the dataclass's;
+    tests/scheduling/test_batcher.py compares the two field by field."""
     r = object.__new__(EngineRequest)
     r.prompt, r.new_tokens, r.top_k, r.params, r.prompt_logprobs, r.trace, r.controls = \
         prompt, 0, top_k, _DEFAULT_PARAMS, prompt_logprobs, trace, controls
