@@ -46,7 +46,7 @@ class Stamps:
 
 
 async def one_round(core: EngineCore, generator: Generator, chunk: int, streams: int, long_tokens: int) -> dict:
-    generator.chunk_tokens = chunk  # read when the long prompt is admitted
+    generator.chunked.chunk_tokens = chunk  # read when the long prompt is admitted
     sinks = [Stamps() for _ in range(streams)]
     ids = [core.add(GenerateRequest([100 + i, 200 + i, 300 + i], GREEDY, 1000), s) for i, s in enumerate(sinks)]
     while min(len(s.times) for s in sinks) < 8:

@@ -166,7 +166,7 @@ def prefill(self, sequences):
                                        {}, {s.seq_id: 0 for s in sequences})
 
 
-def launch_decode(self, riders=(), rider_top_ks=()):
+def launch_decode(self, riders=(), rider_top_ks=(), chunk=False):
     """A decode step queued on the stand-in device; the real finish_decode() waits for it and
     reads its answers."""
     started, started_ns = time.perf_counter(), time.time_ns()
@@ -199,7 +199,7 @@ generator_module.Generator.overlaps = property(lambda self: os.environ.get("STAN
 generator_module.Generator.remove = remove
 generator_module.Generator.warm_up = lambda self: None
 generator_module.Generator.allocate = lambda self: None
-generator_module.Generator.can_ride = lambda self, prompt: False  # as on cuda: decode steps are graphs
+generator_module.Generator.takes_riders = property(lambda self: False)  # as on cuda: decode steps are graphs
 
 
 def after_engine_start(hook) -> None:

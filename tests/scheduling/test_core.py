@@ -1,7 +1,7 @@
 """The engine core with a real engine: one scheduler for next-token prompts and generations.
 
 A next-token prompt that arrives while generations run rides their next decode step (one
-forward for both, engine.riders): its answer and theirs must each be what they would be alone.
+forward for both, engine.step_forward): its answer and theirs must each be what they would be alone.
 """
 
 from __future__ import annotations

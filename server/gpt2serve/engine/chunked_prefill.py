@@ -1,5 +1,6 @@
-"""Long prompts prefilled in chunks: one chunk a step, between the running sequences' decode
-steps, so a long prompt never stalls them for its whole prefill (vLLM's chunked prefill).
+"""Long prompts prefilled in chunks: one chunk a step, in the same forward as the running
+sequences' decode step (engine.step_forward) where it can, so a long prompt never stalls them
+for its whole prefill (vLLM's chunked prefill).
 
 A prompt whose uncached part is longer than the chunk (--prefill-chunk-tokens) becomes a
 ChunkedPrefill. Each step computes its next chunk: the chunk's queries attend over the keys
@@ -16,37 +17,15 @@ hidden state at once); they wait their turn, one chunk of one prompt a step, old
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Collection
 
 import torch
 
 from .kv_cache import KVCache
 from .prefix_cache import BLOCK, PrefixCache
-from .sampling import to_device
-
-
-class ChunkStore:
-    """A KeyValueStore (engine.gpt2) for one chunk of a ChunkedPrefill: its keys and values go
-    into the staging, and its queries attend over the staging up to their own position."""
-
-    def __init__(self, job: ChunkedPrefill, start: int, end: int):
-        self.job, self.start, self.end = job, start, end
-
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        return None  # attend, then the model's own kernel with the mask below
-
-    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.job.staging(layer, k)  # (1, nh, L, hs) each
-        keys[:, :, self.start:self.end] = k  # k, v: (1, nh, T, hs), this chunk's
-        values[:, :, self.start:self.end] = v
-        return keys[:, :, :self.end], values[:, :, :self.end]  # (1, nh, end, hs)
-
-    def mask(self, device: torch.device) -> torch.Tensor:
-        """(1, 1, T, end): every staged key before the chunk, then its own keys causally."""
-        T = self.end - self.start
-        before = torch.ones(T, self.start, dtype=torch.bool, device=device)
-        own = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        return torch.cat([before, own], dim=1)[None, None]
+from .step_forward import PromptRow
 
 
 @dataclass(eq=False)
@@ -93,22 +72,6 @@ class ChunkedPrefill:
             values[0, :, :c] = pool.values[layer, positions].transpose(0, 1)
         self.done = self.cached = c
 
-    def read_chunk(self, model, chunk_tokens: int, pool: PrefixCache | None) -> torch.Tensor:
-        """Compute the next chunk (the prompt's cached blocks are taken first); returns (1, C),
-        the residual stream at its last token."""
-        if not self.done:
-            self.take_hits(pool, model.config.n_layer)
-        start, end = self.done, min(self.done + chunk_tokens, len(self.prompt))
-        device = model.wte.weight.device
-        store = ChunkStore(self, start, end)
-        ids = to_device(self.prompt[start:end], device)[None]  # (1, T)
-        positions = torch.arange(start, end, device=device)[None]  # (1, T)
-        hidden = model.hidden_states(ids, positions, None, kv=store, mask=store.mask(device))  # (1, T, C)
-        if pool is not None:
-            self.keep_hidden(start, hidden[0])
-        self.done = end
-        return hidden[:, -1]
-
     def into_slot(self, cache: KVCache, slot: int) -> None:
         """The whole prompt's staged keys and values into its KV-cache slot."""
         length = len(self.prompt)
@@ -137,3 +100,51 @@ class ChunkedPrefill:
             return failed
 
         pool.run([self.prompt], write, lambda failed_: [0] if failed_ else [])
+
+
+class ChunkQueue:
+    """The prompts being read in chunks, oldest first: `chunk_tokens` of the oldest one a step
+    (0: none is ever chunked)."""
+
+    def __init__(self, chunk_tokens: int):
+        self.chunk_tokens = chunk_tokens
+        self.jobs: deque[ChunkedPrefill] = deque()
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs)
+
+    @property
+    def oldest(self) -> ChunkedPrefill | None:
+        return self.jobs[0] if self.jobs else None
+
+    def reads_in_chunks(self, sequence, pool: PrefixCache | None) -> bool:
+        """More uncached tokens than a chunk, and no scores (scoring reads every position's hidden
+        state at once)."""
+        if not self.chunk_tokens or sequence.prompt_logprobs is not None or len(sequence.prompt) <= self.chunk_tokens:
+            return False
+        cached = len(pool.match(sequence.prompt)) * BLOCK if pool is not None else 0
+        return len(sequence.prompt) - cached > self.chunk_tokens
+
+    def add(self, sequence) -> None:
+        self.jobs.append(ChunkedPrefill(sequence))
+
+    def drop(self, seq_ids: Collection[int]) -> None:
+        if any(job.sequence.seq_id in seq_ids for job in self.jobs):
+            self.jobs = deque(job for job in self.jobs if job.sequence.seq_id not in seq_ids)
+
+    def next_row(self, pool: PrefixCache | None, n_layer: int) -> PromptRow:
+        """The oldest prompt's next chunk, as a row of a step (engine.step_forward); before its
+        first, the blocks it finds in the prefix cache are staged."""
+        job = self.jobs[0]
+        if not job.done:
+            job.take_hits(pool, n_layer)
+        return PromptRow(job.prompt, job.done, min(job.done + self.chunk_tokens, len(job.prompt)), staging=job)
+
+    def read(self, row: PromptRow, hidden: torch.Tensor, pool: PrefixCache | None) -> ChunkedPrefill | None:
+        """`row` was computed, (T, C) `hidden` its residual stream: the job, out of the queue, when
+        that was its last chunk."""
+        job = self.jobs[0]
+        if pool is not None:  # for the prompt's blocks
+            job.keep_hidden(row.start, hidden)
+        job.done = row.stop
+        return self.jobs.popleft() if job.done == len(job.prompt) else None

@@ -8,8 +8,8 @@ thread, in two kinds of step:
   On cuda, prompts that need nothing from the prefix cache replay a graph (engine.prefill_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
-  (engine.traced_decode); or, with next-token prompts riding it, one eager forward for both
-  (engine.riders).
+  (engine.traced_decode); or, with next-token prompts or a long prompt's next chunk riding it
+  (engine.chunked_prefill), one eager forward for all (engine.step_forward).
 Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
 shrinks with what they hold (engine.kv_cache).
 
@@ -22,12 +22,11 @@ synchronously. Each row's own controls and grammar: engine.logits_controls."""
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Collection, Sequence
 
 import torch
 
-from .chunked_prefill import ChunkedPrefill
+from .chunked_prefill import ChunkedPrefill, ChunkQueue
 from .decode_graphs import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
 from .traced_decode import TracedDecode
@@ -36,12 +35,12 @@ from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
 from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
 from .padding import forward_parts
-from .prefix_cache import BLOCK as PREFIX_BLOCK, RowPlan
+from .prefix_cache import PrefixCache, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
-from .riders import RiderLayout, RiderStore
+from .step_forward import PromptRow, packed_forward
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
-from .steps import DecodeLaunch, NewSequence, Running, StepOutput, joined
+from .steps import DecodeLaunch, NewSequence, PackedAnswers, Running, StepOutput, joined
 
 
 class Generator:
@@ -63,8 +62,7 @@ class Generator:
         self.history: TokenHistory | None = None  # rows with penalties: their tokens, on the device
         self.grammars = engine.grammars  # structured output's compiled grammars
         self.running: list[Running] = []
-        self.chunk_tokens = chunk_tokens
-        self.chunked: deque[ChunkedPrefill] = deque()  # long prompts being read, oldest first
+        self.chunked = ChunkQueue(chunk_tokens)  # long prompts being read, oldest first
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
@@ -127,8 +125,7 @@ class Generator:
                 self.running[i] = last  # checked again: it may be leaving too
         if self.cache is not None:
             self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
-        if any(job.sequence.seq_id in seq_ids for job in self.chunked):
-            self.chunked = deque(job for job in self.chunked if job.sequence.seq_id not in seq_ids)
+        self.chunked.drop(seq_ids)
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -181,7 +178,7 @@ class Generator:
         return StepOutput(tokens, "prefill", len(sequences), sum(batch.new_lengths), time.perf_counter() - started,
                           started_ns, time.time_ns(), failed,
                           {sequences[row].seq_id: score for row, score in scores.items()},
-                          {s.seq_id: cached for s, cached in zip(sequences, batch.cached)})
+                          {s.seq_id: cached for s, cached in zip(sequences, batch.cached)}, sum(batch.new_lengths))
 
     def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
                          first: int, started: float, started_ns: int) -> StepOutput | None:
@@ -203,67 +200,41 @@ class Generator:
         tokens, failed = self._choose(logits, added, first)
         self.running.extend(added)
         return StepOutput(tokens, "prefill", len(sequences), sum(map(len, prompts)), time.perf_counter() - started,
-                          started_ns, time.time_ns(), failed, {}, {s.seq_id: 0 for s in sequences})
+                          started_ns, time.time_ns(), failed, {}, {s.seq_id: 0 for s in sequences},
+                          sum(map(len, prompts)))
 
     def reads_in_chunks(self, sequence: NewSequence) -> bool:
         """Read in chunks (engine.chunked_prefill): more uncached tokens than a chunk, no scores."""
-        if not self.chunk_tokens or sequence.prompt_logprobs is not None or len(sequence.prompt) <= self.chunk_tokens:
-            return False
-        pool = self.engine.prefix_cache
-        cached = len(pool.match(sequence.prompt)) * PREFIX_BLOCK if pool is not None else 0
-        return len(sequence.prompt) - cached > self.chunk_tokens
+        return self.chunked.reads_in_chunks(sequence, self.engine.prefix_cache)
 
     def queue_chunked(self, sequence: NewSequence) -> None:
         """A long prompt joins the queue read in chunks, one chunk a step (prefill_chunk)."""
-        self.chunked.append(ChunkedPrefill(sequence))
+        self.chunked.add(sequence)
 
     @property
     def next_chunked(self) -> int | None:
         """The sequence whose chunk prefill_chunk reads next (the oldest queued), or None."""
-        return self.chunked[0].sequence.seq_id if self.chunked else None
+        return self.chunked.oldest.sequence.seq_id if self.chunked else None
 
     @oom_as_out_of_memory
     @torch.inference_mode()
     def prefill_chunk(self) -> StepOutput:
-        """The next chunk of the oldest prompt read in chunks (queued in `chunked`). Its last
-        chunk gives the sequence its first token and a slot (n), as prefill() would."""
-        started, started_ns = time.perf_counter(), time.time_ns()
-        self.allocate()
-        job, pool = self.chunked[0], self.engine.prefix_cache
-        start = job.done
-        last = job.read_chunk(self.model, self.chunk_tokens, pool)  # (1, C) residual stream at the chunk's end
-        sequence, length = job.sequence, len(job.prompt)
-        if job.done < length:  # more to read: no token yet
-            return StepOutput({}, "prefill", 1, job.done - start, time.perf_counter() - started, started_ns,
-                              time.time_ns())
-        self.chunked.popleft()
-        slot = len(self.running)
-        if slot >= self.slots:
-            raise ValueError(f"{slot + 1} sequences for {self.slots} cache slots")
-        self.cache.reserve(slot + 1, length)
-        job.into_slot(self.cache, slot)
-        added = Running.of(sequence, length)
-        tokens, failed = self._choose(self.engine.head(last), [added], slot)
-        self.running.append(added)
-        if pool is not None:
-            job.fill_pool(pool, bool(failed))
-        return StepOutput(tokens, "prefill", 1, length - start, time.perf_counter() - started, started_ns,
-                          time.time_ns(), failed, {}, {sequence.seq_id: job.cached})
+        """The next chunk of the oldest prompt read in chunks (queued in `chunked`), in a forward
+        of its own; a decode step takes it along instead where it can (launch_decode)."""
+        return self.finish_decode(self._launch(decode=False, chunk=True))
 
     @property
     def takes_riders(self) -> bool:
-        """Whether next-token prompts may ride decode steps (engine.riders): not where decode
+        """Whether next-token prompts may ride decode steps (engine.step_forward): not where decode
         steps replay CUDA graphs, which a step with riders could not."""
         return self.graphs is None and not (self.use_graphs and self.engine.device.type == "cuda")
 
-    def can_ride(self, prompt: Sequence[int]) -> bool:
-        """A prompt with nothing for the prefix cache: it has no full block to look up or keep."""
-        return self.takes_riders and (self.engine.prefix_cache is None or len(prompt) < PREFIX_BLOCK)
-
-    def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> StepOutput:
-        """One token for every running sequence; and with `riders` (next-token prompts, see
-        engine.riders), each rider's top-k next tokens from the same forward."""
-        return self.finish_decode(self.launch_decode(riders, rider_top_ks))
+    def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
+               chunk: bool = False) -> StepOutput:
+        """One token for every running sequence; and from the same forward (engine.step_forward),
+        with `riders` (next-token prompts) each rider's top-k next tokens, and with `chunk` the
+        next chunk of the oldest prompt read in chunks."""
+        return self.finish_decode(self.launch_decode(riders, rider_top_ks, chunk))
 
     @property
     def overlaps(self) -> bool:
@@ -272,25 +243,31 @@ class Generator:
 
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = ()) -> DecodeLaunch:
+    def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
+                      chunk: bool = False) -> DecodeLaunch:
         """Queue a decode step of every running sequence (see decode()): each one's last token
         comes from last_ids, its sampled one goes back there, and its answers to the host by a
         copy that finish_decode() waits for. On cuda nothing here waits for the device (with
-        riders it does: their answers come back at once)."""
+        riders or a chunk it does: their answers come back at once). `chunk`: the next chunk of
+        the oldest prompt read in chunks rides the same forward (engine.step_forward)."""
+        return self._launch(True, riders, rider_top_ks, chunk)
+
+    def _launch(self, decode: bool, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
+                chunk: bool = False) -> DecodeLaunch:
         started, started_ns = time.perf_counter(), time.time_ns()
-        rows, device = list(self.running), self.engine.device
+        self.allocate()
+        rows, device = list(self.running) if decode else [], self.engine.device
         B = len(rows)
         lengths = [r.length for r in rows]
-        needed = max(lengths) + 1  # positions, with the new token's
+        needed = max(lengths, default=0) + 1  # positions, with the new token's
         device_started = done = None
         if device.type == "cuda":
             device_started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             device_started.record()
         last = self.last_ids[:B]  # (B,) on the device
-        logits, rider_tops, rider_failed = None, [], frozenset()
-        if riders:
-            logits, rider_logits = self._decode_with_riders(last, lengths, needed, riders)
-            rider_tops, rider_failed = top_k_rows(torch.log_softmax(rider_logits.float(), dim=-1), rider_top_ks)
+        logits, packed = None, None
+        if riders or chunk:
+            logits, packed = self._packed_step(last, lengths, needed, riders, rider_top_ks, chunk)
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
         elif self.traces is not None:  # cpu: one trace per span, any number of rows
@@ -300,14 +277,14 @@ class Generator:
         if logits is None:  # eager, at the exact batch
             span = self._eager_span(B, needed)
             logits = self._decode_logits(last, to_device(lengths, device), span)
-        chosen = self._sample(logits, rows, 0, decode=True)  # (B, 3 + 2n)
+        chosen = self._sample(logits, rows, 0, decode=True) if B else torch.zeros(0)  # (B, 3 + 2n)
         if done is not None:
             chosen = to_host(chosen, done)
         for r in rows:
             r.length += 1
             r.unread += 1
         return DecodeLaunch(rows, chosen, done, device_started, B + sum(map(len, riders)), started, started_ns,
-                            time.perf_counter() - started, rider_tops, rider_failed)
+                            time.perf_counter() - started, packed)
 
     def finish_decode(self, step: DecodeLaunch) -> StepOutput:
         """Wait for a launched step's answers (cuda; on a CPU they are there) and read them."""
@@ -315,12 +292,17 @@ class Generator:
         if step.done is not None:
             step.done.synchronize()  # lets go of the GIL while it waits
             forward_s = step.device_started.elapsed_time(step.done) / 1000
-        tokens, failed = read_choices(step.chosen.tolist(), step.rows)
+        tokens, failed = read_choices(step.chosen.tolist(), step.rows) if step.rows else ({}, frozenset())
         for r in step.rows:
             r.unread -= 1
-        return StepOutput(tokens, "decode", len(step.rows), step.tokens_in, forward_s, step.started_ns,
-                          step.started_ns + int(forward_s * 1e9), failed, rider_tops=step.rider_tops,
-                          rider_failed=step.rider_failed)
+        packed = step.packed or PackedAnswers()
+        return StepOutput({**tokens, **packed.first_tokens}, "decode" if step.rows else "prefill",
+                          len(step.rows) + (packed.prompt_tokens > 0),
+                          step.tokens_in + packed.prompt_tokens, forward_s, step.started_ns,
+                          step.started_ns + int(forward_s * 1e9), failed | packed.first_failed,
+                          cached_tokens=packed.cached_tokens, prompt_tokens=packed.prompt_tokens,
+                          joined=frozenset(packed.first_tokens), rider_tops=packed.rider_tops,
+                          rider_failed=packed.rider_failed, rider_cached=packed.rider_cached)
 
     def _eager_span(self, rows: int, needed: int) -> int:
         """Room for `rows` slots of `needed` positions; the span an eager step attends over: whole
@@ -328,20 +310,55 @@ class Generator:
         self.cache.reserve(rows, needed)
         return min(BLOCK * blocks_for(needed), self.cache.length)
 
-    def _decode_with_riders(self, last: torch.Tensor, lengths: list[int], needed: int,
-                            riders: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward of D decode tokens ((D,) `last`, at `needed` positions) and the riders'
-        prompts, packed in one row -> ((D, V) decode logits, (R, V) the riders' next-token logits)."""
-        device, D = self.engine.device, len(last)
-        span = self._eager_span(D, needed)
-        layout = RiderLayout.of(D, riders, device)
-        prompt_ids = torch.tensor([t for p in riders for t in p], device=device)
-        ids = torch.cat((last, prompt_ids))[None]  # (1, N)
-        positions = torch.tensor([*lengths, *(t for p in riders for t in range(len(p)))], device=device)[None]  # (1, N)
-        store = RiderStore(self.cache.decode(positions[0, :D], span), layout)
-        hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (1, N, C)
-        logits = self.engine.head(hidden[0, torch.cat((torch.arange(D, device=device), layout.last))])  # (D + R, V)
-        return logits[:D], logits[D:]
+    def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[Sequence[int]],
+                     rider_top_ks: Sequence[int], chunk: bool) -> tuple[torch.Tensor, PackedAnswers]:
+        """One forward of D decode tokens ((D,) `last`, at `needed` positions), the riders' prompts
+        (after what the prefix cache holds of them) and, with `chunk`, the next chunk of the oldest
+        prompt read in chunks (engine.step_forward) -> ((D, V) decode logits, the rest's answers)."""
+        device, D, pool = self.engine.device, len(last), self.engine.prefix_cache
+        decode = self.cache.decode(to_device(lengths, device), self._eager_span(D, needed)) if D else None
+        chunk_rows = [self.chunked.next_row(pool, self.model.config.n_layer)] if chunk else []
+        final = chunk and chunk_rows[0].stop == len(chunk_rows[0].prompt)
+
+        def forward(plans: list[RowPlan]) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor]:
+            rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit))
+                    for p, plan in zip(riders, plans)]
+            hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans)
+            wanted = torch.cat((torch.arange(D, device=device), layout.last[:len(rows) + final]))
+            logits = self.engine.head(hidden[0, wanted])  # (D + R [+ 1], V)
+            tops, failed = [], frozenset()
+            if rows:
+                tops, failed = top_k_rows(torch.log_softmax(logits[D:D + len(rows)].float(), dim=-1), rider_top_ks)
+            chunk_hidden = hidden[0, layout.firsts[-1]:] if chunk else None  # (T, C): the chunk's, last
+            cached = [plan.cached_tokens for plan in plans] if pool is not None else []
+            return logits, PackedAnswers(tops, failed, cached), chunk_hidden
+
+        if pool is None or not riders:
+            logits, answers, chunk_hidden = forward([RowPlan(p, []) for p in riders])
+        else:
+            logits, answers, chunk_hidden = pool.run(riders, forward, lambda out: out[1].rider_failed)
+        if chunk:
+            answers.prompt_tokens = len(chunk_rows[0].tokens)
+            job = self.chunked.read(chunk_rows[0], chunk_hidden, pool)
+            if job is not None:
+                self._chunk_read(job, logits[-1:], answers)
+        return logits[:D], answers
+
+    def _chunk_read(self, job: ChunkedPrefill, logits: torch.Tensor, answers: PackedAnswers) -> None:
+        """The last chunk of `job` was read, (1, V) `logits` after it: the sequence takes a slot (n)
+        and its first token, and the prompt's full blocks go into the prefix cache."""
+        sequence, length, slot = job.sequence, len(job.prompt), len(self.running)
+        if slot >= self.slots:
+            raise ValueError(f"{slot + 1} sequences for {self.slots} cache slots")
+        self.cache.reserve(slot + 1, length)
+        job.into_slot(self.cache, slot)
+        added = Running.of(sequence, length)
+        tokens, failed = self._choose(logits, [added], slot)
+        self.running.append(added)
+        if self.engine.prefix_cache is not None:
+            job.fill_pool(self.engine.prefix_cache, bool(failed))
+        answers.first_tokens, answers.first_failed = tokens, failed
+        answers.cached_tokens = {sequence.seq_id: job.cached}
 
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`

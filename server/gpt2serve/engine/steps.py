@@ -34,10 +34,20 @@ class StepOutput:
     # fails them alone, and frees their slots at the next step.
     failed: frozenset[int] = frozenset()
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
-    cached_tokens: dict[int, int] = field(default_factory=dict)  # prefill: seq_id -> prompt tokens from the prefix cache
-    # decode with riders (engine.riders): each rider's top-k next tokens, and the riders not finite
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> prompt tokens from the prefix cache
+    prompt_tokens: int = 0  # prompt tokens computed (a prefill's, a chunk's), riders' aside
+    # sequences whose prompt was read to its end in this decode step (a chunk rode it): their
+    # tokens are first tokens, as a prefill's are
+    joined: frozenset[int] = frozenset()
+    # riders (engine.step_forward): each one's top-k next tokens, the riders not finite, and
+    # each one's tokens from the prefix cache (empty when it is off)
     rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
     rider_failed: frozenset[int] = frozenset()
+    rider_cached: list[int] = field(default_factory=list)
+
+    def first(self, seq_id: int) -> bool:
+        """Whether this step gave the sequence its first token."""
+        return self.kind == "prefill" or seq_id in self.joined
 
 
 @dataclass
@@ -62,6 +72,19 @@ class Running:
 
 
 @dataclass
+class PackedAnswers:
+    """What a decode step's packed forward (engine.step_forward) gave beside the decode tokens."""
+
+    rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
+    rider_failed: frozenset[int] = frozenset()
+    rider_cached: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0  # of the chunk
+    first_tokens: dict[int, SampledToken] = field(default_factory=dict)  # the chunked prompt's, read to its end
+    first_failed: frozenset[int] = frozenset()
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
 class DecodeLaunch:
     """A decode step on its way: its answers are in `chosen` once `done` has fired."""
 
@@ -73,8 +96,7 @@ class DecodeLaunch:
     started: float
     started_ns: int
     forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
-    rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
-    rider_failed: frozenset[int] = frozenset()
+    packed: PackedAnswers | None = None  # riders or a chunk rode it
 
 
 def joined(outputs: list[StepOutput]) -> StepOutput:
@@ -84,4 +106,5 @@ def joined(outputs: list[StepOutput]) -> StepOutput:
                       sum(o.tokens_in for o in outputs), last.forward_s, outputs[0].started_ns, last.ended_ns,
                       frozenset().union(*(o.failed for o in outputs)),
                       {k: v for o in outputs for k, v in o.prompt_scores.items()},
-                      {k: v for o in outputs for k, v in o.cached_tokens.items()})
+                      {k: v for o in outputs for k, v in o.cached_tokens.items()},
+                      sum(o.prompt_tokens for o in outputs))

@@ -4,13 +4,15 @@
     submit() / add() / abort() ── intake ──────> Scheduler.schedule() -> Step -> StepRunner.run:
                                                    free leaving slots, prefill admitted generations,
                                                    decode running ones (overlapped with the device
-                                                   on cuda) with next-token prompts riding the same
-                                                   forward (engine.riders), forward the others
+                                                   on cuda) with next-token prompts and a long
+                                                   prompt's next chunk riding the same forward
+                                                   (engine.step_forward), forward the others
     answers, token events, telemetry  <───────── handed over in order, one wake-up at a time
 
 A next-token prompt that arrives while generations run is answered from their next decode step
-where it can ride it: untraced, unscored, nothing for the prefix cache, within the step's token
-budget, and on a device whose decode steps are not CUDA graphs (Generator.can_ride).
+where it can ride it: untraced, unscored, within the step's token budget, and on a device whose
+decode steps are not CUDA graphs (Generator.takes_riders); the prefix cache is read and filled
+for it as for any prompt.
 
 The loop never runs on the callers' event loop: while a forward runs, that loop (or, in the
 engine process, the IPC thread: ipc.engine_server) decodes and encodes messages (vLLM v1's busy

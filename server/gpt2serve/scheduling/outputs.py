@@ -167,14 +167,14 @@ class Outputs:
         A sink with `put_plain` (the IPC door's) takes a plain token without a TokenEvent built.
         A prefill's tokens are first tokens, with their extras; the step says so, not the
         request's count, which the core may already have moved on by the time this runs."""
-        forward_s, rows, first = output.forward_s, output.rows, output.kind == "prefill"
+        forward_s, rows = output.forward_s, output.rows
         scores, cached = output.prompt_scores, output.cached_tokens
         for request, token, finish in taken:
             if request.cancelled:
                 continue
             if finish:
                 self.generations.pop(request.request_id, None)
-            sink = request.output
+            sink, first = request.output, output.first(request.request_id)
             try:
                 if not first and hasattr(sink, "put_plain"):
                     sink.put_plain(token, finish, forward_s, rows)
@@ -188,8 +188,9 @@ class Outputs:
                 wake()
         if self.observer is not None:
             prefix = None
-            if output.cached_tokens:  # a prefill with the prefix cache on
-                prefix = PrefixCacheUse(sum(len(r.prompt) for r in members), sum(output.cached_tokens.values()))
+            if cached:  # prompts read to their end here, with the prefix cache on
+                prefix = PrefixCacheUse(sum(len(r.prompt) for r in members if r.request_id in cached),
+                                        sum(cached.values()))
             self._observe(self.observer.record_step, StepDone(
                 output.kind, [r.trace for r in members], output.rows, output.tokens_in, output.forward_s,
                 output.started_ns, output.ended_ns, prefix))

@@ -3,9 +3,10 @@ the engine and the generator, and hands every answer to the callers' side (sched
 
     leaving   their KV-cache slots come free
     admitted  one prefill, which gives each its first token; a long prompt is read instead in
-              chunks, one chunk a step (engine.chunked_prefill), the oldest first
-    prompts   next-token prompts: riding this step's decode (engine.riders) where they can, the
-              others in a forward of their own; with overlap a plain batch is launched and the
+              chunks, one chunk a step (engine.chunked_prefill), the oldest first, riding the
+              decode step where it can (engine.step_forward), else in a forward of its own
+    prompts   next-token prompts: riding this step's decode (engine.step_forward) where they
+              can, the others in a forward of their own; with overlap a plain batch is launched and the
               batch before it read while it runs (engine.prompt_launch), and a batch with none
               launched behind it is read at the next step, or at once when there is none
     decode    launched; then the step before it is read. With overlap (on cuda) the two are
@@ -94,19 +95,21 @@ class StepRunner:
             self.generator.remove({r.request_id for r in step.leaving})
         if step.admitted:
             self._prefill_step(step.admitted)
-        if self.generator is not None and self.generator.next_chunked is not None:
-            self._chunk_step()
         riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
         if prompts:
             self._prompt_step(prompts)
+        chunk = self.generator is not None and self.generator.next_chunked is not None
         if step.decode:
             leaving = self.scheduler.take_leaving()
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
             if members and self.generator.running:  # (a prompt still read in chunks has no slot yet)
-                self._decode_step(members, riders)
-                riders = []
+                rides = self.generator.takes_riders and self.generator.next_chunked is not None
+                self._decode_step(members, riders, rides)
+                riders, chunk = [], chunk and not rides
+        if chunk:  # no decode step took it along
+            self._chunk_step()
         if riders:  # nobody left to decode: they take their own forward
             self._prompt_step(riders)
 
@@ -114,7 +117,7 @@ class StepRunner:
         """(the prompts that ride this step's decode, the rest)."""
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            if r.plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.can_ride(r.prompt):
+            if r.plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.takes_riders:
                 riders.append(r)
                 tokens += len(r.prompt)
             else:
@@ -263,10 +266,11 @@ class StepRunner:
         if output is not None:
             self._took(output, [request])
 
-    def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest]) -> None:
+    def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest], chunk: bool = False) -> None:
         """Launch this decode step, then read the one before it (with overlap, still running
         on the device while this one was prepared and queued behind it); without overlap, or
-        with riders (answered at once), read this one too."""
+        with riders or a chunk (answered at once), read this one too. `chunk`: the next chunk of
+        the oldest prompt read in chunks rides it (engine.step_forward)."""
         if self.in_flight is not None and any(r.params.grammar for r in self.in_flight[1]):
             self.finish_in_flight()  # a grammar's next mask needs the token under way (engine.constraints)
         if riders:
@@ -274,11 +278,11 @@ class StepRunner:
                       len(self.scheduler.prompts))
             self._prompts_start(riders)
         launch = self._step("decode", members, lambda: self.generator.launch_decode(
-            [r.prompt for r in riders], [r.top_k for r in riders]), riders)
+            [r.prompt for r in riders], [r.top_k for r in riders], chunk), riders)
         self.finish_in_flight()
         if launch is None:
             return
-        if self.overlap and not riders:
+        if self.overlap and not riders and not chunk:
             self.in_flight = (launch, members)
         else:
             self._finish_decode(launch, members, riders)
@@ -295,12 +299,14 @@ class StepRunner:
             return
         if riders:
             self.batches_run += 1
-            self.counts.prompts(sum(len(r.prompt) for r in riders), None)
+            cached = output.rider_cached
+            self.counts.prompts(sum(len(r.prompt) for r in riders), sum(cached) if cached else None)
             self.scheduler.prompts_answered(len(riders), output.forward_s)
             self._answered(riders)
             self._post(self.outputs.answer_prompts, riders, BatchOutput(
                 output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
-                output.ended_ns, failed_rows=output.rider_failed), launch.started, output.started_ns, True)
+                output.ended_ns, failed_rows=output.rider_failed, cached_tokens=cached), launch.started,
+                output.started_ns, True)
         self._took(output, members)
 
     def last_tokens_in_flight(self) -> bool:
@@ -343,9 +349,9 @@ class StepRunner:
             if token is not None and request.state == "running":
                 taken.append((request, token, request.took(token.token_id, eos)))
         self.counts.generated += len(taken)
-        if output.kind == "prefill":
+        if output.prompt_tokens or output.cached_tokens:  # a prefill's, or a chunk's
             cached = sum(output.cached_tokens.values()) if output.cached_tokens else None
-            self.counts.prompts(output.tokens_in + (cached or 0), cached)
+            self.counts.prompts(output.prompt_tokens + (cached or 0), cached)
         if output.failed:
             log.error("%s step: %d of %d sequences had non-finite logits; failing them alone",
                       output.kind, len(output.failed), len(members))

@@ -1,0 +1,87 @@
+"""One forward for every row of a step (engine.step_forward): decode rows, a long prompt's
+chunk, a next-token prompt that hits the prefix cache and one that does not, each answered as
+transformers answers it alone; and riders leave the decode step's tokens as they were, fp32 and
+int8 (its fp16 KV cache and the compiled decode attention) alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from support.generation import PROMPTS, lively_engine, transformers_greedy
+
+from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.loading import load_model
+from gpt2serve.protocol import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+RIDERS = [[11, 12, 13], [14], [15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_riders_leave_the_decode_step_as_it_was_and_get_their_own_answers(quantize):
+    engine = Engine(load_model("random:tiny", "cpu", "float32", quantize=quantize))
+    plain, mixed = Generator(engine, 4), Generator(engine, 4)
+    for generator in (plain, mixed):
+        generator.prefill([NewSequence(0, [5, 6, 7, 8], GREEDY, 0), NewSequence(1, [9, 10], GREEDY, 1)])
+    for step in range(6):
+        want = plain.decode()
+        got = mixed.decode(RIDERS, [5, 1, 3])
+        assert {i: t.token_id for i, t in got.tokens.items()} == {i: t.token_id for i, t in want.tokens.items()}
+        for i, token in want.tokens.items():  # another kernel for the decode rows: an ulp or so apart
+            assert got.tokens[i].logprob == pytest.approx(token.logprob, abs=1e-5), (step, i)
+        assert got.tokens_in == 2 + sum(map(len, RIDERS)) and not got.rider_failed
+        for rider, k, top in zip(RIDERS, [5, 1, 3], got.rider_tops):
+            alone = engine.next_token([rider], [k]).top[0]
+            assert [t.token_id for t in top] == [t.token_id for t in alone]
+            assert [t.logprob for t in top] == pytest.approx([t.logprob for t in alone], abs=1e-5)
+    assert mixed.running[0].length == plain.running[0].length == 4 + 6  # the riders took no cache positions
+
+
+SHARED = [(5 * j + 1) % 50257 for j in range(32)]  # two prefix-cache blocks
+LONG = [(7 * j + 3) % 50257 for j in range(60)]  # read in chunks of 16: 16, 16, 16, 12
+
+
+def test_decode_rows_a_chunk_a_cached_prompt_and_a_plain_one_are_one_forward_and_each_transformers_answer(tmp_path):
+    hf, engine = lively_engine(tmp_path)
+    engine.attach_prefix_cache(64, doorkeeper=False)
+    engine.next_token([SHARED + [9]], [1])  # the shared blocks into the prefix cache
+    generator = Generator(engine, slots=4, chunk_tokens=16)
+    decoding = {0: PROMPTS[3], 1: PROMPTS[6]}
+    prefilled = generator.prefill([NewSequence(i, p, GREEDY, i) for i, p in decoding.items()])
+    generator.queue_chunked(NewSequence(2, LONG, GREEDY, 2))
+    cached_prompt, plain_prompt = SHARED + [40, 41, 42], PROMPTS[2]
+
+    forwards = []
+    hidden_states = generator.model.hidden_states
+
+    def counted(*args, **kwargs):
+        forwards.append(args[0].shape)  # (1, N): every row packed in one
+        return hidden_states(*args, **kwargs)
+
+    generator.model.hidden_states = counted
+    try:
+        first = generator.decode([cached_prompt, plain_prompt], [5, 3], chunk=True)
+    finally:
+        del generator.model.hidden_states
+    # two decode tokens, the cached prompt's 3 new ones, the plain prompt, the chunk: one forward
+    assert forwards == [torch.Size([1, 2 + 3 + len(plain_prompt) + 16])]
+    assert first.rows == 3 and first.rider_cached == [32, 0]
+    for prompt, k, top in zip([cached_prompt, plain_prompt], [5, 3], first.rider_tops):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1).topk(k)
+        assert [t.token_id for t in top] == want.indices.tolist()
+        assert [t.logprob for t in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+
+    tokens = {i: [t.token_id] for i, t in prefilled.tokens.items()}
+    for i, t in first.tokens.items():
+        tokens[i].append(t.token_id)
+    for _ in range(8):
+        step = generator.decode(chunk=generator.next_chunked is not None)
+        for i, t in step.tokens.items():
+            tokens.setdefault(i, []).append(t.token_id)
+    assert step.cached_tokens == {} and not generator.chunked
+    for i, prompt in decoding.items():
+        assert tokens[i] == transformers_greedy(hf, prompt, 10)
+    assert tokens[2] == transformers_greedy(hf, LONG, len(tokens[2])) and len(tokens[2]) == 9 - 3
