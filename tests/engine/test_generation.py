@@ -66,12 +66,20 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
         return prefill(sequences)
 
     generator.prefill = counting_prefill
+    joined = []  # prompts read in a running batch's decode step (engine.step_forward)
+    launch = generator.launch_decode
+
+    def counting_launch(riders=(), rider_top_ks=(), chunk=False, joining=()):
+        joined.append(len(joining))
+        return launch(riders, rider_top_ks, chunk, joining)
+
+    generator.launch_decode = counting_launch
     lengths = [6 + 5 * (i % 4) for i in range(16)]
     requests = [(0.004 * i, GenerateRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
     got = asyncio.run(run_joining(generator, requests, overlap))
     for prompt, n, tokens in zip(PROMPTS, lengths, got):
         assert tokens == transformers_greedy(hf, prompt, n), prompt
-    assert max(running_at_prefill) > 0, "no sequence joined a running batch"
+    assert max(running_at_prefill) > 0 or sum(joined) > 0, "no sequence joined a running batch"
     assert not generator.running  # every slot was given back
 
 

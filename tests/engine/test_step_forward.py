@@ -43,7 +43,7 @@ SHARED = [(5 * j + 1) % 50257 for j in range(32)]  # two prefix-cache blocks
 LONG = [(7 * j + 3) % 50257 for j in range(60)]  # read in chunks of 16: 16, 16, 16, 12
 
 
-def test_decode_rows_a_chunk_a_cached_prompt_and_a_plain_one_are_one_forward_and_each_transformers_answer(tmp_path):
+def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_each_as_transformers_answers(tmp_path):
     hf, engine = lively_engine(tmp_path)
     engine.attach_prefix_cache(64, doorkeeper=False)
     engine.next_token([SHARED + [9]], [1])  # the shared blocks into the prefix cache
@@ -51,7 +51,7 @@ def test_decode_rows_a_chunk_a_cached_prompt_and_a_plain_one_are_one_forward_and
     decoding = {0: PROMPTS[3], 1: PROMPTS[6]}
     prefilled = generator.prefill([NewSequence(i, p, GREEDY, i) for i, p in decoding.items()])
     generator.queue_chunked(NewSequence(2, LONG, GREEDY, 2))
-    cached_prompt, plain_prompt = SHARED + [40, 41, 42], PROMPTS[2]
+    cached_prompt, plain_prompt, joining = SHARED + [40, 41, 42], PROMPTS[2], SHARED + [50, 51]
 
     forwards = []
     hidden_states = generator.model.hidden_states
@@ -62,12 +62,15 @@ def test_decode_rows_a_chunk_a_cached_prompt_and_a_plain_one_are_one_forward_and
 
     generator.model.hidden_states = counted
     try:
-        first = generator.decode([cached_prompt, plain_prompt], [5, 3], chunk=True)
+        first = generator.decode([cached_prompt, plain_prompt], [5, 3], chunk=True,
+                                 joining=[NewSequence(3, joining, GREEDY, 3)])
     finally:
         del generator.model.hidden_states
-    # two decode tokens, the cached prompt's 3 new ones, the plain prompt, the chunk: one forward
-    assert forwards == [torch.Size([1, 2 + 3 + len(plain_prompt) + 16])]
-    assert first.rows == 3 and first.rider_cached == [32, 0]
+    # two decode tokens, the cached prompt's 3 new ones, the plain prompt, a new generation's 2
+    # past its cached blocks, the chunk: one forward
+    assert forwards == [torch.Size([1, 2 + 3 + len(plain_prompt) + 2 + 16])]
+    assert first.rows == 4 and first.rider_cached == [32, 0] and first.cached_tokens == {3: 32}
+    assert first.first(3) and not first.first(0)
     for prompt, k, top in zip([cached_prompt, plain_prompt], [5, 3], first.rider_tops):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1).topk(k)
@@ -76,7 +79,7 @@ def test_decode_rows_a_chunk_a_cached_prompt_and_a_plain_one_are_one_forward_and
 
     tokens = {i: [t.token_id] for i, t in prefilled.tokens.items()}
     for i, t in first.tokens.items():
-        tokens[i].append(t.token_id)
+        tokens.setdefault(i, []).append(t.token_id)
     for _ in range(8):
         step = generator.decode(chunk=generator.next_chunked is not None)
         for i, t in step.tokens.items():
@@ -85,3 +88,4 @@ def test_decode_rows_a_chunk_a_cached_prompt_and_a_plain_one_are_one_forward_and
     for i, prompt in decoding.items():
         assert tokens[i] == transformers_greedy(hf, prompt, 10)
     assert tokens[2] == transformers_greedy(hf, LONG, len(tokens[2])) and len(tokens[2]) == 9 - 3
+    assert tokens[3] == transformers_greedy(hf, joining, 9)  # its slot: the cached blocks, then its own

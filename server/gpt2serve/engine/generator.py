@@ -7,9 +7,9 @@ thread, in two kinds of step:
   into the slot, not computed (engine.prefix_forward); out of memory, it leaves no row behind.
   On cuda, prompts that need nothing from the prefix cache replay a graph (engine.prefill_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
-  replayed as a CUDA graph (engine.decode_graphs) or run as a TorchScript trace on a CPU
-  (engine.traced_decode); or, with next-token prompts or a long prompt's next chunk riding it
-  (engine.chunked_prefill), one eager forward for all (engine.step_forward).
+  replayed as a CUDA graph (engine.decode_graphs) or a TorchScript trace on a CPU
+  (engine.traced_decode); or, carrying prompts (next-token ones, admitted ones, a long prompt's
+  next chunk), one eager forward for all (engine.step_forward).
 Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
 shrinks with what they hold (engine.kv_cache).
 
@@ -22,18 +22,19 @@ synchronously. Each row's own controls and grammar: engine.logits_controls."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Collection, Sequence
 
 import torch
 
-from .chunked_prefill import ChunkedPrefill, ChunkQueue
+from .chunked_prefill import ChunkQueue
 from .decode_graphs import DecodeGraphs
 from .prefill_graphs import PrefillGraphs
 from .traced_decode import TracedDecode
 from ..protocol import SampledToken
 from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
-from .kv_cache import BLOCK, KVCache, blocks_for, blocks_needed
+from .kv_cache import KVCache, blocks_needed
 from .padding import forward_parts
 from .prefix_cache import PrefixCache, RowPlan
 from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
@@ -99,9 +100,12 @@ class Generator:
         self.allocate()
         if self.prefill_graphs is not None:  # before any sequence holds a slot: captures write slots from 0
             self.prefill_graphs.warm_up()
-        self.prefill([NewSequence(-1, [self.engine.pad_token_id] * 8, WARM_UP_PARAMS, 0)])
+        pad = self.engine.pad_token_id
+        self.prefill([NewSequence(-1, [pad] * 8, WARM_UP_PARAMS, 0)])
         self.decode()
-        self.remove({-1})
+        if self.takes_riders:  # and a packed step (engine.step_forward)
+            self.decode([[pad] * 4], [1], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)])
+        self.remove({-1, -2})
 
     @torch.inference_mode()
     def remove(self, seq_ids: Collection[int]) -> None:
@@ -216,25 +220,23 @@ class Generator:
         """The sequence whose chunk prefill_chunk reads next (the oldest queued), or None."""
         return self.chunked.oldest.sequence.seq_id if self.chunked else None
 
-    @oom_as_out_of_memory
-    @torch.inference_mode()
     def prefill_chunk(self) -> StepOutput:
         """The next chunk of the oldest prompt read in chunks (queued in `chunked`), in a forward
         of its own; a decode step takes it along instead where it can (launch_decode)."""
-        return self.finish_decode(self._launch(decode=False, chunk=True))
+        return self.finish_decode(self.launch_decode(chunk=True, decode=False))
 
     @property
     def takes_riders(self) -> bool:
-        """Whether next-token prompts may ride decode steps (engine.step_forward): not where decode
-        steps replay CUDA graphs, which a step with riders could not."""
-        return self.graphs is None and not (self.use_graphs and self.engine.device.type == "cuda")
+        """Whether prompts (next-token, admitted, a chunk) may ride decode steps
+        (engine.step_forward): not where steps replay CUDA graphs, which a packed step could not."""
+        graphed = self.graphs is not None or self.prefill_graphs is not None
+        return not graphed and not (self.use_graphs and self.engine.device.type == "cuda")
 
     def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
-               chunk: bool = False) -> StepOutput:
-        """One token for every running sequence; and from the same forward (engine.step_forward),
-        with `riders` (next-token prompts) each rider's top-k next tokens, and with `chunk` the
-        next chunk of the oldest prompt read in chunks."""
-        return self.finish_decode(self.launch_decode(riders, rider_top_ks, chunk))
+               chunk: bool = False, joining: Sequence[NewSequence] = ()) -> StepOutput:
+        """One token for every running sequence, and from the same forward (engine.step_forward) each
+        rider's top-k, the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
+        return self.finish_decode(self.launch_decode(riders, rider_top_ks, chunk, joining))
 
     @property
     def overlaps(self) -> bool:
@@ -244,16 +246,11 @@ class Generator:
     @oom_as_out_of_memory
     @torch.inference_mode()
     def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
-                      chunk: bool = False) -> DecodeLaunch:
-        """Queue a decode step of every running sequence (see decode()): each one's last token
-        comes from last_ids, its sampled one goes back there, and its answers to the host by a
-        copy that finish_decode() waits for. On cuda nothing here waits for the device (with
-        riders or a chunk it does: their answers come back at once). `chunk`: the next chunk of
-        the oldest prompt read in chunks rides the same forward (engine.step_forward)."""
-        return self._launch(True, riders, rider_top_ks, chunk)
-
-    def _launch(self, decode: bool, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
-                chunk: bool = False) -> DecodeLaunch:
+                      chunk: bool = False, joining: Sequence[NewSequence] = (), decode: bool = True) -> DecodeLaunch:
+        """Queue a decode step of every running sequence (see decode(); `decode` False: none of
+        them, only the rest): each one's last token comes from last_ids, its sampled one goes back
+        there, and its answers to the host by a copy that finish_decode() waits for. On cuda
+        nothing here waits for the device (with riders, a chunk or joining prompts it does)."""
         started, started_ns = time.perf_counter(), time.time_ns()
         self.allocate()
         rows, device = list(self.running) if decode else [], self.engine.device
@@ -266,8 +263,8 @@ class Generator:
             device_started.record()
         last = self.last_ids[:B]  # (B,) on the device
         logits, packed = None, None
-        if riders or chunk:
-            logits, packed = self._packed_step(last, lengths, needed, riders, rider_top_ks, chunk)
+        if riders or chunk or joining:
+            logits, packed = self._packed_step(last, lengths, needed, riders, rider_top_ks, chunk, joining)
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
         elif self.traces is not None:  # cpu: one trace per span, any number of rows
@@ -275,7 +272,7 @@ class Generator:
             self.cache.reserve(B, span)
             logits = self.traces.run(last, torch.tensor(lengths), span)
         if logits is None:  # eager, at the exact batch
-            span = self._eager_span(B, needed)
+            span = self.cache.eager_span(B, needed)
             logits = self._decode_logits(last, to_device(lengths, device), span)
         chosen = self._sample(logits, rows, 0, decode=True) if B else torch.zeros(0)  # (B, 3 + 2n)
         if done is not None:
@@ -297,68 +294,73 @@ class Generator:
             r.unread -= 1
         packed = step.packed or PackedAnswers()
         return StepOutput({**tokens, **packed.first_tokens}, "decode" if step.rows else "prefill",
-                          len(step.rows) + (packed.prompt_tokens > 0),
+                          len(step.rows) + packed.prompt_rows,
                           step.tokens_in + packed.prompt_tokens, forward_s, step.started_ns,
                           step.started_ns + int(forward_s * 1e9), failed | packed.first_failed,
                           cached_tokens=packed.cached_tokens, prompt_tokens=packed.prompt_tokens,
                           joined=frozenset(packed.first_tokens), rider_tops=packed.rider_tops,
                           rider_failed=packed.rider_failed, rider_cached=packed.rider_cached)
 
-    def _eager_span(self, rows: int, needed: int) -> int:
-        """Room for `rows` slots of `needed` positions; the span an eager step attends over: whole
-        blocks, for fewer distinct shapes."""
-        self.cache.reserve(rows, needed)
-        return min(BLOCK * blocks_for(needed), self.cache.length)
-
     def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[Sequence[int]],
-                     rider_top_ks: Sequence[int], chunk: bool) -> tuple[torch.Tensor, PackedAnswers]:
-        """One forward of D decode tokens ((D,) `last`, at `needed` positions), the riders' prompts
-        (after what the prefix cache holds of them) and, with `chunk`, the next chunk of the oldest
-        prompt read in chunks (engine.step_forward) -> ((D, V) decode logits, the rest's answers)."""
-        device, D, pool = self.engine.device, len(last), self.engine.prefix_cache
-        decode = self.cache.decode(to_device(lengths, device), self._eager_span(D, needed)) if D else None
+                     rider_top_ks: Sequence[int], chunk: bool, joining: Sequence[NewSequence]
+                     ) -> tuple[torch.Tensor, PackedAnswers]:
+        """One forward (engine.step_forward) of D decode tokens ((D,) `last`, at `needed`
+        positions), the riders' prompts and the joining sequences' (each after what the prefix
+        cache holds of it; the joining ones into slots D, D + 1, ...), and with `chunk` the next
+        chunk of the oldest prompt read in chunks, whose sequence joins after them with its last
+        -> ((D, V) decode logits, the rest's answers)."""
+        device, D, pool, R = self.engine.device, len(last), self.engine.prefix_cache, len(riders)
         chunk_rows = [self.chunked.next_row(pool, self.model.config.n_layer)] if chunk else []
-        final = chunk and chunk_rows[0].stop == len(chunk_rows[0].prompt)
+        job = self.chunked.oldest if chunk and chunk_rows[0].stop == len(chunk_rows[0].prompt) else None
+        if job is not None:  # its last chunk: the sequence joins, its keys into slot D + J too
+            chunk_rows = [replace(chunk_rows[0], slot=D + len(joining))]
+        joined = [*joining, *([job.sequence] if job is not None else [])]
+        J = len(joined)
+        if D + J > self.slots:
+            raise ValueError(f"{D + J} sequences for {self.slots} cache slots")
+        self.cache.reserve(D + J, max([needed, *(len(s.prompt) for s in joined)]))
+        decode = self.cache.decode(to_device(lengths, device), self.cache.eager_span(D, needed)) if D else None
+        prompts = [*riders, *(s.prompt for s in joining)]
+        added = [Running.of(s) for s in joined]
 
-        def forward(plans: list[RowPlan]) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor]:
-            rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit))
-                    for p, plan in zip(riders, plans)]
-            hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans)
-            wanted = torch.cat((torch.arange(D, device=device), layout.last[:len(rows) + final]))
-            logits = self.engine.head(hidden[0, wanted])  # (D + R [+ 1], V)
-            tops, failed = [], frozenset()
-            if rows:
-                tops, failed = top_k_rows(torch.log_softmax(logits[D:D + len(rows)].float(), dim=-1), rider_top_ks)
-            chunk_hidden = hidden[0, layout.firsts[-1]:] if chunk else None  # (T, C): the chunk's, last
-            cached = [plan.cached_tokens for plan in plans] if pool is not None else []
-            return logits, PackedAnswers(tops, failed, cached), chunk_hidden
-
-        if pool is None or not riders:
-            logits, answers, chunk_hidden = forward([RowPlan(p, []) for p in riders])
-        else:
-            logits, answers, chunk_hidden = pool.run(riders, forward, lambda out: out[1].rider_failed)
-        if chunk:
-            answers.prompt_tokens = len(chunk_rows[0].tokens)
-            job = self.chunked.read(chunk_rows[0], chunk_hidden, pool)
+        def forward(plans: list[RowPlan]) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor, list[int]]:
+            for i, plan in enumerate(plans[R:]):
+                if plan.hit:  # into its slot, for its decode steps
+                    self.cache.copy_in(D + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
             if job is not None:
-                self._chunk_read(job, logits[-1:], answers)
-        return logits[:D], answers
+                job.into_slot(self.cache, D + J - 1)  # its earlier chunks
+            slots = [None] * R + list(range(D, D + len(joining)))
+            rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=slot)
+                    for p, plan, slot in zip(prompts, plans, slots)]
+            hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,
+                                            self.cache)
+            wanted = torch.cat((torch.arange(D, device=device), layout.last[:R + J]))
+            logits = self.engine.head(hidden[0, wanted])  # (D + R + J, V)
+            tops, failed = [], frozenset()
+            if R:
+                tops, failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1), rider_top_ks)
+            answers = PackedAnswers(tops, failed, [plan.cached_tokens for plan in plans[:R]] if pool is not None else [])
+            if J:
+                answers.first_tokens, answers.first_failed = self._choose(logits[D + R:], added, D)
+            answers.cached_tokens = {s.seq_id: plan.cached_tokens for s, plan in zip(joining, plans[R:])}
+            answers.prompt_tokens = sum(len(p) - plan.cached_tokens for p, plan in zip(prompts[R:], plans[R:]))
+            failed_plans = [*failed, *(R + i for i, s in enumerate(joining) if s.seq_id in answers.first_failed)]
+            return logits, answers, hidden[0, layout.firsts[-1]:] if chunk else None, failed_plans
 
-    def _chunk_read(self, job: ChunkedPrefill, logits: torch.Tensor, answers: PackedAnswers) -> None:
-        """The last chunk of `job` was read, (1, V) `logits` after it: the sequence takes a slot (n)
-        and its first token, and the prompt's full blocks go into the prefix cache."""
-        sequence, length, slot = job.sequence, len(job.prompt), len(self.running)
-        if slot >= self.slots:
-            raise ValueError(f"{slot + 1} sequences for {self.slots} cache slots")
-        self.cache.reserve(slot + 1, length)
-        job.into_slot(self.cache, slot)
-        added = Running.of(sequence, length)
-        tokens, failed = self._choose(logits, [added], slot)
-        self.running.append(added)
-        if self.engine.prefix_cache is not None:
-            job.fill_pool(self.engine.prefix_cache, bool(failed))
-        answers.first_tokens, answers.first_failed = tokens, failed
-        answers.cached_tokens = {sequence.seq_id: job.cached}
+        if pool is None or not prompts:
+            logits, answers, chunk_hidden, _ = forward([RowPlan(p, []) for p in prompts])
+        else:
+            logits, answers, chunk_hidden, _ = pool.run(prompts, forward, lambda out: out[3])
+        self.running.extend(added)
+        answers.prompt_rows = len(joining) + chunk
+        if chunk:  # (T, C) chunk_hidden: the chunk's residual stream, for its blocks
+            answers.prompt_tokens += len(chunk_rows[0].tokens)
+            self.chunked.read(chunk_rows[0], chunk_hidden, pool)
+        if job is not None:
+            answers.cached_tokens[job.sequence.seq_id] = job.cached
+            if pool is not None:
+                job.fill_pool(pool, job.sequence.seq_id in answers.first_failed)
+        return logits[:D], answers
 
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`

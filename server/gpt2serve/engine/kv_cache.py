@@ -99,6 +99,12 @@ class KVCache:
         span = self._rounded(needed)
         return span if blocks_needed(sequences, span) <= self.capacity_blocks else self._whole_blocks(needed)
 
+    def eager_span(self, sequences: int, needed: int) -> int:
+        """Room for `sequences` slots of `needed` positions; the span an eager step attends over:
+        whole blocks, for fewer distinct shapes."""
+        self.reserve(sequences, needed)
+        return min(self._whole_blocks(needed), self.length)
+
     def fit(self, sequences: int, length: int) -> None:
         """Shrink once the tensors are more than twice what `sequences` x `length` needs."""
         if not self.grow:
@@ -124,6 +130,14 @@ class KVCache:
         length = min(length, self.length)
         self.keys[:, slot, :, :length] = 0
         self.values[:, slot, :, :length] = 0
+
+    def copy_in(self, slot: int, keys: torch.Tensor, values: torch.Tensor, positions: list[int]) -> None:
+        """Every layer's keys and values at `positions` of (n_layer, P, nh, hs) `keys`, `values`
+        (the prefix cache's pool) into the first positions of `slot`."""
+        if positions:
+            at = torch.tensor(positions, dtype=torch.long, device=keys.device)
+            self.keys[:, slot, :, :len(positions)] = keys[:, at].transpose(1, 2)  # (n_layer, nh, c, hs)
+            self.values[:, slot, :, :len(positions)] = values[:, at].transpose(1, 2)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Slot `source`'s first `length` positions into slot `target` (compaction)."""

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import DecodeStore
+from .kv_cache import DecodeStore, KVCache
 from .prefix_cache import PrefixCache
 from .prefix_forward import BlockWriter
 
@@ -33,13 +33,15 @@ class PromptRow:
     """Positions [start, end) of `prompt`, computed this step. The keys before `start` are read:
     from the prefix cache at pool positions `reads` (its hit), or from `staging` (a chunked
     prompt, engine.chunked_prefill: object with `staging(layer, like)`), which takes this row's
-    keys and values too."""
+    keys and values too. A row with a `slot` writes them into that KV-cache slot as well (a
+    generation's prompt, whose hit the caller copied there)."""
 
     prompt: Sequence[int]
     start: int = 0
     end: int | None = None  # None: the prompt's end
     reads: Sequence[int] = ()
     staging: object = None
+    slot: int | None = None  # a new sequence's KV-cache slot: its keys and values go there too
 
     @property
     def stop(self) -> int:
@@ -97,9 +99,9 @@ class StepStore:
     """The KeyValueStore (engine.gpt2) of a packed step: it attends by itself."""
 
     def __init__(self, decode: DecodeStore | None, layout: StepLayout, pool: PrefixCache | None = None,
-                 writer=None):
-        """`writer`: a prefix_forward.BlockWriter over the packed row, for the rows' new blocks."""
-        self.decode, self.layout, self.pool, self.writer = decode, layout, pool, writer
+                 writer: BlockWriter | None = None, cache: KVCache | None = None):
+        """`writer`: over the packed row, for the rows' new blocks; `cache`: where rows with a slot write."""
+        self.decode, self.layout, self.pool, self.writer, self.cache = decode, layout, pool, writer, cache
         self.decode_mask = decode.mask() if decode is not None else None  # (D, 1, 1, span)
         self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.gather.device) for r in layout.rows]
 
@@ -135,13 +137,16 @@ class StepStore:
         return y[None]  # (1, nh, N, hs)
 
     def _stage(self, layer: int, kr: torch.Tensor, vr: torch.Tensor) -> None:
-        """A chunked prompt's keys and values of this step into its staging."""
+        """This step's keys and values of rows that keep them: a chunked prompt's into its staging,
+        a new sequence's into its cache slot (a chunked prompt's last chunk: both)."""
         for i, row in enumerate(self.layout.rows):
-            if row.staging is not None:
-                keys, values = row.staging.staging(layer, kr)  # (1, nh, L, hs) each
-                n = row.stop - row.start
-                keys[0, :, row.start:row.stop] = kr[i, :, :n]
-                values[0, :, row.start:row.stop] = vr[i, :, :n]
+            kept = [tuple(x[0] for x in row.staging.staging(layer, kr))] if row.staging is not None else []
+            if row.slot is not None:
+                kept.append((self.cache.keys[layer, row.slot], self.cache.values[layer, row.slot]))
+            n = row.stop - row.start
+            for keys, values in kept:  # (nh, L, hs) each
+                keys[:, row.start:row.stop] = kr[i, :, :n]
+                values[:, row.start:row.stop] = vr[i, :, :n]
 
     def _known(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values before its first computed position, left-aligned and
@@ -174,19 +179,19 @@ def packed_inputs(decode_ids: torch.Tensor, decode_positions: Sequence[int], lay
 
 
 def packed_forward(model, decode: DecodeStore | None, decode_ids: torch.Tensor, decode_positions: Sequence[int],
-                   rows: Sequence[PromptRow], pool: PrefixCache | None = None, plans: Sequence = ()
-                   ) -> tuple[torch.Tensor, StepLayout]:
+                   rows: Sequence[PromptRow], pool: PrefixCache | None = None, plans: Sequence = (),
+                   cache: KVCache | None = None) -> tuple[torch.Tensor, StepLayout]:
     """One forward of D decode tokens ((D,) ids at their positions, attending over slots 0..D-1
     through `decode`) and the prompt rows -> ((1, N, C) residual stream, the layout). The first
     len(plans) rows are prompts planned by the prefix cache (prefix_cache.RowPlan): their new
-    full blocks go into `pool`, their hidden rows included."""
+    full blocks go into `pool`, their hidden rows included; rows with a slot write into `cache`."""
     device = decode_ids.device
     layout = StepLayout.of(len(decode_ids), rows, device)
     writer = None
     if pool is not None and any(plan.new for plan in plans):  # new blocks start where the hit ends
         writer = BlockWriter.for_rows(pool, plans, layout.firsts[:len(plans)], [0] * len(plans))
     ids, positions = packed_inputs(decode_ids, decode_positions, layout, device)
-    hidden = model.hidden_states(ids, positions, None, kv=StepStore(decode, layout, pool, writer))  # (1, N, C)
+    hidden = model.hidden_states(ids, positions, None, kv=StepStore(decode, layout, pool, writer, cache))  # (1, N, C)
     if writer is not None:
         writer.write_hidden(hidden)
     return hidden, layout

@@ -36,8 +36,8 @@ class StepOutput:
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
     cached_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> prompt tokens from the prefix cache
     prompt_tokens: int = 0  # prompt tokens computed (a prefill's, a chunk's), riders' aside
-    # sequences whose prompt was read to its end in this decode step (a chunk rode it): their
-    # tokens are first tokens, as a prefill's are
+    # sequences whose prompt was read to its end in this decode step (their prompt or its last
+    # chunk rode it): their tokens are first tokens, as a prefill's are
     joined: frozenset[int] = frozenset()
     # riders (engine.step_forward): each one's top-k next tokens, the riders not finite, and
     # each one's tokens from the prefix cache (empty when it is off)
@@ -78,8 +78,9 @@ class PackedAnswers:
     rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
     rider_failed: frozenset[int] = frozenset()
     rider_cached: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0  # of the chunk
-    first_tokens: dict[int, SampledToken] = field(default_factory=dict)  # the chunked prompt's, read to its end
+    prompt_tokens: int = 0  # of the chunk and the joining prompts, computed
+    prompt_rows: int = 0  # sequences that joined, and the one whose chunk was read
+    first_tokens: dict[int, SampledToken] = field(default_factory=dict)  # of the sequences that joined
     first_failed: frozenset[int] = frozenset()
     cached_tokens: dict[int, int] = field(default_factory=dict)
 

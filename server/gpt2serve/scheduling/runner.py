@@ -93,8 +93,9 @@ class StepRunner:
             self.finish_prompts_in_flight()
         if step.leaving and self.generator is not None:
             self.generator.remove({r.request_id for r in step.leaving})
+        joining = []  # admitted prompts read in the decode step's forward
         if step.admitted:
-            self._prefill_step(step.admitted)
+            joining = self._prefill_step(step.admitted, step.decode)
         riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
         if prompts:
             self._prompt_step(prompts)
@@ -104,10 +105,13 @@ class StepRunner:
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
+            joining = [(r, s) for r, s in joining if r.state == "running" and not r.cancelled]  # no slot for a leaver
             if members and self.generator.running:  # (a prompt still read in chunks has no slot yet)
                 rides = self.generator.takes_riders and self.generator.next_chunked is not None
-                self._decode_step(members, riders, rides)
-                riders, chunk = [], chunk and not rides
+                self._decode_step(members, riders, rides, joining)
+                riders, chunk, joining = [], chunk and not rides, []
+        if joining:  # no decode step after all
+            self._prefill(joining)
         if chunk:  # no decode step took it along
             self._chunk_step()
         if riders:  # nobody left to decode: they take their own forward
@@ -224,17 +228,24 @@ class StepRunner:
         self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
 
     # Generations ------------------------------------------------------------------------------------
-    def _prefill_step(self, admitted: list[EngineRequest]) -> None:
-        """One prefill of the admitted prompts; the long ones join the queue read in chunks."""
-        whole = []
+    def _prefill_step(self, admitted: list[EngineRequest], decode: bool) -> list[tuple[EngineRequest, NewSequence]]:
+        """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
+        a decode step to come where prompts may ride it (`decode`), prompts that need no scores
+        are left to join it, within the step's prompt-token budget: returned, not read."""
+        whole, joining, tokens = [], [], 0
+        rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
             sequence = NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
             if self.generator.reads_in_chunks(sequence):
                 self.generator.queue_chunked(sequence)
+            elif rides and r.prompt_logprobs is None and tokens + len(r.prompt) <= self.rider_tokens:
+                joining.append((r, sequence))
+                tokens += len(r.prompt)
             else:
                 whole.append((r, sequence))
         if whole:
             self._prefill(whole)
+        return joining
 
     def _prefill(self, whole: list[tuple[EngineRequest, NewSequence]]) -> None:
         """Out of device memory (the prefill left nothing behind): each half on its own, down to
@@ -266,11 +277,13 @@ class StepRunner:
         if output is not None:
             self._took(output, [request])
 
-    def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest], chunk: bool = False) -> None:
+    def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest], chunk: bool = False,
+                     joining: list[tuple[EngineRequest, NewSequence]] = ()) -> None:
         """Launch this decode step, then read the one before it (with overlap, still running
         on the device while this one was prepared and queued behind it); without overlap, or
-        with riders or a chunk (answered at once), read this one too. `chunk`: the next chunk of
-        the oldest prompt read in chunks rides it (engine.step_forward)."""
+        with riders, a chunk or joining prompts (answered at once), read this one too. `chunk`:
+        the next chunk of the oldest prompt read in chunks rides it (engine.step_forward), and
+        `joining`: admitted prompts, which take their first token from it."""
         if self.in_flight is not None and any(r.params.grammar for r in self.in_flight[1]):
             self.finish_in_flight()  # a grammar's next mask needs the token under way (engine.constraints)
         if riders:
@@ -278,11 +291,11 @@ class StepRunner:
                       len(self.scheduler.prompts))
             self._prompts_start(riders)
         launch = self._step("decode", members, lambda: self.generator.launch_decode(
-            [r.prompt for r in riders], [r.top_k for r in riders], chunk), riders)
+            [r.prompt for r in riders], [r.top_k for r in riders], chunk, [s for _, s in joining]), riders)
         self.finish_in_flight()
         if launch is None:
             return
-        if self.overlap and not riders and not chunk:
+        if self.overlap and not riders and not chunk and not joining:
             self.in_flight = (launch, members)
         else:
             self._finish_decode(launch, members, riders)
