@@ -103,8 +103,8 @@ class Generator:
         pad = self.engine.pad_token_id
         self.prefill([NewSequence(-1, [pad] * 8, WARM_UP_PARAMS, 0)])
         self.decode()
-        if self.takes_riders:  # and a packed step (engine.step_forward)
-            self.decode([[pad] * 4], [1], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)])
+        if self.takes_riders:  # and a packed step (engine.step_forward), a sequence joining where a slot is free
+            self.decode([[pad] * 4], [1], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)][:self.slots - 1])
         self.remove({-1, -2})
 
     @torch.inference_mode()
