@@ -96,7 +96,8 @@ class StepRunner:
         joining = []  # admitted prompts read in the decode step's forward
         if step.admitted:
             joining = self._prefill_step(step.admitted, step.decode)
-        riders, prompts = self._riders(step.prompts) if step.decode else ([], step.prompts)
+        budget = self.rider_tokens - sum(len(r.prompt) for r, _ in joining)  # one budget for both
+        riders, prompts = self._riders(step.prompts, budget) if step.decode else ([], step.prompts)
         if prompts:
             self._prompt_step(prompts)
         chunk = self.generator is not None and self.generator.next_chunked is not None
@@ -117,11 +118,11 @@ class StepRunner:
         if riders:  # nobody left to decode: they take their own forward
             self._prompt_step(riders)
 
-    def _riders(self, prompts: list[EngineRequest]) -> tuple[list[EngineRequest], list[EngineRequest]]:
-        """(the prompts that ride this step's decode, the rest)."""
+    def _riders(self, prompts: list[EngineRequest], budget: int) -> tuple[list[EngineRequest], list[EngineRequest]]:
+        """(the prompts that ride this step's decode, within `budget` prompt tokens; the rest)."""
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            if r.plain and tokens + len(r.prompt) <= self.rider_tokens and self.generator.takes_riders:
+            if r.plain and tokens + len(r.prompt) <= budget and self.generator.takes_riders:
                 riders.append(r)
                 tokens += len(r.prompt)
             else:
