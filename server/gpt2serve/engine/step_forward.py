@@ -1,5 +1,7 @@
-"""One forward for every row of a step (vLLM's mixed batches): D decode tokens, then prompt rows
-(next-token prompts, and a long prompt's next chunk), laid end to end as one row of N tokens.
+"""One forward for every row of a step (vLLM's mixed batches): D decode tokens, then prompt rows,
+laid end to end as one row of N tokens. A prompt row is a next-token prompt answered from the
+step (a "rider"), a new generation's prompt read into its cache slot (a "joining" one), or a
+long prompt's next chunk (engine.chunked_prefill).
 
 Every matrix of the model (QKV, projections, MLP, head) reads its weights once for all of them,
 which on a CPU, where a small step costs a pass over the weights, is most of the step; only

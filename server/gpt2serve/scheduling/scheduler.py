@@ -109,7 +109,7 @@ def next_token_request(prompt: list[int], top_k: int, output: Any, row: int, cal
     slot set here: the dataclass's keyword __init__, with its two clock reads, costs more than
     twice as much a prompt, at tens of thousands of prompts a second (docs/benchmarks.md, "One
     output for a front end's plain calls"). The same defaults as the dataclass's;
-    tests/scheduling/test_batcher.py compares the two field by field."""
+    tests/scheduling/test_prompt_batches.py compares the two field by field."""
     r = object.__new__(EngineRequest)
     r.prompt, r.new_tokens, r.top_k, r.params, r.prompt_logprobs, r.trace, r.controls = \
         prompt, 0, top_k, _DEFAULT_PARAMS, prompt_logprobs, trace, controls
