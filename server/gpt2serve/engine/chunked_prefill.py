@@ -140,11 +140,12 @@ class ChunkQueue:
             job.take_hits(pool, n_layer)
         return PromptRow(job.prompt, job.done, min(job.done + self.chunk_tokens, len(job.prompt)), staging=job)
 
-    def read(self, row: PromptRow, hidden: torch.Tensor, pool: PrefixCache | None) -> ChunkedPrefill | None:
-        """`row` was computed, (T, C) `hidden` its residual stream: the job, out of the queue, when
+    def read(self, row: PromptRow, hidden: torch.Tensor, pool: PrefixCache | None) -> None:
+        """`row` was computed, (T, C) `hidden` its residual stream; its job leaves the queue when
         that was its last chunk."""
         job = self.jobs[0]
         if pool is not None:  # for the prompt's blocks
             job.keep_hidden(row.start, hidden)
         job.done = row.stop
-        return self.jobs.popleft() if job.done == len(job.prompt) else None
+        if job.done == len(job.prompt):
+            self.jobs.popleft()

@@ -223,6 +223,7 @@ class Generator:
     def prefill_chunk(self) -> StepOutput:
         """The next chunk of the oldest prompt read in chunks (queued in `chunked`), in a forward
         of its own; a decode step takes it along instead where it can (launch_decode)."""
+        self.allocate()  # it may be the first step of all
         return self.finish_decode(self.launch_decode(chunk=True, decode=False))
 
     @property
@@ -252,7 +253,6 @@ class Generator:
         there, and its answers to the host by a copy that finish_decode() waits for. On cuda
         nothing here waits for the device (with riders, a chunk or joining prompts it does)."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        self.allocate()
         rows, device = list(self.running) if decode else [], self.engine.device
         B = len(rows)
         lengths = [r.length for r in rows]
@@ -298,7 +298,7 @@ class Generator:
                           step.tokens_in + packed.prompt_tokens, forward_s, step.started_ns,
                           step.started_ns + int(forward_s * 1e9), failed | packed.first_failed,
                           cached_tokens=packed.cached_tokens, prompt_tokens=packed.prompt_tokens,
-                          joined=frozenset(packed.first_tokens), rider_tops=packed.rider_tops,
+                          prompts_read=frozenset(packed.first_tokens), rider_tops=packed.rider_tops,
                           rider_failed=packed.rider_failed, rider_cached=packed.rider_cached)
 
     def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[Sequence[int]],

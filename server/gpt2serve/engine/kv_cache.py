@@ -25,6 +25,8 @@ slot cleared as it leaves (engine.generator).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from . import native
@@ -131,13 +133,13 @@ class KVCache:
         self.keys[:, slot, :, :length] = 0
         self.values[:, slot, :, :length] = 0
 
-    def copy_in(self, slot: int, keys: torch.Tensor, values: torch.Tensor, positions: list[int]) -> None:
+    def copy_in(self, slot: int, keys: torch.Tensor, values: torch.Tensor,
+                positions: Sequence[int] | torch.Tensor) -> None:
         """Every layer's keys and values at `positions` of (n_layer, P, nh, hs) `keys`, `values`
         (the prefix cache's pool) into the first positions of `slot`."""
-        if positions:
-            at = torch.tensor(positions, dtype=torch.long, device=keys.device)
-            self.keys[:, slot, :, :len(positions)] = keys[:, at].transpose(1, 2)  # (n_layer, nh, c, hs)
-            self.values[:, slot, :, :len(positions)] = values[:, at].transpose(1, 2)
+        at = torch.as_tensor(positions, dtype=torch.long, device=keys.device)  # (c,)
+        self.keys[:, slot, :, :len(at)] = keys[:, at].transpose(1, 2)  # (n_layer, nh, c, hs)
+        self.values[:, slot, :, :len(at)] = values[:, at].transpose(1, 2)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Slot `source`'s first `length` positions into slot `target` (compaction)."""

@@ -221,10 +221,8 @@ class PrefixStore:
     def _fill_cached_slots(self) -> None:
         """Each prompt's cached positions into its slot, every layer at once, before the forward."""
         for i, positions in enumerate(self.batch.hit_positions):
-            if len(positions):
-                slot, c = self.first_slot + i, len(positions)
-                self.slots.keys[:, slot, :, :c] = self.pool.keys[:, positions].transpose(1, 2)  # (n_layer, nh, c, hs)
-                self.slots.values[:, slot, :, :c] = self.pool.values[:, positions].transpose(1, 2)
+            if len(positions):  # (the prefix cache may be off)
+                self.slots.copy_in(self.first_slot + i, self.pool.keys, self.pool.values, positions)
 
     def _fill_new_slots(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Each prompt's new keys and values into its slot, after its cached ones."""

@@ -38,7 +38,7 @@ class StepOutput:
     prompt_tokens: int = 0  # prompt tokens computed (a prefill's, a chunk's), riders' aside
     # sequences whose prompt was read to its end in this decode step (their prompt or its last
     # chunk rode it): their tokens are first tokens, as a prefill's are
-    joined: frozenset[int] = frozenset()
+    prompts_read: frozenset[int] = frozenset()
     # riders (engine.step_forward): each one's top-k next tokens, the riders not finite, and
     # each one's tokens from the prefix cache (empty when it is off)
     rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
@@ -47,7 +47,7 @@ class StepOutput:
 
     def first(self, seq_id: int) -> bool:
         """Whether this step gave the sequence its first token."""
-        return self.kind == "prefill" or seq_id in self.joined
+        return self.kind == "prefill" or seq_id in self.prompts_read
 
 
 @dataclass
