@@ -4,7 +4,7 @@ packed (one gather for the batch); and what the cache costs batches it cannot he
 
 1. `--clients` prompts of `--prefix` shared tokens + `--suffix` of their own (fresh each batch):
    - whole: the prefix cache off (every token computed);
-   - rows: the cache on, engine.prefix_forward.PACK_FACTOR set to 0 (each prompt gathers its own);
+   - rows: the cache on, engine.step_forward.PACK_FACTOR set to 0 (each prompt gathers its own);
    - packed: the cache on, as served.
 2. `--clients` fresh prompts of `--unshared` tokens (nothing in common): the cache off against on
    (its doorkeeper hashes every full block and keeps none), alternating, median of `--rounds`.
@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from gpt2serve.engine import prefix_forward
+from gpt2serve.engine import step_forward
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.prefix_cache import PrefixCache
@@ -63,12 +63,12 @@ def main() -> None:
     engine.attach_prefix_cache(blocks)
     for _ in range(2):  # seen, then kept (the doorkeeper)
         timed(engine, shared())
-    packed_factor = prefix_forward.PACK_FACTOR
+    packed_factor = step_forward.PACK_FACTOR
     packed, rows = [], []
     for _ in range(args.rounds):
-        prefix_forward.PACK_FACTOR = 0.0
+        step_forward.PACK_FACTOR = 0.0
         rows.append(timed(engine, shared()))
-        prefix_forward.PACK_FACTOR = packed_factor
+        step_forward.PACK_FACTOR = packed_factor
         packed.append(timed(engine, shared()))
     off, on = [], []
     for _ in range(args.rounds):

@@ -6,7 +6,6 @@ overlap, where a step is launched before the last one is read) equal to a refere
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 from dataclasses import dataclass, field
 

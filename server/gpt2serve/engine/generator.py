@@ -4,7 +4,7 @@ The scheduler (scheduling.scheduler) decides who runs; this module runs them, in
 thread, in two kinds of step:
 - prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
   fills their slots and gives each its first token; blocks found in the prefix cache are copied
-  into the slot, not computed (engine.prefix_forward); out of memory, it leaves no row behind.
+  into the slot, not computed (engine.step_forward); out of memory, it leaves no row behind.
   On cuda, prompts that need nothing from the prefix cache replay a graph (engine.prefill_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.decode_graphs) or a TorchScript trace on a CPU
@@ -37,8 +37,7 @@ from .head import top_k_rows
 from .kv_cache import KVCache, blocks_needed
 from .padding import forward_parts
 from .prefix_cache import PrefixCache, RowPlan
-from .prefix_forward import BlockWriter, PrefixStore, needs_rows_again, prefix_batch
-from .step_forward import PromptRow, packed_forward
+from .step_forward import PromptRow, packed_forward, prompt_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
 from .steps import DecodeLaunch, NewSequence, PackedAnswers, Running, StepOutput, joined
@@ -165,24 +164,25 @@ class Generator:
                  first: int, started: float, started_ns: int) -> StepOutput:
         pool = self.engine.prefix_cache
         self.cache.reserve(first + len(sequences), max(len(p) for p in prompts))
+        for i, plan in enumerate(plans):
+            if plan.hit:  # into its slot, for its decode steps
+                self.cache.copy_in(first + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
+        rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=first + i)
+                for i, (p, plan) in enumerate(zip(prompts, plans))]
         for pack in (True, False):
-            batch = prefix_batch(prompts, plans, self.engine.pad_token_id, self.engine.device, pack)  # after the cached
-            writer = BlockWriter.for_rows(pool, plans, batch.starts, batch.rows) if pool is not None else None
-            store = PrefixStore(pool, batch, writer, slots=self.cache, first_slot=first)
-            hidden = self.model.hidden_states(batch.ids, batch.positions, None, kv=store, mask=batch.mask)  # (R, T, C)
-            if writer is not None:
-                writer.write_hidden(hidden)
+            hidden, layout = prompt_forward(self.model, rows, pool, plans, self.cache, pack)  # (1, N, C)
             added = [Running.of(s) for s in sequences]
-            tokens, failed = self._choose(self.engine.head(store.last_hidden(hidden)), added, first)
-            if not needs_rows_again(batch, failed):
+            tokens, failed = self._choose(self.engine.head(hidden[0, layout.last]), added, first)
+            if not layout.needs_rows_again(failed):
                 break
         self.running.extend(added)
         scored = {row: s.prompt_logprobs for row, s in enumerate(sequences) if s.prompt_logprobs is not None}
-        scores = store.scores(hidden, prompts, scored, self.engine.head, self.model.config.vocab_size)
-        return StepOutput(tokens, "prefill", len(sequences), sum(batch.new_lengths), time.perf_counter() - started,
+        scores = prompt_scores(hidden, layout, pool, scored, self.engine.head, self.model.config.vocab_size)
+        computed = sum(len(r.tokens) for r in rows)
+        return StepOutput(tokens, "prefill", len(sequences), computed, time.perf_counter() - started,
                           started_ns, time.time_ns(), failed,
                           {sequences[row].seq_id: score for row, score in scores.items()},
-                          {s.seq_id: cached for s, cached in zip(sequences, batch.cached)}, sum(batch.new_lengths))
+                          {s.seq_id: r.start for s, r in zip(sequences, rows)}, computed)
 
     def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
                          first: int, started: float, started_ns: int) -> StepOutput | None:

@@ -5,7 +5,7 @@ cuda_graphs): about 2,800 torch calls from Python for 16 prompts of 5 tokens. On
 served prefill step took 20.5 ms on average at 16 sequences (fcf3306, bench --generate at 1 to
 256 streams), against 1.5 ms for a decode step of 36, and every prefill stalls every running
 stream. So a prefill whose prompts need nothing from the prefix cache (no cached block to read,
-no new block to keep: engine.prefix_forward does those) is captured per bucket (rows, columns).
+no new block to keep: engine.step_forward does those) is captured per bucket (rows, columns).
 
 Prompts are right-padded, so attention is causal and a real token never sees padding. Each row
 writes its keys and values at positions 0..T-1 of its own slot (columns past its prompt write

@@ -14,7 +14,7 @@ written, so resident memory follows use up to the budget):
     hidden        (NB * BLOCK, C)                the residual stream after the last block there,
                                                  so a scored prompt's cached positions still get
                                                  their log-probabilities (engine.head)
-Block 0 is all zeros and never given out: it pads the rows of a gather (engine.prefix_forward).
+Block 0 is all zeros and never given out: it pads the rows of a gather (engine.step_forward).
 
 Life of a block:
     free ─ allocate() ─> written by a forward ─ commit() ─> cached (in the index, LRU order)

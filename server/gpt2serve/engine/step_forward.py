@@ -1,7 +1,7 @@
 """One forward for every row of a step (vLLM's mixed batches): D decode tokens, then prompt rows,
-laid end to end as one row of N tokens. A prompt row is a next-token prompt answered from the
-step (a "rider"), a new generation's prompt read into its cache slot (a "joining" one), or a
-long prompt's next chunk (engine.chunked_prefill).
+laid end to end as one row of N tokens. A prompt row is a next-token prompt (riding a decode step,
+a "rider", or in a batch of its own), a new generation's prompt read into its cache slot (a
+"joining" one), or a long prompt's next chunk (engine.chunked_prefill).
 
 Every matrix of the model (QKV, projections, MLP, head) reads its weights once for all of them,
 which on a CPU, where a small step costs a pass over the weights, is most of the step; only
@@ -11,23 +11,41 @@ attention goes its own way per kind (`StepStore`):
 - a prompt row computes positions [start, end) of its prompt and attends over what is known
   before `start`, then over its own tokens causally. What is known comes from the prefix cache
   (its hit blocks, gathered from the pool) or, for a chunked prompt, from its staging
-  (engine.chunked_prefill), where its own keys and values go too. Rows are gathered into
-  right-padded (R, nh, T, hs) with a mask, so a real query never sees padding, and a row's
-  numbers (a NaN included) never reach another row or a decode token.
-Prompt rows take no KV-cache slot; their new full blocks go into the prefix cache (`writer`).
+  (engine.chunked_prefill), where its own keys and values go too.
+Prompt rows take no KV-cache slot unless they join; their new full blocks go into the prefix
+cache (`BlockWriter`).
+
+Two layouts of the prompt rows' attention (`StepLayout`):
+- rows: right-padded (R, nh, T, hs) with a mask, each row gathering what it knows. A real query
+  never sees padding, and a row's numbers (a NaN included) never reach another row;
+- shared (only where asked, `pack`): the prompt tokens as they lie, one row, after the distinct
+  cached blocks of all of them, gathered once; the mask gives each token its own prompt's blocks
+  and its own earlier tokens. Sixteen prompts behind one 800-token prefix gather it once, not
+  sixteen times, and nothing is padded. Chosen while its attention (all tokens x all keys) costs
+  at most PACK_FACTOR times the rows layout's. A NaN key of one prompt reaches every query of
+  the row (weight 0 x NaN), so a shared forward in which more than one prompt came out
+  non-finite is run again in rows (`StepLayout.needs_rows_again`).
+The pool is gathered, not read in place: torch has no CPU attention kernel over scattered
+blocks. bench/engine/prefix_cache.py measures the layouts.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ..protocol import PromptScores
+from .head import ScoredSpan, score_prompts
 from .kv_cache import DecodeStore, KVCache
-from .prefix_cache import PrefixCache
-from .prefix_forward import BlockWriter
+from .prefix_cache import BLOCK, PrefixCache, RowPlan
+
+log = logging.getLogger(__name__)
+
+PACK_FACTOR = 2.0  # the shared layout may compute this many times the rows layout's query-key pairs
 
 
 @dataclass(frozen=True)
@@ -56,27 +74,37 @@ class PromptRow:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each prompt row's tokens sit in the packed row, and their right-padded rows."""
+    """Where each prompt row's tokens sit in the packed row, and how they attend."""
 
     decode_rows: int  # D: the decode tokens come first
     rows: Sequence[PromptRow]
     firsts: list[int]  # packed index of each row's first token
-    gather: torch.Tensor  # (R * T,): packed index of each padded (row, column); padding -> its row's last token
-    real: torch.Tensor  # (P,): index into the (R * T) padded tokens of each packed row token, in packed order
     last: torch.Tensor  # (R,): packed index of each row's last token
-    mask: torch.Tensor | None  # (R, 1, T, K + T): known keys, then own; None when nothing is known (causal)
+    # rows layout: (R, 1, T, K + T) known keys, then own, None when nothing is known (causal);
+    # shared layout: (1, 1, P, U + P) the distinct known positions, then every prompt token
+    mask: torch.Tensor | None
+    gather: torch.Tensor | None = None  # rows: (R * T,) packed index of each padded (row, column)
+    real: torch.Tensor | None = None  # rows: (P,) index into the (R * T) padded tokens of each packed one
+    shared: torch.Tensor | None = None  # shared: (U,) pool positions of the distinct known blocks
 
     @classmethod
-    def of(cls, decode_rows: int, rows: Sequence[PromptRow], device: torch.device) -> StepLayout:
+    def of(cls, decode_rows: int, rows: Sequence[PromptRow], device: torch.device, pack: bool = False) -> StepLayout:
+        """The rows layout, or with `pack` the shared one where it is cheaper (see above)."""
         lengths = [len(r.tokens) for r in rows]
+        firsts = [decode_rows + sum(lengths[:i]) for i in range(len(rows))]
+        last = torch.tensor([f + n - 1 for f, n in zip(firsts, lengths)], dtype=torch.long, device=device)
+        distinct = list(dict.fromkeys(p for r in rows for p in r.reads))  # pool positions, whole blocks
+        tokens = sum(lengths)
+        pairs = sum(n * (r.start + n) for r, n in zip(rows, lengths))
+        if (pack and len(rows) > 1 and all(r.staging is None for r in rows)
+                and tokens * (len(distinct) + tokens) <= PACK_FACTOR * pairs):
+            return cls(decode_rows, rows, firsts, last, _shared_mask(rows, lengths, distinct).to(device),
+                       shared=torch.tensor(distinct, dtype=torch.long, device=device))
         T, K = max(lengths, default=1), max((r.start for r in rows), default=0)
-        gather, real, last, firsts, first = [], [], [], [], decode_rows
-        for r, length in enumerate(lengths):
-            gather += [first + min(t, length - 1) for t in range(T)]
+        gather, real = [], []
+        for r, (first, length) in enumerate(zip(firsts, lengths)):
+            gather += [first + min(t, length - 1) for t in range(T)]  # padding -> its row's last token
             real += [r * T + t for t in range(length)]
-            firsts.append(first)
-            first += length
-            last.append(first - 1)
         mask = None
         if K:
             known = torch.tensor([r.start for r in rows])[:, None] > torch.arange(K)[None, :]  # (R, K)
@@ -85,7 +113,7 @@ class StepLayout:
             mask = torch.cat([known[:, None, :].expand(-1, T, -1), causal[None] & own[:, None, :]], dim=2)[:, None]
             mask = mask.to(device)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return cls(decode_rows, rows, firsts, as_tensor(gather), as_tensor(real), as_tensor(last), mask)
+        return cls(decode_rows, rows, firsts, last, mask, as_tensor(gather), as_tensor(real))
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -93,8 +121,86 @@ class StepLayout:
 
     @property
     def known(self) -> int:
-        """K: the most positions any row reads before its own."""
+        """Rows layout: K, the most positions any row reads before its own."""
         return self.mask.shape[-1] - self.padded[1] if self.mask is not None else 0
+
+    def own(self, i: int) -> slice:
+        """Row i's tokens in the packed row."""
+        return slice(self.firsts[i], self.firsts[i] + len(self.rows[i].tokens))
+
+    def needs_rows_again(self, failed: Collection) -> bool:
+        """Shared, and more than one prompt not finite: one of them may have poisoned the others."""
+        if self.shared is None or len(failed) <= 1:
+            return False
+        log.warning("%d of %d packed prompts came out non-finite; running them again in rows", len(failed),
+                    len(self.rows))
+        return True
+
+
+def _shared_mask(rows: Sequence[PromptRow], lengths: list[int], distinct: list[int]) -> torch.Tensor:
+    """(1, 1, P, U + P): each prompt token sees its own prompt's known positions among the
+    distinct ones, then its own prompt's tokens up to itself."""
+    column = {position: i for i, position in enumerate(distinct)}
+    holds = torch.zeros(len(rows), len(distinct), dtype=torch.bool)  # (R, U)
+    for i, row in enumerate(rows):
+        holds[i, [column[p] for p in row.reads]] = True
+    owner = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(lengths))  # (P,) each token's row
+    within = torch.cat([torch.arange(n) for n in lengths])  # (P,) index within its row
+    own = (owner[None, :] == owner[:, None]) & (within[None, :] <= within[:, None])  # (P, P): own, causal
+    return torch.cat([holds[owner], own], dim=1)[None, None]  # (1, 1, P, U + P)
+
+
+@dataclass
+class BlockWriter:
+    """Where the new blocks' tokens sit in the forward: row (N,), column (N,) -> pool position (N,).
+    A KeyValueStore (engine.gpt2) of its own for a left-padded forward (Engine._eager)."""
+
+    pool: PrefixCache
+    rows: torch.Tensor
+    cols: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def for_rows(cls, pool: PrefixCache, plans: Sequence[RowPlan], first_cols: Sequence[int],
+                 rows_of: Sequence[int] | None = None) -> BlockWriter:
+        """`first_cols[i]`: the column of prompt i's first new block's first token, in row
+        `rows_of[i]` of the forward (default: row i)."""
+        rows, cols, positions = [], [], []
+        for i, (plan, first) in enumerate(zip(plans, first_cols)):
+            n = len(plan.new) * BLOCK
+            rows += [i if rows_of is None else rows_of[i]] * n
+            cols += range(first, first + n)
+            positions += PrefixCache.positions(plan.new)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=pool.device)  # noqa: E731
+        return cls(pool, as_tensor(rows), as_tensor(cols), as_tensor(positions))
+
+    @property
+    def empty(self) -> bool:
+        return self.positions.numel() == 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool,
+        gathered a token's (nh, hs) at a time. This copy is about 3% of a 16 x 64-token forward
+        on a 2-core CPU (bench/engine/prefix_cache.py), which is why the doorkeeper keeps blocks only
+        of prefixes seen before (engine.prefix_cache)."""
+        if self.empty:
+            return
+        B, nh, T, hs = k.shape
+        flat = self.rows * T + self.cols  # (N,) token index in (B * T)
+        for pool, x in ((self.pool.keys[layer], k), (self.pool.values[layer], v)):
+            pool.index_copy_(0, self.positions, x.transpose(1, 2).reshape(B * T, nh, hs).index_select(0, flat))
+
+    def write_hidden(self, hidden: torch.Tensor) -> None:
+        """(B, T, C) residual stream after the last block -> the new blocks' rows of the pool."""
+        if not self.empty:
+            self.pool.hidden.index_copy_(0, self.positions, hidden[self.rows, self.cols])  # (N, C)
+
+    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.write(layer, k, v)
+        return k, v
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None  # a prompt's queries attend through `attend`
 
 
 class StepStore:
@@ -105,7 +211,7 @@ class StepStore:
         """`writer`: over the packed row, for the rows' new blocks; `cache`: where rows with a slot write."""
         self.decode, self.layout, self.pool, self.writer, self.cache = decode, layout, pool, writer, cache
         self.decode_mask = decode.mask() if decode is not None else None  # (D, 1, 1, span)
-        self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.gather.device) for r in layout.rows]
+        self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.last.device) for r in layout.rows]
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("StepStore attends by itself (attention)")
@@ -125,30 +231,40 @@ class StepStore:
                 keys, values = self.decode.attend(layer, kd, vd)  # (D, nh, span, hs)
                 yd = F.scaled_dot_product_attention(qd, keys, values, attn_mask=self.decode_mask)
             y[:, :D] = yd[:, :, 0].transpose(0, 1)  # (nh, D, hs)
-        if self.layout.rows:
-            R, T = self.layout.padded
-            qr, kr, vr = (x[:, self.layout.gather].view(nh, R, T, hs).transpose(0, 1) for x in (q0, k0, v0))  # (R, nh, T, hs)
-            self._stage(layer, kr, vr)
-            if self.layout.mask is None:
-                yr = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)  # (R, nh, T, hs)
-            else:
-                known_k, known_v = self._known(layer, kr)  # (R, nh, K, hs) each
-                keys, values = torch.cat([known_k, kr], dim=2), torch.cat([known_v, vr], dim=2)  # (R, nh, K + T, hs)
-                yr = F.scaled_dot_product_attention(qr, keys, values, attn_mask=self.layout.mask)  # (R, nh, T, hs)
-            y[:, D:] = yr.transpose(0, 1).reshape(nh, R * T, hs)[:, self.layout.real]  # (nh, P, hs)
+        if not self.layout.rows:
+            return y[None]
+        if self.layout.shared is not None:
+            self._stage(layer, [(k0[:, self.layout.own(i)], v0[:, self.layout.own(i)]) for i in range(len(self.layout.rows))])
+            keys, values = k0[:, D:], v0[:, D:]  # (nh, P, hs)
+            if len(self.layout.shared):  # the distinct known positions in front: (nh, U + P, hs)
+                keys, values = (torch.cat([x[layer].index_select(0, self.layout.shared).transpose(0, 1), own], dim=1)
+                                for x, own in ((self.pool.keys, keys), (self.pool.values, values)))
+            y[:, D:] = F.scaled_dot_product_attention(q0[None, :, D:], keys[None], values[None],
+                                                      attn_mask=self.layout.mask)[0]  # (nh, P, hs)
+            return y[None]
+        R, T = self.layout.padded
+        qr, kr, vr = (x[:, self.layout.gather].view(nh, R, T, hs).transpose(0, 1) for x in (q0, k0, v0))  # (R, nh, T, hs)
+        self._stage(layer, [(kr[i, :, :len(r.tokens)], vr[i, :, :len(r.tokens)]) for i, r in enumerate(self.layout.rows)])
+        if self.layout.mask is None:
+            yr = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)  # (R, nh, T, hs)
+        else:
+            known_k, known_v = self._known(layer, kr)  # (R, nh, K, hs) each
+            keys, values = torch.cat([known_k, kr], dim=2), torch.cat([known_v, vr], dim=2)  # (R, nh, K + T, hs)
+            yr = F.scaled_dot_product_attention(qr, keys, values, attn_mask=self.layout.mask)  # (R, nh, T, hs)
+        y[:, D:] = yr.transpose(0, 1).reshape(nh, R * T, hs)[:, self.layout.real]  # (nh, P, hs)
         return y[None]  # (1, nh, N, hs)
 
-    def _stage(self, layer: int, kr: torch.Tensor, vr: torch.Tensor) -> None:
-        """This step's keys and values of rows that keep them: a chunked prompt's into its staging,
-        a new sequence's into its cache slot (a chunked prompt's last chunk: both)."""
-        for i, row in enumerate(self.layout.rows):
-            kept = [tuple(x[0] for x in row.staging.staging(layer, kr))] if row.staging is not None else []
+    def _stage(self, layer: int, own: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This step's keys and values (`own`: (nh, n, hs) each, per row) of rows that keep them: a
+        chunked prompt's into its staging, a new sequence's into its cache slot (a chunked
+        prompt's last chunk: both)."""
+        for row, (k, v) in zip(self.layout.rows, own):
+            kept = [tuple(x[0] for x in row.staging.staging(layer, k[None]))] if row.staging is not None else []
             if row.slot is not None:
                 kept.append((self.cache.keys[layer, row.slot], self.cache.values[layer, row.slot]))
-            n = row.stop - row.start
             for keys, values in kept:  # (nh, L, hs) each
-                keys[:, row.start:row.stop] = kr[i, :, :n]
-                values[:, row.start:row.stop] = vr[i, :, :n]
+                keys[:, row.start:row.stop] = k
+                values[:, row.start:row.stop] = v
 
     def _known(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values before its first computed position, left-aligned and
@@ -182,13 +298,15 @@ def packed_inputs(decode_ids: torch.Tensor, decode_positions: Sequence[int], lay
 
 def packed_forward(model, decode: DecodeStore | None, decode_ids: torch.Tensor, decode_positions: Sequence[int],
                    rows: Sequence[PromptRow], pool: PrefixCache | None = None, plans: Sequence = (),
-                   cache: KVCache | None = None) -> tuple[torch.Tensor, StepLayout]:
+                   cache: KVCache | None = None, pack: bool = False) -> tuple[torch.Tensor, StepLayout]:
     """One forward of D decode tokens ((D,) ids at their positions, attending over slots 0..D-1
     through `decode`) and the prompt rows -> ((1, N, C) residual stream, the layout). The first
     len(plans) rows are prompts planned by the prefix cache (prefix_cache.RowPlan): their new
-    full blocks go into `pool`, their hidden rows included; rows with a slot write into `cache`."""
+    full blocks go into `pool`, their hidden rows included; rows with a slot write into `cache`.
+    `pack`: the shared layout where it is cheaper (then the caller runs again in rows where
+    layout.needs_rows_again)."""
     device = decode_ids.device
-    layout = StepLayout.of(len(decode_ids), rows, device)
+    layout = StepLayout.of(len(decode_ids), rows, device, pack)
     writer = None
     if pool is not None and any(plan.new for plan in plans):  # new blocks start where the hit ends
         writer = BlockWriter.for_rows(pool, plans, layout.firsts[:len(plans)], [0] * len(plans))
@@ -197,3 +315,30 @@ def packed_forward(model, decode: DecodeStore | None, decode_ids: torch.Tensor, 
     if writer is not None:
         writer.write_hidden(hidden)
     return hidden, layout
+
+
+def prompt_forward(model, rows: Sequence[PromptRow], pool: PrefixCache | None, plans: Sequence[RowPlan],
+                   cache: KVCache | None = None, pack: bool = True) -> tuple[torch.Tensor, StepLayout]:
+    """packed_forward of prompt rows alone (no decode tokens)."""
+    device = pool.device if pool is not None else next(model.parameters()).device
+    return packed_forward(model, None, torch.zeros(0, dtype=torch.long, device=device), (), rows, pool, plans,
+                          cache, pack)
+
+
+def prompt_scores(hidden: torch.Tensor, layout: StepLayout, pool: PrefixCache | None, scored_rows: dict[int, int],
+                  head, vocab_size: int) -> dict[int, PromptScores]:
+    """Every position of the scored rows (row -> top-k; engine.head), cached ones included: each
+    row's residual stream over its whole prompt, the cached positions' from the pool."""
+    if not scored_rows:
+        return {}
+    streams, ids, spans, start = [], [], [], 0
+    for i, k in scored_rows.items():
+        row = layout.rows[i]
+        cached = pool.hidden.index_select(0, torch.as_tensor(row.reads, dtype=torch.long, device=pool.device)) \
+            if row.start else hidden[0, :0]
+        streams.append(torch.cat([cached, hidden[0, layout.own(i)]]))  # (L, C)
+        ids += row.prompt[:row.stop]
+        spans.append(ScoredSpan(0, start, row.stop, k))
+        start += row.stop
+    ids_t = torch.tensor(ids, dtype=torch.long, device=hidden.device)[None]  # (1, sum L)
+    return dict(zip(scored_rows, score_prompts(torch.cat(streams)[None], ids_t, spans, head, vocab_size)))
