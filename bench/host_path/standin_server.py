@@ -166,7 +166,7 @@ def prefill(self, sequences):
                                        {}, {s.seq_id: 0 for s in sequences})
 
 
-def launch_decode(self, riders=(), rider_top_ks=(), chunk=False, joining=()):
+def launch_decode(self, riders=(), chunk=False, joining=()):
     """A decode step queued on the stand-in device; the real finish_decode() waits for it and
     reads its answers."""
     started, started_ns = time.perf_counter(), time.time_ns()

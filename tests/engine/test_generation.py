@@ -69,9 +69,9 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
     joined = []  # prompts read in a running batch's decode step (engine.step_forward)
     launch = generator.launch_decode
 
-    def counting_launch(riders=(), rider_top_ks=(), chunk=False, joining=()):
+    def counting_launch(riders=(), chunk=False, joining=()):
         joined.append(len(joining))
-        return launch(riders, rider_top_ks, chunk, joining)
+        return launch(riders, chunk, joining)
 
     generator.launch_decode = counting_launch
     lengths = [6 + 5 * (i % 4) for i in range(16)]
@@ -129,8 +129,8 @@ def test_a_long_prefill_runs_in_parts_on_a_cpu_and_each_row_is_its_own(saved):
     scheduler, and each sequence's greedy tokens are transformers' for it alone."""
     hf, engine = saved
     generator = Generator(engine, slots=4)
-    forwards, run_part = [], generator._prefill
-    generator._prefill = lambda sequences, *rest: forwards.append(len(sequences)) or run_part(sequences, *rest)
+    forwards, run_part = [], generator._read_rows  # (decode, last, lengths, riders, joined, ...)
+    generator._read_rows = lambda *args, **kwargs: forwards.append(len(args[4])) or run_part(*args, **kwargs)
     prompts = [[(31 * i + 7 * j) % 1000 + 1 for j in range(200)] for i in range(3)]
     step = generator.prefill([NewSequence(i, p, GREEDY, 0) for i, p in enumerate(prompts)])
     assert forwards == [2, 1] and step.rows == 3 and step.tokens_in == 600 and step.kind == "prefill"

@@ -1,6 +1,6 @@
 """One forward for every row of a step (engine.step_forward): decode rows, a long prompt's
-chunk, a next-token prompt that hits the prefix cache and one that does not, each answered as
-transformers answers it alone; and riders leave the decode step's tokens as they were, fp32 and
+chunk, a next-token prompt that hits the prefix cache (scored too) and one that does not, a new
+generation's prompt, each answered as transformers answers it alone; and riders leave the decode step's tokens as they were, fp32 and
 int8 (its fp16 KV cache and the compiled decode attention) alike."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from support.generation import PROMPTS, lively_engine, transformers_greedy
+from support.reference import assert_prompt_scores_match
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.generator import Generator, NewSequence, Rider
 from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import SamplingParams
 
@@ -27,7 +28,7 @@ def test_riders_leave_the_decode_step_as_it_was_and_get_their_own_answers(quanti
         generator.prefill([NewSequence(0, [5, 6, 7, 8], GREEDY, 0), NewSequence(1, [9, 10], GREEDY, 1)])
     for step in range(6):
         want = plain.decode()
-        got = mixed.decode(RIDERS, [5, 1, 3])
+        got = mixed.decode([Rider(r, k) for r, k in zip(RIDERS, [5, 1, 3])])
         assert {i: t.token_id for i, t in got.tokens.items()} == {i: t.token_id for i, t in want.tokens.items()}
         for i, token in want.tokens.items():  # another kernel for the decode rows: an ulp or so apart
             assert got.tokens[i].logprob == pytest.approx(token.logprob, abs=1e-5), (step, i)
@@ -62,8 +63,8 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
 
     generator.model.hidden_states = counted
     try:
-        first = generator.decode([cached_prompt, plain_prompt], [5, 3], chunk=True,
-                                 joining=[NewSequence(3, joining, GREEDY, 3)])
+        first = generator.decode([Rider(cached_prompt, 5, scored=2), Rider(plain_prompt, 3)], chunk=True,
+                                 joining=[NewSequence(3, joining, GREEDY, 3, prompt_logprobs=1)])
     finally:
         del generator.model.hidden_states
     # two decode tokens, the cached prompt's 3 new ones, the plain prompt, a new generation's 2
@@ -76,6 +77,10 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
             want = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1).topk(k)
         assert [t.token_id for t in top] == want.indices.tolist()
         assert [t.logprob for t in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    # every position of the scored rider and of the scored new generation, its cached ones too
+    assert list(first.rider_scores) == [0] and list(first.prompt_scores) == [3]
+    for prompt, s in ((cached_prompt, first.rider_scores[0]), (joining, first.prompt_scores[3])):
+        assert_prompt_scores_match(hf, prompt, s.token_logprobs, s.ranks, s.top_ids, s.top_logprobs)
 
     tokens = {i: [t.token_id] for i, t in prefilled.tokens.items()}
     for i, t in first.tokens.items():
@@ -89,3 +94,26 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
         assert tokens[i] == transformers_greedy(hf, prompt, 10)
     assert tokens[2] == transformers_greedy(hf, LONG, len(tokens[2])) and len(tokens[2]) == 9 - 3
     assert tokens[3] == transformers_greedy(hf, joining, 9)  # its slot: the cached blocks, then its own
+
+
+def test_a_chunk_read_in_a_step_of_its_own_joins_after_the_running_sequences(tmp_path):
+    """Where no decode step takes a chunk along (on cuda with graphs), it is read in a step of its
+    own (prefill_chunk) while other sequences hold slots: its last chunk's sequence takes the next
+    free slot, and nobody's keys are overwritten."""
+    hf, engine = lively_engine(tmp_path)
+    generator = Generator(engine, slots=3, chunk_tokens=16)
+    decoding = {0: PROMPTS[3], 1: PROMPTS[6]}
+    tokens = {i: [t.token_id] for i, t in generator.prefill([NewSequence(i, p, GREEDY, i)
+                                                             for i, p in decoding.items()]).tokens.items()}
+    generator.queue_chunked(NewSequence(2, LONG, GREEDY, 2))
+    while generator.next_chunked is not None:
+        step = generator.prefill_chunk()
+        assert set(step.tokens) <= {2}
+    tokens[2] = [step.tokens[2].token_id]
+    assert [r.seq_id for r in generator.running] == [0, 1, 2]
+    for _ in range(5):
+        for i, t in generator.decode().tokens.items():
+            tokens[i].append(t.token_id)
+    for i, prompt in decoding.items():
+        assert tokens[i] == transformers_greedy(hf, prompt, 6)
+    assert tokens[2] == transformers_greedy(hf, LONG, 6)

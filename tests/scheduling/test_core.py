@@ -13,11 +13,11 @@ import torch
 import pytest
 
 from support.generation import GREEDY, PROMPTS, generation_core, lively_engine, transformers_greedy
-from support.reference import as_result, assert_matches_reference
+from support.reference import as_result, assert_matches_reference, assert_prompt_scores_match
 from support.scheduler_events import events
 
 from gpt2serve.engine.generator import Generator
-from gpt2serve.protocol import GenerateRequest
+from gpt2serve.protocol import GenerateRequest, TraceContext
 from gpt2serve.telemetry.records import BatchDone, StepDone
 
 
@@ -125,25 +125,46 @@ def test_each_decode_step_is_launched_before_the_last_one_is_read_where_the_core
     assert unread[0] == 0
 
 
-def test_a_prompt_that_cannot_ride_takes_its_own_forward_in_the_same_step(saved):
-    """Scored prompts need every position: not a rider; answered all the same."""
-    hf, engine = saved
-    generator = Generator(engine, slots=2)
-
+def run_beside_a_stream(generator, submit):
+    """A 12-token stream, and once it runs `submit(core)`'s answers -> (answers, the stream's events)."""
     async def main():
-        core = generation_core(generator)
+        core = generation_core(generator, observer=recorder)
         core.start()
         try:
             stream = events(core, GenerateRequest(PROMPTS[4], GREEDY, 12))
             await anext(stream)
-            (answer,) = await core.submit([PROMPTS[6]], top_k=3, prompt_logprobs=1)
-            rest = [e async for e in stream]
-            return answer, rest
+            answers = await submit(core)
+            return answers, [e async for e in stream]
         finally:
             await core.stop()
 
-    answer, rest = asyncio.run(main())
-    assert answer.prompt_logprobs is not None and len(answer.prompt_logprobs) == len(PROMPTS[6]) - 1
+    recorder = Recorder()
+    answers, rest = asyncio.run(main())
+    return answers, rest, recorder
+
+
+def test_a_scored_prompt_rides_the_decode_step_with_every_position_scored(saved):
+    """prompt_logprobs is a field of the row (engine.step_forward), not a route of its own."""
+    hf, engine = saved
+    generator = Generator(engine, slots=2)
+    (answer,), rest, recorder = run_beside_a_stream(
+        generator, lambda core: core.submit([PROMPTS[6]], top_k=3, prompt_logprobs=2))
+    decodes = {s.started_ns: s for s in recorder.steps if s.kind == "decode"}
+    assert answer.batch_started_ns in decodes and decodes[answer.batch_started_ns].rows == 1
+    s = answer.prompt_logprobs
+    assert_prompt_scores_match(hf, PROMPTS[6], s.token_logprobs, s.ranks, s.top_ids, s.top_logprobs)
+    assert_matches_reference(hf, as_result(PROMPTS[6], answer.top), PROMPTS[6], top_k=3)
+    assert [e.token.token_id for e in rest] == transformers_greedy(hf, PROMPTS[4], 12)[1:]
+
+
+def test_a_prompt_that_cannot_ride_takes_its_own_forward_in_the_same_step(saved):
+    """A layer trace needs the whole forward's taps: not a rider; answered all the same."""
+    hf, engine = saved
+    generator = Generator(engine, slots=2)
+    traced = TraceContext(layers_wanted=True, layers_in_response=True)
+    (answer,), rest, recorder = run_beside_a_stream(generator, lambda core: core.submit([PROMPTS[6]], 3, traced))
+    assert answer.batch_started_ns not in {s.started_ns for s in recorder.steps}
+    assert answer.layers and len(answer.layers) == engine.model.config.n_layer
     assert_matches_reference(hf, as_result(PROMPTS[6], answer.top), PROMPTS[6], top_k=3)
     assert len(rest) == 11 and rest[-1].finish_reason == "length"
 
@@ -191,7 +212,7 @@ def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_ge
     or none), and the core runs each half on its own; no stream fails or sees another's tokens."""
     hf, engine = saved
     generator = Generator(engine, slots=8)
-    real_part = generator._prefill
+    real_part = generator._read_rows
     calls: list[int] = []
 
     running_ids: list[list[int]] = []
@@ -203,14 +224,14 @@ def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_ge
         finally:
             running_ids.append([r.seq_id for r in generator.running])
 
-    def part(sequences, prompts, plans, first, *args):
-        output = real_part(sequences, prompts, plans, first, *args)  # its rows join the running ones
-        if calls[-1] > 2 and first + len(sequences) == len(generator.running):
+    def part(decode, last, lengths, riders, sequences, chunk_rows, plans, first, **kwargs):
+        output = real_part(decode, last, lengths, riders, sequences, chunk_rows, plans, first, **kwargs)
+        if calls[-1] > 2 and first + len(sequences) == len(generator.running):  # its rows joined the running
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return output
 
     real_prefill = generator.prefill
-    generator.prefill, generator._prefill = prefill, part
+    generator.prefill, generator._read_rows = prefill, part
     wanted = (3, 5, 7, 9)
 
     async def main():

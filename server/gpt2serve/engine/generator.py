@@ -34,13 +34,13 @@ from .traced_decode import TracedDecode
 from ..protocol import SampledToken
 from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
-from .kv_cache import KVCache, blocks_needed
+from .kv_cache import DecodeStore, KVCache, blocks_needed
 from .padding import forward_parts
 from .prefix_cache import PrefixCache, RowPlan
-from .step_forward import PromptRow, packed_forward, prompt_forward, prompt_scores
+from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
-from .steps import DecodeLaunch, NewSequence, PackedAnswers, Running, StepOutput, joined
+from .steps import DecodeLaunch, NewSequence, PackedAnswers, Rider, Running, StepOutput
 
 
 class Generator:
@@ -103,7 +103,7 @@ class Generator:
         self.prefill([NewSequence(-1, [pad] * 8, WARM_UP_PARAMS, 0)])
         self.decode()
         if self.takes_riders:  # and a packed step (engine.step_forward), a sequence joining where a slot is free
-            self.decode([[pad] * 4], [1], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)][:self.slots - 1])
+            self.decode([Rider([pad] * 4, 1)], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)][:self.slots - 1])
         self.remove({-1, -2})
 
     @torch.inference_mode()
@@ -141,51 +141,32 @@ class Generator:
             raise ValueError(f"{first + len(sequences)} sequences for {self.slots} cache slots")
         prompts = [s.prompt for s in sequences]
 
-        def forward(plans: list[RowPlan]) -> StepOutput:
-            graphed = self._prefill_graphed(sequences, prompts, plans, first, started, started_ns)
+        def forward(plans: list[RowPlan]) -> PackedAnswers:
+            graphed = self._prefill_graphed(sequences, prompts, plans, first)
             if graphed is not None:
                 return graphed
             parts = forward_parts([len(p) - plan.cached_tokens for p, plan in zip(prompts, plans)],
                                   self.engine.forward_tokens)
-            outputs = [self._prefill(sequences[a:b], prompts[a:b], plans[a:b], first + a, started, started_ns)
-                       for a, b in parts]
-            return outputs[0] if len(outputs) == 1 else joined(outputs)
+            self.cache.reserve(first + len(sequences), max(map(len, prompts)))
+            return PackedAnswers.merged([self._read_rows(None, self.last_ids[:0], [], [], sequences[a:b], [], plans[a:b],
+                                                         first + a, pack=True)[1] for a, b in parts], [a for a, _ in parts])
 
         pool = self.engine.prefix_cache
         try:
             if pool is None:
-                return forward([RowPlan(p, []) for p in prompts])
-            return pool.run(prompts, forward, lambda out: [row for row, s in enumerate(sequences) if s.seq_id in out.failed])
+                answers = forward([RowPlan(p, []) for p in prompts])
+            else:
+                answers = pool.run(prompts, forward, lambda out: out.failed_plans)
         except torch.cuda.OutOfMemoryError:
             del self.running[first:]  # all or none: parts that fit leave too (the core splits it)
             raise
-
-    def _prefill(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
-                 first: int, started: float, started_ns: int) -> StepOutput:
-        pool = self.engine.prefix_cache
-        self.cache.reserve(first + len(sequences), max(len(p) for p in prompts))
-        for i, plan in enumerate(plans):
-            if plan.hit:  # into its slot, for its decode steps
-                self.cache.copy_in(first + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
-        rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=first + i)
-                for i, (p, plan) in enumerate(zip(prompts, plans))]
-        for pack in (True, False):
-            hidden, layout = prompt_forward(self.model, rows, pool, plans, self.cache, pack)  # (1, N, C)
-            added = [Running.of(s) for s in sequences]
-            tokens, failed = self._choose(self.engine.head(hidden[0, layout.last]), added, first)
-            if not layout.needs_rows_again(failed):
-                break
-        self.running.extend(added)
-        scored = {row: s.prompt_logprobs for row, s in enumerate(sequences) if s.prompt_logprobs is not None}
-        scores = prompt_scores(hidden, layout, pool, scored, self.engine.head, self.model.config.vocab_size)
-        computed = sum(len(r.tokens) for r in rows)
-        return StepOutput(tokens, "prefill", len(sequences), computed, time.perf_counter() - started,
-                          started_ns, time.time_ns(), failed,
-                          {sequences[row].seq_id: score for row, score in scores.items()},
-                          {s.seq_id: r.start for s, r in zip(sequences, rows)}, computed)
+        computed = answers.prompt_tokens
+        return StepOutput(answers.first_tokens, "prefill", len(sequences), computed, time.perf_counter() - started,
+                          started_ns, time.time_ns(), answers.first_failed, answers.prompt_scores,
+                          answers.cached_tokens, computed)
 
     def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
-                         first: int, started: float, started_ns: int) -> StepOutput | None:
+                         first: int) -> PackedAnswers | None:
         """The prefill from a graph (engine.prefill_graphs): prompts that read and keep nothing in
         the prefix cache and score nothing. None where it does not apply or no bucket holds them."""
         if (self.prefill_graphs is None or any(plan.hit or plan.new for plan in plans)
@@ -203,9 +184,8 @@ class Generator:
         added = [Running.of(s) for s in sequences]
         tokens, failed = self._choose(logits, added, first)
         self.running.extend(added)
-        return StepOutput(tokens, "prefill", len(sequences), sum(map(len, prompts)), time.perf_counter() - started,
-                          started_ns, time.time_ns(), failed, {}, {s.seq_id: 0 for s in sequences},
-                          sum(map(len, prompts)))
+        return PackedAnswers(first_tokens=tokens, first_failed=failed, cached_tokens={s.seq_id: 0 for s in sequences},
+                             prompt_tokens=sum(map(len, prompts)))
 
     def reads_in_chunks(self, sequence: NewSequence) -> bool:
         """Read in chunks (engine.chunked_prefill): more uncached tokens than a chunk, no scores."""
@@ -233,11 +213,11 @@ class Generator:
         graphed = self.graphs is not None or self.prefill_graphs is not None
         return not graphed and not (self.use_graphs and self.engine.device.type == "cuda")
 
-    def decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
-               chunk: bool = False, joining: Sequence[NewSequence] = ()) -> StepOutput:
+    def decode(self, riders: Sequence[Rider] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
+               ) -> StepOutput:
         """One token for every running sequence, and from the same forward (engine.step_forward) each
         rider's top-k, the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
-        return self.finish_decode(self.launch_decode(riders, rider_top_ks, chunk, joining))
+        return self.finish_decode(self.launch_decode(riders, chunk, joining))
 
     @property
     def overlaps(self) -> bool:
@@ -246,8 +226,8 @@ class Generator:
 
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
-                      chunk: bool = False, joining: Sequence[NewSequence] = (), decode: bool = True) -> DecodeLaunch:
+    def launch_decode(self, riders: Sequence[Rider] = (), chunk: bool = False, joining: Sequence[NewSequence] = (),
+                      decode: bool = True) -> DecodeLaunch:
         """Queue a decode step of every running sequence (see decode(); `decode` False: none of
         them, only the rest): each one's last token comes from last_ids, its sampled one goes back
         there, and its answers to the host by a copy that finish_decode() waits for. On cuda
@@ -264,7 +244,7 @@ class Generator:
         last = self.last_ids[:B]  # (B,) on the device
         logits, packed = None, None
         if riders or chunk or joining:
-            logits, packed = self._packed_step(last, lengths, needed, riders, rider_top_ks, chunk, joining)
+            logits, packed = self._packed_step(last, lengths, needed, riders, chunk, joining)
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
         elif self.traces is not None:  # cpu: one trace per span, any number of rows
@@ -280,7 +260,7 @@ class Generator:
         for r in rows:
             r.length += 1
             r.unread += 1
-        return DecodeLaunch(rows, chosen, done, device_started, B + sum(map(len, riders)), started, started_ns,
+        return DecodeLaunch(rows, chosen, done, device_started, B + sum(len(r.prompt) for r in riders), started, started_ns,
                             time.perf_counter() - started, packed)
 
     def finish_decode(self, step: DecodeLaunch) -> StepOutput:
@@ -297,61 +277,39 @@ class Generator:
                           len(step.rows) + packed.prompt_rows,
                           step.tokens_in + packed.prompt_tokens, forward_s, step.started_ns,
                           step.started_ns + int(forward_s * 1e9), failed | packed.first_failed,
-                          cached_tokens=packed.cached_tokens, prompt_tokens=packed.prompt_tokens,
-                          prompts_read=frozenset(packed.first_tokens), rider_tops=packed.rider_tops,
-                          rider_failed=packed.rider_failed, rider_cached=packed.rider_cached)
+                          prompt_scores=packed.prompt_scores, cached_tokens=packed.cached_tokens,
+                          prompt_tokens=packed.prompt_tokens, prompts_read=frozenset(packed.first_tokens),
+                          rider_tops=packed.rider_tops, rider_failed=packed.rider_failed,
+                          rider_cached=packed.rider_cached, rider_scores=packed.rider_scores)
 
-    def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[Sequence[int]],
-                     rider_top_ks: Sequence[int], chunk: bool, joining: Sequence[NewSequence]
-                     ) -> tuple[torch.Tensor, PackedAnswers]:
+    def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[Rider],
+                     chunk: bool, joining: Sequence[NewSequence]) -> tuple[torch.Tensor, PackedAnswers]:
         """One forward (engine.step_forward) of D decode tokens ((D,) `last`, at `needed`
         positions), the riders' prompts and the joining sequences' (each after what the prefix
-        cache holds of it; the joining ones into slots D, D + 1, ...), and with `chunk` the next
-        chunk of the oldest prompt read in chunks, whose sequence joins after them with its last
+        cache holds of it; into the next free slots), and with `chunk` the next chunk of the
+        oldest prompt read in chunks, whose sequence joins after them with its last
         -> ((D, V) decode logits, the rest's answers)."""
-        device, D, pool, R = self.engine.device, len(last), self.engine.prefix_cache, len(riders)
+        device, D, pool, first = self.engine.device, len(last), self.engine.prefix_cache, len(self.running)
         chunk_rows = [self.chunked.next_row(pool, self.model.config.n_layer)] if chunk else []
         job = self.chunked.oldest if chunk and chunk_rows[0].stop == len(chunk_rows[0].prompt) else None
-        if job is not None:  # its last chunk: the sequence joins, its keys into slot D + J too
-            chunk_rows = [replace(chunk_rows[0], slot=D + len(joining))]
+        if job is not None:  # its last chunk: the sequence joins, its keys into its slot too
+            chunk_rows = [replace(chunk_rows[0], slot=first + len(joining))]
         joined = [*joining, *([job.sequence] if job is not None else [])]
-        J = len(joined)
-        if D + J > self.slots:
-            raise ValueError(f"{D + J} sequences for {self.slots} cache slots")
-        self.cache.reserve(D + J, max([needed, *(len(s.prompt) for s in joined)]))
+        if first + len(joined) > self.slots:
+            raise ValueError(f"{first + len(joined)} sequences for {self.slots} cache slots")
+        self.cache.reserve(first + len(joined), max([needed, *(len(s.prompt) for s in joined)]))
         decode = self.cache.decode(to_device(lengths, device), self.cache.eager_span(D, needed)) if D else None
-        prompts = [*riders, *(s.prompt for s in joining)]
-        added = [Running.of(s) for s in joined]
+        if job is not None:
+            job.into_slot(self.cache, first + len(joining))  # its earlier chunks
+        prompts = [*(r.prompt for r in riders), *(s.prompt for s in joining)]
 
-        def forward(plans: list[RowPlan]) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor, list[int]]:
-            for i, plan in enumerate(plans[R:]):
-                if plan.hit:  # into its slot, for its decode steps
-                    self.cache.copy_in(D + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
-            if job is not None:
-                job.into_slot(self.cache, D + J - 1)  # its earlier chunks
-            slots = [None] * R + list(range(D, D + len(joining)))
-            rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=slot)
-                    for p, plan, slot in zip(prompts, plans, slots)]
-            hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,
-                                            self.cache)
-            wanted = torch.cat((torch.arange(D, device=device), layout.last[:R + J]))
-            logits = self.engine.head(hidden[0, wanted])  # (D + R + J, V)
-            tops, failed = [], frozenset()
-            if R:
-                tops, failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1), rider_top_ks)
-            answers = PackedAnswers(tops, failed, [plan.cached_tokens for plan in plans[:R]] if pool is not None else [])
-            if J:
-                answers.first_tokens, answers.first_failed = self._choose(logits[D + R:], added, D)
-            answers.cached_tokens = {s.seq_id: plan.cached_tokens for s, plan in zip(joining, plans[R:])}
-            answers.prompt_tokens = sum(len(p) - plan.cached_tokens for p, plan in zip(prompts[R:], plans[R:]))
-            failed_plans = [*failed, *(R + i for i, s in enumerate(joining) if s.seq_id in answers.first_failed)]
-            return logits, answers, hidden[0, layout.firsts[-1]:] if chunk else None, failed_plans
+        def forward(plans: list[RowPlan]) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor | None]:
+            return self._read_rows(decode, last, lengths, riders, joined, chunk_rows, plans, first)
 
         if pool is None or not prompts:
-            logits, answers, chunk_hidden, _ = forward([RowPlan(p, []) for p in prompts])
+            logits, answers, chunk_hidden = forward([RowPlan(p, []) for p in prompts])
         else:
-            logits, answers, chunk_hidden, _ = pool.run(prompts, forward, lambda out: out[3])
-        self.running.extend(added)
+            logits, answers, chunk_hidden = pool.run(prompts, forward, lambda out: out[1].failed_plans)
         answers.prompt_rows = len(joining) + chunk
         if chunk:  # (T, C) chunk_hidden: the chunk's residual stream, for its blocks
             answers.prompt_tokens += len(chunk_rows[0].tokens)
@@ -360,7 +318,49 @@ class Generator:
             answers.cached_tokens[job.sequence.seq_id] = job.cached
             if pool is not None:
                 job.fill_pool(pool, job.sequence.seq_id in answers.first_failed)
-        return logits[:D], answers
+        return logits, answers
+
+    def _read_rows(self, decode: DecodeStore | None, last: torch.Tensor, lengths: Sequence[int],
+                   riders: Sequence[Rider], joined: Sequence[NewSequence], chunk_rows: list[PromptRow],
+                   plans: list[RowPlan], first: int, pack: bool = False
+                   ) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor | None]:
+        """The packed forward of a step's rows (`plans`: the riders', then the joining prompts');
+        the joined (the joining, then a chunk's whose last chunk is read) take slots first, ... and
+        first tokens -> ((D, V) decode logits, the answers, the chunk's (T, C) residual stream or
+        None). `pack`: the shared layout where cheaper, again in rows if it poisoned two rows."""
+        D, R, J, pool = len(last), len(riders), len(joined), self.engine.prefix_cache
+        prompts = [*(r.prompt for r in riders), *(s.prompt for s in joined[:len(plans) - R])]
+        for i, plan in enumerate(plans[R:]):
+            if plan.hit:  # into its slot, for its decode steps
+                self.cache.copy_in(first + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
+        rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=None if i < R else first + i - R)
+                for i, (p, plan) in enumerate(zip(prompts, plans))]
+        a = PackedAnswers()
+        for pack in (True, False) if pack else (False,):
+            hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,
+                                            self.cache, pack)  # (1, N, C)
+            wanted = torch.cat((torch.arange(D, device=hidden.device), layout.last[:R + J]))
+            logits = self.engine.head(hidden[0, wanted])  # (D + R + J, V)
+            if R:
+                a.rider_tops, a.rider_failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1),
+                                                          [r.top_k for r in riders])
+            added = [Running.of(s) for s in joined]
+            if J:
+                a.first_tokens, a.first_failed = self._choose(logits[D + R:], added, first)
+            if not layout.needs_rows_again([*a.rider_failed, *a.first_failed]):
+                break
+        self.running.extend(added)
+        wants = [*(r.scored for r in riders), *(s.prompt_logprobs for s in joined)]
+        scores = prompt_scores(hidden, layout, pool, {i: k for i, k in enumerate(wants[:len(rows)]) if k is not None},
+                               self.engine.head, self.model.config.vocab_size)
+        a.rider_scores = {i: score for i, score in scores.items() if i < R}
+        a.prompt_scores = {joined[i - R].seq_id: score for i, score in scores.items() if i >= R}
+        a.rider_cached = [r.start for r in rows[:R]] if pool is not None else []
+        a.cached_tokens = {s.seq_id: r.start for s, r in zip(joined, rows[R:])}
+        a.prompt_tokens = sum(len(r.tokens) for r in rows[R:])
+        a.failed_plans = [*a.rider_failed, *(R + i for i, s in enumerate(joined[:len(rows) - R])
+                                             if s.seq_id in a.first_failed)]
+        return logits[:D], a, hidden[0, layout.firsts[-1]:] if chunk_rows else None
 
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`

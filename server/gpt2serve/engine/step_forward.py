@@ -317,12 +317,11 @@ def packed_forward(model, decode: DecodeStore | None, decode_ids: torch.Tensor, 
     return hidden, layout
 
 
-def prompt_forward(model, rows: Sequence[PromptRow], pool: PrefixCache | None, plans: Sequence[RowPlan],
-                   cache: KVCache | None = None, pack: bool = True) -> tuple[torch.Tensor, StepLayout]:
-    """packed_forward of prompt rows alone (no decode tokens)."""
-    device = pool.device if pool is not None else next(model.parameters()).device
-    return packed_forward(model, None, torch.zeros(0, dtype=torch.long, device=device), (), rows, pool, plans,
-                          cache, pack)
+def prompt_forward(model, rows: Sequence[PromptRow], pool: PrefixCache, plans: Sequence[RowPlan],
+                   pack: bool = True) -> tuple[torch.Tensor, StepLayout]:
+    """packed_forward of next-token prompt rows alone (no decode tokens, no slots)."""
+    no_decode = torch.zeros(0, dtype=torch.long, device=pool.device)
+    return packed_forward(model, None, no_decode, (), rows, pool, plans, pack=pack)
 
 
 def prompt_scores(hidden: torch.Tensor, layout: StepLayout, pool: PrefixCache | None, scored_rows: dict[int, int],

@@ -22,6 +22,17 @@ class NewSequence:
 
 
 @dataclass(frozen=True)
+class Rider:
+    """A next-token prompt answered from a decode step's forward (engine.step_forward): its top
+    `top_k` next tokens, and with `scored` every position's log-probability too, with that many
+    alternatives (engine.head)."""
+
+    prompt: Sequence[int]
+    top_k: int
+    scored: int | None = None
+
+
+@dataclass(frozen=True)
 class StepOutput:
     tokens: dict[int, SampledToken]  # seq_id -> its new token
     kind: str  # "prefill" or "decode"
@@ -33,17 +44,18 @@ class StepOutput:
     # Sequences whose logits were not finite (a numerical overflow): no token; the scheduler
     # fails them alone, and frees their slots at the next step.
     failed: frozenset[int] = frozenset()
-    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # prefill: seq_id -> its prompt's
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # seq_id -> its prompt's, where read
     cached_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> prompt tokens from the prefix cache
     prompt_tokens: int = 0  # prompt tokens computed (a prefill's, a chunk's), riders' aside
     # sequences whose prompt was read to its end in this decode step (their prompt or its last
     # chunk rode it): their tokens are first tokens, as a prefill's are
     prompts_read: frozenset[int] = frozenset()
-    # riders (engine.step_forward): each one's top-k next tokens, the riders not finite, and
-    # each one's tokens from the prefix cache (empty when it is off)
+    # riders (engine.step_forward): each one's top-k next tokens, the riders not finite, each
+    # one's tokens from the prefix cache (empty when it is off), the scored ones' scores
     rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
     rider_failed: frozenset[int] = frozenset()
     rider_cached: list[int] = field(default_factory=list)
+    rider_scores: dict[int, PromptScores] = field(default_factory=dict)  # rider index -> its prompt's
 
     def first(self, seq_id: int) -> bool:
         """Whether this step gave the sequence its first token."""
@@ -78,11 +90,26 @@ class PackedAnswers:
     rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
     rider_failed: frozenset[int] = frozenset()
     rider_cached: list[int] = field(default_factory=list)
+    rider_scores: dict[int, PromptScores] = field(default_factory=dict)
     prompt_tokens: int = 0  # of the chunk and the joining prompts, computed
     prompt_rows: int = 0  # sequences that joined, and the one whose chunk was read
     first_tokens: dict[int, SampledToken] = field(default_factory=dict)  # of the sequences that joined
     first_failed: frozenset[int] = frozenset()
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # of the joining sequences scored
+    failed_plans: list[int] = field(default_factory=list)  # prompts (riders, then joining) not finite
+
+    @classmethod
+    def merged(cls, parts: list[PackedAnswers], firsts: list[int]) -> PackedAnswers:
+        """One prefill's answers from its parts' (joining prompts alone; part i's from prompt firsts[i])."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(prompt_tokens=sum(p.prompt_tokens for p in parts), prompt_rows=sum(p.prompt_rows for p in parts),
+                   first_tokens={k: v for p in parts for k, v in p.first_tokens.items()},
+                   first_failed=frozenset().union(*(p.first_failed for p in parts)),
+                   cached_tokens={k: v for p in parts for k, v in p.cached_tokens.items()},
+                   prompt_scores={k: v for p in parts for k, v in p.prompt_scores.items()},
+                   failed_plans=[a + i for a, p in zip(firsts, parts) for i in p.failed_plans])
 
 
 @dataclass
@@ -98,14 +125,3 @@ class DecodeLaunch:
     started_ns: int
     forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
     packed: PackedAnswers | None = None  # riders or a chunk rode it
-
-
-def joined(outputs: list[StepOutput]) -> StepOutput:
-    """One prefill step's output from its parts' (each part's forward_s counts from the step's start)."""
-    last = outputs[-1]
-    return StepOutput({k: v for o in outputs for k, v in o.tokens.items()}, "prefill", sum(o.rows for o in outputs),
-                      sum(o.tokens_in for o in outputs), last.forward_s, outputs[0].started_ns, last.ended_ns,
-                      frozenset().union(*(o.failed for o in outputs)),
-                      {k: v for o in outputs for k, v in o.prompt_scores.items()},
-                      {k: v for o in outputs for k, v in o.cached_tokens.items()},
-                      sum(o.prompt_tokens for o in outputs))

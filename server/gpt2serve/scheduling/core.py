@@ -10,7 +10,7 @@
     answers, token events, telemetry  <───────── handed over in order, one wake-up at a time
 
 A next-token prompt that arrives while generations run is answered from their next decode step
-where it can ride it: untraced, unscored, within the step's token budget, and on a device whose
+where it can ride it: untraced (scored or not), within the step's token budget, and on a device whose
 decode steps are not CUDA graphs (Generator.takes_riders); the prefix cache is read and filled
 for it as for any prompt.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from ..engine.engine import BatchOutput
-from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
+from ..engine.generator import DecodeLaunch, NewSequence, Rider, StepOutput
 from ..engine.prompt_launch import PromptLaunch
 
 
@@ -60,7 +60,7 @@ class GenerationEngine(Protocol):
     @property
     def takes_riders(self) -> bool: ...
 
-    def launch_decode(self, riders: Sequence[Sequence[int]] = (), rider_top_ks: Sequence[int] = (),
-                      chunk: bool = False, joining: Sequence[NewSequence] = ()) -> DecodeLaunch: ...
+    def launch_decode(self, riders: Sequence[Rider] = (), chunk: bool = False,
+                      joining: Sequence[NewSequence] = ()) -> DecodeLaunch: ...
 
     def finish_decode(self, launch: DecodeLaunch) -> StepOutput: ...

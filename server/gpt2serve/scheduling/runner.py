@@ -33,7 +33,7 @@ from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
 from ..engine.prompt_launch import PromptLaunch
-from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
+from ..engine.generator import DecodeLaunch, NewSequence, Rider, StepOutput
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Outputs
@@ -122,7 +122,7 @@ class StepRunner:
         """(the prompts that ride this step's decode, within `budget` prompt tokens; the rest)."""
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            if r.plain and tokens + len(r.prompt) <= budget and self.generator.takes_riders:
+            if r.rides and tokens + len(r.prompt) <= budget and self.generator.takes_riders:
                 riders.append(r)
                 tokens += len(r.prompt)
             else:
@@ -231,15 +231,15 @@ class StepRunner:
     # Generations ------------------------------------------------------------------------------------
     def _prefill_step(self, admitted: list[EngineRequest], decode: bool) -> list[tuple[EngineRequest, NewSequence]]:
         """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
-        a decode step to come where prompts may ride it (`decode`), prompts that need no scores
-        are left to join it, within the step's prompt-token budget: returned, not read."""
+        a decode step to come where prompts may ride it (`decode`), the rest are left to join it
+        (scored ones too), within the step's prompt-token budget: returned, not read."""
         whole, joining, tokens = [], [], 0
         rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
             sequence = NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
             if self.generator.reads_in_chunks(sequence):
                 self.generator.queue_chunked(sequence)
-            elif rides and r.prompt_logprobs is None and tokens + len(r.prompt) <= self.rider_tokens:
+            elif rides and tokens + len(r.prompt) <= self.rider_tokens:
                 joining.append((r, sequence))
                 tokens += len(r.prompt)
             else:
@@ -292,7 +292,7 @@ class StepRunner:
                       len(self.scheduler.prompts))
             self._prompts_start(riders)
         launch = self._step("decode", members, lambda: self.generator.launch_decode(
-            [r.prompt for r in riders], [r.top_k for r in riders], chunk, [s for _, s in joining]), riders)
+            [Rider(r.prompt, r.top_k, r.prompt_logprobs) for r in riders], chunk, [s for _, s in joining]), riders)
         self.finish_in_flight()
         if launch is None:
             return
@@ -319,7 +319,8 @@ class StepRunner:
             self._answered(riders)
             self._post(self.outputs.answer_prompts, riders, BatchOutput(
                 output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
-                output.ended_ns, failed_rows=output.rider_failed, cached_tokens=cached), launch.started,
+                output.ended_ns, failed_rows=output.rider_failed, prompt_scores=output.rider_scores,
+                cached_tokens=cached), launch.started,
                 output.started_ns, True)
         self._took(output, members)
 
