@@ -22,12 +22,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from gpt2serve.engine import engine as engine_module
 from gpt2serve.ipc import codec
 from gpt2serve.ipc import engine_server
+from gpt2serve.launch import engine_host
 from gpt2serve.scheduling import core, outputs, runner, scheduler
 
-# (owner, attribute, label): the label's indent shows what it runs under
+# (owner, attribute, label): the label's indent shows what it runs under. The engine is the
+# class the engine host builds (the stand-in's, set before this module is imported).
 PHASES = [
     (engine_server.EngineServer, "_receive", "IPC thread: a front end's frames received, decoded and queued"),
     (codec, "decode", "IPC thread:   the frame decoded"),
@@ -40,9 +41,9 @@ PHASES = [
     (core.EngineCore, "_iteration", "core thread: the loop's passes"),
     (scheduler.Scheduler, "schedule", "core thread:   scheduling"),
     (runner.StepRunner, "_prompt_step", "core thread:   a next-token step"),
-    (engine_module.Engine, "launch_prompts", "core thread:     inputs staged and launched"),
-    (engine_module.Engine, "next_token", "core thread:     a whole forward (not launched)"),
-    (engine_module.Engine, "finish_prompts", "core thread:     the launched forward read back"),
+    (engine_host.Engine, "launch_prompts", "core thread:     inputs staged and launched"),
+    (engine_host.Engine, "next_token", "core thread:     a whole forward (not launched)"),
+    (engine_host.Engine, "finish_prompts", "core thread:     the launched forward read back"),
 ]
 
 

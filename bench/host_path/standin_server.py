@@ -11,8 +11,12 @@ engine core overlaps its host work with the device here as it does on cuda (STAN
 it does not, for an A/B). The answers are made up: every generated token is STANDIN_TOKEN, and
 next-token rows get fixed log-probabilities.
 
-Run like `gpt2serve serve` (this file patches the engine at import, so the engine process of
-`--workers N`, started with multiprocessing's spawn, is patched too):
+The stand-in device is two classes, one per side of the engine's declared interface
+(scheduling.engine_api): `StandinEngine` (next-token batches) and `StandinGenerator`
+(generation steps), subclasses of the real ones whose device work they replace. The engine host
+builds them in place of the real ones. Run like `gpt2serve serve` (this file hands them to the
+engine host at import, so the engine process of `--workers N`, started with multiprocessing's
+spawn, gets them too):
 
     .venv/bin/python bench/host_path/standin_server.py serve --model random:gpt2 --device cpu --workers 2 \
         --max-batch-size 256 --max-running-sequences 256 --prefix-cache-mb 0
@@ -102,18 +106,6 @@ class Moment:
         return (end.at - self.at) * 1000  # ms, as cuda.Event's
 
 
-def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None,
-               controlled_rows=None):
-    if traced_rows or scored_rows or controlled_rows:
-        raise ValueError("the stand-in device runs plain next-token batches only")
-    started, started_ns = time.perf_counter(), time.time_ns()
-    batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
-    device_wait(NEXT_TOKEN.seconds(len(prompts)))
-    top, failed = read_top_k(_top_k_rows(max(top_ks))[:, :len(prompts)], top_ks)  # the copy back, read as the engine does
-    return engine_module.BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
-                                     cuda_graph=True, failed_rows=failed)
-
-
 _top_k_cache: dict[int, torch.Tensor] = {}  # k -> (2, 1024, k) values and ids, as top_k_rows copies them back
 
 
@@ -138,68 +130,90 @@ def _chosen(rows) -> torch.Tensor:
     return _chosen_rows[n][:len(rows)]
 
 
-def launch_prompts(self, prompts, top_ks):
-    """A plain next-token batch queued on the stand-in device (engine.prompt_launch); the real
-    finish_prompts() waits for it and reads it."""
-    started, started_ns = time.perf_counter(), time.time_ns()
-    batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
-    start, end = Device.queue(NEXT_TOKEN.seconds(len(prompts)))
-    both = _top_k_rows(max(top_ks))[:, :len(prompts)]  # what the copy back brings
-    return PromptLaunch(both, Moment(end), Moment(start), list(top_ks), batch.shape[2], started, started_ns, False)
+class StandinEngine(engine_module.Engine):
+    """The engine (scheduling.engine_api.PromptEngine) on the stand-in device: every forward is
+    the device's time for its rows; staging the inputs and reading the answers back are real."""
+
+    def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None,
+                   controlled_rows=None):
+        if traced_rows or scored_rows or controlled_rows:
+            raise ValueError("the stand-in device runs plain next-token batches only")
+        started, started_ns = time.perf_counter(), time.time_ns()
+        batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
+        device_wait(NEXT_TOKEN.seconds(len(prompts)))
+        top, failed = read_top_k(_top_k_rows(max(top_ks))[:, :len(prompts)], top_ks)  # the copy back, read as the engine does
+        return engine_module.BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
+                                         cuda_graph=True, failed_rows=failed)
+
+    def launch_prompts(self, prompts, top_ks):
+        """A plain next-token batch queued on the stand-in device (engine.prompt_launch); the real
+        finish_prompts() waits for it and reads it."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
+        start, end = Device.queue(NEXT_TOKEN.seconds(len(prompts)))
+        both = _top_k_rows(max(top_ks))[:, :len(prompts)]  # what the copy back brings
+        return PromptLaunch(both, Moment(end), Moment(start), list(top_ks), batch.shape[2], started, started_ns, False)
+
+    def warm_up(self):
+        self.fixed_cost_tokens = engine_module.MAX_FIXED_COST_TOKENS  # as a GPU measures it: padding is nearly free
 
 
-def prefill(self, sequences):
-    started, started_ns = time.perf_counter(), time.time_ns()
-    if len(self.running) + len(sequences) > self.slots:
-        raise ValueError(f"{len(self.running) + len(sequences)} sequences for {self.slots} cache slots")
-    if any(s.prompt_logprobs is not None for s in sequences):
-        raise ValueError("the stand-in device does not score prompts")
-    batch = left_pad([s.prompt for s in sequences], self.engine.pad_token_id)  # (3, B, T)
-    device_wait(NEXT_TOKEN.seconds(len(sequences)))
-    added = [generator_module.Running.of(s) for s in sequences]
-    for r in added:
-        r.rng.random()  # the draw choose() takes
-    tokens, failed = generator_module.read_choices(_chosen(added).tolist(), added)
-    self.running.extend(added)
-    return generator_module.StepOutput(tokens, "prefill", len(sequences), sum(len(s.prompt) for s in sequences),
-                                       time.perf_counter() - started, started_ns, time.time_ns(), failed,
-                                       {}, {s.seq_id: 0 for s in sequences})
+class StandinGenerator(generator_module.Generator):
+    """The generator (scheduling.engine_api.GenerationEngine) on the stand-in device: no cache,
+    steps of the device's time, decode steps launched and read back as on cuda."""
+
+    def prefill(self, sequences):
+        started, started_ns = time.perf_counter(), time.time_ns()
+        if len(self.running) + len(sequences) > self.slots:
+            raise ValueError(f"{len(self.running) + len(sequences)} sequences for {self.slots} cache slots")
+        if any(s.prompt_logprobs is not None for s in sequences):
+            raise ValueError("the stand-in device does not score prompts")
+        left_pad([s.prompt for s in sequences], self.engine.pad_token_id)  # (3, B, T): staged
+        device_wait(NEXT_TOKEN.seconds(len(sequences)))
+        added = [generator_module.Running.of(s) for s in sequences]
+        for r in added:
+            r.rng.random()  # the draw choose() takes
+        tokens, failed = generator_module.read_choices(_chosen(added).tolist(), added)
+        self.running.extend(added)
+        return generator_module.StepOutput(tokens, "prefill", len(sequences), sum(len(s.prompt) for s in sequences),
+                                           time.perf_counter() - started, started_ns, time.time_ns(), failed,
+                                           {}, {s.seq_id: 0 for s in sequences})
+
+    def launch_decode(self, riders=(), chunk=False, joining=()):
+        """A decode step queued on the stand-in device; the real finish_decode() waits for it and
+        reads its answers."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        rows = list(self.running)
+        staged = torch.tensor([r.length for r in rows])  # (B,): the positions, staged as for a graph replay
+        for r in rows:
+            r.rng.random()  # the draw choose() takes
+        start, end = Device.queue(DECODE.seconds(len(rows)))
+        for r in rows:
+            r.length += 1
+            r.unread += 1
+        return generator_module.DecodeLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started,
+                                             started_ns, time.perf_counter() - started)
+
+    def remove(self, seq_ids):
+        self.running = [r for r in self.running if r.seq_id not in seq_ids]  # slots compact; no cache to move
+
+    def warm_up(self):
+        pass
+
+    def allocate(self):
+        pass
+
+    @property
+    def overlaps(self):
+        return os.environ.get("STANDIN_OVERLAP", "1") != "0"
+
+    @property
+    def takes_riders(self):
+        return False  # as on cuda: decode steps are graphs
 
 
-def launch_decode(self, riders=(), chunk=False, joining=()):
-    """A decode step queued on the stand-in device; the real finish_decode() waits for it and
-    reads its answers."""
-    started, started_ns = time.perf_counter(), time.time_ns()
-    rows = list(self.running)
-    staged = torch.tensor([r.length for r in rows])  # (B,): the positions, staged as for a graph replay
-    for r in rows:
-        r.rng.random()  # the draw choose() takes
-    start, end = Device.queue(DECODE.seconds(len(rows)))
-    for r in rows:
-        r.length += 1
-        r.unread += 1
-    return generator_module.DecodeLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started,
-                                         started_ns, time.perf_counter() - started)
-
-
-def remove(self, seq_ids):
-    self.running = [r for r in self.running if r.seq_id not in seq_ids]  # slots compact; no cache to move
-
-
-def engine_warm_up(self):
-    self.fixed_cost_tokens = engine_module.MAX_FIXED_COST_TOKENS  # as a GPU measures it: padding is nearly free
-
-
-engine_module.Engine.next_token = next_token
-engine_module.Engine.launch_prompts = launch_prompts
-engine_module.Engine.warm_up = engine_warm_up
-generator_module.Generator.prefill = prefill
-generator_module.Generator.launch_decode = launch_decode
-generator_module.Generator.overlaps = property(lambda self: os.environ.get("STANDIN_OVERLAP", "1") != "0")
-generator_module.Generator.remove = remove
-generator_module.Generator.warm_up = lambda self: None
-generator_module.Generator.allocate = lambda self: None
-generator_module.Generator.takes_riders = property(lambda self: False)  # as on cuda: decode steps are graphs
+# What the engine host builds (launch.engine_host.load_engine): the stand-ins.
+engine_host.Engine, engine_host.Generator = StandinEngine, StandinGenerator
 
 
 def after_engine_start(hook) -> None:
