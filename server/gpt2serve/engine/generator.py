@@ -5,9 +5,9 @@ thread, in two kinds of step:
 - prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
   fills their slots and gives each its first token; blocks found in the prefix cache are copied
   into the slot, not computed (engine.step_forward); out of memory, it leaves no row behind.
-  On cuda, prompts that need nothing from the prefix cache replay a graph (engine.prefill_graphs);
+  On cuda, prompts that need nothing from the prefix cache replay a graph (engine.cuda_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
-  replayed as a CUDA graph (engine.decode_graphs) or a TorchScript trace on a CPU
+  replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU
   (engine.traced_decode); or, carrying prompts (next-token ones, admitted ones, a long prompt's
   next chunk), one eager forward for all (engine.step_forward).
 Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
@@ -28,8 +28,7 @@ from typing import Collection, Sequence
 import torch
 
 from .chunked_prefill import ChunkQueue
-from .decode_graphs import DecodeGraphs
-from .prefill_graphs import PrefillGraphs
+from .cuda_graphs import DecodeGraphs, PrefillGraphs
 from .traced_decode import TracedDecode
 from ..protocol import SampledToken
 from .engine import Engine, oom_as_out_of_memory
@@ -66,7 +65,7 @@ class Generator:
         on_cuda = engine.device.type == "cuda"
         self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
-        self.prefill_graphs: PrefillGraphs | None = None  # cuda: short prompts' prefills (engine.prefill_graphs)
+        self.prefill_graphs: PrefillGraphs | None = None  # cuda: short prompts' prefills (engine.cuda_graphs)
         self.traces: TracedDecode | None = None  # cpu
 
     def allocate(self) -> KVCache:
@@ -167,7 +166,7 @@ class Generator:
 
     def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
                          first: int) -> PackedAnswers | None:
-        """The prefill from a graph (engine.prefill_graphs): prompts that read and keep nothing in
+        """The prefill from a graph (engine.cuda_graphs): prompts that read and keep nothing in
         the prefix cache and score nothing. None where it does not apply or no bucket holds them."""
         if (self.prefill_graphs is None or any(plan.hit or plan.new for plan in plans)
                 or any(s.prompt_logprobs is not None for s in sequences)):

@@ -158,7 +158,7 @@ class PrefillSlots:
     `positions` (B, T) of slot `slots[b]`; the forward attends over its own (causal), as
     nothing is cached before them. Rows not `real` (B,) are padding: they write back what their
     target holds, so several of them may share a slot that a sequence holds. What a prefill
-    graph captures (engine.prefill_graphs)."""
+    graph captures (engine.cuda_graphs.PrefillGraphs)."""
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, real: torch.Tensor):
         self.cache, self.slots, self.positions = cache, slots, positions

@@ -2,7 +2,7 @@
 
 A decode step of GPT-2 small is about 1500 small torch ops, and on a CPU calling them from
 Python was a third of an int8 step (8 of 25 ms at one row, 2-core AVX2 machine). CUDA graphs
-(engine.decode_graphs) do not exist there, but `torch.jit.trace` records the step once and
+(engine.cuda_graphs) do not exist there, but `torch.jit.trace` records the step once and
 replays its ops without Python. The recorded graph gives the same numbers bit for bit.
 
 One trace per attention span, for any number of rows: the rows' count flows through the trace
