@@ -42,7 +42,7 @@ from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine.head import read_top_k
 from gpt2serve.engine.padding import left_pad
-from gpt2serve.engine.prompt_launch import PromptLaunch
+from gpt2serve.engine.steps import PromptLaunch
 from gpt2serve.launch import engine_host
 
 STEPS_FILE = Path(os.environ.get("STANDIN_STEPS", Path(__file__).with_name("h200_steps.json")))
@@ -146,7 +146,7 @@ class StandinEngine(engine_module.Engine):
                                          cuda_graph=True, failed_rows=failed)
 
     def launch_prompts(self, prompts, top_ks):
-        """A plain next-token batch queued on the stand-in device (engine.prompt_launch); the real
+        """A plain next-token batch queued on the stand-in device (engine.cuda_graphs.BucketedForward.launch); the real
         finish_prompts() waits for it and reads it."""
         started, started_ns = time.perf_counter(), time.time_ns()
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay

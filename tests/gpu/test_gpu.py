@@ -294,7 +294,7 @@ def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
 
 
 def test_launched_next_token_batches_wait_for_nothing_and_answer_as_next_token_does(peaked):
-    """engine.prompt_launch on cuda: two plain batches launched back to back under torch's sync
+    """engine.cuda_graphs.BucketedForward.launch on cuda: two plain batches launched back to back under torch's sync
     debug mode (a launch that waited for the device would raise), then read, give each prompt
     the top-k a whole next_token() call gives it."""
     engine = cuda_engine(peaked, torch.float32)

@@ -254,7 +254,7 @@ def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_ge
 
 
 def test_next_token_batches_launch_before_the_last_is_read_and_answer_as_alone(saved):
-    """On cuda the core launches a plain next-token batch (engine.prompt_launch) and reads the one
+    """On cuda the core launches a plain next-token batch (engine.cuda_graphs.BucketedForward.launch) and reads the one
     before it while it runs. Here the bucketed path without capture, overlap forced as on cuda:
     callers arriving in waves over one another's batches each get their prompt's own answer; with
     a backlog (more callers than a batch holds) a batch was launched while another was in

@@ -38,9 +38,9 @@ from .head import ScoredSpan, score_prompts, top_k_rows
 from .constraints import Grammars
 from .loading import LoadedModel
 from .logits_controls import controlled_view
-from .prefix_cache import PrefixCache, RowPlan
+from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
 from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
-from .prompt_launch import PromptLaunch, launch_prompts, read_launch
+from .steps import PromptLaunch
 from .step_forward import BlockWriter, PromptRow, prompt_forward, prompt_scores
 
 log = logging.getLogger(__name__)
@@ -269,11 +269,16 @@ class Engine:
     @oom_as_out_of_memory
     @torch.inference_mode()
     def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> PromptLaunch | None:
-        """A plain batch queued, not waited for (engine.prompt_launch); None: use next_token()."""
-        return launch_prompts(self.graphs, self.prefix_cache, prompts, top_ks)
+        """A plain batch queued, not waited for (engine.cuda_graphs.BucketedForward.launch); None:
+        use next_token() (no graphs, no bucket, or a prompt the prefix cache could hold a block of,
+        which the synchronous path reads or keeps)."""
+        pool = self.prefix_cache
+        if self.graphs is None or (pool is not None and any(len(p) >= PREFIX_BLOCK for p in prompts)):
+            return None
+        return self.graphs.launch(prompts, top_ks, looked_up=pool is not None)
 
     def finish_prompts(self, launch: PromptLaunch) -> BatchOutput:
-        top, failed, forward_s = read_launch(launch)
+        top, failed, forward_s = launch.read()
         return BatchOutput(top, forward_s, launch.padded_len, launch.started_ns, launch.started_ns + int(forward_s * 1e9),
                            cuda_graph=True, failed_rows=failed, cached_tokens=[0] * len(top) if launch.looked_up else [])
 

@@ -1,15 +1,17 @@
-"""What the generator's steps take and give: a new sequence, a running one, a step's output, and
-a decode step on its way (engine.generator runs them)."""
+"""What the engine's steps take and give: a new sequence, a running one, a step's output, a
+decode step on its way (engine.generator runs them), and a next-token batch on its way."""
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from ..protocol import PromptScores, SampledToken, SamplingParams, TokenScore
+from ..protocol import PromptScores, SampledToken, SamplingParams, TokenScore, TopTable
+from .head import read_top_k
 
 
 @dataclass(frozen=True)
@@ -125,3 +127,28 @@ class DecodeLaunch:
     started_ns: int
     forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
     packed: PackedAnswers | None = None  # riders or a chunk rode it
+
+
+@dataclass(slots=True)
+class PromptLaunch:
+    """A plain next-token batch on its way (engine.cuda_graphs.BucketedForward.launch): its top-k
+    values and ids are in `both` once `done` has fired."""
+
+    both: torch.Tensor  # (2, B, k_max) on the host (pinned on cuda)
+    done: "torch.cuda.Event | None"  # cuda: fires when the copy into `both` has landed; None: there
+    device_started: "torch.cuda.Event | None"
+    top_ks: Sequence[int]
+    padded_len: int  # the bucket's length
+    started: float
+    started_ns: int
+    looked_up: bool  # the prefix cache is on: each prompt reports 0 tokens read from it
+
+    def read(self) -> tuple[TopTable, frozenset[int], float]:
+        """Wait for the top-k (cuda; on a CPU it is there) and read it: each row's top-k, the rows
+        not finite, and the batch's device seconds (on a CPU, since its launch)."""
+        forward_s = time.perf_counter() - self.started
+        if self.done is not None:
+            self.done.synchronize()  # lets go of the GIL while it waits
+            forward_s = self.device_started.elapsed_time(self.done) / 1000
+        top, failed = read_top_k(self.both, self.top_ks)
+        return top, failed, forward_s

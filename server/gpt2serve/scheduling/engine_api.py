@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 
 from ..engine.engine import BatchOutput
 from ..engine.generator import DecodeLaunch, NewSequence, Rider, StepOutput
-from ..engine.prompt_launch import PromptLaunch
+from ..engine.steps import PromptLaunch
 
 
 class PromptEngine(Protocol):
@@ -23,7 +23,7 @@ class PromptEngine(Protocol):
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
 
-    # A plain batch queued without waiting for it (engine.prompt_launch); None: run it with next_token.
+    # A plain batch queued without waiting for it (engine.cuda_graphs.BucketedForward.launch); None: run it with next_token.
     def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> PromptLaunch | None: ...
 
     def finish_prompts(self, launch: PromptLaunch) -> BatchOutput: ...

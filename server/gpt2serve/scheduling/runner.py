@@ -7,7 +7,7 @@ the engine and the generator, and hands every answer to the callers' side (sched
               decode step where it can (engine.step_forward), else in a forward of its own
     prompts   next-token prompts: riding this step's decode (engine.step_forward) where they
               can, the others in a forward of their own; with overlap a plain batch is launched and the
-              batch before it read while it runs (engine.prompt_launch), and a batch with none
+              batch before it read while it runs (engine.cuda_graphs.BucketedForward.launch), and a batch with none
               launched behind it is read at the next step, or at once when there is none
     decode    launched; then the step before it is read. With overlap (on cuda) the two are
               different steps: this one is queued behind the one still running on the device,
@@ -32,7 +32,7 @@ from dataclasses import astuple, dataclass
 from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
-from ..engine.prompt_launch import PromptLaunch
+from ..engine.steps import PromptLaunch
 from ..engine.generator import DecodeLaunch, NewSequence, Rider, StepOutput
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
@@ -149,7 +149,7 @@ class StepRunner:
             self._settle_running()
 
     def _launch_prompts(self, batch: list[EngineRequest]) -> bool:
-        """Queue a plain batch (engine.prompt_launch), then read the one before it, which ran on
+        """Queue a plain batch (engine.cuda_graphs.BucketedForward.launch), then read the one before it, which ran on
         the device meanwhile; False where it cannot be launched so (then it runs whole). Only
         with a backlog (a full batch, or prompts left waiting): callers that all fit one batch
         are answered sooner whole, and overlapping them split them into two half batches, which
