@@ -42,7 +42,8 @@ HOPS = [  # (owner module, class or None, function, mark at entry, mark at retur
     ("gpt2serve.ipc.engine_server", "EngineServer", "_receive", "engine: frame read", None),
     ("gpt2serve.scheduling.core", "EngineCore", "queue_calls", None, "engine: calls queued"),
     ("gpt2serve.scheduling.core", "EngineCore", "_iteration", "engine: core loop awake", None),
-    ("gpt2serve.engine.engine", "Engine", "next_token", "engine: step start", "engine: step end"),
+    # the engine class the engine host builds: the stand-in's (standin_server sets it first)
+    ("gpt2serve.launch.engine_host", "Engine", "next_token", "engine: step start", "engine: step end"),
     ("gpt2serve.ipc.engine_server", "EngineServer", "call_soon_threadsafe", "engine: answers handed over", None),
     ("gpt2serve.ipc.engine_server", "EngineServer", "_write", "engine: frame written", None),
     ("gpt2serve.ipc.socket_client", "SocketEngineClient", "data_received", "frame read", "frame dispatched"),
