@@ -304,7 +304,7 @@ class Engine:
                       scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
         """Each prompt's tokens after its cached blocks, attending over those blocks, its new full
         blocks kept (one forward of prompt rows, shared layout or rows: engine.step_forward)."""
-        rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit)) for p, plan in zip(prompts, plans)]
+        rows = [PromptRow.planned(plan) for plan in plans]
         for pack in (True, False):
             hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans, pack=pack)  # (1, N, C)
             logits = self.head(hidden[0, layout.last])  # (B, V)

@@ -146,7 +146,7 @@ class Generator:
                 return graphed
             parts = forward_parts([len(p) - plan.cached_tokens for p, plan in zip(prompts, plans)],
                                   self.engine.forward_tokens)
-            self.cache.reserve(first + len(sequences), max(map(len, prompts)))
+            self.cache.reserve(first + len(sequences), max(map(len, prompts)))  # no decode rows: last_ids[:0]
             return PackedAnswers.merged([self._read_rows(None, self.last_ids[:0], [], [], sequences[a:b], [], plans[a:b],
                                                          first + a, pack=True)[1] for a, b in parts], [a for a, _ in parts])
 
@@ -328,12 +328,10 @@ class Generator:
         first tokens -> ((D, V) decode logits, the answers, the chunk's (T, C) residual stream or
         None). `pack`: the shared layout where cheaper, again in rows if it poisoned two rows."""
         D, R, J, pool = len(last), len(riders), len(joined), self.engine.prefix_cache
-        prompts = [*(r.prompt for r in riders), *(s.prompt for s in joined[:len(plans) - R])]
         for i, plan in enumerate(plans[R:]):
             if plan.hit:  # into its slot, for its decode steps
                 self.cache.copy_in(first + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
-        rows = [PromptRow(p, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=None if i < R else first + i - R)
-                for i, (p, plan) in enumerate(zip(prompts, plans))]
+        rows = [PromptRow.planned(plan, None if i < R else first + i - R) for i, plan in enumerate(plans)]
         a = PackedAnswers()
         for pack in (True, False) if pack else (False,):
             hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,

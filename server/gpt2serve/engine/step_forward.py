@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Collection, Sequence
 
 import torch
@@ -63,6 +64,11 @@ class PromptRow:
     staging: object = None
     slot: int | None = None  # a new sequence's KV-cache slot: its keys and values go there too
 
+    @classmethod
+    def planned(cls, plan: RowPlan, slot: int | None = None) -> PromptRow:
+        """A prompt from the first position after its prefix-cache hit (`plan`), reading the hit."""
+        return cls(plan.tokens, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=slot)
+
     @property
     def stop(self) -> int:
         return len(self.prompt) if self.end is None else self.end
@@ -91,15 +97,14 @@ class StepLayout:
     def of(cls, decode_rows: int, rows: Sequence[PromptRow], device: torch.device, pack: bool = False) -> StepLayout:
         """The rows layout, or with `pack` the shared one where it is cheaper (see above)."""
         lengths = [len(r.tokens) for r in rows]
-        firsts = [decode_rows + sum(lengths[:i]) for i in range(len(rows))]
+        firsts = list(accumulate(lengths[:-1], initial=decode_rows)) if rows else []
         last = torch.tensor([f + n - 1 for f, n in zip(firsts, lengths)], dtype=torch.long, device=device)
-        distinct = list(dict.fromkeys(p for r in rows for p in r.reads))  # pool positions, whole blocks
-        tokens = sum(lengths)
-        pairs = sum(n * (r.start + n) for r, n in zip(rows, lengths))
-        if (pack and len(rows) > 1 and all(r.staging is None for r in rows)
-                and tokens * (len(distinct) + tokens) <= PACK_FACTOR * pairs):
-            return cls(decode_rows, rows, firsts, last, _shared_mask(rows, lengths, distinct).to(device),
-                       shared=torch.tensor(distinct, dtype=torch.long, device=device))
+        if pack and len(rows) > 1 and all(r.staging is None for r in rows):
+            distinct = list(dict.fromkeys(p for r in rows for p in r.reads))  # pool positions, whole blocks
+            tokens, pairs = sum(lengths), sum(n * (r.start + n) for r, n in zip(rows, lengths))
+            if tokens * (len(distinct) + tokens) <= PACK_FACTOR * pairs:
+                return cls(decode_rows, rows, firsts, last, _shared_mask(rows, lengths, distinct).to(device),
+                           shared=torch.tensor(distinct, dtype=torch.long, device=device))
         T, K = max(lengths, default=1), max((r.start for r in rows), default=0)
         gather, real = [], []
         for r, (first, length) in enumerate(zip(firsts, lengths)):
@@ -211,7 +216,9 @@ class StepStore:
         """`writer`: over the packed row, for the rows' new blocks; `cache`: where rows with a slot write."""
         self.decode, self.layout, self.pool, self.writer, self.cache = decode, layout, pool, writer, cache
         self.decode_mask = decode.mask() if decode is not None else None  # (D, 1, 1, span)
-        self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.last.device) for r in layout.rows]
+        # rows layout: each row's hit, gathered by row (the shared layout gathers layout.shared once)
+        self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.last.device)
+                      for r in layout.rows] if layout.shared is None else []
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("StepStore attends by itself (attention)")
