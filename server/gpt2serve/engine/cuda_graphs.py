@@ -31,7 +31,7 @@ Three kinds of step run so (every CUDA graph of the engine is in this module):
   overwrite). Rows past the prompts are padding: they all target one slot that is not a new
   one's (the first after them, or where the cache is full the last before them) and write back
   what is there, so they change nothing, whichever of them lands last
-  (engine.kv_cache.PrefillSlots). Their (3, B, T) buffer holds ids, positions, and in its third
+  (engine.kv_cache.SlotStore). Their (3, B, T) buffer holds ids, positions, and in its third
   plane each row's slot, last real column and whether it is real.
 """
 

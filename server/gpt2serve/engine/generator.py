@@ -33,7 +33,7 @@ from .traced_decode import TracedDecode
 from ..protocol import SampledToken
 from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
-from .kv_cache import DecodeStore, KVCache, blocks_needed
+from .kv_cache import KVCache, SlotStore, blocks_needed
 from .padding import forward_parts
 from .prefix_cache import PrefixCache, RowPlan
 from .step_forward import PromptRow, packed_forward, prompt_scores
@@ -297,7 +297,7 @@ class Generator:
         if first + len(joined) > self.slots:
             raise ValueError(f"{first + len(joined)} sequences for {self.slots} cache slots")
         self.cache.reserve(first + len(joined), max([needed, *(len(s.prompt) for s in joined)]))
-        decode = self.cache.decode(to_device(lengths, device), self.cache.eager_span(D, needed)) if D else None
+        decode = SlotStore(self.cache, to_device(lengths, device), self.cache.eager_span(D, needed)) if D else None
         if job is not None:
             job.into_slot(self.cache, first + len(joining))  # its earlier chunks
         prompts = [*(r.prompt for r in riders), *(s.prompt for s in joining)]
@@ -319,7 +319,7 @@ class Generator:
                 job.fill_pool(pool, job.sequence.seq_id in answers.first_failed)
         return logits, answers
 
-    def _read_rows(self, decode: DecodeStore | None, last: torch.Tensor, lengths: Sequence[int],
+    def _read_rows(self, decode: SlotStore | None, last: torch.Tensor, lengths: Sequence[int],
                    riders: Sequence[Rider], joined: Sequence[NewSequence], chunk_rows: list[PromptRow],
                    plans: list[RowPlan], first: int, pack: bool = False
                    ) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor | None]:
@@ -362,7 +362,7 @@ class Generator:
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`
         positions of slots 0..B-1. What a decode graph captures."""
-        store = self.cache.decode(positions, span)
+        store = SlotStore(self.cache, positions, span)
         hidden = self.model.hidden_states(last[:, None], positions[:, None], None, kv=store,
                                           mask=store.mask())  # (B, 1, C)
         return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
@@ -371,7 +371,7 @@ class Generator:
                         last: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """(B, T) right-padded prompts into their slots (B,) -> (B, V) logits after each row's
         `last` column; rows not `real` (B,) change no slot. What a prefill graph captures."""
-        store = self.cache.prefill(slots, positions, real)
+        store = SlotStore(self.cache, positions, ids.shape[1], slots, real)
         hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (B, T, C)
         return self.engine.head(hidden[torch.arange(len(ids), device=ids.device), last])  # (B, V)
 

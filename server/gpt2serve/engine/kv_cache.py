@@ -146,62 +146,53 @@ class KVCache:
         self.keys[:, target, :, :length] = self.keys[:, source, :, :length]
         self.values[:, target, :, :length] = self.values[:, source, :, :length]
 
-    def decode(self, positions: torch.Tensor, span: int) -> DecodeStore:
-        return DecodeStore(self, positions, span)
 
-    def prefill(self, slots: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> PrefillSlots:
-        return PrefillSlots(self, slots, positions, real)
+class SlotStore:
+    """The KeyValueStore (engine.gpt2) of a forward whose rows each own a slot: row b's T new
+    tokens are written at `positions` (B, T) of slot `slots[b]`, then attended together with the
+    first `span` positions of that slot. Two uses:
+    - a decode step: one new token a row (positions (B,)), rows in slots 0..B-1 (`slots` None:
+      a view of the first B slots, no copy), its keys behind it; `mask()` hides what lies past
+      each row's own position (span > every position). What a decode graph captures;
+    - a prefill of prompts from position 0, right-padded (positions (B, T) = 0..T-1, span T): the
+      forward attends causally (no mask) over what it just wrote. Rows not `real` (B,) are
+      padding: they write back what their target holds, so several of them may share a slot
+      that a sequence holds. What a prefill graph captures (engine.cuda_graphs.PrefillGraphs)."""
 
-
-class PrefillSlots:
-    """Prompts from column 0 of each row, right-padded (B, T): row b's keys and values written at
-    `positions` (B, T) of slot `slots[b]`; the forward attends over its own (causal), as
-    nothing is cached before them. Rows not `real` (B,) are padding: they write back what their
-    target holds, so several of them may share a slot that a sequence holds. What a prefill
-    graph captures (engine.cuda_graphs.PrefillGraphs)."""
-
-    def __init__(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor, real: torch.Tensor):
-        self.cache, self.slots, self.positions = cache, slots, positions
-        self.real = real[:, None, None, None]  # (B, 1, 1, 1)
-
-    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Advanced indices on dims 0 and 2 around a slice: the target is (B, T, nh, hs).
-        where = (layer, self.slots[:, None], slice(None), self.positions)
-        for cache, new in ((self.cache.keys, k), (self.cache.values, v)):
-            cache[where] = torch.where(self.real, new.transpose(1, 2).to(cache.dtype), cache[where])
-        return k, v  # (B, nh, T, hs)
-
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        return None  # through `attend`
-
-
-class DecodeStore:
-    """One new token for each of slots 0..B-1, at `positions` (B,): written there, then attended
-    together with the first `span` positions of its slot (span > every position; the mask
-    hides what lies past each row's own position)."""
-
-    def __init__(self, cache: KVCache, positions: torch.Tensor, span: int):
-        self.cache, self.positions, self.span = cache, positions, span
+    def __init__(self, cache: KVCache, positions: torch.Tensor, span: int, slots: torch.Tensor | None = None,
+                 real: torch.Tensor | None = None):
+        self.cache, self.positions, self.span, self.slots = cache, positions, span, slots
+        self.real = real[:, None, None, None] if real is not None else None  # (B, 1, 1, 1)
         # On a CPU, the compiled decode attention reads each row's own positions, not the span.
-        self.native = cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.float16) and native.available()
+        self.native = (positions.dim() == 1 and slots is None and cache.device.type == "cpu"
+                       and cache.dtype in (torch.float32, torch.float16) and native.available())
 
     def mask(self) -> torch.Tensor:
-        """(B, 1, 1, span) bool: key j is visible to row b iff j <= positions[b]."""
+        """(B, 1, T, span) bool: key j is visible to row b's query t iff j <= its position."""
         keys = torch.arange(self.span, device=self.positions.device)  # (span,)
-        return (keys[None, :] <= self.positions[:, None])[:, None, None, :]
+        positions = self.positions.reshape(len(self.positions), -1)  # (B, T)
+        return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B = k.shape[0]  # k, v: (B, nh, 1, hs)
-        rows = torch.arange(B, device=k.device)  # (B,): built from k's size, so a trace keeps B variable
-        # Advanced indices on dims 0 and 2 around a slice: the target is (B, nh, hs).
-        self.cache.keys[layer, rows, :, self.positions] = k[:, :, 0].to(self.cache.dtype)
-        self.cache.values[layer, rows, :, self.positions] = v[:, :, 0].to(self.cache.dtype)
+        B, _, T, _ = k.shape  # k, v: (B, nh, T, hs)
+        # built from k's size, so a trace keeps B variable
+        slots = self.slots if self.slots is not None else torch.arange(B, device=k.device)  # (B,)
+        # Advanced indices on dims 0 and 2 around a slice: the target is (B, T, nh, hs).
+        where = (layer, slots[:, None], slice(None), self.positions.reshape(B, T))
+        for cache, new in ((self.cache.keys, k), (self.cache.values, v)):
+            new = new.transpose(1, 2).to(cache.dtype)
+            cache[where] = new if self.real is None else torch.where(self.real, new, cache[where])
         span = slice(0, self.span)
-        keys, values = self.cache.keys[layer, :B, :, span], self.cache.values[layer, :B, :, span]  # (B, nh, span, hs)
-        return keys.to(k.dtype), values.to(v.dtype)  # an fp16 cache (see Engine.kv_dtype) widened for attention
+        if self.slots is None:
+            keys, values = self.cache.keys[layer, :B, :, span], self.cache.values[layer, :B, :, span]
+        else:
+            keys, values = self.cache.keys[layer, slots, :, span], self.cache.values[layer, slots, :, span]
+        # (B, nh, span, hs): an fp16 cache (see Engine.kv_dtype) widened for attention
+        return keys.to(k.dtype), values.to(v.dtype)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-        """q, k, v (B, nh, 1, hs) -> y (B, nh, 1, hs), k and v written into the cache first (CPU, fp32)."""
+        """q, k, v (B, nh, 1, hs) -> y (B, nh, 1, hs), k and v written into the cache first (CPU,
+        fp32 or fp16, decode); None: through `attend`."""
         if not self.native:
             return None
         return torch.ops.gpt2serve.decode_attention(q, k, v, self.cache.keys[layer], self.cache.values[layer],

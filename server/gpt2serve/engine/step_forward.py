@@ -6,7 +6,7 @@ a "rider", or in a batch of its own), a new generation's prompt read into its ca
 Every matrix of the model (QKV, projections, MLP, head) reads its weights once for all of them,
 which on a CPU, where a small step costs a pass over the weights, is most of the step; only
 attention goes its own way per kind (`StepStore`):
-- decode tokens attend over their slots, as a decode step does (kv_cache.DecodeStore: the
+- decode tokens attend over their slots, as a decode step does (kv_cache.SlotStore: the
   compiled CPU kernel, or SDPA over the span);
 - a prompt row computes positions [start, end) of its prompt and attends over what is known
   before `start`, then over its own tokens causally. What is known comes from the prefix cache
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..protocol import PromptScores
 from .head import ScoredSpan, score_prompts
-from .kv_cache import DecodeStore, KVCache
+from .kv_cache import KVCache, SlotStore
 from .prefix_cache import BLOCK, PrefixCache, RowPlan
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class BlockWriter:
 class StepStore:
     """The KeyValueStore (engine.gpt2) of a packed step: it attends by itself."""
 
-    def __init__(self, decode: DecodeStore | None, layout: StepLayout, pool: PrefixCache | None = None,
+    def __init__(self, decode: SlotStore | None, layout: StepLayout, pool: PrefixCache | None = None,
                  writer: BlockWriter | None = None, cache: KVCache | None = None):
         """`writer`: over the packed row, for the rows' new blocks; `cache`: where rows with a slot write."""
         self.decode, self.layout, self.pool, self.writer, self.cache = decode, layout, pool, writer, cache
@@ -303,7 +303,7 @@ def packed_inputs(decode_ids: torch.Tensor, decode_positions: Sequence[int], lay
     return ids, torch.tensor(positions, dtype=torch.long, device=device)[None]  # (1, N) each
 
 
-def packed_forward(model, decode: DecodeStore | None, decode_ids: torch.Tensor, decode_positions: Sequence[int],
+def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, decode_positions: Sequence[int],
                    rows: Sequence[PromptRow], pool: PrefixCache | None = None, plans: Sequence = (),
                    cache: KVCache | None = None, pack: bool = False) -> tuple[torch.Tensor, StepLayout]:
     """One forward of D decode tokens ((D,) ids at their positions, attending over slots 0..D-1
