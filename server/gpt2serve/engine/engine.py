@@ -1,20 +1,16 @@
 """Batched next-token forward passes over a loaded GPT-2.
 
-Prompts of different lengths share one forward: they are left-padded so every prompt's last
-token sits in the last column, with an attention mask that hides the padding and position ids
-that start at 0 at each prompt's first real token (engine.padding). Only the last position goes
-through the LM head, so a prompt in a batch gets the same answer it gets alone.
-
-Three ways through the model, the same numbers from each:
-- CUDA graphs (on cuda, `--cuda-graphs on`): the batch padded up to a captured bucket shape;
-- eager: other shapes, the CPU, and traced batches (introspection taps run Python per block);
-- either way the answer reaches the host in one copy.
-
-With the prefix cache (engine.prefix_cache), a batch where some prompt starts with cached blocks,
-or has a block to keep, runs as prompt rows of one packed forward (engine.step_forward): only
-what follows the cached blocks is computed, and new full blocks go into the cache. Traced batches
-are computed whole and keep their blocks too. On cuda such batches run eagerly, since a graph
-keeps nothing but the last position.
+Prompts of different lengths share one forward, and a prompt in a batch gets the same answer it
+gets alone. Only the last position goes through the LM head. Three ways through the model:
+- prompt rows of one packed forward (engine.step_forward), the default: every matrix of the model
+  runs over the prompts' real tokens only, and attention over rows padded to the longest. With
+  the prefix cache (engine.prefix_cache) a row starts after its cached blocks and attends over
+  them, and new full blocks go into the cache;
+- CUDA graphs (on cuda, `--cuda-graphs on`): a plain batch left-padded up to a captured bucket
+  shape (engine.padding), its last tokens in the last column;
+- left-padded and eager: traced batches (introspection taps run Python per block, and their
+  reports cover every position), computed whole; they keep their blocks in the prefix cache too.
+Either way the answer reaches the host in one copy.
 """
 
 from __future__ import annotations
@@ -240,9 +236,9 @@ class Engine:
         `mapped_rows`, among them, those that also want full attention maps and logit lens;
         `last_row_rows`, among those, the ones that want only each map's last query row.
         `scored_rows`: row -> top-k alternatives, for prompts whose every position is scored
-        (engine.head); they take the eager path, since a graph keeps only the last position.
+        (engine.head); they run as prompt rows, since a graph keeps only the last position.
         `controlled_rows`: row -> a traced generation step's controls, whose top tokens after
-        them are wanted too (engine.logits_controls.controlled_view); traced rows, so eager.
+        them are wanted too (engine.logits_controls.controlled_view); traced rows, so left-padded.
         A traced batch computes every prompt whole (its reports cover every position), and
         still leaves its blocks in the prefix cache; an untraced one runs in parts of at most
         `forward_tokens` padded tokens, counted after the prefix cache (engine.padding)."""
@@ -285,35 +281,39 @@ class Engine:
     def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
                     plans: list[RowPlan] | None, started: float, started_ns: int,
                     controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
-        if plans is not None and any(plan.hit or plan.new for plan in plans) and not (traced_rows or controlled_rows):
-            return self._with_prefix_cache(prompts, top_ks, plans, scored_rows, started, started_ns)
-        writes = plans is not None and any(plan.new for plan in plans)
-        eager = traced_rows or scored_rows or writes or controlled_rows
-        replayed = self.graphs.run(prompts) if self.graphs is not None and not eager else None
-        if replayed is None:
-            output = self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
-                                 scored_rows, plans if writes else None, controlled_rows)
-        else:
+        """A traced batch whole and left-padded (its reports cover every position); a plain one
+        from a graph that holds it; any other as prompt rows (engine.step_forward)."""
+        looked_up = [0] * len(prompts) if plans is not None else []  # no hit: the traced path reads none
+        if traced_rows or controlled_rows:
+            writes = plans is not None and any(plan.new for plan in plans)
+            return replace(self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
+                                       scored_rows, plans if writes else None, controlled_rows), cached_tokens=looked_up)
+        kept = plans is not None and any(plan.hit or plan.new for plan in plans)
+        replayed = self.graphs.run(prompts) if self.graphs is not None and not (scored_rows or kept) else None
+        if replayed is not None:
             logprobs, (_, length) = replayed
             top, failed = top_k_rows(logprobs, top_ks)
-            output = BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(),
-                                 cuda_graph=True, failed_rows=failed)
-        return output if plans is None else replace(output, cached_tokens=[0] * len(prompts))  # looked up, no hit
+            return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(),
+                               cuda_graph=True, failed_rows=failed, cached_tokens=looked_up)
+        return self._rows(prompts, top_ks, plans, scored_rows, started, started_ns)
 
-    def _with_prefix_cache(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan],
-                      scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
-        """Each prompt's tokens after its cached blocks, attending over those blocks, its new full
-        blocks kept (one forward of prompt rows, shared layout or rows: engine.step_forward)."""
-        rows = [PromptRow.planned(plan) for plan in plans]
-        for pack in (True, False):
-            hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans, pack=pack)  # (1, N, C)
+    def _rows(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan] | None,
+              scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
+        """Each prompt a row of one forward (engine.step_forward): with the prefix cache (`plans`),
+        its tokens after its cached blocks, attending over those blocks (shared layout or rows),
+        its new full blocks kept. Rows pad only attention: on a CPU as fast as left padding for
+        prompts of one length, and 1.5-1.8x for mixed lengths (docs/benchmarks.md)."""
+        rows = [PromptRow.planned(plan) for plan in plans] if plans is not None else [PromptRow(p) for p in prompts]
+        for pack in (True, False) if plans is not None else (False,):
+            hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans or (), pack=pack)  # (1, N, C)
             logits = self.head(hidden[0, layout.last])  # (B, V)
             top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
             if not layout.needs_rows_again(failed):
                 break
         scores = prompt_scores(hidden, layout, self.prefix_cache, scored_rows, self.head, self.model.config.vocab_size)
-        return BatchOutput(top, time.perf_counter() - started, hidden.shape[1], started_ns, time.time_ns(),
-                           failed_rows=failed, prompt_scores=scores, cached_tokens=[r.start for r in rows])
+        return BatchOutput(top, time.perf_counter() - started, layout.width, started_ns, time.time_ns(),
+                           failed_rows=failed, prompt_scores=scores,
+                           cached_tokens=[r.start for r in rows] if plans is not None else [])
 
     def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
                started: float, started_ns: int, mapped_rows: Sequence[int] = (),

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Collection, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +89,10 @@ class StepLayout:
     # rows layout: (R, 1, T, K + T) known keys, then own, None when nothing is known (causal);
     # shared layout: (1, 1, P, U + P) the distinct known positions, then every prompt token
     mask: torch.Tensor | None
-    gather: torch.Tensor | None = None  # rows: (R * T,) packed index of each padded (row, column)
-    real: torch.Tensor | None = None  # rows: (P,) index into the (R * T) padded tokens of each packed one
+    # rows: (R * T,) packed index of each padded (row, column), and (P,) index into the (R * T)
+    # padded tokens of each packed one; None where every row is T long (the packed tokens are the padded)
+    gather: torch.Tensor | None = None
+    real: torch.Tensor | None = None
     shared: torch.Tensor | None = None  # shared: (U,) pool positions of the distinct known blocks
 
     @classmethod
@@ -117,12 +119,19 @@ class StepLayout:
             causal = torch.ones(T, T, dtype=torch.bool).tril()  # (T, T); a padding query sees real keys
             mask = torch.cat([known[:, None, :].expand(-1, T, -1), causal[None] & own[:, None, :]], dim=2)[:, None]
             mask = mask.to(device)
+        if all(n == T for n in lengths):
+            return cls(decode_rows, rows, firsts, last, mask)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         return cls(decode_rows, rows, firsts, last, mask, as_tensor(gather), as_tensor(real))
 
     @property
     def padded(self) -> tuple[int, int]:
         return len(self.rows), max(len(r.tokens) for r in self.rows)
+
+    @property
+    def width(self) -> int:
+        """Tokens a row of attention holds: the longest row's (rows layout), or all of them (shared)."""
+        return self.padded[1] if self.shared is None else sum(len(r.tokens) for r in self.rows)
 
     @property
     def known(self) -> int:
@@ -216,9 +225,11 @@ class StepStore:
         """`writer`: over the packed row, for the rows' new blocks; `cache`: where rows with a slot write."""
         self.decode, self.layout, self.pool, self.writer, self.cache = decode, layout, pool, writer, cache
         self.decode_mask = decode.mask() if decode is not None else None  # (D, 1, 1, span)
-        # rows layout: each row's hit, gathered by row (the shared layout gathers layout.shared once)
+        # rows layout with known keys: each row's hit, gathered by row (the shared layout gathers
+        # layout.shared once)
         self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.last.device)
-                      for r in layout.rows] if layout.shared is None else []
+                      for r in layout.rows] if layout.shared is None and layout.mask is not None else []
+        self.keeping = [i for i, r in enumerate(layout.rows) if r.staging is not None or r.slot is not None]
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("StepStore attends by itself (attention)")
@@ -241,7 +252,7 @@ class StepStore:
         if not self.layout.rows:
             return y[None]
         if self.layout.shared is not None:
-            self._stage(layer, [(k0[:, self.layout.own(i)], v0[:, self.layout.own(i)]) for i in range(len(self.layout.rows))])
+            self._stage(layer, lambda i: (k0[:, self.layout.own(i)], v0[:, self.layout.own(i)]))
             keys, values = k0[:, D:], v0[:, D:]  # (nh, P, hs)
             if len(self.layout.shared):  # the distinct known positions in front: (nh, U + P, hs)
                 keys, values = (torch.cat([x[layer].index_select(0, self.layout.shared).transpose(0, 1), own], dim=1)
@@ -250,22 +261,26 @@ class StepStore:
                                                       attn_mask=self.layout.mask)[0]  # (nh, P, hs)
             return y[None]
         R, T = self.layout.padded
-        qr, kr, vr = (x[:, self.layout.gather].view(nh, R, T, hs).transpose(0, 1) for x in (q0, k0, v0))  # (R, nh, T, hs)
-        self._stage(layer, [(kr[i, :, :len(r.tokens)], vr[i, :, :len(r.tokens)]) for i, r in enumerate(self.layout.rows)])
+        gather = self.layout.gather
+        qr, kr, vr = ((x[:, D:] if gather is None else x[:, gather]).view(nh, R, T, hs).transpose(0, 1)
+                      for x in (q0, k0, v0))  # (R, nh, T, hs)
+        self._stage(layer, lambda i: (kr[i, :, :len(self.layout.rows[i].tokens)], vr[i, :, :len(self.layout.rows[i].tokens)]))
         if self.layout.mask is None:
             yr = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)  # (R, nh, T, hs)
         else:
             known_k, known_v = self._known(layer, kr)  # (R, nh, K, hs) each
             keys, values = torch.cat([known_k, kr], dim=2), torch.cat([known_v, vr], dim=2)  # (R, nh, K + T, hs)
             yr = F.scaled_dot_product_attention(qr, keys, values, attn_mask=self.layout.mask)  # (R, nh, T, hs)
-        y[:, D:] = yr.transpose(0, 1).reshape(nh, R * T, hs)[:, self.layout.real]  # (nh, P, hs)
+        yr = yr.transpose(0, 1).reshape(nh, R * T, hs)
+        y[:, D:] = yr if self.layout.real is None else yr[:, self.layout.real]  # (nh, P, hs)
         return y[None]  # (1, nh, N, hs)
 
-    def _stage(self, layer: int, own: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """This step's keys and values (`own`: (nh, n, hs) each, per row) of rows that keep them: a
-        chunked prompt's into its staging, a new sequence's into its cache slot (a chunked
+    def _stage(self, layer: int, own: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This step's keys and values (`own(i)`: row i's, (nh, n, hs) each) of rows that keep them:
+        a chunked prompt's into its staging, a new sequence's into its cache slot (a chunked
         prompt's last chunk: both)."""
-        for row, (k, v) in zip(self.layout.rows, own):
+        for i in self.keeping:
+            row, (k, v) = self.layout.rows[i], own(i)
             kept = [tuple(x[0] for x in row.staging.staging(layer, k[None]))] if row.staging is not None else []
             if row.slot is not None:
                 kept.append((self.cache.keys[layer, row.slot], self.cache.values[layer, row.slot]))
@@ -324,10 +339,10 @@ def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, de
     return hidden, layout
 
 
-def prompt_forward(model, rows: Sequence[PromptRow], pool: PrefixCache, plans: Sequence[RowPlan],
+def prompt_forward(model, rows: Sequence[PromptRow], pool: PrefixCache | None, plans: Sequence[RowPlan],
                    pack: bool = True) -> tuple[torch.Tensor, StepLayout]:
     """packed_forward of next-token prompt rows alone (no decode tokens, no slots)."""
-    no_decode = torch.zeros(0, dtype=torch.long, device=pool.device)
+    no_decode = torch.zeros(0, dtype=torch.long, device=model.wpe.weight.device)
     return packed_forward(model, None, no_decode, (), rows, pool, plans, pack=pack)
 
 
