@@ -14,6 +14,7 @@ import argparse
 import time
 
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import plain_asks
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.padding import CPU_FORWARD_TOKENS, forward_parts
 
@@ -23,7 +24,7 @@ SHAPES = [(8, 512), (16, 256), (16, 128), (64, 32), (4, 64)]
 def timed(engine: Engine, batch: list[list[int]], budget: int | None) -> float:
     engine.forward_tokens = budget
     started = time.perf_counter()
-    engine.next_token(batch, [1] * len(batch))
+    engine.next_token(plain_asks(batch, [1] * len(batch)))
     return time.perf_counter() - started
 
 

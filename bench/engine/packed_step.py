@@ -20,7 +20,8 @@ import time
 import torch
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generator import Generator, NewSequence, Rider
+from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.steps import Ask, plain_asks
 from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import SamplingParams
 
@@ -59,7 +60,7 @@ class Bench:
     def packed(self, kind: str) -> float:
         g = self.generator
         if kind == "riders":
-            return timed(lambda: g.decode([Rider(p, 5) for p in self.riders]))
+            return timed(lambda: g.decode([Ask(p, 5) for p in self.riders]))
         if kind == "joining":
             joining = self.joining()
             return timed(lambda: g.decode(joining=joining))
@@ -69,7 +70,7 @@ class Bench:
     def separate(self, kind: str) -> float:
         g = self.generator
         if kind == "riders":
-            return timed(lambda: (g.decode(), self.engine.next_token(self.riders, [5] * len(self.riders))))
+            return timed(lambda: (g.decode(), self.engine.next_token(plain_asks(self.riders, [5] * len(self.riders)))))
         if kind == "joining":
             joining = self.joining()
             return timed(lambda: (g.decode(), g.prefill(joining)))

@@ -23,6 +23,7 @@ import time
 
 from gpt2serve.engine import step_forward
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import plain_asks
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.prefix_cache import PrefixCache
 
@@ -35,7 +36,7 @@ def fresh(n: int) -> list[int]:
 
 def timed(engine: Engine, batch: list[list[int]]) -> float:
     started = time.perf_counter()
-    engine.next_token(batch, [5] * len(batch))
+    engine.next_token(plain_asks(batch, [5] * len(batch)))
     return time.perf_counter() - started
 
 

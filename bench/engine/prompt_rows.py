@@ -18,6 +18,7 @@ import time
 import torch
 
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import plain_asks
 from gpt2serve.engine.loading import load_model
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     engine.forward_tokens = None  # one forward a batch, for both
 
     def rows(batch):
-        return engine.next_token(batch, [5] * len(batch)).top
+        return engine.next_token(plain_asks(batch, [5] * len(batch))).top
 
     @torch.inference_mode()
     def left(batch):

@@ -134,10 +134,11 @@ class StandinEngine(engine_module.Engine):
     """The engine (scheduling.engine_api.PromptEngine) on the stand-in device: every forward is
     the device's time for its rows; staging the inputs and reading the answers back are real."""
 
-    def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None,
-                   controlled_rows=None):
-        if traced_rows or scored_rows or controlled_rows:
+    def next_token(self, asks):
+        if any((a.trace is not None and a.trace.layers_wanted) or a.prompt_logprobs is not None or a.controls is not None
+               for a in asks):
             raise ValueError("the stand-in device runs plain next-token batches only")
+        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
         started, started_ns = time.perf_counter(), time.time_ns()
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
         device_wait(NEXT_TOKEN.seconds(len(prompts)))
@@ -145,9 +146,10 @@ class StandinEngine(engine_module.Engine):
         return engine_module.BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
                                          cuda_graph=True, failed_rows=failed)
 
-    def launch_prompts(self, prompts, top_ks):
+    def launch_prompts(self, asks):
         """A plain next-token batch queued on the stand-in device (engine.cuda_graphs.BucketedForward.launch); the real
         finish_prompts() waits for it and reads it."""
+        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
         started, started_ns = time.perf_counter(), time.time_ns()
         batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
         start, end = Device.queue(NEXT_TOKEN.seconds(len(prompts)))

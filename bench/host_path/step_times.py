@@ -22,6 +22,7 @@ import time
 import torch
 
 from gpt2serve.engine.engine import Engine, EngineOptions
+from gpt2serve.engine.steps import plain_asks
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.kv_cache import blocks_needed
 from gpt2serve.engine.loading import load_model
@@ -86,19 +87,19 @@ def next_token_forwards(engine: Engine, batches: list[int], repeats: int) -> lis
     results = []
     for b in batches:
         prompts = [PROMPT] * b
-        engine.next_token(prompts, [5] * b)
+        engine.next_token(plain_asks(prompts, [5] * b))
         walls = []
         for _ in range(repeats):
             started = time.perf_counter()
-            engine.next_token(prompts, [5] * b)
+            engine.next_token(plain_asks(prompts, [5] * b))
             walls.append(time.perf_counter() - started)
         if engine.graphs is not None:
             shape = engine.graphs.buckets.shape_for(b, len(PROMPT))
             bucket = engine.graphs.ready.get(shape)
             replay = bucket.graph.replay if bucket is not None and bucket.graph is not None \
-                else (lambda: engine.next_token(prompts, [5] * b))
+                else (lambda: engine.next_token(plain_asks(prompts, [5] * b)))
         else:
-            replay = lambda: engine.next_token(prompts, [5] * b)  # noqa: E731
+            replay = lambda: engine.next_token(plain_asks(prompts, [5] * b))  # noqa: E731
         results.append(dict(kind="next_token", rows=b, step_ms=statistics.median(walls) * 1000,
                             device_ms=device_ms(engine.device, replay, repeats)))
     return results

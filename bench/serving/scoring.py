@@ -38,13 +38,14 @@ def prompts(count: int, tokens: int, seed: int) -> list[list[int]]:
 
 def in_process(model: str, batch: int, tokens: int, rounds: int, device: str, dtype: str) -> float:
     from gpt2serve.engine.engine import Engine
+    from gpt2serve.engine.steps import Ask
     from gpt2serve.engine.loading import load_model
 
     engine = Engine(load_model(model, device, dtype, seed=0))
     work = prompts(batch, tokens, 1)
-    engine.next_token(work, [1] * batch, scored_rows={row: 1 for row in range(batch)})  # warm
-    best = min(_timed(lambda: engine.next_token(work, [1] * batch, scored_rows={r: 1 for r in range(batch)}))
-               for _ in range(rounds))
+    asks = [Ask(p, 1, prompt_logprobs=1) for p in work]
+    engine.next_token(asks)  # warm
+    best = min(_timed(lambda: engine.next_token(asks)) for _ in range(rounds))
     return batch * tokens / best
 
 

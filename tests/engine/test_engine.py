@@ -9,6 +9,7 @@ from support.reference import as_result
 
 from gpt2serve.engine.convert import from_transformers, to_transformers
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import plain_asks
 from gpt2serve.engine.gpt2 import GPT2
 from gpt2serve.engine.loading import ARCHITECTURES, build_random_model, load_model
 from gpt2serve.engine.model_info import architecture, parameter_breakdown
@@ -26,7 +27,7 @@ PROMPTS = [
 def test_batched_answers_equal_each_prompt_alone(arch):
     loaded = load_model(f"random:{arch}", "cpu", "float32", seed=3)
     engine = Engine(loaded)
-    out = engine.next_token(PROMPTS, [5, 1, 8, 3])
+    out = engine.next_token(plain_asks(PROMPTS, [5, 1, 8, 3]))
     assert out.padded_len == max(len(p) for p in PROMPTS)
     for prompt, top, k in zip(PROMPTS, out.top, [5, 1, 8, 3]):
         assert_matches_reference(loaded.model, as_result(prompt, top), prompt, k)
@@ -70,7 +71,7 @@ def test_untied_lm_head_is_counted_separately(tmp_path):
     counts = parameter_breakdown(model)
     assert counts.lm_head == 50257 * 64
     assert counts.total == sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in hf.parameters())
-    out = Engine(load_model_from(hf, tmp_path)).next_token([PROMPTS[0]], [4])
+    out = Engine(load_model_from(hf, tmp_path)).next_token(plain_asks([PROMPTS[0]], [4]))
     assert_matches_reference(hf, as_result(PROMPTS[0], out.top[0]), PROMPTS[0], 4)
 
 
@@ -95,7 +96,7 @@ def test_loads_a_local_checkpoint_directory(tmp_path):
     assert torch.equal(loaded.model.wte.weight, saved.transformer.wte.weight)
     assert torch.equal(loaded.model.blocks[1].attn.qkv.weight, saved.transformer.h[1].attn.c_attn.weight.t())
     assert torch.equal(loaded.model.blocks[1].mlp.proj.weight, saved.transformer.h[1].mlp.c_proj.weight.t())
-    out = Engine(loaded).next_token(PROMPTS, [4] * len(PROMPTS))
+    out = Engine(loaded).next_token(plain_asks(PROMPTS, [4] * len(PROMPTS)))
     for prompt, top in zip(PROMPTS, out.top):
         assert_matches_reference(saved, as_result(prompt, top), prompt, 4)
 
@@ -103,7 +104,7 @@ def test_loads_a_local_checkpoint_directory(tmp_path):
 def test_bfloat16_on_cpu_when_forced():
     loaded = load_model("random:tiny", "cpu", "bfloat16")
     assert loaded.model.wte.weight.dtype == torch.bfloat16
-    out = Engine(loaded).next_token([PROMPTS[0]], [3])
+    out = Engine(loaded).next_token(plain_asks([PROMPTS[0]], [3]))
     assert len(out.top[0]) == 3 and all(isinstance(s.logprob, float) for s in out.top[0])
 
 

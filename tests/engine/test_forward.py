@@ -11,6 +11,8 @@ from support.reference import assert_matches_reference, reference_logprobs
 from support.reference import as_result
 
 from gpt2serve.engine.engine import Engine, EngineOptions
+from gpt2serve.engine.steps import plain_asks
+from support.asks import traced_asks
 from gpt2serve.engine.gpt2 import attention_mask
 from gpt2serve.engine.padding import IDS, POSITIONS, VALID, Buckets, batch_buckets, left_pad, length_buckets
 
@@ -87,7 +89,7 @@ def test_bucketed_path_gives_each_prompt_its_answer_alone(bucketed_engine, tiny_
     """5 prompts of lengths 1..13 run as a bucket of 8 rows x 16 columns."""
     prompts = [[464, 3139, 286, 4881, 318], [15496], [40, 588, 257, 3797, 290, 262, 1266, 286, 428, 318, 257, 1332, 6152],
                [50256, 0, 50255], [7] * 9]
-    out = bucketed_engine.next_token(prompts, [5, 1, 8, 3, 2])
+    out = bucketed_engine.next_token(plain_asks(prompts, [5, 1, 8, 3, 2]))
     assert out.cuda_graph and out.padded_len == 16
     assert (8, 16) in bucketed_engine.graphs.ready
     for prompt, top, k in zip(prompts, out.top, [5, 1, 8, 3, 2]):
@@ -124,7 +126,7 @@ def test_bucketed_path_equals_the_eager_path(bucketed_engine, tiny_model):
     eager = Engine(tiny_model, EngineOptions(max_batch_size=16))
     for batch in (1, 3, 9, 16):
         prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 40))] for _ in range(batch)]
-        bucketed, plain = bucketed_engine.next_token(prompts, [4] * batch), eager.next_token(prompts, [4] * batch)
+        bucketed, plain = bucketed_engine.next_token(plain_asks(prompts, [4] * batch)), eager.next_token(plain_asks(prompts, [4] * batch))
         assert bucketed.cuda_graph and not plain.cuda_graph
         for a, b in zip(bucketed.top, plain.top):
             assert [s.token_id for s in a] == [s.token_id for s in b]
@@ -133,11 +135,11 @@ def test_bucketed_path_equals_the_eager_path(bucketed_engine, tiny_model):
 
 def test_shapes_past_the_buckets_and_traced_batches_run_eagerly(bucketed_engine, tiny_model):
     long_prompt = list(range(100, 300))  # 200 tokens: bucket (1, 256), tiny's whole context
-    assert bucketed_engine.next_token([long_prompt], [2]).cuda_graph
+    assert bucketed_engine.next_token(plain_asks([long_prompt], [2])).cuda_graph
     too_many = [[464, 3139]] * 17  # past max_batch_size 16
-    out = bucketed_engine.next_token(too_many, [2] * 17)
+    out = bucketed_engine.next_token(plain_asks(too_many, [2] * 17))
     assert not out.cuda_graph and out.padded_len == 2
-    traced = bucketed_engine.next_token([[464, 3139]], [2], traced_rows=[0])
+    traced = bucketed_engine.next_token(traced_asks([[464, 3139]], 2, [0]))
     assert not traced.cuda_graph and traced.probe is not None
     want = reference_logprobs(tiny_model.model, [464, 3139]).max().item()
     assert traced.top[0][0].logprob == pytest.approx(want, abs=1e-4)

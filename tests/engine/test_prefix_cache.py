@@ -13,6 +13,8 @@ from support.reference import TOLERANCE, assert_prompt_scores_match, reference_l
 
 from gpt2serve.engine.convert import from_transformers
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import Ask, plain_asks
+from support.asks import traced_asks
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.gpt2 import GPT2Config
 from gpt2serve.engine.loading import LoadedModel
@@ -170,18 +172,18 @@ def test_next_tokens_from_cached_prefixes_match_transformers(hf):
     engine = engine_for(hf, 200)
     shared = tokens(100, 20)
     batch = [shared + tokens(n, 30 + n) for n in (1, 7, 30)] + [tokens(40, 40), tokens(5, 41)]
-    first = engine.next_token(batch, [5] * 5)
+    first = engine.next_token(plain_asks(batch, [5] * 5))
     assert first.cached_tokens == [0] * 5  # an empty cache
     assert_next_tokens_match(hf, batch, first)
     diverged = shared[:50] + tokens(60, 50)  # shares 3 blocks and a bit of the 4th
     second_batch = batch[:3] + [diverged, tokens(5, 41), tokens(33, 60)]
-    second = engine.next_token(second_batch, [5] * 6)
+    second = engine.next_token(plain_asks(second_batch, [5] * 6))
     assert second.cached_tokens == [96, 96, 128, 48, 0, 0]
     assert_next_tokens_match(hf, second_batch, second)
     grown = batch[2] + tokens(300, 70)
-    assert engine.next_token([grown], [5]).cached_tokens == [128]
+    assert engine.next_token(plain_asks([grown], [5])).cached_tokens == [128]
     longer = grown + tokens(20, 71)
-    out = engine.next_token([longer], [5])
+    out = engine.next_token(plain_asks([longer], [5]))
     assert out.cached_tokens == [len(grown) // BLOCK * BLOCK]
     assert_next_tokens_match(hf, [longer], out)
 
@@ -189,10 +191,10 @@ def test_next_tokens_from_cached_prefixes_match_transformers(hf):
 def test_with_the_doorkeeper_unique_prompts_write_nothing_and_a_third_sighting_hits(hf):
     engine = engine_for(hf, 200, doorkeeper=True)
     for seed in range(4):
-        engine.next_token([tokens(70, 150 + seed)], [1])
+        engine.next_token(plain_asks([tokens(70, 150 + seed)], [1]))
     assert engine.prefix_cache.cached_blocks == 0
     shared = tokens(70, 160)
-    outs = [engine.next_token([shared + [i]], [5]) for i in range(3)]
+    outs = [engine.next_token(plain_asks([shared + [i]], [5])) for i in range(3)]
     assert [o.cached_tokens for o in outs] == [[0], [0], [64]]
     assert_next_tokens_match(hf, [shared + [2]], outs[2])
 
@@ -204,7 +206,7 @@ def test_evictions_keep_answers_exact(hf):
     hits = 0
     for i, stem in enumerate([0, 1, 0, 2, 0, 3, 1, 0, 2, 2, 3, 0]):
         prompt = stems[stem] + tokens(5, 90 + i)
-        out = engine.next_token([prompt], [5])
+        out = engine.next_token(plain_asks([prompt], [5]))
         hits += out.cached_tokens[0]
         assert_next_tokens_match(hf, [prompt], out)
         assert engine.prefix_cache.cached_blocks <= 6
@@ -218,11 +220,11 @@ def test_a_batch_over_the_token_budget_runs_in_parts_and_each_row_is_its_own(hf)
     engine = engine_for(hf, 200)
     engine.forward_tokens = 48  # 512 by default; small here so that four prompts make parts
     shared = tokens(80, 100)
-    engine.next_token([shared + [1]], [1])
+    engine.next_token(plain_asks([shared + [1]], [1]))
     prompts = [shared + tokens(9, 101), shared + tokens(3, 102), tokens(20, 103), tokens(30, 104)]
     forwards, run = [], engine._next_token
     engine._next_token = lambda part, *rest: forwards.append(len(part)) or run(part, *rest)
-    out = engine.next_token(prompts, [5] * 4, scored_rows={0: 4, 2: 2, 3: 1})
+    out = engine.next_token([Ask(p, 5, prompt_logprobs=k) for p, k in zip(prompts, [4, None, 2, 1])])
     assert forwards == [2, 1, 1]  # 2 x 9 new tokens, then 20 and 30 alone
     assert out.cached_tokens == [80, 80, 0, 0] and out.padded_len == 30
     assert_next_tokens_match(hf, prompts, out)
@@ -235,8 +237,8 @@ def test_scores_of_cached_positions_match_transformers(hf):
     engine = engine_for(hf, 200)
     shared = tokens(80, 100)
     prompts = [shared + tokens(9, 101), shared + tokens(3, 102), tokens(20, 103)]
-    engine.next_token([shared + [1]], [1])
-    out = engine.next_token(prompts, [3] * 3, scored_rows={0: 4, 1: 0, 2: 2})
+    engine.next_token(plain_asks([shared + [1]], [1]))
+    out = engine.next_token([Ask(p, 3, prompt_logprobs=k) for p, k in zip(prompts, [4, 0, 2])])
     assert out.cached_tokens == [80, 80, 0]
     for row, prompt in enumerate(prompts):
         s = out.prompt_scores[row]
@@ -246,10 +248,10 @@ def test_scores_of_cached_positions_match_transformers(hf):
 def test_a_traced_batch_computes_every_prompt_whole_and_still_fills_the_cache(hf):
     engine = engine_for(hf, 200)
     prompt = tokens(40, 110)
-    engine.next_token([prompt], [3])
-    out = engine.layer_reports(engine.next_token([prompt + [5]], [3], traced_rows=[0]))
+    engine.next_token(plain_asks([prompt], [3]))
+    out = engine.layer_reports(engine.next_token(traced_asks([prompt + [5]], 3, [0])))
     assert out.cached_tokens == [0] and len(out.layers[0]) == hf.config.n_layer
-    assert engine.next_token([prompt + [5, 6]], [3]).cached_tokens == [32]
+    assert engine.next_token(plain_asks([prompt + [5, 6]], [3])).cached_tokens == [32]
 
 
 def greedy(hf, prompt, n):
@@ -261,7 +263,7 @@ def test_generations_from_cached_prefixes_match_transformers(hf):
     greedy tokens, and the same log-probabilities as the same engine without the cache."""
     engine, plain = engine_for(hf, 200), engine_for(hf, 0)
     shared = tokens(70, 120)
-    engine.next_token([shared + [1], shared[:40] + [2]], [1])  # next-token calls fill what generation hits
+    engine.next_token(plain_asks([shared + [1], shared[:40] + [2]], [1]))  # next-token calls fill what generation hits
     prompts = [shared + tokens(4, 121), shared[:40] + tokens(20, 122), tokens(10, 123), shared + tokens(1, 124)]
     runs = {}
     for name, e in (("cached", engine), ("plain", plain)):
@@ -306,9 +308,9 @@ def test_a_forward_that_stops_half_way_leaves_no_block_to_hit(hf, monkeypatch):
     prompt = tokens(50, 130)
     fail_second_block_once(engine, monkeypatch)
     with pytest.raises(Boom):
-        engine.next_token([prompt], [5])
+        engine.next_token(plain_asks([prompt], [5]))
     assert engine.prefix_cache.cached_blocks == 0 and len(engine.prefix_cache._free) == 50
-    out = engine.next_token([prompt + [1]], [5])
+    out = engine.next_token(plain_asks([prompt + [1]], [5]))
     assert out.cached_tokens == [0]
     assert_next_tokens_match(hf, [prompt + [1]], out)
 
@@ -316,13 +318,13 @@ def test_a_forward_that_stops_half_way_leaves_no_block_to_hit(hf, monkeypatch):
 def test_a_prefill_that_stops_half_way_leaves_no_block_to_hit(hf, monkeypatch):
     engine = engine_for(hf, 50)
     shared = tokens(40, 140)
-    engine.next_token([shared[:20]], [1])  # one cached block the prefill will hit
+    engine.next_token(plain_asks([shared[:20]], [1]))  # one cached block the prefill will hit
     gen = Generator(engine, 2)
     gen.allocate()
     fail_second_block_once(engine, monkeypatch)
     with pytest.raises(Boom):
         gen.prefill([NewSequence(0, shared + [1], SamplingParams(temperature=0.0), 0)])
     assert engine.prefix_cache.cached_blocks == 1
-    out = engine.next_token([shared + [1]], [5])
+    out = engine.next_token(plain_asks([shared + [1]], [5]))
     assert out.cached_tokens == [16]
     assert_next_tokens_match(hf, [shared + [1]], out)

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, run_joining
 
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import plain_asks
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine import native, sampling
@@ -237,11 +238,11 @@ def test_a_non_finite_prompt_packed_after_a_cached_prefix_fails_alone(engine, ca
     cached = Engine(engine.loaded)
     cached.attach_prefix_cache(64, doorkeeper=False)
     prefix = PROMPTS[15][:32]
-    cached.next_token([prefix + [7]], [1])  # its two blocks into the cache
+    cached.next_token(plain_asks([prefix + [7]], [1]))  # its two blocks into the cache
     prompts = [prefix + [NAN_TOKEN, 5], prefix + PROMPTS[1]]
-    alone = cached.next_token([prompts[1]], [3])
+    alone = cached.next_token(plain_asks([prompts[1]], [3]))
     with embeds_as_nan(cached.model, NAN_TOKEN):
-        both = cached.next_token(prompts, [3, 3])
+        both = cached.next_token(plain_asks(prompts, [3, 3]))
     assert both.failed_rows == {0} and both.cached_tokens == [32, 32]
     assert [t.token_id for t in both.top[1]] == [t.token_id for t in alone.top[0]]
     assert [t.logprob for t in both.top[1]] == pytest.approx([t.logprob for t in alone.top[0]], abs=1e-4)
@@ -253,10 +254,10 @@ def test_a_non_finite_row_of_a_batch_in_parts_fails_in_its_own_place(engine):
     row is named by its place in the batch, and the others answer as in one forward."""
     prompts = [PROMPTS[1], PROMPTS[2], [NAN_TOKEN] + PROMPTS[1], PROMPTS[3]]
     parted = Engine(engine.loaded)
-    whole = parted.next_token(prompts[:2] + prompts[3:], [2] * 3)
+    whole = parted.next_token(plain_asks(prompts[:2] + prompts[3:], [2] * 3))
     parted.forward_tokens = 8  # every prompt in a forward of its own
     with embeds_as_nan(parted.model, NAN_TOKEN):
-        out = parted.next_token(prompts, [2] * 4)
+        out = parted.next_token(plain_asks(prompts, [2] * 4))
     assert out.failed_rows == {2}
     for got, want in zip(out.top[:2] + out.top[3:], whole.top):
         assert [t.token_id for t in got] == [t.token_id for t in want]

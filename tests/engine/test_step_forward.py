@@ -12,7 +12,8 @@ from support.generation import PROMPTS, lively_engine, transformers_greedy
 from support.reference import assert_prompt_scores_match
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.generator import Generator, NewSequence, Rider
+from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.steps import Ask, plain_asks
 from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import SamplingParams
 
@@ -28,13 +29,13 @@ def test_riders_leave_the_decode_step_as_it_was_and_get_their_own_answers(quanti
         generator.prefill([NewSequence(0, [5, 6, 7, 8], GREEDY, 0), NewSequence(1, [9, 10], GREEDY, 1)])
     for step in range(6):
         want = plain.decode()
-        got = mixed.decode([Rider(r, k) for r, k in zip(RIDERS, [5, 1, 3])])
+        got = mixed.decode([Ask(r, k) for r, k in zip(RIDERS, [5, 1, 3])])
         assert {i: t.token_id for i, t in got.tokens.items()} == {i: t.token_id for i, t in want.tokens.items()}
         for i, token in want.tokens.items():  # another kernel for the decode rows: an ulp or so apart
             assert got.tokens[i].logprob == pytest.approx(token.logprob, abs=1e-5), (step, i)
         assert got.tokens_in == 2 + sum(map(len, RIDERS)) and not got.rider_failed
         for rider, k, top in zip(RIDERS, [5, 1, 3], got.rider_tops):
-            alone = engine.next_token([rider], [k]).top[0]
+            alone = engine.next_token(plain_asks([rider], [k])).top[0]
             assert [t.token_id for t in top] == [t.token_id for t in alone]
             assert [t.logprob for t in top] == pytest.approx([t.logprob for t in alone], abs=1e-5)
     assert mixed.running[0].length == plain.running[0].length == 4 + 6  # the riders took no cache positions
@@ -47,7 +48,7 @@ LONG = [(7 * j + 3) % 50257 for j in range(60)]  # read in chunks of 16: 16, 16,
 def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_each_as_transformers_answers(tmp_path):
     hf, engine = lively_engine(tmp_path)
     engine.attach_prefix_cache(64, doorkeeper=False)
-    engine.next_token([SHARED + [9]], [1])  # the shared blocks into the prefix cache
+    engine.next_token(plain_asks([SHARED + [9]], [1]))  # the shared blocks into the prefix cache
     generator = Generator(engine, slots=4, chunk_tokens=16)
     decoding = {0: PROMPTS[3], 1: PROMPTS[6]}
     prefilled = generator.prefill([NewSequence(i, p, GREEDY, i) for i, p in decoding.items()])
@@ -63,7 +64,7 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
 
     generator.model.hidden_states = counted
     try:
-        first = generator.decode([Rider(cached_prompt, 5, scored=2), Rider(plain_prompt, 3)], chunk=True,
+        first = generator.decode([Ask(cached_prompt, 5, prompt_logprobs=2), Ask(plain_prompt, 3)], chunk=True,
                                  joining=[NewSequence(3, joining, GREEDY, 3, prompt_logprobs=1)])
     finally:
         del generator.model.hidden_states

@@ -28,6 +28,8 @@ from support.reference import assert_layer_matches, reference_layers, reference_
 from support.reference import report_as_dict
 
 from gpt2serve.engine.engine import Engine, EngineOptions
+from gpt2serve.engine.steps import plain_asks
+from support.asks import traced_asks
 from gpt2serve.engine.loading import LoadedModel, build_random_model
 from gpt2serve.engine.model_info import parameter_breakdown
 from gpt2serve.engine.padding import IDS, POSITIONS, VALID, left_pad
@@ -94,7 +96,7 @@ def test_cuda_dtypes_agree_with_the_fp32_reference(peaked, dtype):
     tolerance = LOGPROB_TOLERANCE[dtype]
     prompts = make_prompts(48, seed=1)
     engine = cuda_engine(peaked, DTYPES[dtype])
-    out = engine.next_token(prompts, [5] * len(prompts))
+    out = engine.next_token(plain_asks(prompts, [5] * len(prompts)))
     assert out.cuda_graph
     checked = 0
     for prompt, top in zip(prompts, out.top):
@@ -123,7 +125,7 @@ def test_graph_replay_equals_the_eager_forward(peaked, dtype):
         with torch.inference_mode():
             eager = engine.last_logprobs(padded[IDS], padded[POSITIONS], padded[VALID].bool())[:count]
         assert torch.allclose(logprobs, eager, atol=1e-5 if dtype == "float32" else 1e-2), (logprobs - eager).abs().max()
-        graph_out = engine.next_token(prompts, [3] * count)
+        graph_out = engine.next_token(plain_asks(prompts, [3] * count))
         eager_out = engine._eager(prompts, [3] * count, (), time.perf_counter(), time.time_ns())
         assert graph_out.cuda_graph and not eager_out.cuda_graph
         for a, b in zip(graph_out.top, eager_out.top):
@@ -133,7 +135,7 @@ def test_graph_replay_equals_the_eager_forward(peaked, dtype):
 def test_traced_rows_on_cuda_equal_the_eager_reference(tiny_model):
     engine = cuda_engine(tiny_model.model, torch.float32)
     prompts = [[464, 3139, 286, 4881, 318], [40, 588], [1212, 318, 257, 1332, 286, 262, 1080, 13, 632]]
-    out = engine.layer_reports(engine.next_token(prompts, [5] * 3, traced_rows=[0, 2]))
+    out = engine.layer_reports(engine.next_token(traced_asks(prompts, 5, [0, 2])))
     assert not out.cuda_graph and sorted(out.layers) == [0, 2]
     for row in (0, 2):
         want = reference_layers(tiny_model.model, prompts[row])
@@ -152,7 +154,7 @@ def test_a_real_out_of_memory_splits_the_batch(peaked):
     prompts = make_prompts(64, seed=6, max_len=1)
     prompts = [p * 1000 for p in prompts]  # 64 prompts of 1000 tokens
     expected, one_prompt = peak_of(lambda: thread.submit(
-        lambda: [engine.next_token([p], [3]).top[0] for p in prompts[:8]]).result())
+        lambda: [engine.next_token(plain_asks([p], [3])).top[0] for p in prompts[:8]]).result())
     with full_card_but(8 * one_prompt):  # room for ~8 prompts
         async def run():
             batcher = EngineCore(engine, None, max_batch_size=64, max_batch_delay_s=0.01, max_queue=1024,
@@ -188,7 +190,7 @@ def test_a_real_out_of_memory_in_a_prefill_splits_it(peaked):
     thread.submit(generator.warm_up).result()  # the KV cache claimed whole, as in the server
     prompts = [p * 250 for p in make_prompts(16, seed=7, max_len=4)]  # up to 1,000 tokens each
     firsts, one_prompt = peak_of(lambda: thread.submit(
-        lambda: [engine.next_token([p], [1]).top[0][0].token_id for p in prompts]).result())
+        lambda: [engine.next_token(plain_asks([p], [1])).top[0][0].token_id for p in prompts]).result())
     with full_card_but(4 * one_prompt):  # room for ~4 prompts
         async def run():
             core = EngineCore(engine, generator, max_batch_size=16, max_batch_delay_s=0.01, max_queue=64,
@@ -299,16 +301,16 @@ def test_launched_next_token_batches_wait_for_nothing_and_answer_as_next_token_d
     the top-k a whole next_token() call gives it."""
     engine = cuda_engine(peaked, torch.float32)
     first, second = make_prompts(64, seed=11, max_len=12), make_prompts(40, seed=12, max_len=12)
-    engine.launch_prompts(first, [5] * len(first))  # captures any bucket not yet captured
+    engine.launch_prompts(plain_asks(first, 5))  # captures any bucket not yet captured
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        launched = [engine.launch_prompts(first, [5] * len(first)), engine.launch_prompts(second, [3] * len(second))]
+        launched = [engine.launch_prompts(plain_asks(first, 5)), engine.launch_prompts(plain_asks(second, 3))]
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert all(launch is not None for launch in launched)
     for prompts, k, launch in zip((first, second), (5, 3), launched):
-        got, want = engine.finish_prompts(launch), engine.next_token(prompts, [k] * len(prompts))
+        got, want = engine.finish_prompts(launch), engine.next_token(plain_asks(prompts, [k] * len(prompts)))
         assert got.cuda_graph and not got.failed_rows
         for mine, theirs in zip(got.top, want.top):
             assert [s.token_id for s in mine] == [s.token_id for s in theirs]
@@ -350,7 +352,7 @@ def test_prefix_cache_hits_on_cuda_equal_the_uncached_answers_with_graphs_on(pea
     shared = [rng.randrange(50257) for _ in range(100)]
     prompts = [shared + [rng.randrange(50257) for _ in range(n)] for n in (1, 5, 40)] + make_prompts(3, 4)
     engine.attach_prefix_cache(0)
-    plain = engine.next_token(prompts, [5] * len(prompts))
+    plain = engine.next_token(plain_asks(prompts, [5] * len(prompts)))
     greedy = SamplingParams(temperature=0.0)
 
     def generate() -> list[list[int]]:
@@ -366,8 +368,8 @@ def test_prefix_cache_hits_on_cuda_equal_the_uncached_answers_with_graphs_on(pea
     plain_tokens = generate()
     engine.attach_prefix_cache(64, doorkeeper=False)
     assert engine.prefix_cache.keys.device.type == "cuda"
-    engine.next_token(prompts, [5] * len(prompts))
-    cached = engine.next_token(prompts, [5] * len(prompts))
+    engine.next_token(plain_asks(prompts, [5] * len(prompts)))
+    cached = engine.next_token(plain_asks(prompts, [5] * len(prompts)))
     assert cached.cached_tokens[:3] == [96, 96, 128]
     for a, b in zip(cached.top, plain.top):
         assert [t.token_id for t in a] == [t.token_id for t in b]

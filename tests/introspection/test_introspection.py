@@ -11,6 +11,8 @@ from support.reference import assert_layer_matches, reference_layers
 from support.reference import report_as_dict
 
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import plain_asks
+from support.asks import traced_asks
 
 PROMPTS = [[464, 3139, 286, 4881, 318], [40, 588], [1212, 318, 257, 1332, 286, 262, 1080, 13, 632], [50256]]
 
@@ -23,7 +25,7 @@ def engine(tiny_model):
 @pytest.mark.parametrize("traced", [[0], [2], [1, 3], [0, 1, 2, 3]])
 def test_reports_match_eager_attention_alone(engine, tiny_model, traced):
     """Traced rows share a left-padded batch with untraced rows of other lengths."""
-    out = engine.layer_reports(engine.next_token(PROMPTS, [5] * len(PROMPTS), traced_rows=traced))
+    out = engine.layer_reports(engine.next_token(traced_asks(PROMPTS, 5, traced)))
     assert sorted(out.layers) == sorted(traced)
     model = tiny_model.model
     cfg = model.config
@@ -50,8 +52,8 @@ def test_reports_match_eager_attention_alone(engine, tiny_model, traced):
 
 
 def test_untraced_batches_carry_no_reports_and_answers_do_not_change(engine):
-    plain = engine.next_token(PROMPTS, [5] * 4)
-    traced = engine.layer_reports(engine.next_token(PROMPTS, [5] * 4, traced_rows=[1]))
+    plain = engine.next_token(plain_asks(PROMPTS, [5] * 4))
+    traced = engine.layer_reports(engine.next_token(traced_asks(PROMPTS, 5, [1])))
     assert plain.layers == {} and plain.timeline is None
     for a, b in zip(plain.top, traced.top):
         assert [s.token_id for s in a] == [s.token_id for s in b]
@@ -67,7 +69,7 @@ def test_attention_maps_and_the_all_position_lens_match_eager_attention_alone(en
     """Row 2 asks for maps, row 0 only for its summaries, row 1 for nothing."""
     from support.reference import reference_maps
 
-    out = engine.layer_reports(engine.next_token(PROMPTS, [5] * 4, traced_rows=[0, 2], mapped_rows=[2]))
+    out = engine.layer_reports(engine.next_token(traced_asks(PROMPTS, 5, [0, 2], [2])))
     assert all(not r.attention and not r.logit_lens_positions for r in out.layers[0])
     prompt = PROMPTS[2]
     length, cfg = len(prompt), tiny_model.model.config

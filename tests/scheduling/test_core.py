@@ -264,7 +264,7 @@ def test_next_token_batches_launch_before_the_last_is_read_and_answer_as_alone(s
     engine.graphs = engine.bucketed(capture=False)
     log: list[tuple[str, int]] = []
     launch, finish = engine.launch_prompts, engine.finish_prompts
-    engine.launch_prompts = lambda prompts, top_ks: log.append(("launch", len(prompts))) or launch(prompts, top_ks)
+    engine.launch_prompts = lambda asks: log.append(("launch", len(asks))) or launch(asks)
     engine.finish_prompts = lambda launched: log.append(("read", len(launched.top_ks))) or finish(launched)
     prompts = [PROMPTS[i % len(PROMPTS)][:12] for i in range(200)]  # batches of 64 (generation_core)
 

@@ -16,6 +16,7 @@ from support.reference import (TOLERANCE, assert_matches_reference, assert_promp
 
 from gpt2serve.engine.convert import from_transformers
 from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.steps import Ask
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.head import HEAD_CHUNK_BYTES, LIVE_VOCAB_TENSORS, chunk_rows
 from gpt2serve.engine.loading import LoadedModel
@@ -51,7 +52,7 @@ def test_each_scored_prompt_of_a_mixed_batch_matches_transformers(long_context):
     hf, engine = long_context
     prompts = [random_prompt(n, seed) for seed, n in enumerate([1, 5, 100, 1000, 7])]
     scored = {0: 2, 1: 5, 2: 0, 3: 3}  # row 4 only wants its next token
-    out = engine.next_token(prompts, [3] * 5, scored_rows=scored)
+    out = engine.next_token([Ask(p, 3, prompt_logprobs=scored.get(row)) for row, p in enumerate(prompts)])
     assert set(out.prompt_scores) == set(scored)
     for row, k in scored.items():
         scores = out.prompt_scores[row]

@@ -7,6 +7,7 @@ import time
 from typing import Sequence
 
 from gpt2serve.engine.engine import BatchOutput, OutOfMemory
+from gpt2serve.engine.steps import PromptAsk
 from gpt2serve.protocol import TokenScore
 
 
@@ -18,10 +19,8 @@ class FakeEngine:
         self.oom_above = oom_above  # batches larger than this raise OutOfMemory
         self.batch_sizes: list[int] = []
 
-    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
-                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
-                   controlled_rows: dict | None = None) -> BatchOutput:
+    def next_token(self, asks: Sequence[PromptAsk]) -> BatchOutput:
+        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
         if self.oom_above is not None and len(prompts) > self.oom_above:
             raise OutOfMemory(f"fake: {len(prompts)} > {self.oom_above}")
         self.batch_sizes.append(len(prompts))
@@ -34,7 +33,7 @@ class FakeEngine:
     def layer_reports(self, output: BatchOutput) -> BatchOutput:
         return output
 
-    def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> None:
+    def launch_prompts(self, asks: Sequence[PromptAsk]) -> None:
         return None  # no graphs: every batch runs whole (next_token)
 
     def finish_prompts(self, launch) -> BatchOutput:

@@ -25,15 +25,14 @@ real_next_token = engine_module.Engine.next_token
 real_embedding = gpt2_module.Embedding.forward
 
 
-def next_token(self, prompts, top_ks, traced_rows=(), mapped_rows=(), last_row_rows=(), scored_rows=None,
-               controlled_rows=None):
+def next_token(self, asks):
+    prompts = [a.prompt for a in asks]
     if any(FAIL_TOKEN in p for p in prompts):
         raise RuntimeError("injected fault in the forward pass")
     if len(prompts) > 1 and any(OOM_TOKEN in p for p in prompts):
         print(f"injected OOM for a batch of {len(prompts)}", flush=True)
         raise engine_module.OutOfMemory("CUDA out of memory (injected)")
-    return real_next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
-                           controlled_rows)
+    return real_next_token(self, asks)
 
 
 def embedding(self, ids):

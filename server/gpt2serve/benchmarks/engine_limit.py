@@ -24,10 +24,13 @@ import torch
 from .serving_load import make_prompts
 from ..engine.convert import to_transformers
 from ..engine.engine import Engine, EngineOptions
+from ..engine.steps import Ask, plain_asks
+from ..protocol import TraceContext
 from ..engine.loading import load_model
 from ..engine.padding import IDS, POSITIONS, VALID, left_pad
 
 TOP_K = 5
+LAYERS = TraceContext(layers_wanted=True)
 
 
 @dataclass
@@ -80,7 +83,7 @@ class TransformersSide:
 
 def first_request(engine: Engine, prompt: list[int], traced: bool, steady_runs: int = 20) -> FirstRequest:
     def call():
-        out = engine.next_token([prompt], [TOP_K], traced_rows=[0] if traced else ())
+        out = engine.next_token([Ask(prompt, TOP_K, trace=LAYERS if traced else None)])
         if traced:
             engine.layer_reports(out)
 
@@ -91,11 +94,11 @@ def first_request(engine: Engine, prompt: list[int], traced: bool, steady_runs: 
 
 def measure(engine: Engine, hf: TransformersSide, prompts: list[list[int]], rounds: int, per_round: int) -> SizeResult:
     size, inputs = len(prompts), hf.inputs(prompts)
-    cuda_graph = engine.next_token(prompts, [TOP_K] * size).cuda_graph
+    cuda_graph = engine.next_token(plain_asks(prompts, [TOP_K] * size)).cuda_graph
     hf.top(inputs)
     engine_s, hf_s = [], []
     for _ in range(rounds):  # alternate, so drift hits both sides
-        engine_s += [timed(lambda: engine.next_token(prompts, [TOP_K] * size)) for _ in range(per_round)]
+        engine_s += [timed(lambda: engine.next_token(plain_asks(prompts, [TOP_K] * size))) for _ in range(per_round)]
         hf_s += [timed(lambda: hf.top(inputs)) for _ in range(per_round)]
     e, h = statistics.median(engine_s), statistics.median(hf_s)
     return SizeResult(size, e * 1000, h * 1000, size / e, size / h, h / e, cuda_graph)

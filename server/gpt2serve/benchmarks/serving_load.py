@@ -238,25 +238,26 @@ class InProcessModel:
 
     def __init__(self, info: ModelInfo):
         from ..engine.engine import Engine, EngineOptions  # lazy: the load client itself needs no torch
+        from ..engine.steps import plain_asks
         from ..engine.loading import build_model_like
 
         # The server's batch buckets (CUDA graphs on cuda), and the reference size beside them.
         options = EngineOptions(max_batch_size=max(info.max_batch_size, MAX_REFERENCE_BATCH))
-        self.engine = Engine(build_model_like(info), options)
+        self.engine, self.asks = Engine(build_model_like(info), options), plain_asks
         self.engine.warm_up()
 
     def forward_s(self, batch: list[list[int]]) -> float:
-        return self.engine.next_token(batch, [5] * len(batch)).forward_s
+        return self.engine.next_token(self.asks(batch, 5)).forward_s
 
     def measure(self, prompts: list[list[int]], batch_size: int, duration_s: float) -> list[float]:
         """Forward times (s) of batches of `batch_size` prompts, for about `duration_s`."""
-        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        asks = self.asks([prompts[i % len(prompts)] for i in range(batch_size)], 5)
         for _ in range(2):  # Warm up allocator and kernels.
-            self.engine.next_token(batch, [5] * batch_size)
+            self.engine.next_token(asks)
         times = []
         stop_at = time.perf_counter() + duration_s
         while time.perf_counter() < stop_at or len(times) < 3:
-            times.append(self.engine.next_token(batch, [5] * batch_size).forward_s)
+            times.append(self.engine.next_token(asks).forward_s)
         return times
 
 

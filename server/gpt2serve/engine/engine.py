@@ -25,7 +25,7 @@ import torch
 
 from gpt2serve_client.types import LayerReport, ShapeStep
 
-from ..protocol import PromptScores, StepControls, TopScores
+from ..protocol import PromptScores, StepControls, TopScores, TraceContext
 from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
@@ -36,7 +36,7 @@ from .loading import LoadedModel
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
 from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
-from .steps import PromptLaunch
+from .steps import Ask, PromptAsk, PromptLaunch, plain_asks
 from .step_forward import BlockWriter, PromptRow, prompt_forward, prompt_scores
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ MAX_FIXED_COST_TOKENS = 4096.0
 # launches a graph saves matter little there, and padding to the next bucket would cost more.
 GRAPH_MAX_LEN = 256
 WARM_GRAPH_MAX_LEN = 32  # bucket lengths captured at warm-up (all batch buckets); longer lazily
+WARM_UP_TRACE = TraceContext(layers_wanted=True)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ class Engine:
                      time.perf_counter() - started, self.graphs.memory_used_bytes / 2**20)
         # Eager with taps at an aligned and unaligned length, two ks: cuda loads each kernel on first use.
         for length, top_k in ((8, 1), (5, 5)):
-            self.layer_reports(self.next_token([[self.pad_token_id] * length], [top_k], traced_rows=[0]))
+            self.layer_reports(self.next_token([Ask([self.pad_token_id] * length, top_k, trace=WARM_UP_TRACE)]))
         if self.options.fixed_cost_tokens is not None:  # pinned (--fixed-cost-tokens): nothing to measure
             return
         # A forward costs about fixed + r * rows + c * padded tokens (rows: the last-position
@@ -215,7 +216,7 @@ class Engine:
 
         def best_of_3(shape: tuple[int, int]) -> float:
             batch = [[self.pad_token_id] * shape[1]] * shape[0]
-            return min(self.next_token(batch, [1] * shape[0]).forward_s for _ in range(3))
+            return min(self.next_token(plain_asks(batch)).forward_s for _ in range(3))
 
         t1, t2, t3 = best_of_3(one_short), best_of_3(rows_short), best_of_3(rows_long)
         per_token = (t3 - t2) / (8 * (32 - 8))
@@ -228,22 +229,21 @@ class Engine:
 
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int],
-                   traced_rows: Sequence[int] = (), mapped_rows: Sequence[int] = (),
-                   last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
-                   controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
-        """`traced_rows`: indices of prompts whose per-layer reports are wanted (see introspection);
-        `mapped_rows`, among them, those that also want full attention maps and logit lens;
-        `last_row_rows`, among those, the ones that want only each map's last query row.
-        `scored_rows`: row -> top-k alternatives, for prompts whose every position is scored
-        (engine.head); they run as prompt rows, since a graph keeps only the last position.
-        `controlled_rows`: row -> a traced generation step's controls, whose top tokens after
-        them are wanted too (engine.logits_controls.controlled_view); traced rows, so left-padded.
-        A traced batch computes every prompt whole (its reports cover every position), and
-        still leaves its blocks in the prefix cache; an untraced one runs in parts of at most
-        `forward_tokens` padded tokens, counted after the prefix cache (engine.padding)."""
+    def next_token(self, asks: Sequence[PromptAsk]) -> BatchOutput:
+        """Each prompt's answer (engine.steps.PromptAsk says what it wants). Prompts with every
+        position scored (engine.head) run as prompt rows, since a graph keeps only the last
+        position. A traced batch (per-layer reports, introspection, or a traced generation step's
+        controls, engine.logits_controls.controlled_view) computes every prompt whole, left-padded
+        (its reports cover every position), and still leaves its blocks in the prefix cache; an
+        untraced one runs in parts of at most `forward_tokens` padded tokens, counted after the
+        prefix cache (engine.padding)."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        scored_rows = scored_rows or {}
+        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
+        traces = {row: a.trace for row, a in enumerate(asks) if a.trace is not None and a.trace.layers_wanted}
+        traced_rows, mapped_rows = list(traces), [row for row, t in traces.items() if t.attention_maps]
+        last_row_rows = [row for row, t in traces.items() if t.last_row_maps]
+        scored_rows = {row: a.prompt_logprobs for row, a in enumerate(asks) if a.prompt_logprobs is not None}
+        controlled_rows = {row: a.controls for row, a in enumerate(asks) if a.controls is not None}
 
         def forward(plans: list[RowPlan] | None) -> BatchOutput:
             if traced_rows or controlled_rows:
@@ -264,11 +264,11 @@ class Engine:
 
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> PromptLaunch | None:
-        """A plain batch queued, not waited for (engine.cuda_graphs.BucketedForward.launch); None:
-        use next_token() (no graphs, no bucket, or a prompt the prefix cache could hold a block of,
-        which the synchronous path reads or keeps)."""
-        pool = self.prefix_cache
+    def launch_prompts(self, asks: Sequence[PromptAsk]) -> PromptLaunch | None:
+        """A plain batch (top-k alone) queued, not waited for (engine.cuda_graphs.BucketedForward.launch);
+        None: use next_token() (no graphs, no bucket, or a prompt the prefix cache could hold a
+        block of, which the synchronous path reads or keeps)."""
+        pool, prompts, top_ks = self.prefix_cache, [a.prompt for a in asks], [a.top_k for a in asks]
         if self.graphs is None or (pool is not None and any(len(p) >= PREFIX_BLOCK for p in prompts)):
             return None
         return self.graphs.launch(prompts, top_ks, looked_up=pool is not None)

@@ -39,7 +39,7 @@ from .prefix_cache import PrefixCache, RowPlan
 from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
-from .steps import DecodeLaunch, NewSequence, PackedAnswers, Rider, Running, StepOutput
+from .steps import Ask, DecodeLaunch, NewSequence, PackedAnswers, PromptAsk, Running, StepOutput
 
 
 class Generator:
@@ -102,7 +102,7 @@ class Generator:
         self.prefill([NewSequence(-1, [pad] * 8, WARM_UP_PARAMS, 0)])
         self.decode()
         if self.takes_riders:  # and a packed step (engine.step_forward), a sequence joining where a slot is free
-            self.decode([Rider([pad] * 4, 1)], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)][:self.slots - 1])
+            self.decode([Ask([pad] * 4)], joining=[NewSequence(-2, [pad] * 8, WARM_UP_PARAMS, 0)][:self.slots - 1])
         self.remove({-1, -2})
 
     @torch.inference_mode()
@@ -212,7 +212,7 @@ class Generator:
         graphed = self.graphs is not None or self.prefill_graphs is not None
         return not graphed and not (self.use_graphs and self.engine.device.type == "cuda")
 
-    def decode(self, riders: Sequence[Rider] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
+    def decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
                ) -> StepOutput:
         """One token for every running sequence, and from the same forward (engine.step_forward) each
         rider's top-k, the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
@@ -225,7 +225,7 @@ class Generator:
 
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def launch_decode(self, riders: Sequence[Rider] = (), chunk: bool = False, joining: Sequence[NewSequence] = (),
+    def launch_decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = (),
                       decode: bool = True) -> DecodeLaunch:
         """Queue a decode step of every running sequence (see decode(); `decode` False: none of
         them, only the rest): each one's last token comes from last_ids, its sampled one goes back
@@ -281,7 +281,7 @@ class Generator:
                           rider_tops=packed.rider_tops, rider_failed=packed.rider_failed,
                           rider_cached=packed.rider_cached, rider_scores=packed.rider_scores)
 
-    def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[Rider],
+    def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[PromptAsk],
                      chunk: bool, joining: Sequence[NewSequence]) -> tuple[torch.Tensor, PackedAnswers]:
         """One forward (engine.step_forward) of D decode tokens ((D,) `last`, at `needed`
         positions), the riders' prompts and the joining sequences' (each after what the prefix
@@ -320,7 +320,7 @@ class Generator:
         return logits, answers
 
     def _read_rows(self, decode: SlotStore | None, last: torch.Tensor, lengths: Sequence[int],
-                   riders: Sequence[Rider], joined: Sequence[NewSequence], chunk_rows: list[PromptRow],
+                   riders: Sequence[PromptAsk], joined: Sequence[NewSequence], chunk_rows: list[PromptRow],
                    plans: list[RowPlan], first: int, pack: bool = False
                    ) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor | None]:
         """The packed forward of a step's rows (`plans`: the riders', then the joining prompts');
@@ -347,7 +347,7 @@ class Generator:
             if not layout.needs_rows_again([*a.rider_failed, *a.first_failed]):
                 break
         self.running.extend(added)
-        wants = [*(r.scored for r in riders), *(s.prompt_logprobs for s in joined)]
+        wants = [*(r.prompt_logprobs for r in riders), *(s.prompt_logprobs for s in joined)]
         scores = prompt_scores(hidden, layout, pool, {i: k for i, k in enumerate(wants[:len(rows)]) if k is not None},
                                self.engine.head, self.model.config.vocab_size)
         a.rider_scores = {i: score for i, score in scores.items() if i < R}

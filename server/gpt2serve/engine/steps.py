@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from ..protocol import PromptScores, SampledToken, SamplingParams, TokenScore, TopTable
+from ..protocol import PromptScores, SampledToken, SamplingParams, StepControls, TokenScore, TopTable, TraceContext
 from .head import read_top_k
 
 
@@ -23,15 +23,34 @@ class NewSequence:
     prompt_logprobs: int | None = None  # score the prompt's positions too, with this many alternatives
 
 
-@dataclass(frozen=True)
-class Rider:
-    """A next-token prompt answered from a decode step's forward (engine.step_forward): its top
-    `top_k` next tokens, and with `scored` every position's log-probability too, with that many
-    alternatives (engine.head)."""
+class PromptAsk(Protocol):
+    """A next-token prompt and what it wants back, whether it runs in a batch of its own
+    (Engine.next_token) or rides a decode step (Generator.launch_decode): its top `top_k` next
+    tokens; with `prompt_logprobs`, every position's log-probability with that many alternatives
+    (engine.head); with a `trace` that wants layers, per-layer reports (introspection); with
+    `controls`, a traced generation step's top tokens after them too. scheduling's EngineRequest
+    is one; `Ask` is one for every other caller."""
 
     prompt: Sequence[int]
     top_k: int
-    scored: int | None = None
+    prompt_logprobs: int | None
+    trace: TraceContext | None
+    controls: StepControls | None
+
+
+@dataclass(slots=True)  # not frozen: made per prompt (see protocol's PER_REQUEST)
+class Ask:
+    prompt: Sequence[int]
+    top_k: int = 1
+    prompt_logprobs: int | None = None
+    trace: TraceContext | None = None
+    controls: StepControls | None = None
+
+
+def plain_asks(prompts: Sequence[Sequence[int]], top_ks: Sequence[int] | int = 1) -> list[Ask]:
+    """Plain asks: each prompt's top-k (one k for all, or one each)."""
+    ks = [top_ks] * len(prompts) if isinstance(top_ks, int) else top_ks
+    return [Ask(p, k) for p, k in zip(prompts, ks)]
 
 
 @dataclass(frozen=True)

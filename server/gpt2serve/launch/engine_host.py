@@ -22,6 +22,7 @@ from gpt2serve_client.types import ModelInfo
 
 from ..config import ServeConfig
 from ..engine.engine import RESERVE, Engine, EngineOptions
+from ..engine.steps import plain_asks
 from ..engine.generator import Generator
 from ..engine.kv_cache import BLOCK, KVCache, blocks_for
 from ..engine.loading import LoadedModel, load_model
@@ -120,7 +121,7 @@ def measure_prompt_rate(engine: Engine, prompt_tokens: int = 8, forwards: int = 
     forwards): what `--workers auto` sizes the front ends by (launch.workers_plan)."""
     size, vocab = engine.options.max_batch_size, engine.model.config.vocab_size
     batch = [[(row * 31 + i * 7) % vocab for i in range(prompt_tokens)] for row in range(size)]
-    times = sorted(engine.next_token(batch, [5] * size).forward_s for _ in range(forwards))
+    times = sorted(engine.next_token(plain_asks(batch, [5] * size)).forward_s for _ in range(forwards))
     return size / times[len(times) // 2]
 
 

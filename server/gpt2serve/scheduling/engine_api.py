@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from ..engine.engine import BatchOutput
-from ..engine.generator import DecodeLaunch, NewSequence, Rider, StepOutput
-from ..engine.steps import PromptLaunch
+from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
+from ..engine.steps import PromptAsk, PromptLaunch
 
 
 class PromptEngine(Protocol):
@@ -17,14 +17,12 @@ class PromptEngine(Protocol):
 
     fixed_cost_tokens: float
 
-    def next_token(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int] = (),
-                   mapped_rows: Sequence[int] = (), last_row_rows: Sequence[int] = (),
-                   scored_rows: dict[int, int] | None = None, controlled_rows: dict | None = None) -> BatchOutput: ...
+    def next_token(self, asks: Sequence[PromptAsk]) -> BatchOutput: ...  # an EngineRequest is a PromptAsk
 
     def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
 
     # A plain batch queued without waiting for it (engine.cuda_graphs.BucketedForward.launch); None: run it with next_token.
-    def launch_prompts(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int]) -> PromptLaunch | None: ...
+    def launch_prompts(self, asks: Sequence[PromptAsk]) -> PromptLaunch | None: ...
 
     def finish_prompts(self, launch: PromptLaunch) -> BatchOutput: ...
 
@@ -60,7 +58,7 @@ class GenerationEngine(Protocol):
     @property
     def takes_riders(self) -> bool: ...
 
-    def launch_decode(self, riders: Sequence[Rider] = (), chunk: bool = False,
+    def launch_decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False,
                       joining: Sequence[NewSequence] = ()) -> DecodeLaunch: ...
 
     def finish_decode(self, launch: DecodeLaunch) -> StepOutput: ...

@@ -33,7 +33,7 @@ from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
 from ..engine.steps import PromptLaunch
-from ..engine.generator import DecodeLaunch, NewSequence, Rider, StepOutput
+from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Outputs
@@ -160,7 +160,7 @@ class StepRunner:
             return False
         started, started_ns = time.perf_counter(), time.time_ns()
         try:
-            launch = self.engine.launch_prompts([r.prompt for r in batch], [r.top_k for r in batch])
+            launch = self.engine.launch_prompts(batch)
         except Exception as exc:  # out of memory too: the whole-batch path fails or splits it
             log.warning("launching a batch of %d failed (%s); running it whole", len(batch), exc)
             return False
@@ -185,15 +185,8 @@ class StepRunner:
     def _forward_prompts(self, batch: list[EngineRequest]) -> None:
         """Forward one batch and answer it. Out of device memory: each half on its own."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        traces = [r.trace for r in batch]
-        traced_rows = [row for row, t in enumerate(traces) if t is not None and t.layers_wanted]
-        mapped_rows = [row for row, t in enumerate(traces) if t is not None and t.attention_maps]
-        last_row_rows = [row for row, t in enumerate(traces) if t is not None and t.last_row_maps]
-        scored_rows = {row: r.prompt_logprobs for row, r in enumerate(batch) if r.prompt_logprobs is not None}
-        controlled_rows = {row: r.controls for row, r in enumerate(batch) if r.controls is not None}
         try:
-            output = self.engine.next_token([r.prompt for r in batch], [r.top_k for r in batch], traced_rows,
-                                            mapped_rows, last_row_rows, scored_rows, controlled_rows)
+            output = self.engine.next_token(batch)
         except OutOfMemory as exc:
             if len(batch) == 1:
                 self.fail(batch, ResourceExhausted(f"the device is out of memory even for this prompt alone "
@@ -292,7 +285,7 @@ class StepRunner:
                       len(self.scheduler.prompts))
             self._prompts_start(riders)
         launch = self._step("decode", members, lambda: self.generator.launch_decode(
-            [Rider(r.prompt, r.top_k, r.prompt_logprobs) for r in riders], chunk, [s for _, s in joining]), riders)
+            riders, chunk, [s for _, s in joining]), riders)
         self.finish_in_flight()
         if launch is None:
             return
