@@ -230,6 +230,8 @@ class StepStore:
         self.reads = [torch.tensor(r.reads, dtype=torch.long, device=layout.last.device)
                       for r in layout.rows] if layout.shared is None and layout.mask is not None else []
         self.keeping = [i for i, r in enumerate(layout.rows) if r.staging is not None or r.slot is not None]
+        self.plain = (decode is None and writer is None and layout.shared is None and layout.gather is None
+                      and layout.mask is None and not self.keeping)
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("StepStore attends by itself (attention)")
@@ -272,6 +274,8 @@ class StepStore:
             keys, values = torch.cat([known_k, kr], dim=2), torch.cat([known_v, vr], dim=2)  # (R, nh, K + T, hs)
             yr = F.scaled_dot_product_attention(qr, keys, values, attn_mask=self.layout.mask)  # (R, nh, T, hs)
         yr = yr.transpose(0, 1).reshape(nh, R * T, hs)
+        if not D and self.layout.real is None:  # the padded rows are the packed row
+            return yr[None]
         y[:, D:] = yr if self.layout.real is None else yr[:, self.layout.real]  # (nh, P, hs)
         return y[None]  # (1, nh, N, hs)
 
@@ -333,7 +337,11 @@ def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, de
     if pool is not None and any(plan.new for plan in plans):  # new blocks start where the hit ends
         writer = BlockWriter.for_rows(pool, plans, layout.firsts[:len(plans)], [0] * len(plans))
     ids, positions = packed_inputs(decode_ids, decode_positions, layout, device)
-    hidden = model.hidden_states(ids, positions, None, kv=StepStore(decode, layout, pool, writer, cache))  # (1, N, C)
+    store = StepStore(decode, layout, pool, writer, cache)
+    if store.plain:  # rows of one length that read and keep nothing: the same forward, one row each
+        R, T = layout.padded
+        return model.hidden_states(ids.view(R, T), positions.view(R, T), None).view(1, R * T, -1), layout
+    hidden = model.hidden_states(ids, positions, None, kv=store)  # (1, N, C)
     if writer is not None:
         writer.write_hidden(hidden)
     return hidden, layout
