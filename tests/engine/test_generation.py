@@ -22,6 +22,7 @@ from gpt2serve.protocol import SamplingParams
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 from gpt2serve.errors import InvalidArgument, ResourceExhausted
 from gpt2serve.protocol import GenerateRequest
+from gpt2serve.engine import kv_cache
 from gpt2serve.engine.kv_cache import blocks_for
 from gpt2serve.engine.traced_decode import TracedDecode
 from support.scheduler_events import events
@@ -205,9 +206,14 @@ def test_admission_counts_the_cache_blocks_each_sequence_may_grow_to(saved):
     asyncio.run(too_long())
 
 
-def test_a_decode_trace_serves_any_number_of_rows_exactly(saved):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled attention", "torch attention"])
+def test_a_decode_trace_serves_any_number_of_rows_exactly(saved, compiled, monkeypatch):
     """engine.traced_decode: a step traced at one size (here 2 rows; one row is traced beside a
-    dummy row) gives eager's logits and writes eager's keys and values for 1, 3 and 7 rows."""
+    dummy row) gives eager's logits and writes eager's keys and values for 1, 3 and 7 rows; with
+    engine.native's decode attention, and with torch's (a machine without a compiler, as the
+    server image is), where the trace also holds the mask."""
+    if not compiled:
+        monkeypatch.setattr(kv_cache.native, "available", lambda: False)
     _, engine = saved
     generator = Generator(engine, slots=8, graphs=False)
     generator.prefill([NewSequence(i, PROMPTS[i + 2], GREEDY, i) for i in range(7)])

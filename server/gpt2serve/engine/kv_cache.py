@@ -170,15 +170,18 @@ class SlotStore:
     def mask(self) -> torch.Tensor:
         """(B, 1, T, span) bool: key j is visible to row b's query t iff j <= its position."""
         keys = torch.arange(self.span, device=self.positions.device)  # (span,)
-        positions = self.positions.reshape(len(self.positions), -1)  # (B, T)
-        return (keys[None, None, :] <= positions[:, :, None])[:, None]
+        return (keys[None, None, :] <= self._rows_positions()[:, :, None])[:, None]
+
+    def _rows_positions(self) -> torch.Tensor:
+        """(B, T) positions. Indexed, not reshaped to len(positions): a traced decode step
+        (engine.traced_decode) would keep that length as a constant for every batch size."""
+        return self.positions if self.positions.dim() == 2 else self.positions[:, None]
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        B, _, T, _ = k.shape  # k, v: (B, nh, T, hs)
-        # built from k's size, so a trace keeps B variable
+        B = k.shape[0]  # k, v: (B, nh, T, hs); B from k's size, so a trace keeps it variable
         slots = self.slots if self.slots is not None else torch.arange(B, device=k.device)  # (B,)
         # Advanced indices on dims 0 and 2 around a slice: the target is (B, T, nh, hs).
-        where = (layer, slots[:, None], slice(None), self.positions.reshape(B, T))
+        where = (layer, slots[:, None], slice(None), self._rows_positions())
         for cache, new in ((self.cache.keys, k), (self.cache.values, v)):
             new = new.transpose(1, 2).to(cache.dtype)
             cache[where] = new if self.real is None else torch.where(self.real, new, cache[where])
