@@ -108,10 +108,6 @@ class StepLayout:
                 return cls(decode_rows, rows, firsts, last, _shared_mask(rows, lengths, distinct).to(device),
                            shared=torch.tensor(distinct, dtype=torch.long, device=device))
         T, K = max(lengths, default=1), max((r.start for r in rows), default=0)
-        gather, real = [], []
-        for r, (first, length) in enumerate(zip(firsts, lengths)):
-            gather += [first + min(t, length - 1) for t in range(T)]  # padding -> its row's last token
-            real += [r * T + t for t in range(length)]
         mask = None
         if K:
             known = torch.tensor([r.start for r in rows])[:, None] > torch.arange(K)[None, :]  # (R, K)
@@ -121,6 +117,10 @@ class StepLayout:
             mask = mask.to(device)
         if all(n == T for n in lengths):
             return cls(decode_rows, rows, firsts, last, mask)
+        gather, real = [], []
+        for r, (first, length) in enumerate(zip(firsts, lengths)):
+            gather += [first + min(t, length - 1) for t in range(T)]  # padding -> its row's last token
+            real += [r * T + t for t in range(length)]
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
         return cls(decode_rows, rows, firsts, last, mask, as_tensor(gather), as_tensor(real))
 
