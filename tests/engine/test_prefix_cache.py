@@ -222,8 +222,8 @@ def test_a_batch_over_the_token_budget_runs_in_parts_and_each_row_is_its_own(hf)
     shared = tokens(80, 100)
     engine.next_token(plain_asks([shared + [1]], [1]))
     prompts = [shared + tokens(9, 101), shared + tokens(3, 102), tokens(20, 103), tokens(30, 104)]
-    forwards, run = [], engine._next_token
-    engine._next_token = lambda part, *rest: forwards.append(len(part)) or run(part, *rest)
+    forwards, run = [], engine._untraced
+    engine._untraced = lambda part, *rest: forwards.append(len(part)) or run(part, *rest)
     out = engine.next_token([Ask(p, 5, prompt_logprobs=k) for p, k in zip(prompts, [4, None, 2, 1])])
     assert forwards == [2, 1, 1]  # 2 x 9 new tokens, then 20 and 30 alone
     assert out.cached_tokens == [80, 80, 0, 0] and out.padded_len == 30
@@ -246,12 +246,19 @@ def test_scores_of_cached_positions_match_transformers(hf):
 
 
 def test_a_traced_batch_computes_every_prompt_whole_and_still_fills_the_cache(hf):
+    """A traced batch reads no hit (its reports cover every position), and its rows, right-padded
+    to the longest, still leave their full blocks, which later prompts read as transformers would."""
     engine = engine_for(hf, 200)
-    prompt = tokens(40, 110)
-    engine.next_token(plain_asks([prompt], [3]))
-    out = engine.layer_reports(engine.next_token(traced_asks([prompt + [5]], 3, [0])))
-    assert out.cached_tokens == [0] and len(out.layers[0]) == hf.config.n_layer
-    assert engine.next_token(plain_asks([prompt + [5, 6]], [3])).cached_tokens == [32]
+    prompt, longer = tokens(2 * BLOCK + 8, 110), tokens(4 * BLOCK + 5, 111)
+    engine.next_token(plain_asks([prompt], [3]))  # its two full blocks
+    traced = [prompt + tokens(10, 112), longer]  # a third block for the shorter row
+    out = engine.layer_reports(engine.next_token(traced_asks(traced, 3, [0, 1])))
+    assert out.cached_tokens == [0, 0] and len(out.layers[0]) == len(out.layers[1]) == hf.config.n_layer
+    assert_next_tokens_match(hf, traced, out, k=3)
+    later = [traced[0] + [6], longer + [7]]
+    out = engine.next_token(plain_asks(later, 5))
+    assert out.cached_tokens == [3 * BLOCK, 4 * BLOCK]
+    assert_next_tokens_match(hf, later, out)
 
 
 def greedy(hf, prompt, n):

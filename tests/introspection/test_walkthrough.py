@@ -61,7 +61,7 @@ def test_a_batched_request_shows_its_batch_dimension(server, tiny_model, tokeniz
     prompts = [PROMPT, "Hello"]
     with Client(server.grpc_target) as client:
         results = client.next_token_batch(prompts, include_layers=True)
-    T = max(len(tokenizer.encode(p)) for p in prompts)  # left-padded to the longest
+    T = max(len(tokenizer.encode(p)) for p in prompts)  # padded to the longest
     for result in results:
         drawn = {step.name: step.shape for step in result.walkthrough}
         assert drawn["Q per head"] == [2, tiny_model.model.config.n_head, T, tiny_model.model.config.d_head]

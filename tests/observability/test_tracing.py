@@ -68,7 +68,7 @@ def test_rest_layer_trace_joins_the_callers_trace(traced_server, receiver, clien
 
 def test_traced_request_in_a_batch_with_untraced_ones_of_other_lengths(traced_server, receiver, tiny_model):
     """Two layer-traced requests share a batch with untraced ones: each trace holds its own layers,
-    equal to the prompt computed alone (the 3-token one left-padded to 5); the untraced ones are
+    equal to the prompt computed alone (the 3-token one padded to 5); the untraced ones are
     not exported (ratio 0)."""
     others = [[40, 588], [1212, 318, 257, 1332], [50256], [11, 12, 13]]
     second = [8888, 7777, 6666]
@@ -101,7 +101,7 @@ def test_traced_request_in_a_batch_with_untraced_ones_of_other_lengths(traced_se
         for index in range(tiny_model.model.config.n_layer):
             attrs = named[f"block {index}"][0].attributes
             batch_rows, padded = attrs["gpt2.shape.hidden"][:2]
-            assert [batch_rows, padded] == [6, len(PROMPT)]  # the 3-token prompt is left-padded to 5
+            assert [batch_rows, padded] == [6, len(PROMPT)]  # the 3-token prompt is padded to 5
             assert attrs["gpt2.request.shape.hidden"][0] == len(prompt)
             got = {k.removeprefix("gpt2.head."): v for k, v in attrs.items() if k.startswith("gpt2.head.")}
             want = reference_layers(tiny_model.model, prompt)[index]

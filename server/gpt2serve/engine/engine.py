@@ -8,8 +8,9 @@ gets alone. Only the last position goes through the LM head. Three ways through 
   them, and new full blocks go into the cache;
 - CUDA graphs (on cuda, `--cuda-graphs on`): a plain batch left-padded up to a captured bucket
   shape (engine.padding), its last tokens in the last column;
-- left-padded and eager: traced batches (introspection taps run Python per block, and their
-  reports cover every position), computed whole; they keep their blocks in the prefix cache too.
+- right-padded rows of one (R, T) forward: traced batches (introspection taps run Python per
+  block, and their reports cover every position), computed whole; they keep their blocks in the
+  prefix cache too.
 Either way the answer reaches the host in one copy.
 """
 
@@ -25,7 +26,7 @@ import torch
 
 from gpt2serve_client.types import LayerReport, ShapeStep
 
-from ..protocol import PromptScores, StepControls, TopScores, TraceContext
+from ..protocol import PromptScores, TopScores, TraceContext
 from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
 from ..telemetry.records import ForwardTimeline
@@ -35,9 +36,9 @@ from .constraints import Grammars
 from .loading import LoadedModel
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
-from .padding import CPU_FORWARD_TOKENS, IDS, POSITIONS, VALID, Buckets, forward_parts, left_pad
+from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts
 from .steps import Ask, PromptAsk, PromptLaunch, plain_asks
-from .step_forward import BlockWriter, PromptRow, prompt_forward, prompt_scores
+from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores, right_padded
 
 log = logging.getLogger(__name__)
 
@@ -233,34 +234,26 @@ class Engine:
         """Each prompt's answer (engine.steps.PromptAsk says what it wants). Prompts with every
         position scored (engine.head) run as prompt rows, since a graph keeps only the last
         position. A traced batch (per-layer reports, introspection, or a traced generation step's
-        controls, engine.logits_controls.controlled_view) computes every prompt whole, left-padded
+        controls, engine.logits_controls.controlled_view) computes every prompt whole, right-padded
         (its reports cover every position), and still leaves its blocks in the prefix cache; an
         untraced one runs in parts of at most `forward_tokens` padded tokens, counted after the
         prefix cache (engine.padding)."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
-        traces = {row: a.trace for row, a in enumerate(asks) if a.trace is not None and a.trace.layers_wanted}
-        traced_rows, mapped_rows = list(traces), [row for row, t in traces.items() if t.attention_maps]
-        last_row_rows = [row for row, t in traces.items() if t.last_row_maps]
-        scored_rows = {row: a.prompt_logprobs for row, a in enumerate(asks) if a.prompt_logprobs is not None}
-        controlled_rows = {row: a.controls for row, a in enumerate(asks) if a.controls is not None}
+        prompts = [a.prompt for a in asks]
+        traced = any(a.controls is not None or (a.trace is not None and a.trace.layers_wanted) for a in asks)
 
         def forward(plans: list[RowPlan] | None) -> BatchOutput:
-            if traced_rows or controlled_rows:
-                return self._next_token(prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
-                                        plans, started, started_ns, controlled_rows)
+            if traced:
+                return self._traced(asks, plans, started, started_ns)
             cached = [plan.cached_tokens for plan in plans] if plans is not None else [0] * len(prompts)
             parts = forward_parts([len(p) - c for p, c in zip(prompts, cached)], self.forward_tokens)
-            outputs = [self._next_token(prompts[a:b], top_ks[a:b], (), (), (),
-                                        {row - a: k for row, k in scored_rows.items() if a <= row < b},
-                                        plans[a:b] if plans is not None else None, started, started_ns)
+            outputs = [self._untraced(asks[a:b], plans[a:b] if plans is not None else None, started, started_ns)
                        for a, b in parts]
             return outputs[0] if len(outputs) == 1 else _joined(outputs, [a for a, _ in parts])
 
         if self.prefix_cache is None:
             return forward(None)
-        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows,
-                                     use_hits=not (traced_rows or controlled_rows))
+        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced)
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -278,95 +271,81 @@ class Engine:
         return BatchOutput(top, forward_s, launch.padded_len, launch.started_ns, launch.started_ns + int(forward_s * 1e9),
                            cuda_graph=True, failed_rows=failed, cached_tokens=[0] * len(top) if launch.looked_up else [])
 
-    def _next_token(self, prompts, top_ks, traced_rows, mapped_rows, last_row_rows, scored_rows,
-                    plans: list[RowPlan] | None, started: float, started_ns: int,
-                    controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
-        """A traced batch whole and left-padded (its reports cover every position); a plain one
-        from a graph that holds it; any other as prompt rows (engine.step_forward)."""
-        looked_up = [0] * len(prompts) if plans is not None else []  # no hit: the traced path reads none
-        if traced_rows or controlled_rows:
-            writes = plans is not None and any(plan.new for plan in plans)
-            return replace(self._eager(prompts, top_ks, traced_rows, started, started_ns, mapped_rows, last_row_rows,
-                                       scored_rows, plans if writes else None, controlled_rows), cached_tokens=looked_up)
+    def _untraced(self, asks: Sequence[PromptAsk], plans: list[RowPlan] | None, started: float,
+                  started_ns: int) -> BatchOutput:
+        """A plain batch from a graph that holds it; any other as prompt rows (engine.step_forward)."""
+        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
+        scored = any(a.prompt_logprobs is not None for a in asks)
         kept = plans is not None and any(plan.hit or plan.new for plan in plans)
-        replayed = self.graphs.run(prompts) if self.graphs is not None and not (scored_rows or kept) else None
+        replayed = self.graphs.run(prompts) if self.graphs is not None and not (scored or kept) else None
         if replayed is not None:
             logprobs, (_, length) = replayed
             top, failed = top_k_rows(logprobs, top_ks)
+            looked_up = [0] * len(asks) if plans is not None else []  # none read: a graph reads no cache
             return BatchOutput(top, time.perf_counter() - started, length, started_ns, time.time_ns(),
                                cuda_graph=True, failed_rows=failed, cached_tokens=looked_up)
-        return self._rows(prompts, top_ks, plans, scored_rows, started, started_ns)
+        return self._rows(asks, plans, started, started_ns)
 
-    def _rows(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], plans: list[RowPlan] | None,
-              scored_rows: dict[int, int], started: float, started_ns: int) -> BatchOutput:
+    def _rows(self, asks: Sequence[PromptAsk], plans: list[RowPlan] | None, started: float,
+              started_ns: int) -> BatchOutput:
         """Each prompt a row of one forward (engine.step_forward): with the prefix cache (`plans`),
         its tokens after its cached blocks, attending over those blocks (shared layout or rows),
         its new full blocks kept. Rows pad only attention: on a CPU as fast as left padding for
         prompts of one length, and 1.5-1.8x for mixed lengths (docs/benchmarks.md)."""
-        rows = [PromptRow.planned(plan) for plan in plans] if plans is not None else [PromptRow(p) for p in prompts]
+        rows = [PromptRow.planned(plan) for plan in plans] if plans is not None else [PromptRow(a.prompt) for a in asks]
         for pack in (True, False) if plans is not None else (False,):
             hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans or (), pack=pack)  # (1, N, C)
             logits = self.head(hidden[0, layout.last])  # (B, V)
-            top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
+            top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), [a.top_k for a in asks])
             if not layout.needs_rows_again(failed):
                 break
+        scored_rows = {row: a.prompt_logprobs for row, a in enumerate(asks) if a.prompt_logprobs is not None}
         scores = prompt_scores(hidden, layout, self.prefix_cache, scored_rows, self.head, self.model.config.vocab_size)
         return BatchOutput(top, time.perf_counter() - started, layout.width, started_ns, time.time_ns(),
                            failed_rows=failed, prompt_scores=scores,
                            cached_tokens=[r.start for r in rows] if plans is not None else [])
 
-    def _eager(self, prompts: Sequence[Sequence[int]], top_ks: Sequence[int], traced_rows: Sequence[int],
-               started: float, started_ns: int, mapped_rows: Sequence[int] = (),
-               last_row_rows: Sequence[int] = (), scored_rows: dict[int, int] | None = None,
-               plans: list[RowPlan] | None = None, controlled_rows: dict[int, StepControls] | None = None) -> BatchOutput:
-        """Every prompt whole, left-padded; with `plans`, its full blocks go into the prefix cache."""
-        batch = left_pad(prompts, self.pad_token_id)  # (3, B, T) on the host
-        if self.device.type == "cuda":
-            batch = batch.pin_memory()
-        batch = batch.to(self.device, non_blocking=True)  # one copy to the device
+    def _traced(self, asks: Sequence[PromptAsk], plans: list[RowPlan] | None, started: float,
+                started_ns: int) -> BatchOutput:
+        """Every prompt whole, as rows of one right-padded forward (engine.step_forward.padded_forward)
+        with the probe's taps on the traced rows; with `plans`, full blocks go into the prefix cache."""
+        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
+        traces = {row: a.trace for row, a in enumerate(asks) if a.trace is not None and a.trace.layers_wanted}
+        ids = right_padded(prompts, self.pad_token_id, self.device)  # (R, T)
         probe = None
-        if traced_rows:
-            probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], batch[IDS],
-                               self.loaded.tokenizer.token_text, mapped_rows, last_row_rows)
+        if traces:
+            probe = LayerProbe(self.model, list(traces), [len(prompts[r]) for r in traces], ids,
+                               self.loaded.tokenizer.token_text, [r for r, t in traces.items() if t.attention_maps],
+                               [r for r, t in traces.items() if t.last_row_maps])
             probe.start()
-        T = batch.shape[2]
-        writer = None
-        if plans is not None:  # left-padded: a prompt of L tokens starts at column T - L
-            writer = BlockWriter.for_rows(self.prefix_cache, plans, [T - len(p) for p in prompts])
-        hidden = self.model.hidden_states(batch[IDS], batch[POSITIONS], batch[VALID].bool(), probe,
-                                          kv=writer)  # (B, T, C)
-        if writer is not None:
-            writer.write_hidden(hidden)
-        logits = self.last_logits(hidden, probe)  # (B, V)
+        hidden = padded_forward(self.model, prompts, ids, self.prefix_cache, plans or (), taps=probe)  # (R, T, C)
+        ends = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # (R,) each row's last column
+        last = hidden[torch.arange(len(prompts), device=self.device), ends]  # (R, C)
+        logits = self.head(last)  # (R, V): only the last position is decoded
+        if probe is not None:
+            probe.unembedded(last, logits)
         top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
-        scores = {}
-        if scored_rows:  # left-padded: a prompt of L tokens fills the last L columns
-            spans = [ScoredSpan(row, T - len(prompts[row]), len(prompts[row]), k) for row, k in scored_rows.items()]
-            scores = dict(zip(scored_rows, score_prompts(hidden, batch[IDS], spans, self.head,
-                                                         self.model.config.vocab_size)))
+        spans = [ScoredSpan(row, 0, len(a.prompt), a.prompt_logprobs) for row, a in enumerate(asks)
+                 if a.prompt_logprobs is not None]
+        scores = {} if not spans else dict(zip([s.row for s in spans], score_prompts(
+            hidden, ids, spans, self.head, self.model.config.vocab_size)))
         if probe:
             probe.finish()
         controlled = {}
-        if controlled_rows:  # traced generation steps: their top tokens after their controls too
-            rows = list(controlled_rows)
-            views = controlled_view(logits[rows], [prompts[r] for r in rows], list(controlled_rows.values()),
+        rows = [row for row, a in enumerate(asks) if a.controls is not None]
+        if rows:  # traced generation steps: their top tokens after their controls too
+            views = controlled_view(logits[rows], [prompts[r] for r in rows], [asks[r].controls for r in rows],
                                     self.grammars, max(top_ks[r] for r in rows))
             controlled = dict(zip(rows, views))
-        return BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
-                           probe=probe, failed_rows=failed, prompt_scores=scores, controlled=controlled)
+        return BatchOutput(top, time.perf_counter() - started, ids.shape[1], started_ns, time.time_ns(),
+                           probe=probe, failed_rows=failed, prompt_scores=scores, controlled=controlled,
+                           cached_tokens=[0] * len(asks) if plans is not None else [])  # no hit is read
 
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """(B, T) inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
-        logits = self.last_logits(self.model.hidden_states(input_ids, position_ids, valid))  # (B, V)
+        """(B, T) left-padded inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
+        hidden = self.model.hidden_states(input_ids, position_ids, valid)  # (B, T, C)
+        logits = self.head(hidden[:, -1, :])  # (B, V): only the last position is decoded
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
-
-    def last_logits(self, hidden: torch.Tensor, probe: LayerProbe | None = None) -> torch.Tensor:
-        """(B, T, C) residual stream after the last block -> (B, V) logits after the last column."""
-        last = hidden[:, -1, :]  # (B, C)
-        logits = self.head(last)  # (B, V): only the last position is decoded
-        if probe is not None:
-            probe.unembedded(last, logits)
-        return logits
 
     @oom_as_out_of_memory
     @torch.inference_mode()

@@ -131,7 +131,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = kv.attention(layer, q, k, v) if kv is not None and taps is None else None  # (B, nh, T, hs)
+        y = kv.attention(layer, q, k, v) if kv is not None else None  # (B, nh, T, hs)
         if y is None:
             if kv is not None:
                 k, v = kv.attend(layer, k, v)  # (B, nh, S, hs): with the keys of earlier steps; mask (B, 1, T, S)

@@ -15,6 +15,10 @@ attention goes its own way per kind (`StepStore`):
 Prompt rows take no KV-cache slot unless they join; their new full blocks go into the prefix
 cache (`BlockWriter`).
 
+A traced batch (introspection's taps read each prompt as a row of a batch) runs instead as its
+prompts from position 0, right-padded into one (R, T) forward (`padded_forward`), through the
+same store.
+
 Two layouts of the prompt rows' attention (`StepLayout`):
 - rows: right-padded (R, nh, T, hs) with a mask, each row gathering what it knows. A real query
   never sees padding, and a row's numbers (a NaN included) never reach another row;
@@ -167,7 +171,7 @@ def _shared_mask(rows: Sequence[PromptRow], lengths: list[int], distinct: list[i
 @dataclass
 class BlockWriter:
     """Where the new blocks' tokens sit in the forward: row (N,), column (N,) -> pool position (N,).
-    A KeyValueStore (engine.gpt2) of its own for a left-padded forward (Engine._eager)."""
+    What `StepStore` writes them with."""
 
     pool: PrefixCache
     rows: torch.Tensor
@@ -209,21 +213,17 @@ class BlockWriter:
         if not self.empty:
             self.pool.hidden.index_copy_(0, self.positions, hidden[self.rows, self.cols])  # (N, C)
 
-    def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.write(layer, k, v)
-        return k, v
-
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        return None  # a prompt's queries attend through `attend`
-
 
 class StepStore:
-    """The KeyValueStore (engine.gpt2) of a packed step: it attends by itself."""
+    """The KeyValueStore (engine.gpt2) of a packed step, or of a traced batch's right-padded
+    forward (padded_forward): it attends by itself."""
 
     def __init__(self, decode: SlotStore | None, layout: StepLayout, pool: PrefixCache | None = None,
-                 writer: BlockWriter | None = None, cache: KVCache | None = None):
-        """`writer`: over the packed row, for the rows' new blocks; `cache`: where rows with a slot write."""
+                 writer: BlockWriter | None = None, cache: KVCache | None = None, right_padded: bool = False):
+        """`writer`: over the forward's tokens, for the rows' new blocks; `cache`: where rows with
+        a slot write; `right_padded`: the forward is (R, T), rows from position 0 (padded_forward)."""
         self.decode, self.layout, self.pool, self.writer, self.cache = decode, layout, pool, writer, cache
+        self.right_padded = right_padded
         self.decode_mask = decode.mask() if decode is not None else None  # (D, 1, 1, span)
         # rows layout with known keys: each row's hit, gathered by row (the shared layout gathers
         # layout.shared once)
@@ -237,9 +237,11 @@ class StepStore:
         raise AssertionError("StepStore attends by itself (attention)")
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v (1, nh, D + P, hs) -> y (1, nh, D + P, hs)."""
+        """q, k, v (1, nh, D + P, hs) -> y (1, nh, D + P, hs); right-padded, (R, nh, T, hs) each."""
         if self.writer is not None:
             self.writer.write(layer, k, v)
+        if self.right_padded:  # each row causal over its own tokens; a real one never sees padding
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (R, nh, T, hs)
         D = self.layout.decode_rows
         q0, k0, v0 = q[0], k[0], v[0]  # (nh, N, hs) each
         nh, N, hs = q0.shape
@@ -345,6 +347,30 @@ def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, de
     if writer is not None:
         writer.write_hidden(hidden)
     return hidden, layout
+
+
+def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Prompts as (R, T) ids, each from column 0, padded to the longest at the end."""
+    T = max(map(len, prompts))
+    return torch.tensor([[*p, *[pad_id] * (T - len(p))] for p in prompts], dtype=torch.long).to(device)
+
+
+def padded_forward(model, prompts: Sequence[Sequence[int]], ids: torch.Tensor, pool: PrefixCache | None = None,
+                   plans: Sequence[RowPlan] = (), taps=None) -> torch.Tensor:
+    """Whole prompts, right-padded into (R, T) `ids` (right_padded), in one forward, each row
+    attending causally over its own tokens, with introspection's `taps` (engine.gpt2.ForwardTaps)
+    -> (R, T, C) residual stream. Each plan's new full blocks go into `pool` (no hit is read:
+    every position is computed)."""
+    R, T = ids.shape
+    positions = torch.arange(T, device=ids.device).expand(R, T)  # (R, T)
+    store = None
+    if pool is not None and any(plan.new for plan in plans):  # a row's blocks lie from its column 0
+        layout = StepLayout.of(0, [PromptRow(p) for p in prompts], ids.device)
+        store = StepStore(None, layout, pool, BlockWriter.for_rows(pool, plans, [0] * R), right_padded=True)
+    hidden = model.hidden_states(ids, positions, None, taps=taps, kv=store)  # (R, T, C)
+    if store is not None:
+        store.writer.write_hidden(hidden)
+    return hidden
 
 
 def prompt_forward(model, rows: Sequence[PromptRow], pool: PrefixCache | None, plans: Sequence[RowPlan],

@@ -74,10 +74,11 @@ class LayerProbe(ShapeRecorder):
         self.model = model
         self.token_text = token_text
         self.rows = list(rows)
-        self.lengths = list(lengths)  # real (unpadded) length of each traced row
+        self.lengths = list(lengths)  # real (unpadded) length of each traced row, from column 0
+        self._ends = [length - 1 for length in self.lengths]  # each traced row's last real column
         self.mapped_rows = set(mapped_rows)  # traced rows that also want full attention maps and lens
         self.last_row_rows = set(last_row_rows)  # of those, rows that want each map's last query row alone
-        self.input_ids = input_ids  # (B, T)
+        self.input_ids = input_ids  # (B, T), right-padded
         self.n_head = model.config.n_head
         self.clock = _Clock(input_ids.device)
         # Kept at the taps (slices only, so the answer is not delayed); reduced after it.
@@ -100,16 +101,16 @@ class LayerProbe(ShapeRecorder):
 
     def qkv(self, layer: int, qkv: torch.Tensor) -> None:
         super().qkv(layer, qkv)
-        self._qkv.append([qkv[row, -length:] for row, length in zip(self.rows, self.lengths)])  # (L, 3d) each
+        self._qkv.append([qkv[row, :length] for row, length in zip(self.rows, self.lengths)])  # (L, 3d) each
 
     def block(self, layer: int, attn_out: torch.Tensor, mlp_out: torch.Tensor, hidden: torch.Tensor) -> None:
         super().block(layer, attn_out, mlp_out, hidden)
-        self._attn_last.append(attn_out[self.rows, -1])  # (R, d)
-        self._mlp_last.append(mlp_out[self.rows, -1])  # (R, d)
-        self._hidden_last.append(hidden[self.rows, -1])  # (R, d)
+        self._attn_last.append(attn_out[self.rows, self._ends])  # (R, d)
+        self._mlp_last.append(mlp_out[self.rows, self._ends])  # (R, d)
+        self._hidden_last.append(hidden[self.rows, self._ends])  # (R, d)
         for row, length in zip(self.rows, self.lengths):
             if row in self._hidden_all:
-                self._hidden_all[row].append(hidden[row, -length:])  # (L, d): every real position
+                self._hidden_all[row].append(hidden[row, :length])  # (L, d): every real position
         self.clock.mark()  # block end
 
     # After the answers went out: reduce on the device, all blocks at once ---------------------------
@@ -141,7 +142,7 @@ class LayerProbe(ShapeRecorder):
             previous = probs.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=-1)  # (n_layer, H): mean p[i, i-1]
         else:
             previous = torch.zeros_like(entropy)
-        top_token_id = self.input_ids[self.rows[r], -length:][top_position]  # (n_layer, H)
+        top_token_id = self.input_ids[self.rows[r], :length][top_position]  # (n_layer, H)
         return torch.stack([entropy, max_weight, top_position.float(), top_token_id.float(), last[..., 0],
                             previous], dim=1)  # (n_layer, 6, H)
 

@@ -87,7 +87,7 @@ def traced_walkthrough(recorder: ShapeRecorder, model: Any) -> list[ShapeStep]:
     merged = [s["weighted_v"][0], s["weighted_v"][2], s["weighted_v"][1] * s["weighted_v"][3]]
     tied = "tied: the token embedding, transposed" if config.tie_lm_head else "untied"
     steps = [
-        data_step("input", "token ids", [B, T], "left-padded to the batch's longest prompt"),
+        data_step("input", "token ids", [B, T], "each prompt a row, padded to the batch's longest"),
         weight_step("input", "token embedding", wte, "wte: one row per vocabulary entry"),
         weight_step("input", "position embedding", list(model.wpe.weight.shape), "wpe: one row per position"),
         data_step("input", "token + position embeddings", s["embedded"]),

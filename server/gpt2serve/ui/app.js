@@ -115,7 +115,7 @@ function renderWalk(r) {
   const vocab = byName.logits[byName.logits.length - 1], [batch, length] = byName["token ids"];
   $("seeds-note").textContent = `Where this differs from the seeds' pictures: GPT-2's vocabulary is ${vocab.toLocaleString("en")} tokens, ` +
     `not 50,000, so the embedding is [${vocab}, ${byName["token embedding"][1]}] and the logits end in ${vocab}; and nothing is padded ` +
-    `to 1024: this forward ran at ${length} positions (the prompt's own length; a batch is left-padded only to its longest prompt). ` +
+    `to 1024: this forward ran at ${length} positions (the prompt's own length; a batch pads each prompt only to its longest). ` +
     `Only the last row goes through the final norm and the LM head, so the logits are [${batch}, ${vocab}], not ` +
     `[${batch}, ${length}, ${vocab}] as in the seeds' batch example: a server never needs the other positions' predictions. ` +
     (batch > 1 ? `It shared its forward with ${batch - 1} other prompt(s): the first dimension is the batch.` : "The first dimension is the batch: 1 here.");
