@@ -9,7 +9,7 @@ ratio of server B to server A in each round. Server A runs with the default flag
 
     .venv/bin/python bench/serving/mixed_lengths.py [--model random:gpt2] [--clients 64]
         [--short 5] [--long 200] [--long-share 0.1] [--seconds 15] [--rounds 3]
-        [--flags-b "--fixed-cost-tokens 4096"] [--quantize none]
+        [--flags-b "--fixed-cost-tokens 4096"] [--quantize none] [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ async def load(target: str, clients: int, work: list[list[int]], seconds: float)
 
 
 def one_round(model: str, extra: list[str], args: argparse.Namespace, work: list[list[int]]) -> dict:
-    proc, target, _ = launch(model, None, "--device", "cpu", "--quantize", args.quantize, *extra)
+    proc, target, _ = launch(model, None, "--device", args.device, "--dtype", args.dtype, "--quantize", args.quantize,
+                             *extra)
     try:
         asyncio.run(load(target, args.clients, work[:64], 2.0))  # warm: first-call allocations
         return asyncio.run(load(target, args.clients, work, args.seconds))
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantize", default="none")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--flags-b", default="--fixed-cost-tokens 4096", help="server B's extra flags")
     args = parser.parse_args()
     work = prompt_mix(512, args.short, args.long, args.long_share, seed=1)
