@@ -290,8 +290,8 @@ class Engine:
               started_ns: int) -> BatchOutput:
         """Each prompt a row of one forward (engine.step_forward): with the prefix cache (`plans`),
         its tokens after its cached blocks, attending over those blocks (shared layout or rows),
-        its new full blocks kept. Rows pad only attention: on a CPU as fast as left padding for
-        prompts of one length, and 1.5-1.8x for mixed lengths (docs/benchmarks.md)."""
+        its new full blocks kept. Rows pad only attention, so a batch of mixed lengths costs
+        little more than its real tokens (docs/benchmarks.md, "Next-token batches as prompt rows")."""
         rows = [PromptRow.planned(plan) for plan in plans] if plans is not None else [PromptRow(a.prompt) for a in asks]
         for pack in (True, False) if plans is not None else (False,):
             hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans or (), pack=pack)  # (1, N, C)
@@ -363,8 +363,7 @@ class Engine:
 
     def unembed(self, rows: torch.Tensor) -> torch.Tensor:
         """lm_head over (N, d_model) rows -> (N, vocab). On a CPU it has no cliff at a few rows
-        any more (engine.gpt2.Linear): 8-15 ms at 2-8 rows for GPT-2 small on our 2-core AVX2
-        machine, where F.linear took 39-46 ms (and 15 ms for one row)."""
+        (engine.gpt2.Linear), which a decode step's and a small batch's few rows would fall into."""
         return self.model.lm_head(rows)
 
 

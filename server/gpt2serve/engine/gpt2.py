@@ -91,9 +91,9 @@ class LayerNorm(ShapesOnMeta, nn.LayerNorm):
 
 class Linear(ShapesOnMeta, nn.Linear):
     """nn.Linear, computed on a CPU as W @ x.T (transposed back, a view): the same dot products,
-    but MKL's GEMM in that orientation has no cliff at a few rows. A decode step's 4 or 16 rows
-    took 1.5-2.3x longer through F.linear (GPT-2 small's matrices, 2-core AVX2 machine; from 64
-    rows up the two are within a few percent; `bench/engine/linear_kernels.py`)."""
+    but MKL's GEMM in that orientation has no cliff at a few rows, where a decode step's rows
+    are; from tens of rows up the two cost the same (docs/benchmarks-history.md, "CPU kernels
+    for a decode step")."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":

@@ -68,10 +68,6 @@ class KVCache:
         """Keys and values of one position, every layer."""
         return 2 * config.n_layer * config.d_model * torch.finfo(dtype).bits // 8
 
-    @property
-    def allocated_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
-
     def reserve(self, sequences: int, length: int) -> None:
         """Room for `sequences` slots of `length` positions (growing: up to a power of two,
         within the capacity, which admission keeps the exact size within)."""

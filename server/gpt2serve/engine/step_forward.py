@@ -198,9 +198,9 @@ class BlockWriter:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (B, nh, T, hs) of this forward's tokens -> their full new blocks into the pool,
-        gathered a token's (nh, hs) at a time. This copy is about 3% of a 16 x 64-token forward
-        on a 2-core CPU (bench/engine/prefix_cache.py), which is why the doorkeeper keeps blocks only
-        of prefixes seen before (engine.prefix_cache)."""
+        gathered a token's (nh, hs) at a time. The copy costs a few percent of a forward
+        (bench/engine/prefix_cache.py), which is why the doorkeeper keeps blocks only of prefixes
+        seen before (engine.prefix_cache)."""
         if self.empty:
             return
         B, nh, T, hs = k.shape
