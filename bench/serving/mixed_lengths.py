@@ -1,11 +1,12 @@
 """Served next-token prompts of mixed lengths: two servers, one at a time, rounds alternating.
 
-Each of `--clients` gRPC clients (AsyncClient, one process) sends one prompt at a time for
-`--seconds`: `--long-share` of them `--long` tokens, the rest `--short`. Reported per server:
-prompts per second, prompt tokens per second, and the mean batch the server formed; and the
-ratio of server B to server A in each round. Server A runs with the default flags, server B with
-`--flags-b` added (e.g. `--fixed-cost-tokens 4096`: the scheduler's length grouping
-(scheduling.grouping) then never splits a batch to save padding).
+Each of `--clients` gRPC clients (the project's load generator, gpt2serve.benchmarks.serving_load,
+in one process) sends one prompt at a time for `--seconds` after a 2 s warm-up: `--long-share`
+of them `--long` tokens, the rest `--short`. Reported per server: prompts per second, latency
+p50 / p90, and the mean batch a forward; and the ratio of server B to server A in each round.
+Server A runs with the default flags, server B with `--flags-b` added (e.g.
+`--fixed-cost-tokens 4096`: the scheduler's length grouping (scheduling.grouping) then never
+splits a batch to save padding).
 
     .venv/bin/python bench/serving/mixed_lengths.py [--model random:gpt2] [--clients 64]
         [--short 5] [--long 200] [--long-share 0.1] [--seconds 15] [--rounds 3]
@@ -15,17 +16,15 @@ ratio of server B to server A in each round. Server A runs with the default flag
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
 import shlex
 import signal
 import sys
-import time
 from pathlib import Path
 
-from gpt2serve_client import AsyncClient
+from gpt2serve.benchmarks.serving_load import load_in_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: local_server
 from local_server import launch  # noqa: E402
@@ -38,35 +37,16 @@ def prompt_mix(count: int, short: int, long: int, long_share: float, seed: int) 
             for _ in range(count)]
 
 
-async def load(target: str, clients: int, work: list[list[int]], seconds: float) -> dict:
-    answered, tokens, batches = 0, 0, []
-    deadline = time.monotonic() + seconds
-
-    async def client(index: int) -> None:
-        nonlocal answered, tokens
-        async with AsyncClient(target, timeout=120) as c:
-            i = index * 7
-            while time.monotonic() < deadline:
-                prompt = work[i % len(work)]
-                result = await c.next_token(prompt, top_k=1)
-                answered += 1
-                tokens += len(prompt)
-                batches.append(result.batch_size)
-                i += 1
-
-    started = time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(clients)))
-    elapsed = time.perf_counter() - started
-    return {"prompts_per_s": answered / elapsed, "tokens_per_s": tokens / elapsed,
-            "mean_batch": sum(batches) / max(len(batches), 1)}
-
-
 def one_round(model: str, extra: list[str], args: argparse.Namespace, work: list[list[int]]) -> dict:
+    """One server's load (gpt2serve.benchmarks.serving_load's closed-loop gRPC clients, after a
+    warm-up): prompts a second, latency and the mean batch a forward; then the server stops."""
     proc, target, _ = launch(model, None, "--device", args.device, "--dtype", args.dtype, "--quantize", args.quantize,
                              *extra)
     try:
-        asyncio.run(load(target, args.clients, work[:64], 2.0))  # warm: first-call allocations
-        return asyncio.run(load(target, args.clients, work, args.seconds))
+        result = load_in_process("grpc", target, work, args.clients, args.seconds, 2.0).summary(
+            "grpc", args.clients, args.seconds)
+        return {"prompts_per_s": result.req_per_s, "p50_ms": result.p50_ms, "p90_ms": result.p90_ms,
+                "mean_batch": result.mean_batch_size, "errors": result.errors}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
