@@ -50,7 +50,7 @@ class Bench:
         if g.chunked and g.chunked.oldest.done + 2 * g.chunked.chunk_tokens >= len(self.long):
             g.remove({LONG_ID})
         if not g.chunked:
-            g.queue_chunked(NewSequence(LONG_ID, self.long, GREEDY, 0))
+            g.chunk_if_long(NewSequence(LONG_ID, self.long, GREEDY, 0))
 
     def joining(self) -> list[NewSequence]:
         """New generations with the riders' prompts; the last round's leave first."""

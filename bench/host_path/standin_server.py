@@ -42,7 +42,8 @@ from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine.head import read_top_k
 from gpt2serve.engine.padding import left_pad
-from gpt2serve.engine.steps import PromptLaunch
+from gpt2serve.engine.sampling import read_choices
+from gpt2serve.engine.steps import PackedAnswers, PromptLaunch, Running, StepLaunch
 from gpt2serve.launch import engine_host
 
 STEPS_FILE = Path(os.environ.get("STANDIN_STEPS", Path(__file__).with_name("h200_steps.json")))
@@ -93,7 +94,7 @@ def device_wait(seconds: float) -> None:
 
 
 class Moment:
-    """What finish_decode() reads of a cuda.Event: when it fires (a sleep until then), and the
+    """What finish() reads of a cuda.Event: when it fires (a sleep until then), and the
     time between two."""
 
     def __init__(self, at: float):
@@ -164,27 +165,17 @@ class StandinGenerator(generator_module.Generator):
     """The generator (scheduling.engine_api.GenerationEngine) on the stand-in device: no cache,
     steps of the device's time, decode steps launched and read back as on cuda."""
 
-    def prefill(self, sequences):
+    def launch(self, plan):
+        """A step queued on the stand-in device, read by the real finish(): a prefill of joining
+        sequences (the device's time waited here, as a prefill's answers are read at once), or a
+        decode step of every running one."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        if len(self.running) + len(sequences) > self.slots:
-            raise ValueError(f"{len(self.running) + len(sequences)} sequences for {self.slots} cache slots")
-        if any(s.prompt_logprobs is not None for s in sequences):
-            raise ValueError("the stand-in device does not score prompts")
-        left_pad([s.prompt for s in sequences], self.engine.pad_token_id)  # (3, B, T): staged
-        device_wait(NEXT_TOKEN.seconds(len(sequences)))
-        added = [generator_module.Running.of(s) for s in sequences]
-        for r in added:
-            r.rng.random()  # the draw choose() takes
-        tokens, failed = generator_module.read_choices(_chosen(added).tolist(), added)
-        self.running.extend(added)
-        return generator_module.StepOutput(tokens, "prefill", len(sequences), sum(len(s.prompt) for s in sequences),
-                                           time.perf_counter() - started, started_ns, time.time_ns(), failed,
-                                           {}, {s.seq_id: 0 for s in sequences})
-
-    def launch_decode(self, riders=(), chunk=False, joining=()):
-        """A decode step queued on the stand-in device; the real finish_decode() waits for it and
-        reads its answers."""
-        started, started_ns = time.perf_counter(), time.time_ns()
+        if plan.riders or plan.chunk or (plan.joining and plan.decode and self.running):
+            raise ValueError("the stand-in device takes no riders, as cuda graphs take none")
+        if plan.joining:
+            answers = self._prefilled(plan.joining)
+            return StepLaunch([], torch.zeros(0), None, None, 0, started, started_ns, time.perf_counter() - started,
+                              answers)
         rows = list(self.running)
         staged = torch.tensor([r.length for r in rows])  # (B,): the positions, staged as for a graph replay
         for r in rows:
@@ -193,8 +184,23 @@ class StandinGenerator(generator_module.Generator):
         for r in rows:
             r.length += 1
             r.unread += 1
-        return generator_module.DecodeLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started,
-                                             started_ns, time.perf_counter() - started)
+        return StepLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started, started_ns,
+                          time.perf_counter() - started)
+
+    def _prefilled(self, sequences):
+        if len(self.running) + len(sequences) > self.slots:
+            raise ValueError(f"{len(self.running) + len(sequences)} sequences for {self.slots} cache slots")
+        if any(s.prompt_logprobs is not None for s in sequences):
+            raise ValueError("the stand-in device does not score prompts")
+        left_pad([s.prompt for s in sequences], self.engine.pad_token_id)  # (3, B, T): staged
+        device_wait(NEXT_TOKEN.seconds(len(sequences)))
+        added = [Running.of(s) for s in sequences]
+        for r in added:
+            r.rng.random()  # the draw choose() takes
+        tokens, failed = read_choices(_chosen(added).tolist(), added)
+        self.running.extend(added)
+        return PackedAnswers(prompt_tokens=sum(len(s.prompt) for s in sequences), prompt_rows=len(sequences),
+                             first_tokens=tokens, first_failed=failed, cached_tokens={s.seq_id: 0 for s in sequences})
 
     def remove(self, seq_ids):
         self.running = [r for r in self.running if r.seq_id not in seq_ids]  # slots compact; no cache to move

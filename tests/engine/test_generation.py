@@ -60,21 +60,17 @@ def test_sixteen_sequences_joining_midway_match_transformers_alone(saved, graphs
     hf, engine = saved
     generator = Generator(engine, slots=6, graphs=graphs)
     running_at_prefill = []
-    prefill = generator.prefill
-
-    def counting_prefill(sequences):
-        running_at_prefill.append(len(generator.running))
-        return prefill(sequences)
-
-    generator.prefill = counting_prefill
     joined = []  # prompts read in a running batch's decode step (engine.step_forward)
-    launch = generator.launch_decode
+    launch = generator.launch
 
-    def counting_launch(riders=(), chunk=False, joining=()):
-        joined.append(len(joining))
-        return launch(riders, chunk, joining)
+    def counting_launch(plan):
+        if plan.decode:
+            joined.append(len(plan.joining))
+        else:  # a prefill of its own
+            running_at_prefill.append(len(generator.running))
+        return launch(plan)
 
-    generator.launch_decode = counting_launch
+    generator.launch = counting_launch
     lengths = [6 + 5 * (i % 4) for i in range(16)]
     requests = [(0.004 * i, GenerateRequest(p, GREEDY, n)) for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
     got = asyncio.run(run_joining(generator, requests, overlap))
@@ -151,15 +147,15 @@ def test_the_cache_grows_with_the_tokens_held_and_gives_them_back(saved):
     hf, engine = saved
     generator = Generator(engine, slots=8)
     shapes = []  # (running, slots allocated, positions allocated) after each decode step
-    launch = generator.launch_decode
+    launch = generator.launch
 
-    def recording_launch(*args):
-        output = launch(*args)
+    def recording_launch(plan):
+        output = launch(plan)
         shapes.append((len(generator.running), generator.cache.slots, generator.cache.length,
                        max(r.length for r in generator.running)))
         return output
 
-    generator.launch_decode = recording_launch
+    generator.launch = recording_launch
     requests = [(0.0, GenerateRequest(PROMPTS[0], GREEDY, 150)), (0.0, GenerateRequest(PROMPTS[15], GREEDY, 100))]
     requests += [(0.02 * i, GenerateRequest(PROMPTS[i], GREEDY, 8)) for i in range(1, 7)]
     got = asyncio.run(run_joining(generator, requests))
@@ -180,14 +176,14 @@ def test_admission_counts_the_cache_blocks_each_sequence_may_grow_to(saved):
     hf, engine = saved
     generator = Generator(engine, slots=4, capacity_blocks=4)
     most_running = []
-    prefill = generator.prefill
+    launch = generator.launch
 
-    def counting_prefill(sequences):
-        output = prefill(sequences)
+    def counting_launch(plan):
+        output = launch(plan)
         most_running.append(len(generator.running))
         return output
 
-    generator.prefill = counting_prefill
+    generator.launch = counting_launch
     requests = [(0.0, GenerateRequest(PROMPTS[i], GREEDY, 70)) for i in range(1, 5)]  # <= 128 positions each
     got = asyncio.run(run_joining(generator, requests))
     for (_, request), tokens in zip(requests, got):

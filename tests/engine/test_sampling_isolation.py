@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from support.generation import GREEDY, LIVELY, PROMPTS, generation_core, run_joining
 
 from gpt2serve.engine.engine import Engine
-from gpt2serve.engine.steps import plain_asks
+from gpt2serve.engine.steps import StepPlan, plain_asks
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine import native, sampling
@@ -292,7 +292,7 @@ def test_a_sequence_that_leaves_with_a_step_unread_leaves_no_nan_in_its_slot(eng
     with torch.inference_mode():
         generator.last_ids[0] = NAN_TOKEN  # as if sampled: fed at the next step
     with embeds_as_nan(engine.model, NAN_TOKEN):
-        generator.launch_decode()  # writes NaN keys at position 10; never read
+        generator.launch(StepPlan())  # writes NaN keys at position 10; never read
     generator.remove({9})
     assert greedy_tokens(generator, 0, good, 6) == alone
 

@@ -52,7 +52,7 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
     generator = Generator(engine, slots=4, chunk_tokens=16)
     decoding = {0: PROMPTS[3], 1: PROMPTS[6]}
     prefilled = generator.prefill([NewSequence(i, p, GREEDY, i) for i, p in decoding.items()])
-    generator.queue_chunked(NewSequence(2, LONG, GREEDY, 2))
+    generator.chunk_if_long(NewSequence(2, LONG, GREEDY, 2))
     cached_prompt, plain_prompt, joining = SHARED + [40, 41, 42], PROMPTS[2], SHARED + [50, 51]
 
     forwards = []
@@ -106,7 +106,7 @@ def test_a_chunk_read_in_a_step_of_its_own_joins_after_the_running_sequences(tmp
     decoding = {0: PROMPTS[3], 1: PROMPTS[6]}
     tokens = {i: [t.token_id] for i, t in generator.prefill([NewSequence(i, p, GREEDY, i)
                                                              for i, p in decoding.items()]).tokens.items()}
-    generator.queue_chunked(NewSequence(2, LONG, GREEDY, 2))
+    generator.chunk_if_long(NewSequence(2, LONG, GREEDY, 2))
     while generator.next_chunked is not None:
         step = generator.prefill_chunk()
         assert set(step.tokens) <= {2}

@@ -28,7 +28,7 @@ from support.reference import assert_layer_matches, reference_layers, reference_
 from support.reference import report_as_dict
 
 from gpt2serve.engine.engine import Engine, EngineOptions
-from gpt2serve.engine.steps import plain_asks
+from gpt2serve.engine.steps import StepPlan, plain_asks
 from support.asks import traced_asks
 from gpt2serve.engine.loading import LoadedModel, build_random_model
 from gpt2serve.engine.model_info import parameter_breakdown
@@ -285,13 +285,13 @@ def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
              SamplingParams(temperature=0.8, top_k=40, frequency_penalty=0.5, presence_penalty=0.3),
              SamplingParams(temperature=0.9, top_p=0.9, min_p=0.05), SamplingParams(temperature=1.0, logprobs=3)]
     generator.prefill([NewSequence(i, p, modes[i % 4], i) for i, p in enumerate(make_prompts(8, 5))])
-    generator.finish_decode(generator.launch_decode())  # its bucket's graph is captured here
+    generator.finish(generator.launch(StepPlan()))  # its bucket's graph is captured here
     torch.cuda.set_sync_debug_mode("error")
     try:
-        launched = [generator.launch_decode(), generator.launch_decode()]  # two in flight, as the core has them
+        launched = [generator.launch(StepPlan()), generator.launch(StepPlan())]  # two in flight, as the core has them
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    steps = [generator.finish_decode(launch) for launch in launched]
+    steps = [generator.finish(launch) for launch in launched]
     assert all(len(step.tokens) == 8 and not step.failed for step in steps)
 
 

@@ -91,11 +91,11 @@ def test_each_decode_step_is_launched_before_the_last_one_is_read_where_the_core
     hf, engine = saved
     generator = Generator(engine, slots=4)
     unread, most_unread, launches = [0], [0], [0]
-    launch, finish = generator.launch_decode, generator.finish_decode
+    launch, finish = generator.launch, generator.finish
 
-    def counting_launch(*args):
-        step = launch(*args)
-        launches[0] += 1
+    def counting_launch(plan):
+        step = launch(plan)
+        launches[0] += plan.decode  # a prefill's plan has no decode rows
         unread[0] += 1
         most_unread[0] = max(most_unread[0], unread[0])
         return step
@@ -104,7 +104,7 @@ def test_each_decode_step_is_launched_before_the_last_one_is_read_where_the_core
         unread[0] -= 1
         return finish(step)
 
-    generator.launch_decode, generator.finish_decode = counting_launch, counting_finish
+    generator.launch, generator.finish = counting_launch, counting_finish
 
     async def main():
         core = generation_core(generator, overlap=overlap)
@@ -217,10 +217,12 @@ def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_ge
 
     running_ids: list[list[int]] = []
 
-    def prefill(sequences):
-        calls.append(len(sequences))
+    def launch(plan):
+        if plan.decode:
+            return real_launch(plan)
+        calls.append(len(plan.joining))  # a prefill
         try:
-            return real_prefill(sequences)
+            return real_launch(plan)
         finally:
             running_ids.append([r.seq_id for r in generator.running])
 
@@ -230,8 +232,8 @@ def test_a_prefill_out_of_device_memory_runs_again_as_halves_and_every_stream_ge
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         return output
 
-    real_prefill = generator.prefill
-    generator.prefill, generator._read_rows = prefill, part
+    real_launch = generator.launch
+    generator.launch, generator._read_rows = launch, part
     wanted = (3, 5, 7, 9)
 
     async def main():

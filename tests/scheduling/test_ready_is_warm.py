@@ -51,7 +51,7 @@ def test_forwards_run_on_the_thread_that_warmed_up_before_the_caches_claimed_mem
     recording(Generator, "allocate", "KV cache")
     recording(Engine, "attach_prefix_cache", "prefix cache")
     recording(Engine, "next_token", "forward")
-    recording(Generator, "launch_decode", "forward")
+    recording(Generator, "launch", "forward")
 
     async def main():
         host = EngineHost(ServeConfig(model="random:tiny", device="cpu", prefix_cache_mb=8), Telemetry())

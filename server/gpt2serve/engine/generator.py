@@ -1,7 +1,7 @@
 """Token-by-token generation over a KV cache: the engine side of continuous batching.
 
-The scheduler (scheduling.scheduler) decides who runs; this module runs them, in the engine
-thread, in two kinds of step:
+The scheduler (scheduling.scheduler) decides who runs; this module runs each step's plan
+(engine.steps.StepPlan), in the engine thread, as one of two kinds of step:
 - prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
   fills their slots and gives each its first token; blocks found in the prefix cache are copied
   into the slot, not computed (engine.step_forward); out of memory, it leaves no row behind.
@@ -15,8 +15,8 @@ shrinks with what they hold (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
 sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
-them, so a step can be launched before the host has read the last one's answers (`launch_decode`,
-then `finish_decode`: the core overlaps the two on cuda). On cuda a launch copies nothing
+them, so a step can be launched before the host has read the last one's answers (`launch`,
+then `finish`: the core overlaps the two on cuda). On cuda a launch copies nothing
 synchronously. Each row's own controls and grammar: engine.logits_controls."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from .prefix_cache import PrefixCache, RowPlan
 from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
-from .steps import Ask, DecodeLaunch, NewSequence, PackedAnswers, PromptAsk, Running, StepOutput
+from .steps import Ask, NewSequence, PackedAnswers, PromptAsk, Running, StepLaunch, StepOutput, StepPlan
 
 
 class Generator:
@@ -129,12 +129,33 @@ class Generator:
             self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
         self.chunked.drop(seq_ids)
 
+    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:
+        """Prompts into the next free slots, and each one's first token, in a step of their own."""
+        return self.finish(self.launch(StepPlan(decode=False, joining=sequences)))
+
+    def decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
+               ) -> StepOutput:
+        """One token for every running sequence, and from the same forward each rider's top-k,
+        the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
+        return self.finish(self.launch(StepPlan(riders=riders, joining=joining, chunk=chunk)))
+
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:
-        """Prompts into slots n..n+k-1, and each one's first token."""
+    def launch(self, plan: StepPlan) -> StepLaunch:
+        """Queue one step of `plan`'s rows. Its decode rows' last tokens come from last_ids, their
+        sampled ones go back there, and their answers to the host by a copy that finish() waits
+        for: on cuda nothing here waits for the device unless a prompt rides the step. Joining
+        sequences alone are a prefill, answered here: in parts of at most `forward_tokens` on a
+        CPU, from a graph on cuda where it holds them; out of memory, it leaves no row behind."""
         started, started_ns = time.perf_counter(), time.time_ns()
-        self.allocate()
+        self.allocate()  # it may be the first step of all
+        if plan.joining and not (plan.riders or plan.chunk or (plan.decode and self.running)):
+            answers = self._prefill(plan.joining)
+            return StepLaunch([], torch.zeros(0), None, None, 0, started, started_ns, time.perf_counter() - started,
+                              answers)
+        return self._launch_step(plan, started, started_ns)
+
+    def _prefill(self, sequences: Sequence[NewSequence]) -> PackedAnswers:
         first = len(self.running)
         if first + len(sequences) > self.slots:
             raise ValueError(f"{first + len(sequences)} sequences for {self.slots} cache slots")
@@ -152,17 +173,13 @@ class Generator:
 
         pool = self.engine.prefix_cache
         try:
-            if pool is None:
-                answers = forward([RowPlan(p, []) for p in prompts])
-            else:
-                answers = pool.run(prompts, forward, lambda out: out.failed_plans)
+            answers = forward([RowPlan(p, []) for p in prompts]) if pool is None else pool.run(
+                prompts, forward, lambda out: out.failed_plans)
         except torch.cuda.OutOfMemoryError:
             del self.running[first:]  # all or none: parts that fit leave too (the core splits it)
             raise
-        computed = answers.prompt_tokens
-        return StepOutput(answers.first_tokens, "prefill", len(sequences), computed, time.perf_counter() - started,
-                          started_ns, time.time_ns(), answers.first_failed, answers.prompt_scores,
-                          answers.cached_tokens, computed)
+        answers.prompt_rows = len(sequences)
+        return answers
 
     def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
                          first: int) -> PackedAnswers | None:
@@ -186,24 +203,22 @@ class Generator:
         return PackedAnswers(first_tokens=tokens, first_failed=failed, cached_tokens={s.seq_id: 0 for s in sequences},
                              prompt_tokens=sum(map(len, prompts)))
 
-    def reads_in_chunks(self, sequence: NewSequence) -> bool:
-        """Read in chunks (engine.chunked_prefill): more uncached tokens than a chunk, no scores."""
-        return self.chunked.reads_in_chunks(sequence, self.engine.prefix_cache)
-
-    def queue_chunked(self, sequence: NewSequence) -> None:
-        """A long prompt joins the queue read in chunks, one chunk a step (prefill_chunk)."""
+    def chunk_if_long(self, sequence: NewSequence) -> bool:
+        """Queue a long prompt to be read in chunks (engine.chunked_prefill), one chunk a step
+        (StepPlan.chunk): more uncached tokens than a chunk, no scores. Whether it was queued."""
+        if not self.chunked.reads_in_chunks(sequence, self.engine.prefix_cache):
+            return False
         self.chunked.add(sequence)
+        return True
 
     @property
     def next_chunked(self) -> int | None:
-        """The sequence whose chunk prefill_chunk reads next (the oldest queued), or None."""
+        """The sequence whose chunk StepPlan.chunk reads next (the oldest queued), or None."""
         return self.chunked.oldest.sequence.seq_id if self.chunked else None
 
     def prefill_chunk(self) -> StepOutput:
-        """The next chunk of the oldest prompt read in chunks (queued in `chunked`), in a forward
-        of its own; a decode step takes it along instead where it can (launch_decode)."""
-        self.allocate()  # it may be the first step of all
-        return self.finish_decode(self.launch_decode(chunk=True, decode=False))
+        """The next chunk of the oldest prompt read in chunks, in a step of its own."""
+        return self.finish(self.launch(StepPlan(decode=False, chunk=True)))
 
     @property
     def takes_riders(self) -> bool:
@@ -212,27 +227,14 @@ class Generator:
         graphed = self.graphs is not None or self.prefill_graphs is not None
         return not graphed and not (self.use_graphs and self.engine.device.type == "cuda")
 
-    def decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
-               ) -> StepOutput:
-        """One token for every running sequence, and from the same forward (engine.step_forward) each
-        rider's top-k, the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
-        return self.finish_decode(self.launch_decode(riders, chunk, joining))
-
     @property
     def overlaps(self) -> bool:
         """Whether a launched step runs on while the host goes on (a device with its own queue)."""
         return self.engine.device.type == "cuda"
 
-    @oom_as_out_of_memory
-    @torch.inference_mode()
-    def launch_decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = (),
-                      decode: bool = True) -> DecodeLaunch:
-        """Queue a decode step of every running sequence (see decode(); `decode` False: none of
-        them, only the rest): each one's last token comes from last_ids, its sampled one goes back
-        there, and its answers to the host by a copy that finish_decode() waits for. On cuda
-        nothing here waits for the device (with riders, a chunk or joining prompts it does)."""
-        started, started_ns = time.perf_counter(), time.time_ns()
-        rows, device = list(self.running) if decode else [], self.engine.device
+    def _launch_step(self, plan: StepPlan, started: float, started_ns: int) -> StepLaunch:
+        riders, chunk, joining = plan.riders, plan.chunk, plan.joining
+        rows, device = list(self.running) if plan.decode else [], self.engine.device
         B = len(rows)
         lengths = [r.length for r in rows]
         needed = max(lengths, default=0) + 1  # positions, with the new token's
@@ -259,10 +261,10 @@ class Generator:
         for r in rows:
             r.length += 1
             r.unread += 1
-        return DecodeLaunch(rows, chosen, done, device_started, B + sum(len(r.prompt) for r in riders), started, started_ns,
-                            time.perf_counter() - started, packed)
+        return StepLaunch(rows, chosen, done, device_started, B + sum(len(r.prompt) for r in riders), started, started_ns,
+                          time.perf_counter() - started, packed)
 
-    def finish_decode(self, step: DecodeLaunch) -> StepOutput:
+    def finish(self, step: StepLaunch) -> StepOutput:
         """Wait for a launched step's answers (cuda; on a CPU they are there) and read them."""
         forward_s = step.forward_s
         if step.done is not None:

@@ -20,7 +20,7 @@ API reports them.
 
 On cuda, choose() never waits for the device: the rows' settings and draws reach it through
 pinned memory (to_device), and nothing is read back, so the engine core can queue the next decode
-step while this one runs (engine.generator.launch_decode).
+step while this one runs (engine.generator.Generator.launch).
 """
 
 from __future__ import annotations

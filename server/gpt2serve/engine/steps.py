@@ -1,5 +1,5 @@
-"""What the engine's steps take and give: a new sequence, a running one, a step's output, a
-decode step on its way (engine.generator runs them), and a next-token batch on its way."""
+"""What the engine's steps take and give: a step's plan, a new sequence, a running one, a step
+on its way and its output (engine.generator runs them), and a next-token batch on its way."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class NewSequence:
 
 class PromptAsk(Protocol):
     """A next-token prompt and what it wants back, whether it runs in a batch of its own
-    (Engine.next_token) or rides a decode step (Generator.launch_decode): its top `top_k` next
+    (Engine.next_token) or rides a generation step (Generator.launch): its top `top_k` next
     tokens; with `prompt_logprobs`, every position's log-probability with that many alternatives
     (engine.head); with a `trace` that wants layers, per-layer reports (introspection); with
     `controls`, a traced generation step's top tokens after them too. scheduling's EngineRequest
@@ -51,6 +51,26 @@ def plain_asks(prompts: Sequence[Sequence[int]], top_ks: Sequence[int] | int = 1
     """Plain asks: each prompt's top-k (one k for all, or one each)."""
     ks = [top_ks] * len(prompts) if isinstance(top_ks, int) else top_ks
     return [Ask(p, k) for p, k in zip(prompts, ks)]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The rows of one generation step (Generator.launch), all of them in one forward:
+    `decode`, one row of one position for every running sequence; `riders`, next-token prompts
+    that keep no slot (their top-k, their scores); `joining`, new sequences whose prompts go into
+    slots, each with its first token; `chunk`, the next chunk of the oldest prompt read in chunks
+    (engine.chunked_prefill). Prompts start after what the prefix cache holds of them. A plan
+    of joining sequences alone is a prefill, which on cuda may replay a graph (engine.cuda_graphs)."""
+
+    decode: bool = True
+    riders: Sequence[PromptAsk] = ()
+    joining: Sequence[NewSequence] = ()
+    chunk: bool = False
+
+    @property
+    def decode_only(self) -> bool:
+        """No prompt rides: a step that may be read a step late (the overlap)."""
+        return not (self.riders or self.joining or self.chunk)
 
 
 @dataclass(frozen=True)
@@ -134,8 +154,9 @@ class PackedAnswers:
 
 
 @dataclass
-class DecodeLaunch:
-    """A decode step on its way: its answers are in `chosen` once `done` has fired."""
+class StepLaunch:
+    """A step on its way: its decode rows' answers are in `chosen` once `done` has fired (a
+    prefill's are in `packed` already)."""
 
     rows: list[Running]
     chosen: torch.Tensor  # (B, 3 + 2n) fp32 on the host (pinned on cuda): choose()'s answers
@@ -145,7 +166,7 @@ class DecodeLaunch:
     started: float
     started_ns: int
     forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
-    packed: PackedAnswers | None = None  # riders or a chunk rode it
+    packed: PackedAnswers | None = None  # its prompt rows' answers (riders, joining, a chunk)
 
 
 @dataclass(slots=True)

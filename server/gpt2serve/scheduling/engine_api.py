@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from ..engine.engine import BatchOutput
-from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
-from ..engine.steps import PromptAsk, PromptLaunch
+from ..engine.steps import NewSequence, PromptAsk, PromptLaunch, StepLaunch, StepOutput, StepPlan
 
 
 class PromptEngine(Protocol):
@@ -29,7 +28,8 @@ class PromptEngine(Protocol):
 
 class GenerationEngine(Protocol):
     """What the core needs of engine.generator.Generator: all of it (tests/scheduling/test_engine_api.py
-    checks that the core and its runner use nothing else)."""
+    checks that the core and its runner use nothing else). A step is a plan (engine.steps.StepPlan)
+    launched, then read: decode rows, next-token prompts riding along, joining prompts, a chunk."""
 
     slots: int
     capacity_blocks: int
@@ -37,28 +37,19 @@ class GenerationEngine(Protocol):
     running: Sequence  # the sequences holding slots
 
     @property
-    def overlaps(self) -> bool: ...  # a decode step may be launched before the last one is read
+    def overlaps(self) -> bool: ...  # a step may be launched before the last one is read
+
+    @property
+    def takes_riders(self) -> bool: ...  # prompts may share decode rows' forward (not where steps are CUDA graphs)
 
     def remove(self, seq_ids) -> None: ...
 
-    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput: ...
-
-    # Long prompts, read one chunk a step (engine.chunked_prefill).
-    def reads_in_chunks(self, sequence: NewSequence) -> bool: ...
-
-    def queue_chunked(self, sequence: NewSequence) -> None: ...
+    # Long prompts, read one chunk a step (engine.chunked_prefill): queued here, not joining.
+    def chunk_if_long(self, sequence: NewSequence) -> bool: ...
 
     @property
-    def next_chunked(self) -> int | None: ...  # the sequence prefill_chunk reads next
+    def next_chunked(self) -> int | None: ...  # the sequence StepPlan.chunk reads next
 
-    def prefill_chunk(self) -> StepOutput: ...
+    def launch(self, plan: StepPlan) -> StepLaunch: ...
 
-    # A decode step, launched and then read; next-token prompts, the next chunk and admitted
-    # prompts may ride it (engine.step_forward), where decode steps are not CUDA graphs.
-    @property
-    def takes_riders(self) -> bool: ...
-
-    def launch_decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False,
-                      joining: Sequence[NewSequence] = ()) -> DecodeLaunch: ...
-
-    def finish_decode(self, launch: DecodeLaunch) -> StepOutput: ...
+    def finish(self, launch: StepLaunch) -> StepOutput: ...

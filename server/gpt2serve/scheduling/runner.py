@@ -32,8 +32,7 @@ from dataclasses import astuple, dataclass
 from typing import Callable
 
 from ..engine.engine import BatchOutput, OutOfMemory
-from ..engine.steps import PromptLaunch
-from ..engine.generator import DecodeLaunch, NewSequence, StepOutput
+from ..engine.steps import NewSequence, PromptLaunch, StepLaunch, StepOutput, StepPlan
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Outputs
@@ -80,7 +79,7 @@ class StepRunner:
         self.outputs, self._post = outputs, post
         self.overlap, self.rider_tokens, self.eos_token_id = overlap, rider_tokens, eos_token_id
         self._prompts_started, self._wake = prompts_started, wake
-        self.in_flight: tuple[DecodeLaunch, list[EngineRequest]] | None = None  # launched, not yet read
+        self.in_flight: tuple[StepLaunch, list[EngineRequest]] | None = None  # launched, not yet read
         # a next-token batch launched, not yet read: (launch, its requests, started, started_ns)
         self.prompts_in_flight: tuple[PromptLaunch, list[EngineRequest], float, int] | None = None
         self.prompts_running = 0  # next-token prompts in the forward under way
@@ -93,9 +92,7 @@ class StepRunner:
             self.finish_prompts_in_flight()
         if step.leaving and self.generator is not None:
             self.generator.remove({r.request_id for r in step.leaving})
-        joining = []  # admitted prompts read in the decode step's forward
-        if step.admitted:
-            joining = self._prefill_step(step.admitted, step.decode)
+        joining = self._prefill_step(step.admitted, step.decode) if step.admitted else []
         budget = self.rider_tokens - sum(len(r.prompt) for r, _ in joining)  # one budget for both
         riders, prompts = self._riders(step.prompts, budget) if step.decode else ([], step.prompts)
         if prompts:
@@ -106,13 +103,11 @@ class StepRunner:
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
-            joining = [(r, s) for r, s in joining if r.state == "running" and not r.cancelled]  # no slot for a leaver
-            if members and self.generator.running:  # (a prompt still read in chunks has no slot yet)
-                rides = self.generator.takes_riders and self.generator.next_chunked is not None
-                self._decode_step(members, riders, rides, joining)
-                riders, chunk, joining = [], chunk and not rides, []
-        if joining:  # no decode step after all
-            self._prefill(joining)
+            joining = [s for r, s in joining if r.state == "running" and not r.cancelled]  # no slot for a leaver
+            rides = chunk and self.generator.takes_riders
+            if members and (self.generator.running or joining or rides):  # (a prompt read in chunks has no slot yet)
+                self._decode_step(members, StepPlan(riders=riders, joining=joining, chunk=rides))
+                riders, chunk = [], chunk and not rides
         if chunk:  # no decode step took it along
             self._chunk_step()
         if riders:  # nobody left to decode: they take their own forward
@@ -230,9 +225,9 @@ class StepRunner:
         rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
             sequence = NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
-            if self.generator.reads_in_chunks(sequence):
-                self.generator.queue_chunked(sequence)
-            elif rides and tokens + len(r.prompt) <= self.rider_tokens:
+            if self.generator.chunk_if_long(sequence):
+                continue
+            if rides and tokens + len(r.prompt) <= self.rider_tokens:
                 joining.append((r, sequence))
                 tokens += len(r.prompt)
             else:
@@ -254,42 +249,42 @@ class StepRunner:
                 if live:
                     self._prefill(live)
 
-        output = self._step("prefill", members, lambda: self.generator.prefill([s for _, s in whole]),
+        output = self._step("prefill", members, lambda: self._run(StepPlan(decode=False, joining=[s for _, s in whole])),
                             on_oom=split if len(whole) > 1 else None)
         if output is not None:
             self._took(output, members)
 
     def _chunk_step(self) -> None:
-        """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill): one a step,
-        so running generations take a token between chunks."""
+        """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill) in a step of
+        its own: one a step, so running generations take a token between chunks."""
         seq_id = self.generator.next_chunked
         request = self.scheduler.running.get(seq_id)
         if request is None:  # failed or left since: its job goes, as its removal would drop it
             self.generator.remove({seq_id})
             return
-        output = self._step("prefill", [request], self.generator.prefill_chunk)
+        output = self._step("prefill", [request], lambda: self._run(StepPlan(decode=False, chunk=True)))
         if output is not None:
             self._took(output, [request])
 
-    def _decode_step(self, members: list[EngineRequest], riders: list[EngineRequest], chunk: bool = False,
-                     joining: list[tuple[EngineRequest, NewSequence]] = ()) -> None:
+    def _run(self, plan: StepPlan) -> StepOutput:
+        return self.generator.finish(self.generator.launch(plan))
+
+    def _decode_step(self, members: list[EngineRequest], plan: StepPlan) -> None:
         """Launch this decode step, then read the one before it (with overlap, still running
         on the device while this one was prepared and queued behind it); without overlap, or
-        with riders, a chunk or joining prompts (answered at once), read this one too. `chunk`:
-        the next chunk of the oldest prompt read in chunks rides it (engine.step_forward), and
-        `joining`: admitted prompts, which take their first token from it."""
+        with prompts riding it (answered at once), read this one too."""
         if self.in_flight is not None and any(r.params.grammar for r in self.in_flight[1]):
             self.finish_in_flight()  # a grammar's next mask needs the token under way (engine.constraints)
+        riders = list(plan.riders)
         if riders:
             log.debug("batch: %d prompts riding a decode step of %d (%d queued)", len(riders), len(members),
                       len(self.scheduler.prompts))
             self._prompts_start(riders)
-        launch = self._step("decode", members, lambda: self.generator.launch_decode(
-            riders, chunk, [s for _, s in joining]), riders)
+        launch = self._step("decode", members, lambda: self.generator.launch(plan), riders)
         self.finish_in_flight()
         if launch is None:
             return
-        if self.overlap and not riders and not chunk and not joining:
+        if self.overlap and plan.decode_only:
             self.in_flight = (launch, members)
         else:
             self._finish_decode(launch, members, riders)
@@ -299,9 +294,9 @@ class StepRunner:
             (launch, members), self.in_flight = self.in_flight, None
             self._finish_decode(launch, members)
 
-    def _finish_decode(self, launch: DecodeLaunch, members: list[EngineRequest],
+    def _finish_decode(self, launch: StepLaunch, members: list[EngineRequest],
                        riders: list[EngineRequest] = ()) -> None:
-        output = self._step("decode", members, lambda: self.generator.finish_decode(launch), riders)
+        output = self._step("decode", members, lambda: self.generator.finish(launch), riders)
         if output is None:
             return
         if riders:
