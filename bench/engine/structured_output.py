@@ -1,6 +1,6 @@
 """Constrained generation against unconstrained, in one run: the engine in process (the
 generator the server runs), random:gpt2 on this machine's default device, the 10-field JSON
-schema of bench/engine/structured_libs.py against none, sampled at temperature 1, in alternating
+schema below against none, sampled at temperature 1, in alternating
 rounds. Each round: a prefill of `streams` sequences, then `--steps` decode steps timed (a
 constrained sequence whose document is complete goes on taking the end-of-text token its
 grammar allows, masked like any other step, so both sides time the same steps). Also the cold
@@ -14,18 +14,36 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from structured_libs import SCHEMA  # noqa: E402
+from gpt2serve.engine.grammar_check import grammar_for
+from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.loading import load_model
+from gpt2serve.protocol import SamplingParams
 
-from gpt2serve.engine.grammar_check import grammar_for  # noqa: E402
-from gpt2serve.engine.engine import Engine  # noqa: E402
-from gpt2serve.engine.generator import Generator, NewSequence  # noqa: E402
-from gpt2serve.engine.loading import load_model  # noqa: E402
-from gpt2serve.protocol import SamplingParams  # noqa: E402
+# Ten fields of every JSON Schema kind a form asks for (strings with patterns, bounded numbers,
+# enums, an array, a nested object, a nullable field): what docs/benchmarks.md's structured-output
+# figures were measured with.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.[a-z]{2,3}$"},
+        "score": {"type": "number", "minimum": 0, "maximum": 1},
+        "active": {"type": "boolean"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "nickname": {"type": ["string", "null"], "maxLength": 20},
+        "level": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["name", "age", "email", "score", "active", "role", "tags", "address", "nickname", "level"],
+    "additionalProperties": False,
+}
 
 
 def tokens_per_s(generator: Generator, streams: int, steps: int, params: SamplingParams) -> float:
