@@ -20,12 +20,10 @@ import torch
 
 IDS, POSITIONS, VALID = range(3)
 
-# On a CPU a batch runs in forwards of at most this many computed (padded) tokens: past about
-# 512, a forward's activations leave the cache. Eight 512-token prompts took 434 ms each in one
-# generation prefill and 356 ms each one at a time (int8 GPT-2 small, 2 cores, AMD EPYC,
-# 2026-11-25); next-token batches of 4,096 tokens ran 10-27% slower in one forward than in parts
-# of 512 (bench/engine/forward_parts.py). The schedulers cannot cap it: they see whole prompts, not
-# what the prefix cache spares of them.
+# On a CPU a batch runs in forwards of at most this many computed (padded) tokens: past it, a
+# forward's activations leave the cache, and one big forward was slower than its parts
+# (docs/benchmarks.md, "Next-token batches in parts on a CPU"). The schedulers cannot cap it:
+# they see whole prompts, not what the prefix cache spares of them.
 CPU_FORWARD_TOKENS = 512
 
 
