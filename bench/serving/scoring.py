@@ -98,14 +98,14 @@ def _scoring_peak(model: str, batch: int, chunked: bool, out) -> None:
     with torch.inference_mode():
         hidden = engine.model.hidden_states(padded[IDS], padded[POSITIONS], padded[VALID].bool())  # (B, T, C)
         spans = [ScoredSpan(row, 0, n_ctx, 5) for row in range(batch)]
-        score_prompts(hidden[:1, :64], padded[IDS][:1, :64], [ScoredSpan(0, 0, 64, 5)], engine.head, vocab)  # warm
+        score_prompts(hidden[:1, :64], padded[IDS][:1, :64], [ScoredSpan(0, 0, 64, 5)], engine.model.head, vocab)  # warm
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
         before = _rss_kib("VmRSS")
         if chunked:
-            score_prompts(hidden, padded[IDS], spans, engine.head, vocab)
+            score_prompts(hidden, padded[IDS], spans, engine.model.head, vocab)
         else:
-            logprobs = torch.log_softmax(engine.head(hidden[:, :-1]).float(), dim=-1)  # (B, T-1, V)
+            logprobs = torch.log_softmax(engine.model.head(hidden[:, :-1]).float(), dim=-1)  # (B, T-1, V)
             logprobs.gather(2, padded[IDS][:, 1:, None])
     out.put((_rss_kib("VmHWM") - before) / 1024)  # MiB
 

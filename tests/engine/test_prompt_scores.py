@@ -63,9 +63,9 @@ def test_the_head_in_small_chunks_gives_the_same_numbers(long_context):
     batch = left_pad(prompts, 0)
     hidden = engine.model.hidden_states(batch[IDS], batch[POSITIONS], batch[VALID].bool())
     spans = [ScoredSpan(0, 0, 40, 4), ScoredSpan(1, 40 - 17, 17, 2)]
-    whole = score_prompts(hidden, batch[IDS], spans, engine.head, 50257, chunk=10_000)
+    whole = score_prompts(hidden, batch[IDS], spans, engine.model.head, 50257, chunk=10_000)
     for chunk in (1, 7, 39):  # GEMMs of other row counts round differently: equal within 1e-5, not bitwise
-        for got, want in zip(score_prompts(hidden, batch[IDS], spans, engine.head, 50257, chunk=chunk), whole):
+        for got, want in zip(score_prompts(hidden, batch[IDS], spans, engine.model.head, 50257, chunk=chunk), whole):
             assert torch.allclose(torch.tensor(got.token_logprobs), torch.tensor(want.token_logprobs), atol=1e-5)
             assert torch.allclose(torch.tensor(got.top_logprobs), torch.tensor(want.top_logprobs), atol=1e-5)
             assert len(got) == len(want) and [len(t) for t in got.top_ids] == [len(t) for t in want.top_ids]

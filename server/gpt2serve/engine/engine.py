@@ -295,12 +295,12 @@ class Engine:
         rows = [PromptRow.planned(plan) for plan in plans] if plans is not None else [PromptRow(a.prompt) for a in asks]
         for pack in (True, False) if plans is not None else (False,):
             hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans or (), pack=pack)  # (1, N, C)
-            logits = self.head(hidden[0, layout.last])  # (B, V)
+            logits = self.model.head(hidden[0, layout.last])  # (B, V)
             top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), [a.top_k for a in asks])
             if not layout.needs_rows_again(failed):
                 break
         scored_rows = {row: a.prompt_logprobs for row, a in enumerate(asks) if a.prompt_logprobs is not None}
-        scores = prompt_scores(hidden, layout, self.prefix_cache, scored_rows, self.head, self.model.config.vocab_size)
+        scores = prompt_scores(hidden, layout, self.prefix_cache, scored_rows, self.model.head, self.model.config.vocab_size)
         return BatchOutput(top, time.perf_counter() - started, layout.width, started_ns, time.time_ns(),
                            failed_rows=failed, prompt_scores=scores,
                            cached_tokens=[r.start for r in rows] if plans is not None else [])
@@ -321,14 +321,14 @@ class Engine:
         hidden = padded_forward(self.model, prompts, ids, self.prefix_cache, plans or (), taps=probe)  # (R, T, C)
         ends = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # (R,) each row's last column
         last = hidden[torch.arange(len(prompts), device=self.device), ends]  # (R, C)
-        logits = self.head(last)  # (R, V): only the last position is decoded
+        logits = self.model.head(last)  # (R, V): only the last position is decoded
         if probe is not None:
             probe.unembedded(last, logits)
         top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
         spans = [ScoredSpan(row, 0, len(a.prompt), a.prompt_logprobs) for row, a in enumerate(asks)
                  if a.prompt_logprobs is not None]
         scores = {} if not spans else dict(zip([s.row for s in spans], score_prompts(
-            hidden, ids, spans, self.head, self.model.config.vocab_size)))
+            hidden, ids, spans, self.model.head, self.model.config.vocab_size)))
         if probe:
             probe.finish()
         controlled = {}
@@ -344,7 +344,7 @@ class Engine:
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) left-padded inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
         hidden = self.model.hidden_states(input_ids, position_ids, valid)  # (B, T, C)
-        logits = self.head(hidden[:, -1, :])  # (B, V): only the last position is decoded
+        logits = self.model.head(hidden[:, -1, :])  # (B, V): only the last position is decoded
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
 
     @oom_as_out_of_memory
@@ -352,19 +352,10 @@ class Engine:
     def layer_reports(self, output: BatchOutput) -> BatchOutput:
         """The traced rows' per-layer reports, logit lens decoded here: called after the answers
         went out, since decoding every block costs about one more unembedding of n_layer rows."""
-        per_row, timeline = output.probe.reports(self.unembed)
+        per_row, timeline = output.probe.reports(self.model.lm_head)
         walkthrough = traced_walkthrough(output.probe, self.model)
         return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None,
                        walkthrough=walkthrough)
-
-    def head(self, rows: torch.Tensor) -> torch.Tensor:
-        """(N, C) residual-stream rows -> (N, V) logits: ln_f, then lm_head."""
-        return self.unembed(self.model.ln_f(rows))
-
-    def unembed(self, rows: torch.Tensor) -> torch.Tensor:
-        """lm_head over (N, d_model) rows -> (N, vocab). On a CPU it has no cliff at a few rows
-        (engine.gpt2.Linear), which a decode step's and a small batch's few rows would fall into."""
-        return self.model.lm_head(rows)
 
 
 def _joined(outputs: list[BatchOutput], firsts: list[int]) -> BatchOutput:

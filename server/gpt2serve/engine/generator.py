@@ -339,7 +339,7 @@ class Generator:
             hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,
                                             self.cache, pack)  # (1, N, C)
             wanted = torch.cat((torch.arange(D, device=hidden.device), layout.last[:R + J]))
-            logits = self.engine.head(hidden[0, wanted])  # (D + R + J, V)
+            logits = self.model.head(hidden[0, wanted])  # (D + R + J, V)
             if R:
                 a.rider_tops, a.rider_failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1),
                                                           [r.top_k for r in riders])
@@ -351,7 +351,7 @@ class Generator:
         self.running.extend(added)
         wants = [*(r.prompt_logprobs for r in riders), *(s.prompt_logprobs for s in joined)]
         scores = prompt_scores(hidden, layout, pool, {i: k for i, k in enumerate(wants[:len(rows)]) if k is not None},
-                               self.engine.head, self.model.config.vocab_size)
+                               self.model.head, self.model.config.vocab_size)
         a.rider_scores = {i: score for i, score in scores.items() if i < R}
         a.prompt_scores = {joined[i - R].seq_id: score for i, score in scores.items() if i >= R}
         a.rider_cached = [r.start for r in rows[:R]] if pool is not None else []
@@ -367,7 +367,7 @@ class Generator:
         store = SlotStore(self.cache, positions, span)
         hidden = self.model.hidden_states(last[:, None], positions[:, None], None, kv=store,
                                           mask=store.mask())  # (B, 1, C)
-        return self.engine.unembed(self.model.ln_f(hidden[:, -1]))  # (B, V)
+        return self.model.head(hidden[:, -1])  # (B, V)
 
     def _prefill_logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                         last: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -375,7 +375,7 @@ class Generator:
         `last` column; rows not `real` (B,) change no slot. What a prefill graph captures."""
         store = SlotStore(self.cache, positions, ids.shape[1], slots, real)
         hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (B, T, C)
-        return self.engine.head(hidden[torch.arange(len(ids), device=ids.device), last])  # (B, V)
+        return self.model.head(hidden[torch.arange(len(ids), device=ids.device), last])  # (B, V)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int
                 ) -> tuple[dict[int, SampledToken], frozenset[int]]:

@@ -213,7 +213,12 @@ class GPT2(nn.Module):
         """Logits for the next token after each row's last position: (B, V). Only that position
         goes through ln_f and lm_head; a server never needs the others."""
         x = self.hidden_states(input_ids, position_ids, valid)  # (B, T, C)
-        return self.lm_head(self.ln_f(x[:, -1, :]))  # (B, V)
+        return self.head(x[:, -1, :])  # (B, V)
+
+    def head(self, rows: torch.Tensor) -> torch.Tensor:
+        """(..., C) residual-stream rows -> (..., V) logits: ln_f, then lm_head (on a CPU with no
+        cliff at a few rows, see Linear, which a decode step's rows would fall into)."""
+        return self.lm_head(self.ln_f(rows))
 
     @classmethod
     def random(cls, config: GPT2Config, seed: int) -> GPT2:

@@ -164,7 +164,7 @@ class LayerProbe(ShapeRecorder):
     def reports(self, unembed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[LayerReport]],
                                                                              ForwardTimeline]:
         """Per traced row (in `rows` order), one LayerReport per block; and the stage timeline.
-        Call after `finish()`. `unembed` is the engine's lm_head: every block's logit lens is
+        Call after `finish()`. `unembed` is the model's lm_head: every block's logit lens is
         decoded in one product (one per block would stream the unembedding matrix n_layer times)."""
         n_rows = len(self.rows)
         lens_inputs = self.model.ln_f(torch.stack(self._hidden_last)).flatten(0, 1)  # (n_layer * R, d)
