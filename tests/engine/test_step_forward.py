@@ -33,8 +33,8 @@ def test_riders_leave_the_decode_step_as_it_was_and_get_their_own_answers(quanti
         assert {i: t.token_id for i, t in got.tokens.items()} == {i: t.token_id for i, t in want.tokens.items()}
         for i, token in want.tokens.items():  # another kernel for the decode rows: an ulp or so apart
             assert got.tokens[i].logprob == pytest.approx(token.logprob, abs=1e-5), (step, i)
-        assert got.tokens_in == 2 + sum(map(len, RIDERS)) and not got.rider_failed
-        for rider, k, top in zip(RIDERS, [5, 1, 3], got.rider_tops):
+        assert got.tokens_in == 2 + sum(map(len, RIDERS)) and not got.riders.failed_rows
+        for rider, k, top in zip(RIDERS, [5, 1, 3], got.riders.top):
             alone = engine.next_token(plain_asks([rider], [k])).top[0]
             assert [t.token_id for t in top] == [t.token_id for t in alone]
             assert [t.logprob for t in top] == pytest.approx([t.logprob for t in alone], abs=1e-5)
@@ -71,16 +71,16 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
     # two decode tokens, the cached prompt's 3 new ones, the plain prompt, a new generation's 2
     # past its cached blocks, the chunk: one forward
     assert forwards == [torch.Size([1, 2 + 3 + len(plain_prompt) + 2 + 16])]
-    assert first.rows == 4 and first.rider_cached == [32, 0] and first.cached_tokens == {3: 32}
+    assert first.rows == 4 and first.riders.cached_tokens == [32, 0] and first.cached_tokens == {3: 32}
     assert first.first(3) and not first.first(0)
-    for prompt, k, top in zip([cached_prompt, plain_prompt], [5, 3], first.rider_tops):
+    for prompt, k, top in zip([cached_prompt, plain_prompt], [5, 3], first.riders.top):
         with torch.no_grad():
             want = hf(torch.tensor([prompt])).logits[0, -1].log_softmax(-1).topk(k)
         assert [t.token_id for t in top] == want.indices.tolist()
         assert [t.logprob for t in top] == pytest.approx(want.values.tolist(), abs=1e-4)
     # every position of the scored rider and of the scored new generation, its cached ones too
-    assert list(first.rider_scores) == [0] and list(first.prompt_scores) == [3]
-    for prompt, s in ((cached_prompt, first.rider_scores[0]), (joining, first.prompt_scores[3])):
+    assert list(first.riders.prompt_scores) == [0] and list(first.prompt_scores) == [3]
+    for prompt, s in ((cached_prompt, first.riders.prompt_scores[0]), (joining, first.prompt_scores[3])):
         assert_prompt_scores_match(hf, prompt, s.token_logprobs, s.ranks, s.top_ids, s.top_logprobs)
 
     tokens = {i: [t.token_id] for i, t in prefilled.tokens.items()}

@@ -17,7 +17,7 @@ import pytest
 from gpt2serve.ipc import codec
 from gpt2serve.ipc.codec import BadFrame
 from gpt2serve.errors import ResourceExhausted, Unavailable
-from gpt2serve.engine.engine import BatchOutput
+from gpt2serve.engine.steps import BatchOutput
 from gpt2serve.ipc.engine_server import EngineServer, _PlainCalls
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient

@@ -58,7 +58,7 @@ def test_an_opentelemetry_import_on_the_engine_side_breaks_its_contract(tmp_path
     result = lint_with_lines_added(tmp_path, "telemetry/records.py", "\nfrom opentelemetry.context import Context\n")
     assert result.returncode != 0
     assert "gpt2serve.engine is not allowed to import opentelemetry" in result.stdout
-    assert "gpt2serve.engine.engine -> gpt2serve.telemetry.records" in result.stdout  # the chain named
+    assert "gpt2serve.engine.steps -> gpt2serve.telemetry.records" in result.stdout  # the chain named
 
 
 def test_the_package_root_holds_at_most_six_modules():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from gpt2serve.engine.engine import BatchOutput, OutOfMemory
+from gpt2serve.engine.engine import OutOfMemory
+from gpt2serve.engine.steps import BatchOutput
 from gpt2serve.engine.steps import PromptAsk
 from gpt2serve.protocol import TokenScore
 

@@ -19,17 +19,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 
-from gpt2serve_client.types import LayerReport, ShapeStep
-
-from ..protocol import PromptScores, TopScores, TraceContext
+from ..protocol import TraceContext
 from ..introspection.probe import LayerProbe
 from ..introspection.walkthrough import traced_walkthrough
-from ..telemetry.records import ForwardTimeline
 from .cuda_graphs import BucketedForward
 from .head import ScoredSpan, score_prompts, top_k_rows
 from .constraints import Grammars
@@ -37,7 +34,7 @@ from .loading import LoadedModel
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
 from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts
-from .steps import Ask, PromptAsk, PromptLaunch, plain_asks
+from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, plain_asks
 from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores, right_padded
 
 log = logging.getLogger(__name__)
@@ -127,26 +124,6 @@ def _held_again(result):
     if RESERVE.missing:
         RESERVE.take()
     return result
-
-
-@dataclass(frozen=True)
-class BatchOutput:
-    top: Sequence[TopScores]  # per prompt, most likely first (a TopTable: rows read when indexed)
-    forward_s: float
-    padded_len: int
-    started_ns: int  # wall clock (time.time_ns) of the forward
-    ended_ns: int
-    cuda_graph: bool = False  # replayed from a captured graph (padded_len is then the bucket's)
-    layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> one report per block
-    walkthrough: list[ShapeStep] = field(default_factory=list)  # with layers: the forward's shapes
-    # Rows whose log-probs were not finite (a numerical overflow, e.g. fp16): their `top` is
-    # meaningless, and the scheduler fails them alone.
-    failed_rows: frozenset[int] = frozenset()
-    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # scored row -> its positions 1..L-1
-    cached_tokens: list[int] = field(default_factory=list)  # per row, prompt tokens read from the prefix cache
-    controlled: dict[int, tuple[TopScores, int]] = field(default_factory=dict)  # row -> controlled_view's
-    timeline: ForwardTimeline | None = None  # stage times, when any row was traced
-    probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
 
 
 class Engine:

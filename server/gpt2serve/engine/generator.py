@@ -39,7 +39,7 @@ from .prefix_cache import PrefixCache, RowPlan
 from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
-from .steps import Ask, NewSequence, PackedAnswers, PromptAsk, Running, StepLaunch, StepOutput, StepPlan
+from .steps import Ask, BatchOutput, NewSequence, PackedAnswers, PromptAsk, Running, StepLaunch, StepOutput, StepPlan
 
 
 class Generator:
@@ -273,15 +273,15 @@ class Generator:
         tokens, failed = read_choices(step.chosen.tolist(), step.rows) if step.rows else ({}, frozenset())
         for r in step.rows:
             r.unread -= 1
-        packed = step.packed or PackedAnswers()
+        packed, ended_ns = step.packed or PackedAnswers(), step.started_ns + int(forward_s * 1e9)
+        riders = None if not packed.rider_width else BatchOutput(
+            packed.rider_tops, forward_s, packed.rider_width, step.started_ns, ended_ns, failed_rows=packed.rider_failed,
+            prompt_scores=packed.rider_scores, cached_tokens=packed.rider_cached)
         return StepOutput({**tokens, **packed.first_tokens}, "decode" if step.rows else "prefill",
-                          len(step.rows) + packed.prompt_rows,
-                          step.tokens_in + packed.prompt_tokens, forward_s, step.started_ns,
-                          step.started_ns + int(forward_s * 1e9), failed | packed.first_failed,
-                          prompt_scores=packed.prompt_scores, cached_tokens=packed.cached_tokens,
-                          prompt_tokens=packed.prompt_tokens, prompts_read=frozenset(packed.first_tokens),
-                          rider_tops=packed.rider_tops, rider_failed=packed.rider_failed,
-                          rider_cached=packed.rider_cached, rider_scores=packed.rider_scores)
+                          len(step.rows) + packed.prompt_rows, step.tokens_in + packed.prompt_tokens, forward_s,
+                          step.started_ns, ended_ns, failed | packed.first_failed, prompt_scores=packed.prompt_scores,
+                          cached_tokens=packed.cached_tokens, prompt_tokens=packed.prompt_tokens,
+                          prompts_read=frozenset(packed.first_tokens), riders=riders)
 
     def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[PromptAsk],
                      chunk: bool, joining: Sequence[NewSequence]) -> tuple[torch.Tensor, PackedAnswers]:
@@ -341,6 +341,7 @@ class Generator:
             wanted = torch.cat((torch.arange(D, device=hidden.device), layout.last[:R + J]))
             logits = self.model.head(hidden[0, wanted])  # (D + R + J, V)
             if R:
+                a.rider_width = max(len(r.prompt) for r in riders)
                 a.rider_tops, a.rider_failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1),
                                                           [r.top_k for r in riders])
             added = [Running.of(s) for s in joined]

@@ -1,5 +1,6 @@
 """What the engine's steps take and give: a step's plan, a new sequence, a running one, a step
-on its way and its output (engine.generator runs them), and a next-token batch on its way."""
+on its way and its output (engine.generator runs them), a next-token batch on its way and its
+output (engine.engine)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from ..protocol import PromptScores, SampledToken, SamplingParams, StepControls, TokenScore, TopTable, TraceContext
+from gpt2serve_client.types import LayerReport, ShapeStep
+
+from ..introspection.probe import LayerProbe
+from ..protocol import (PromptScores, SampledToken, SamplingParams, StepControls, TokenScore, TopScores, TopTable,
+                        TraceContext)
+from ..telemetry.records import ForwardTimeline
 from .head import read_top_k
 
 
@@ -54,6 +60,26 @@ def plain_asks(prompts: Sequence[Sequence[int]], top_ks: Sequence[int] | int = 1
 
 
 @dataclass(frozen=True)
+class BatchOutput:
+    top: Sequence[TopScores]  # per prompt, most likely first (a TopTable: rows read when indexed)
+    forward_s: float
+    padded_len: int
+    started_ns: int  # wall clock (time.time_ns) of the forward
+    ended_ns: int
+    cuda_graph: bool = False  # replayed from a captured graph (padded_len is then the bucket's)
+    layers: dict[int, list[LayerReport]] = field(default_factory=dict)  # traced row -> one report per block
+    walkthrough: list[ShapeStep] = field(default_factory=list)  # with layers: the forward's shapes
+    # Rows whose log-probs were not finite (a numerical overflow, e.g. fp16): their `top` is
+    # meaningless, and the scheduler fails them alone.
+    failed_rows: frozenset[int] = frozenset()
+    prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # scored row -> its positions 1..L-1
+    cached_tokens: list[int] = field(default_factory=list)  # per row, prompt tokens read from the prefix cache
+    controlled: dict[int, tuple[TopScores, int]] = field(default_factory=dict)  # row -> controlled_view's
+    timeline: ForwardTimeline | None = None  # stage times, when any row was traced
+    probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """The rows of one generation step (Generator.launch), all of them in one forward:
     `decode`, one row of one position for every running sequence; `riders`, next-token prompts
@@ -91,12 +117,7 @@ class StepOutput:
     # sequences whose prompt was read to its end in this decode step (their prompt or its last
     # chunk rode it): their tokens are first tokens, as a prefill's are
     prompts_read: frozenset[int] = frozenset()
-    # riders (engine.step_forward): each one's top-k next tokens, the riders not finite, each
-    # one's tokens from the prefix cache (empty when it is off), the scored ones' scores
-    rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
-    rider_failed: frozenset[int] = frozenset()
-    rider_cached: list[int] = field(default_factory=list)
-    rider_scores: dict[int, PromptScores] = field(default_factory=dict)  # rider index -> its prompt's
+    riders: BatchOutput | None = None  # the next-token prompts that rode the step, answered as a batch's
 
     def first(self, seq_id: int) -> bool:
         """Whether this step gave the sequence its first token."""
@@ -132,6 +153,7 @@ class PackedAnswers:
     rider_failed: frozenset[int] = frozenset()
     rider_cached: list[int] = field(default_factory=list)
     rider_scores: dict[int, PromptScores] = field(default_factory=dict)
+    rider_width: int = 0  # the longest rider's prompt
     prompt_tokens: int = 0  # of the chunk and the joining prompts, computed
     prompt_rows: int = 0  # sequences that joined, and the one whose chunk was read
     first_tokens: dict[int, SampledToken] = field(default_factory=dict)  # of the sequences that joined

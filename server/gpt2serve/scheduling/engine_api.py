@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from ..engine.engine import BatchOutput
-from ..engine.steps import NewSequence, PromptAsk, PromptLaunch, StepLaunch, StepOutput, StepPlan
+from ..engine.steps import BatchOutput, NewSequence, PromptAsk, PromptLaunch, StepLaunch, StepOutput, StepPlan
 
 
 class PromptEngine(Protocol):

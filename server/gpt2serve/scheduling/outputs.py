@@ -13,8 +13,7 @@ import logging
 from collections import deque
 from typing import Callable, Protocol, Union
 
-from ..engine.engine import BatchOutput
-from ..engine.generator import StepOutput
+from ..engine.steps import BatchOutput, StepOutput
 from ..errors import NonFiniteOutput
 from ..protocol import NextTokenOutput, SampledToken, TokenEvent
 from ..telemetry.records import BatchDone, PrefixCacheUse, StepDone

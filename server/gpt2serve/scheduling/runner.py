@@ -31,8 +31,8 @@ import time
 from dataclasses import astuple, dataclass
 from typing import Callable
 
-from ..engine.engine import BatchOutput, OutOfMemory
-from ..engine.steps import NewSequence, PromptLaunch, StepLaunch, StepOutput, StepPlan
+from ..engine.engine import OutOfMemory
+from ..engine.steps import BatchOutput, NewSequence, PromptLaunch, StepLaunch, StepOutput, StepPlan
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Outputs
@@ -300,16 +300,7 @@ class StepRunner:
         if output is None:
             return
         if riders:
-            self.batches_run += 1
-            cached = output.rider_cached
-            self.counts.prompts(sum(len(r.prompt) for r in riders), sum(cached) if cached else None)
-            self.scheduler.prompts_answered(len(riders), output.forward_s)
-            self._answered(riders)
-            self._post(self.outputs.answer_prompts, riders, BatchOutput(
-                output.rider_tops, output.forward_s, max(len(r.prompt) for r in riders), output.started_ns,
-                output.ended_ns, failed_rows=output.rider_failed, prompt_scores=output.rider_scores,
-                cached_tokens=cached), launch.started,
-                output.started_ns, True)
+            self._answer(riders, output.riders, launch.started, output.started_ns)
         self._took(output, members)
 
     def last_tokens_in_flight(self) -> bool:
