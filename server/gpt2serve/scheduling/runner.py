@@ -93,7 +93,7 @@ class StepRunner:
         if step.leaving and self.generator is not None:
             self.generator.remove({r.request_id for r in step.leaving})
         joining = self._prefill_step(step.admitted, step.decode) if step.admitted else []
-        budget = self.rider_tokens - sum(len(r.prompt) for r, _ in joining)  # one budget for both
+        budget = self.rider_tokens - sum(len(r.prompt) for r in joining)  # one budget for both
         riders, prompts = self._riders(step.prompts, budget) if step.decode else ([], step.prompts)
         if prompts:
             self._prompt_step(prompts)
@@ -103,7 +103,7 @@ class StepRunner:
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
-            joining = [s for r, s in joining if r.state == "running" and not r.cancelled]  # no slot for a leaver
+            joining = [_sequence(r) for r in joining if r.state == "running" and not r.cancelled]  # no slot for leavers
             rides = chunk and self.generator.takes_riders
             if members and (self.generator.running or joining or rides):  # (a prompt read in chunks has no slot yet)
                 self._decode_step(members, StepPlan(riders=riders, joining=joining, chunk=rides))
@@ -187,12 +187,7 @@ class StepRunner:
                 self.fail(batch, ResourceExhausted(f"the device is out of memory even for this prompt alone "
                                                    f"({len(batch[0].prompt)} tokens)"), exc)
                 return
-            log.warning("out of memory for a batch of %d; retrying it as two halves", len(batch))
-            half = len(batch) // 2
-            for part in (batch[:half], batch[half:]):
-                live = [r for r in part if not r.cancelled]  # callers may have left meanwhile
-                if live:
-                    self._forward_prompts(live)
+            self._in_halves(batch, self._forward_prompts, exc, "batch")
             return
         except Exception as exc:  # fail this batch only; keep serving
             self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
@@ -217,42 +212,32 @@ class StepRunner:
         self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
 
     # Generations ------------------------------------------------------------------------------------
-    def _prefill_step(self, admitted: list[EngineRequest], decode: bool) -> list[tuple[EngineRequest, NewSequence]]:
+    def _prefill_step(self, admitted: list[EngineRequest], decode: bool) -> list[EngineRequest]:
         """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
         a decode step to come where prompts may ride it (`decode`), the rest are left to join it
         (scored ones too), within the step's prompt-token budget: returned, not read."""
         whole, joining, tokens = [], [], 0
         rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
-            sequence = NewSequence(r.request_id, r.prompt, r.params, r.seed, r.prompt_logprobs)
-            if self.generator.chunk_if_long(sequence):
+            if self.generator.chunk_if_long(_sequence(r)):
                 continue
             if rides and tokens + len(r.prompt) <= self.rider_tokens:
-                joining.append((r, sequence))
+                joining.append(r)
                 tokens += len(r.prompt)
             else:
-                whole.append((r, sequence))
+                whole.append(r)
         if whole:
             self._prefill(whole)
         return joining
 
-    def _prefill(self, whole: list[tuple[EngineRequest, NewSequence]]) -> None:
+    def _prefill(self, whole: list[EngineRequest]) -> None:
         """Out of device memory (the prefill left nothing behind): each half on its own, down to
         one prompt, which then fails alone, as next-token batches split."""
-        members = [r for r, _ in whole]
-
-        def split(exc: OutOfMemory) -> None:
-            log.warning("out of memory for a prefill of %d; retrying it as two halves (%s)", len(whole), exc)
-            half = len(whole) // 2
-            for part in (whole[:half], whole[half:]):
-                live = [(r, s) for r, s in part if not r.cancelled]  # callers may have left meanwhile
-                if live:
-                    self._prefill(live)
-
-        output = self._step("prefill", members, lambda: self._run(StepPlan(decode=False, joining=[s for _, s in whole])),
-                            on_oom=split if len(whole) > 1 else None)
+        plan = StepPlan(decode=False, joining=[_sequence(r) for r in whole])
+        halves = (lambda exc: self._in_halves(whole, self._prefill, exc, "prefill")) if len(whole) > 1 else None
+        output = self._step("prefill", whole, lambda: self._run(plan), on_oom=halves)
         if output is not None:
-            self._took(output, members)
+            self._took(output, whole)
 
     def _chunk_step(self) -> None:
         """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill) in a step of
@@ -355,6 +340,17 @@ class StepRunner:
         self._post(self.outputs.deliver, taken, output, members, self._wake)
 
     # Failures and the way back to the callers ------------------------------------------------------
+    @staticmethod
+    def _in_halves(requests: list[EngineRequest], run: Callable[[list[EngineRequest]], None], exc: OutOfMemory,
+                   what: str) -> None:
+        """Out of device memory: run each half on its own (what fit nothing left behind)."""
+        log.warning("out of memory for a %s of %d; retrying it as two halves (%s)", what, len(requests), exc)
+        half = len(requests) // 2
+        for part in (requests[:half], requests[half:]):
+            live = [r for r in part if not r.cancelled]  # callers may have left meanwhile
+            if live:
+                run(live)
+
     def fail(self, requests: list[EngineRequest], error: ServeError, exc: Exception | None = None,
              stage: str = "") -> None:
         """These requests end with `error` (told on the callers' loop); generations leave their slots."""
@@ -368,3 +364,8 @@ class StepRunner:
     def _answered(self, prompts: list[EngineRequest]) -> None:
         """Out of the running count before their callers hear: a caller that looks next sees it."""
         self.prompts_running = max(self.prompts_running - len(prompts), 0)
+
+
+def _sequence(request: EngineRequest) -> NewSequence:
+    """What the generator takes of a generation request."""
+    return NewSequence(request.request_id, request.prompt, request.params, request.seed, request.prompt_logprobs)
