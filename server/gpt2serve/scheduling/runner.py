@@ -343,7 +343,7 @@ class StepRunner:
     @staticmethod
     def _in_halves(requests: list[EngineRequest], run: Callable[[list[EngineRequest]], None], exc: OutOfMemory,
                    what: str) -> None:
-        """Out of device memory: run each half on its own (what fit nothing left behind)."""
+        """Out of device memory (the failed forward left nothing behind): each half on its own."""
         log.warning("out of memory for a %s of %d; retrying it as two halves (%s)", what, len(requests), exc)
         half = len(requests) // 2
         for part in (requests[:half], requests[half:]):
