@@ -13,7 +13,7 @@ from support.reference import assert_prompt_scores_match
 
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
-from gpt2serve.engine.steps import Ask, plain_asks
+from gpt2serve.engine.steps import Ask, StepPlan, plain_asks
 from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import SamplingParams
 
@@ -45,7 +45,7 @@ SHARED = [(5 * j + 1) % 50257 for j in range(32)]  # two prefix-cache blocks
 LONG = [(7 * j + 3) % 50257 for j in range(60)]  # read in chunks of 16: 16, 16, 16, 12
 
 
-def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_each_as_transformers_answers(tmp_path):
+def test_one_plan_of_decode_rows_a_chunk_prompts_and_a_joining_generation_is_one_forward_as_transformers_answers(tmp_path):
     hf, engine = lively_engine(tmp_path)
     engine.attach_prefix_cache(64, doorkeeper=False)
     engine.next_token(plain_asks([SHARED + [9]], [1]))  # the shared blocks into the prefix cache
@@ -64,8 +64,9 @@ def test_decode_rows_a_chunk_prompts_and_a_joining_generation_are_one_forward_ea
 
     generator.model.hidden_states = counted
     try:
-        first = generator.decode([Ask(cached_prompt, 5, prompt_logprobs=2), Ask(plain_prompt, 3)], chunk=True,
-                                 joining=[NewSequence(3, joining, GREEDY, 3, prompt_logprobs=1)])
+        plan = StepPlan(riders=[Ask(cached_prompt, 5, prompt_logprobs=2), Ask(plain_prompt, 3)],
+                        joining=[NewSequence(3, joining, GREEDY, 3, prompt_logprobs=1)], chunk=True)
+        first = generator.finish(generator.launch(plan))
     finally:
         del generator.model.hidden_states
     # two decode tokens, the cached prompt's 3 new ones, the plain prompt, a new generation's 2
