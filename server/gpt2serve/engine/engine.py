@@ -320,8 +320,7 @@ class Engine:
 
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) left-padded inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
-        hidden = self.model.hidden_states(input_ids, position_ids, valid)  # (B, T, C)
-        logits = self.model.head(hidden[:, -1, :])  # (B, V): only the last position is decoded
+        logits = self.model(input_ids, position_ids, valid)  # (B, V): only the last position is decoded
         return torch.log_softmax(logits.float(), dim=-1)  # (B, V), fp32 whatever the model dtype
 
     @oom_as_out_of_memory
