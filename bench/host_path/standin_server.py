@@ -165,17 +165,12 @@ class StandinGenerator(generator_module.Generator):
     """The generator (scheduling.engine_api.GenerationEngine) on the stand-in device: no cache,
     steps of the device's time, decode steps launched and read back as on cuda."""
 
-    def launch(self, plan):
-        """A step queued on the stand-in device, read by the real finish(): a prefill of joining
-        sequences (the device's time waited here, as a prefill's answers are read at once), or a
-        decode step of every running one."""
-        started, started_ns = time.perf_counter(), time.time_ns()
-        if plan.riders or plan.chunk or (plan.joining and plan.decode and self.running):
+    def _launch_step(self, plan, started, started_ns):
+        """A decode step of every running sequence queued on the stand-in device; the real
+        finish() waits for it and reads its answers. (Generator.launch sends a plan of joining
+        sequences alone to _prefill below.)"""
+        if not plan.decode_only:
             raise ValueError("the stand-in device takes no riders, as cuda graphs take none")
-        if plan.joining:
-            answers = self._prefilled(plan.joining)
-            return StepLaunch([], torch.zeros(0), None, None, 0, started, started_ns, time.perf_counter() - started,
-                              answers)
         rows = list(self.running)
         staged = torch.tensor([r.length for r in rows])  # (B,): the positions, staged as for a graph replay
         for r in rows:
@@ -187,7 +182,9 @@ class StandinGenerator(generator_module.Generator):
         return StepLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started, started_ns,
                           time.perf_counter() - started)
 
-    def _prefilled(self, sequences):
+    def _prefill(self, sequences):
+        """A prefill on the stand-in device: the device's time waited here, as a prefill's answers
+        are read at once."""
         if len(self.running) + len(sequences) > self.slots:
             raise ValueError(f"{len(self.running) + len(sequences)} sequences for {self.slots} cache slots")
         if any(s.prompt_logprobs is not None for s in sequences):
