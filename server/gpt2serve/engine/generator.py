@@ -244,7 +244,7 @@ class Generator:
             device_started.record()
         last = self.last_ids[:B]  # (B,) on the device
         logits, packed = None, None
-        if riders or chunk or joining:
+        if not plan.decode_only:
             logits, packed = self._packed_step(last, lengths, needed, riders, chunk, joining)
         elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
