@@ -21,7 +21,7 @@ import torch
 
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
-from gpt2serve.engine.steps import Ask, plain_asks
+from gpt2serve.engine.steps import Ask, StepPlan, plain_asks
 from gpt2serve.engine.loading import load_model
 from gpt2serve.protocol import SamplingParams
 
@@ -75,7 +75,8 @@ class Bench:
             joining = self.joining()
             return timed(lambda: (g.decode(), g.prefill(joining)))
         self.chunk_ready()
-        return timed(lambda: (g.decode(), g.prefill_chunk()))
+        chunk_alone = StepPlan(decode=False, chunk=g.chunked.chunk_tokens)
+        return timed(lambda: (g.decode(), g.finish(g.launch(chunk_alone))))
 
 
 def main() -> None:

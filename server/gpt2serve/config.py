@@ -170,7 +170,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="longest wait for the clients of the last batch to send again (see scheduling)")
     env.add("--max-queue", type=int, default=d.max_queue, help="prompts waiting beyond this are refused")
     env.add("--max-batch-tokens", type=int, default=d.max_batch_tokens,
-            help="most padded tokens (prompts x longest prompt) in one forward; a longer single prompt still runs alone")
+            help="most padded tokens (prompts x longest prompt) in one forward; a longer single prompt still runs "
+                 "alone. A step that reads prompts beside running generations' decode rows reads at most this or 512 "
+                 "tokens, whichever is lower")
     env.add("--fixed-cost-tokens", type=auto_float, default="auto",
             help="a forward's fixed cost in padded tokens' worth, which decides when prompts of different "
                  "lengths run apart (see scheduling.grouping); auto: measured at warm-up")

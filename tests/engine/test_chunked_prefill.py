@@ -143,6 +143,6 @@ def test_prompts_with_scores_or_within_a_chunk_are_read_whole(saved):
     assert not generator.chunk_if_long(NewSequence(1, LONG, GREEDY, 0, prompt_logprobs=1))
     assert not generator.chunk_if_long(NewSequence(2, LONG[:CHUNK], GREEDY, 0))
     assert not Generator(engine, slots=2).chunk_if_long(NewSequence(3, LONG, GREEDY, 0))
-    assert generator.next_chunked is None  # none of them was queued
+    assert generator.next_chunk is None  # none of them was queued
     assert generator.chunk_if_long(NewSequence(4, LONG, GREEDY, 0))
-    assert generator.next_chunked == 4
+    assert generator.next_chunk == (4, CHUNK)  # its first chunk reads at most CHUNK tokens

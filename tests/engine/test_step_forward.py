@@ -65,7 +65,7 @@ def test_one_plan_of_decode_rows_a_chunk_prompts_and_a_joining_generation_is_one
     generator.model.hidden_states = counted
     try:
         plan = StepPlan(riders=[Ask(cached_prompt, 5, prompt_logprobs=2), Ask(plain_prompt, 3)],
-                        joining=[NewSequence(3, joining, GREEDY, 3, prompt_logprobs=1)], chunk=True)
+                        joining=[NewSequence(3, joining, GREEDY, 3, prompt_logprobs=1)], chunk=16)
         first = generator.finish(generator.launch(plan))
     finally:
         del generator.model.hidden_states
@@ -88,7 +88,7 @@ def test_one_plan_of_decode_rows_a_chunk_prompts_and_a_joining_generation_is_one
     for i, t in first.tokens.items():
         tokens.setdefault(i, []).append(t.token_id)
     for _ in range(8):
-        step = generator.decode(chunk=generator.next_chunked is not None)
+        step = generator.decode(chunk=generator.next_chunk is not None)
         for i, t in step.tokens.items():
             tokens.setdefault(i, []).append(t.token_id)
     assert step.cached_tokens == {} and not generator.chunked
@@ -100,7 +100,7 @@ def test_one_plan_of_decode_rows_a_chunk_prompts_and_a_joining_generation_is_one
 
 def test_a_chunk_read_in_a_step_of_its_own_joins_after_the_running_sequences(tmp_path):
     """Where no decode step takes a chunk along (on cuda with graphs), it is read in a step of its
-    own (prefill_chunk) while other sequences hold slots: its last chunk's sequence takes the next
+    own (a plan with no decode rows) while other sequences hold slots: its last chunk's sequence takes the next
     free slot, and nobody's keys are overwritten."""
     hf, engine = lively_engine(tmp_path)
     generator = Generator(engine, slots=3, chunk_tokens=16)
@@ -108,8 +108,8 @@ def test_a_chunk_read_in_a_step_of_its_own_joins_after_the_running_sequences(tmp
     tokens = {i: [t.token_id] for i, t in generator.prefill([NewSequence(i, p, GREEDY, i)
                                                              for i, p in decoding.items()]).tokens.items()}
     generator.chunk_if_long(NewSequence(2, LONG, GREEDY, 2))
-    while generator.next_chunked is not None:
-        step = generator.prefill_chunk()
+    while generator.next_chunk is not None:
+        step = generator.finish(generator.launch(StepPlan(decode=False, chunk=16)))
         assert set(step.tokens) <= {2}
     tokens[2] = [step.tokens[2].token_id]
     assert [r.seq_id for r in generator.running] == [0, 1, 2]

@@ -132,13 +132,22 @@ class ChunkQueue:
         if any(job.sequence.seq_id in seq_ids for job in self.jobs):
             self.jobs = deque(job for job in self.jobs if job.sequence.seq_id not in seq_ids)
 
-    def next_row(self, pool: PrefixCache | None, n_layer: int) -> PromptRow:
-        """The oldest prompt's next chunk, as a row of a step (engine.step_forward); before its
-        first, the blocks it finds in the prefix cache are staged."""
+    @property
+    def next_tokens(self) -> int:
+        """What the oldest prompt's next chunk reads at most (less where its first finds blocks
+        in the prefix cache)."""
+        job = self.jobs[0]
+        return min(self.chunk_tokens, len(job.prompt) - job.done)
+
+    def next_row(self, pool: PrefixCache | None, n_layer: int, tokens: int) -> PromptRow:
+        """The oldest prompt's next chunk, at most `tokens` (and --prefill-chunk-tokens), as a row
+        of a step (engine.step_forward); before its first, the blocks it finds in the prefix
+        cache are staged."""
         job = self.jobs[0]
         if not job.done:
             job.take_hits(pool, n_layer)
-        return PromptRow(job.prompt, job.done, min(job.done + self.chunk_tokens, len(job.prompt)), staging=job)
+        stop = min(job.done + min(tokens, self.chunk_tokens), len(job.prompt))
+        return PromptRow(job.prompt, job.done, stop, staging=job)
 
     def read(self, row: PromptRow, hidden: torch.Tensor, pool: PrefixCache | None) -> None:
         """`row` was computed, (T, C) `hidden` its residual stream; its job leaves the queue when

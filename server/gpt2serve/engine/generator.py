@@ -137,7 +137,8 @@ class Generator:
                ) -> StepOutput:
         """One token for every running sequence, and from the same forward each rider's top-k,
         the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
-        return self.finish(self.launch(StepPlan(riders=riders, joining=joining, chunk=chunk)))
+        chunk_tokens = self.chunked.chunk_tokens if chunk else 0
+        return self.finish(self.launch(StepPlan(riders=riders, joining=joining, chunk=chunk_tokens)))
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -212,13 +213,11 @@ class Generator:
         return True
 
     @property
-    def next_chunked(self) -> int | None:
-        """The sequence whose chunk StepPlan.chunk reads next (the oldest queued), or None."""
-        return self.chunked.oldest.sequence.seq_id if self.chunked else None
-
-    def prefill_chunk(self) -> StepOutput:
-        """The next chunk of the oldest prompt read in chunks, in a step of its own."""
-        return self.finish(self.launch(StepPlan(decode=False, chunk=True)))
+    def next_chunk(self) -> tuple[int, int] | None:
+        """(The sequence whose chunk StepPlan.chunk reads next (the oldest queued), the tokens
+        its next chunk reads at most), or None."""
+        job = self.chunked.oldest
+        return None if job is None else (job.sequence.seq_id, self.chunked.next_tokens)
 
     @property
     def takes_riders(self) -> bool:
@@ -284,14 +283,14 @@ class Generator:
                           prompts_read=frozenset(packed.first_tokens), riders=riders)
 
     def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[PromptAsk],
-                     chunk: bool, joining: Sequence[NewSequence]) -> tuple[torch.Tensor, PackedAnswers]:
+                     chunk: int, joining: Sequence[NewSequence]) -> tuple[torch.Tensor, PackedAnswers]:
         """One forward (engine.step_forward) of D decode tokens ((D,) `last`, at `needed`
         positions), the riders' prompts and the joining sequences' (each after what the prefix
-        cache holds of it; into the next free slots), and with `chunk` the next chunk of the
+        cache holds of it; into the next free slots), and the next `chunk` tokens at most of the
         oldest prompt read in chunks, whose sequence joins after them with its last
         -> ((D, V) decode logits, the rest's answers)."""
         device, D, pool, first = self.engine.device, len(last), self.engine.prefix_cache, len(self.running)
-        chunk_rows = [self.chunked.next_row(pool, self.model.config.n_layer)] if chunk else []
+        chunk_rows = [self.chunked.next_row(pool, self.model.config.n_layer, chunk)] if chunk else []
         job = self.chunked.oldest if chunk and chunk_rows[0].stop == len(chunk_rows[0].prompt) else None
         if job is not None:  # its last chunk: the sequence joins, its keys into its slot too
             chunk_rows = [replace(chunk_rows[0], slot=first + len(joining))]
@@ -311,7 +310,7 @@ class Generator:
             logits, answers, chunk_hidden = forward([RowPlan(p, []) for p in prompts])
         else:
             logits, answers, chunk_hidden = pool.run(prompts, forward, lambda out: out[1].failed_plans)
-        answers.prompt_rows = len(joining) + chunk
+        answers.prompt_rows = len(joining) + bool(chunk)
         if chunk:  # (T, C) chunk_hidden: the chunk's residual stream, for its blocks
             answers.prompt_tokens += len(chunk_rows[0].tokens)
             self.chunked.read(chunk_rows[0], chunk_hidden, pool)

@@ -84,14 +84,14 @@ class StepPlan:
     """The rows of one generation step (Generator.launch), all of them in one forward:
     `decode`, one row of one position for every running sequence; `riders`, next-token prompts
     that keep no slot (their top-k, their scores); `joining`, new sequences whose prompts go into
-    slots, each with its first token; `chunk`, the next chunk of the oldest prompt read in chunks
-    (engine.chunked_prefill). Prompts start after what the prefix cache holds of them. A plan
+    slots, each with its first token; `chunk`, that many tokens at most of the oldest prompt read
+    in chunks (engine.chunked_prefill; 0: none). Prompts start after what the prefix cache holds of them. A plan
     of joining sequences alone is a prefill, which on cuda may replay a graph (engine.cuda_graphs)."""
 
     decode: bool = True
     riders: Sequence[PromptAsk] = ()
     joining: Sequence[NewSequence] = ()
-    chunk: bool = False
+    chunk: int = 0
 
     @property
     def decode_only(self) -> bool:

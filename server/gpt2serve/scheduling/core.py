@@ -70,9 +70,11 @@ class EngineCore:
         self.slots = generator.slots if generator is not None else 0
         self.capacity_blocks = generator.capacity_blocks if generator is not None else 0
         self.n_ctx = generator.n_ctx if generator is not None else 1024
+        step_tokens = min(max_batch_tokens, CPU_FORWARD_TOKENS)  # the rows of a step that packs prompts with decodes
         self.scheduler = Scheduler(slots=self.slots, capacity_blocks=self.capacity_blocks, n_ctx=self.n_ctx,
                                    max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                   max_batch_delay_s=max_batch_delay_s, fixed_cost_tokens=engine.fixed_cost_tokens)
+                                   max_batch_delay_s=max_batch_delay_s, fixed_cost_tokens=engine.fixed_cost_tokens,
+                                   step_tokens=step_tokens if generator is not None and generator.takes_riders else None)
         self._executor = engine_thread or new_engine_thread()
         self._intake: list[EngineRequest] = []
         self._lock = threading.Lock()  # the intake and the waiting counts, shared with the callers' thread
@@ -87,7 +89,7 @@ class EngineCore:
         self.runner = StepRunner(
             engine, generator, self.scheduler, self.outputs, self._post,
             overlap=(generator is not None and generator.overlaps) if overlap is None else overlap,
-            rider_tokens=min(max_batch_tokens, CPU_FORWARD_TOKENS),  # prompt tokens that may ride one decode step
+            step_tokens=step_tokens,
             eos_token_id=eos_token_id, prompts_started=self._prompts_started, wake=self._wake.set)
 
     @property  # what telemetry reads, from here to cache_usage
@@ -300,7 +302,8 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} waiting); retry later"))
         if self.runner.last_tokens_in_flight():
             self.runner.finish_in_flight()
-        step = self.scheduler.schedule(now)
+        chunk = self.generator.next_chunk if self.generator is not None else None
+        step = self.scheduler.schedule(now, chunk[1] if chunk is not None else 0)
         if not isinstance(step, Step):
             if self.runner.prompts_in_flight is not None:  # nothing to launch behind it: its callers wait
                 self.runner.finish_prompts_in_flight()

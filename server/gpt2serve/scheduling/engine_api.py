@@ -47,7 +47,7 @@ class GenerationEngine(Protocol):
     def chunk_if_long(self, sequence: NewSequence) -> bool: ...
 
     @property
-    def next_chunked(self) -> int | None: ...  # the sequence StepPlan.chunk reads next
+    def next_chunk(self) -> tuple[int, int] | None: ...  # (the sequence StepPlan.chunk reads next, its tokens at most)
 
     def launch(self, plan: StepPlan) -> StepLaunch: ...
 

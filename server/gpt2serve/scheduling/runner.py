@@ -36,7 +36,7 @@ from ..engine.steps import BatchOutput, NewSequence, PromptLaunch, StepLaunch, S
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Outputs
-from .scheduler import EngineRequest, Scheduler, Step
+from .scheduler import SMALLEST_CHUNK, EngineRequest, Scheduler, Step
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,13 @@ class StepRunner:
     """Runs in the core's thread only."""
 
     def __init__(self, engine: PromptEngine, generator: GenerationEngine | None, scheduler: Scheduler,
-                 outputs: Outputs, post: Handover, *, overlap: bool, rider_tokens: int, eos_token_id: int | None,
+                 outputs: Outputs, post: Handover, *, overlap: bool, step_tokens: int, eos_token_id: int | None,
                  prompts_started: Callable[[list[EngineRequest]], None], wake: Callable[[], None]):
         """prompts_started(batch): they stop counting as waiting (the core's count, under its
         lock); wake(): the core's loop looks again (a sink failed: its slot comes free)."""
         self.engine, self.generator, self.scheduler = engine, generator, scheduler
         self.outputs, self._post = outputs, post
-        self.overlap, self.rider_tokens, self.eos_token_id = overlap, rider_tokens, eos_token_id
+        self.overlap, self.step_tokens, self.eos_token_id = overlap, step_tokens, eos_token_id
         self._prompts_started, self._wake = prompts_started, wake
         self.in_flight: tuple[StepLaunch, list[EngineRequest]] | None = None  # launched, not yet read
         # a next-token batch launched, not yet read: (launch, its requests, started, started_ns)
@@ -92,24 +92,30 @@ class StepRunner:
             self.finish_prompts_in_flight()
         if step.leaving and self.generator is not None:
             self.generator.remove({r.request_id for r in step.leaving})
-        joining = self._prefill_step(step.admitted, step.decode) if step.admitted else []
-        budget = self.rider_tokens - sum(len(r.prompt) for r in joining)  # one budget for both
+        # One budget for the step's rows (scheduling.scheduler): decode rows, the chunk, then prompts
+        budget = self.step_tokens - (len(self.generator.running) + step.chunk if step.decode else 0)
+        joining = self._prefill_step(step.admitted, step.decode, budget) if step.admitted else []
+        budget -= sum(len(r.prompt) for r in joining)
+        queued = self.generator.next_chunk if self.generator is not None else None
+        chunk = step.chunk if queued is not None else 0
+        if queued is not None and not chunk:  # queued just now: its first chunk, within what is left where it rides
+            chunk = min(queued[1], max(budget, SMALLEST_CHUNK)) if self.generator.takes_riders else queued[1]
+            budget -= chunk
         riders, prompts = self._riders(step.prompts, budget) if step.decode else ([], step.prompts)
         if prompts:
             self._prompt_step(prompts)
-        chunk = self.generator is not None and self.generator.next_chunked is not None
         if step.decode:
             leaving = self.scheduler.take_leaving()
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
             joining = [_sequence(r) for r in joining if r.state == "running" and not r.cancelled]  # no slot for leavers
-            rides = chunk and self.generator.takes_riders
+            rides = chunk if self.generator.takes_riders else 0
             if members and (self.generator.running or joining or rides):  # (a prompt read in chunks has no slot yet)
                 self._decode_step(members, StepPlan(riders=riders, joining=joining, chunk=rides))
-                riders, chunk = [], chunk and not rides
+                riders, chunk = [], 0 if rides else chunk
         if chunk:  # no decode step took it along
-            self._chunk_step()
+            self._chunk_step(chunk)
         if riders:  # nobody left to decode: they take their own forward
             self._prompt_step(riders)
 
@@ -212,16 +218,16 @@ class StepRunner:
         self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
 
     # Generations ------------------------------------------------------------------------------------
-    def _prefill_step(self, admitted: list[EngineRequest], decode: bool) -> list[EngineRequest]:
+    def _prefill_step(self, admitted: list[EngineRequest], decode: bool, budget: int) -> list[EngineRequest]:
         """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
         a decode step to come where prompts may ride it (`decode`), the rest are left to join it
-        (scored ones too), within the step's prompt-token budget: returned, not read."""
+        (scored ones too), within `budget` prompt tokens: returned, not read."""
         whole, joining, tokens = [], [], 0
         rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
             if self.generator.chunk_if_long(_sequence(r)):
                 continue
-            if rides and tokens + len(r.prompt) <= self.rider_tokens:
+            if rides and tokens + len(r.prompt) <= budget:
                 joining.append(r)
                 tokens += len(r.prompt)
             else:
@@ -239,15 +245,16 @@ class StepRunner:
         if output is not None:
             self._took(output, whole)
 
-    def _chunk_step(self) -> None:
-        """The next chunk of the oldest prompt read in chunks (engine.chunked_prefill) in a step of
-        its own: one a step, so running generations take a token between chunks."""
-        seq_id = self.generator.next_chunked
+    def _chunk_step(self, tokens: int) -> None:
+        """The next chunk (at most `tokens`) of the oldest prompt read in chunks
+        (engine.chunked_prefill) in a step of its own: one a step, so running generations take a
+        token between chunks."""
+        seq_id, _ = self.generator.next_chunk
         request = self.scheduler.running.get(seq_id)
         if request is None:  # failed or left since: its job goes, as its removal would drop it
             self.generator.remove({seq_id})
             return
-        output = self._step("prefill", [request], lambda: self._run(StepPlan(decode=False, chunk=True)))
+        output = self._step("prefill", [request], lambda: self._run(StepPlan(decode=False, chunk=tokens)))
         if output is not None:
             self._took(output, [request])
 

@@ -5,13 +5,25 @@ scoring prompts, answered from their prompt's forward; more for generations, whi
 KV-cache slot and take a token each step until they finish. Each step (`Step`) is:
 
     leaving   generations that finished or were cancelled: their slots come free first
-    admitted  waiting generations, oldest first, while slots, the cache's blocks and the prefill
-              token budget (--max-batch-tokens) last; each one's prefill gives its first token.
-              A generation counts at the longest it may grow (prompt + max_tokens), so one
-              admitted never runs out of cache (engine.kv_cache: blocks_needed)
+    chunk     tokens of the next chunk of a long prompt read in chunks (engine.chunked_prefill)
+    admitted  waiting generations, oldest first, while slots, the cache's blocks and the step's
+              token budget last; each one's prefill gives its first token. A generation counts
+              at the longest it may grow (prompt + max_tokens), so one admitted never runs out
+              of cache (engine.kv_cache: blocks_needed)
     prompts   waiting next-token prompts: the length group (scheduling.grouping) of the oldest,
               at most --max-batch-size
     decode    one token for every running generation
+
+One token budget a step, in vLLM v1's order, where prompts share the decode step's forward
+(`step_tokens`; not where steps replay CUDA graphs): the running generations' decode rows (one
+token each) first, then the chunk (at least SMALLEST_CHUNK tokens, so a long prompt always
+moves on), then admitted prompts, whole, while they fit; next-token prompts ride with what is
+left (scheduling.runner). So a wave of prompts arriving while generations run is read over a few
+steps, each bounded, and the running streams take a token between them: read in one prefill of
+its own, it stalled them for the whole wave (docs/benchmarks.md, "One token budget a step").
+With nothing running, admission fills a prefill of its own up to --max-batch-tokens, as it does
+where steps do not pack prompts; the oldest waiting prompt is always admitted when no chunk is
+read, so one longer than the budget is not stuck (it is read whole or in chunks).
 
 Only the core's thread calls it (scheduling.core), so it holds no lock.
 
@@ -41,6 +53,7 @@ from ..engine.kv_cache import blocks_needed
 
 STREAMING_WAIT_FACTOR = 3
 STREAMING_WAIT_SHARE_OF_FORWARD = 0.5
+SMALLEST_CHUNK = 16  # tokens a step's chunk reads at least, however many decode rows share the step
 
 
 @dataclass(eq=False, slots=True)  # one per prompt: slots make it cheaper to make and read
@@ -130,6 +143,7 @@ class Step:
     admitted: list[EngineRequest] = field(default_factory=list)
     prompts: list[EngineRequest] = field(default_factory=list)
     decode: bool = False
+    chunk: int = 0  # tokens of the next chunk to read, at most (0: none)
 
     @property
     def empty(self) -> bool:
@@ -138,9 +152,11 @@ class Step:
 
 class Scheduler:
     def __init__(self, *, slots: int, capacity_blocks: int, n_ctx: int, max_batch_size: int, max_batch_tokens: int,
-                 max_batch_delay_s: float, fixed_cost_tokens: float):
+                 max_batch_delay_s: float, fixed_cost_tokens: float, step_tokens: int | None = None):
+        """`step_tokens`: the token budget of a step whose prompts share the decode rows' forward;
+        None where they never do (admission then fills prefills of their own)."""
         self.slots, self.capacity_blocks, self.n_ctx = slots, capacity_blocks, n_ctx
-        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        self.max_batch_size, self.max_batch_tokens, self.step_tokens = max_batch_size, max_batch_tokens, step_tokens
         self.max_batch_delay_s, self.fixed_cost_tokens = max_batch_delay_s, fixed_cost_tokens
         self.prompts: deque[EngineRequest] = deque()  # waiting next-token prompts, oldest first
         self.waiting: list[EngineRequest] = []  # waiting generations, oldest first
@@ -183,12 +199,20 @@ class Scheduler:
         return leaving
 
     # The step ---------------------------------------------------------------------------------------
-    def schedule(self, now: float) -> Step | float | None:
+    def schedule(self, now: float, chunk_waiting: int = 0) -> Step | float | None:
         """The next step; or, when only prompts wait and their batch may still fill, the time to
-        look again; None when there is nothing to do."""
+        look again; None when there is nothing to do. `chunk_waiting`: tokens of the next chunk
+        of a prompt read in chunks, at most (0: none)."""
         step = Step(leaving=self.take_leaving())
-        staying = self.staying()
-        step.admitted = self._admit(staying) if self.waiting else []
+        staying = self.staying()  # a prompt still read in chunks is one of them: a row it does not have yet
+        budget = self.max_batch_tokens
+        if self.step_tokens is not None and staying:  # the decode rows first, then the chunk
+            budget = self.step_tokens - len(staying)
+            step.chunk = min(chunk_waiting, max(budget, SMALLEST_CHUNK))
+            budget -= step.chunk
+        else:
+            step.chunk = chunk_waiting
+        step.admitted = self._admit(staying, budget, step.chunk) if self.waiting else []
         step.decode = bool(staying or step.admitted)
         busy = step.decode or step.admitted
         if self.prompts:
@@ -199,14 +223,16 @@ class Scheduler:
                 return wake
         return None if step.empty else step
 
-    def _admit(self, staying: list[EngineRequest]) -> list[EngineRequest]:
+    def _admit(self, staying: list[EngineRequest], budget: int, chunk: int) -> list[EngineRequest]:
+        """The oldest waiting generations, while slots, blocks and `budget` prompt tokens last
+        (the first one even over it, unless a chunk is read this step)."""
         self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
         free = self.slots - len(staying)
         admitted, tokens = [], 0
         longest = self._longest(staying)
         while self.waiting and len(admitted) < free:
             request = self.waiting[0]
-            if admitted and tokens + len(request.prompt) > self.max_batch_tokens:
+            if (admitted or chunk) and tokens + len(request.prompt) > budget:
                 break
             with_it = max(longest, min(request.longest, self.n_ctx))
             if blocks_needed(len(staying) + len(admitted) + 1, with_it) > self.capacity_blocks:

@@ -1,0 +1,144 @@
+"""One token budget a step (scheduling.scheduler), where prompts share the decode step's forward:
+decode rows first, then a long prompt's chunk, then admitted prompts while they fit. A wave of
+prompts arriving while a stream runs is read over several steps of at most the budget, never in
+a prefill of its own that would stall the stream; a chunk shrinks to what the decode rows leave.
+Every token is still the one transformers gives each prompt alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from support.generation import GREEDY, PROMPTS, lively_engine, transformers_greedy
+from support.scheduler_events import events
+
+from gpt2serve.engine.generator import Generator
+from gpt2serve.protocol import GenerateRequest
+from gpt2serve.scheduling.core import EngineCore, new_engine_thread
+from gpt2serve.scheduling.scheduler import EngineRequest, Scheduler
+from gpt2serve.telemetry.records import StepDone
+
+WAVE = [[(13 * w + 7 * j + 5) % 50257 for j in range(100)] for w in range(8)]  # 800 tokens together
+LONG = [(7 * j + 3) % 50257 for j in range(90)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return lively_engine(tmp_path_factory.mktemp("budget"))
+
+
+class Steps:
+    def __init__(self):
+        self.steps: list[StepDone] = []
+
+    def record_step(self, record: StepDone) -> None:
+        self.steps.append(record)
+
+    def record_batch(self, record) -> None:
+        pass
+
+
+async def drain(stream) -> list[int]:
+    return [e.token.token_id async for e in stream]
+
+
+def run_beside_streams(generator: Generator, streams: list[list[int]], arriving: list[list[int]],
+                       max_batch_tokens: int, overlap: bool = False) -> tuple[list[list[int]], list[list[int]], Steps]:
+    """Greedy streams of 30 tokens run; once each has its first token, `arriving` prompts (4 new
+    tokens each) come together. -> (the streams' tokens, the arrivals', every step)."""
+    recorder = Steps()
+
+    async def main():
+        core = EngineCore(generator.engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
+                          max_batch_tokens=max_batch_tokens, engine_thread=new_engine_thread(), observer=recorder,
+                          overlap=overlap)
+        core.start()
+        try:
+            running = [events(core, GenerateRequest(p, GREEDY, 30)) for p in streams]
+            firsts = [(await anext(r)).token.token_id for r in running]
+            late = [asyncio.ensure_future(drain(events(core, GenerateRequest(p, GREEDY, 4)))) for p in arriving]
+            rests = await asyncio.gather(*(drain(r) for r in running))
+            return [[f, *rest] for f, rest in zip(firsts, rests)], list(await asyncio.gather(*late))
+        finally:
+            await core.stop()
+
+    streamed, arrived = asyncio.run(main())
+    return streamed, arrived, recorder
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_wave_arriving_beside_a_stream_is_read_over_steps_within_the_budget(saved, overlap):
+    """800 prompt tokens arrive while one stream runs; the budget (512: --max-batch-tokens above
+    the CPU's 512-token forward) takes what fits each step, so the wave joins the stream's decode
+    steps over two of them and no step reads more than 512 tokens. Before the budget, the prompts
+    that did not fit were read in a prefill of their own, with the stream waiting."""
+    hf, engine = saved
+    generator = Generator(engine, slots=10)
+    streamed, arrived, recorder = run_beside_streams(generator, [PROMPTS[5]], WAVE, 4096, overlap)
+
+    assert streamed == [transformers_greedy(hf, PROMPTS[5], 30)]
+    assert arrived == [transformers_greedy(hf, p, 4) for p in WAVE]
+    steps = recorder.steps[1:]  # after the stream's own prefill
+    assert all(s.tokens_in <= 512 for s in steps), [s.tokens_in for s in steps]
+    assert not [s for s in steps if s.kind == "prefill"], "a prompt of the wave was read in a step of its own"
+    joined = [s for s in steps if s.tokens_in > s.rows]  # steps that read prompt tokens
+    assert len(joined) >= 2 and sum(s.tokens_in - s.rows for s in joined) == sum(len(p) - 1 for p in WAVE)
+
+
+def test_a_chunk_shrinks_to_what_the_decode_rows_leave(saved):
+    """A step budget of 40 tokens (--max-batch-tokens 40) and chunks of up to 64: beside three
+    streams, a 90-token prompt is read in chunks that leave room for the decode rows, so every
+    step stays within 40 tokens; the chunks still cover the whole prompt."""
+    hf, engine = saved
+    generator = Generator(engine, slots=4, chunk_tokens=64)
+    streams = PROMPTS[1:4]
+    streamed, arrived, recorder = run_beside_streams(generator, streams, [LONG], 40)
+
+    assert streamed == [transformers_greedy(hf, p, 30) for p in streams]
+    assert arrived == [transformers_greedy(hf, LONG, 4)]
+    chunked = [s for s in recorder.steps if s.kind == "decode" and s.rows == 4 and s.tokens_in > s.rows]  # 3 + chunk
+    chunks = [s.tokens_in - (s.rows - 1) for s in chunked]  # the chunk's tokens: a row of its own
+    assert sum(chunks) == len(LONG) and len(chunks) == 3, chunks  # 64 + 26 without the budget
+    assert all(s.tokens_in <= 40 for s in recorder.steps[1:]), [s.tokens_in for s in recorder.steps]
+
+
+def scheduler(step_tokens: int | None, max_batch_tokens: int = 4096) -> Scheduler:
+    return Scheduler(slots=32, capacity_blocks=10_000, n_ctx=1024, max_batch_size=64, max_batch_tokens=max_batch_tokens,
+                     max_batch_delay_s=0.001, fixed_cost_tokens=0, step_tokens=step_tokens)
+
+
+def generations(n: int, tokens: int, first_id: int) -> list[EngineRequest]:
+    return [EngineRequest([1] * tokens, new_tokens=8, request_id=first_id + i) for i in range(n)]
+
+
+def test_the_scheduler_fills_one_budget_decode_rows_then_the_chunk_then_admitted_prompts():
+    budgeted = scheduler(512)
+    budgeted.add(generations(4, 10, 0))
+    assert len(budgeted.schedule(0.0).admitted) == 4  # nothing runs: a prefill of their own
+    budgeted.add(generations(16, 200, 100))
+    step = budgeted.schedule(0.0)
+    assert step.chunk == 0 and [r.request_id for r in step.admitted] == [100, 101]  # 4 decode rows + 400 <= 512
+    step = budgeted.schedule(0.0, chunk_waiting=300)  # 6 decode rows, the chunk, then a prompt in the 206 left
+    assert step.chunk == 300 and [r.request_id for r in step.admitted] == [102]
+    step = budgeted.schedule(0.0, chunk_waiting=600)  # the chunk takes what the 7 decode rows leave
+    assert step.chunk == 512 - 7 and step.admitted == []
+
+    crowded = scheduler(512)
+    crowded.running = {r.request_id: r for r in generations(510, 1, 0)}
+    for r in crowded.running.values():
+        r.state = "running"
+    assert crowded.schedule(0.0, chunk_waiting=100).chunk == 16  # never less than SMALLEST_CHUNK
+
+    unbudgeted = scheduler(None)  # steps that replay CUDA graphs take no prompts beside decode rows
+    unbudgeted.add(generations(4, 10, 0))
+    unbudgeted.schedule(0.0)
+    unbudgeted.add(generations(16, 200, 100))
+    step = unbudgeted.schedule(0.0, chunk_waiting=300)
+    assert step.chunk == 300 and len(step.admitted) == 16  # 3,200 tokens within --max-batch-tokens
+
+    first_alone = scheduler(512)
+    first_alone.add(generations(4, 10, 0))
+    first_alone.schedule(0.0)
+    first_alone.add(generations(2, 700, 100))
+    assert [r.request_id for r in first_alone.schedule(0.0).admitted] == [100]  # over the budget, but never stuck
