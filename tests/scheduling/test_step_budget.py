@@ -14,6 +14,7 @@ from support.generation import GREEDY, PROMPTS, lively_engine, transformers_gree
 from support.scheduler_events import events
 
 from gpt2serve.engine.generator import Generator
+from gpt2serve.engine.steps import Ask
 from gpt2serve.protocol import GenerateRequest
 from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 from gpt2serve.scheduling.scheduler import EngineRequest, Scheduler
@@ -103,9 +104,29 @@ def test_a_chunk_shrinks_to_what_the_decode_rows_leave(saved):
     assert all(s.tokens_in <= 40 for s in recorder.steps[1:]), [s.tokens_in for s in recorder.steps]
 
 
-def scheduler(step_tokens: int | None, max_batch_tokens: int = 4096) -> Scheduler:
+def test_prompts_count_what_they_compute_past_the_prefix_cache(saved):
+    """Eight 100-token prompts behind a 96-token prefix the prefix cache holds compute 4 tokens
+    each: all of them join one decode step of the stream, where their whole lengths (800 tokens)
+    would not fit its budget of 512."""
+    hf, engine = saved
+    shared = [(11 * j + 2) % 50257 for j in range(96)]
+    engine.attach_prefix_cache(64, doorkeeper=False)
+    try:
+        engine.next_token([Ask(shared + [9])])  # the shared blocks into the prefix cache
+        wave = [shared + [100 + w, 200 + w, 300 + w, 400 + w] for w in range(8)]
+        streamed, arrived, recorder = run_beside_streams(Generator(engine, slots=10), [PROMPTS[5]], wave, 4096)
+    finally:
+        engine.prefix_cache = None
+    assert streamed == [transformers_greedy(hf, PROMPTS[5], 30)]
+    assert arrived == [transformers_greedy(hf, p, 4) for p in wave]
+    joined = [s for s in recorder.steps[1:] if s.tokens_in > s.rows]
+    assert [s.tokens_in - s.rows for s in joined] == [8 * 3], [(s.rows, s.tokens_in) for s in joined]
+    assert joined[0].prefix_cache.hit_tokens == 8 * 96
+
+
+def scheduler(step_tokens: int | None, max_batch_tokens: int = 4096, uncached=len) -> Scheduler:
     return Scheduler(slots=32, capacity_blocks=10_000, n_ctx=1024, max_batch_size=64, max_batch_tokens=max_batch_tokens,
-                     max_batch_delay_s=0.001, fixed_cost_tokens=0, step_tokens=step_tokens)
+                     max_batch_delay_s=0.001, fixed_cost_tokens=0, step_tokens=step_tokens, uncached=uncached)
 
 
 def generations(n: int, tokens: int, first_id: int) -> list[EngineRequest]:
@@ -142,3 +163,9 @@ def test_the_scheduler_fills_one_budget_decode_rows_then_the_chunk_then_admitted
     first_alone.schedule(0.0)
     first_alone.add(generations(2, 700, 100))
     assert [r.request_id for r in first_alone.schedule(0.0).admitted] == [100]  # over the budget, but never stuck
+
+    cached = scheduler(512, uncached=lambda prompt: len(prompt) - 640)  # the prefix cache holds 640 of each
+    cached.add(generations(4, 10, 0))
+    cached.schedule(0.0)
+    cached.add(generations(8, 700, 100))
+    assert len(cached.schedule(0.0).admitted) == 8  # 60 tokens to compute each

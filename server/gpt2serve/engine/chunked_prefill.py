@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Collection
+from typing import Callable, Collection
 
 import torch
 
@@ -117,13 +117,12 @@ class ChunkQueue:
     def oldest(self) -> ChunkedPrefill | None:
         return self.jobs[0] if self.jobs else None
 
-    def reads_in_chunks(self, sequence, pool: PrefixCache | None) -> bool:
-        """More uncached tokens than a chunk, and no scores (scoring reads every position's hidden
-        state at once)."""
+    def reads_in_chunks(self, sequence, uncached: Callable[[list[int]], int]) -> bool:
+        """More uncached tokens (`uncached(prompt)`) than a chunk, and no scores (scoring reads
+        every position's hidden state at once)."""
         if not self.chunk_tokens or sequence.prompt_logprobs is not None or len(sequence.prompt) <= self.chunk_tokens:
             return False
-        cached = len(pool.match(sequence.prompt)) * BLOCK if pool is not None else 0
-        return len(sequence.prompt) - cached > self.chunk_tokens
+        return uncached(sequence.prompt) > self.chunk_tokens
 
     def add(self, sequence) -> None:
         self.jobs.append(ChunkedPrefill(sequence))

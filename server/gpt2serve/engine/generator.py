@@ -10,14 +10,13 @@ The scheduler (scheduling.scheduler) decides who runs; this module runs each ste
   replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU
   (engine.traced_decode); or, carrying prompts (next-token ones, admitted ones, a long prompt's
   next chunk), one eager forward for all (engine.step_forward).
-Sequences leave between steps; their slots are refilled by compaction, and the cache grows and
-shrinks with what they hold (engine.kv_cache).
+Sequences leave between steps, their slots refilled by compaction (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
 sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
-them, so a step can be launched before the host has read the last one's answers (`launch`,
-then `finish`: the core overlaps the two on cuda). On cuda a launch copies nothing
-synchronously. Each row's own controls and grammar: engine.logits_controls."""
+them, so a step can be launched before the host has read the last one's answers (`launch`, then
+`finish`: overlapped on cuda, where a launch copies nothing synchronously). Each row's own
+controls and grammar: engine.logits_controls."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
 from .kv_cache import KVCache, SlotStore, blocks_needed
 from .padding import forward_parts
-from .prefix_cache import PrefixCache, RowPlan
+from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
 from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
@@ -129,16 +128,13 @@ class Generator:
             self.cache.fit(len(self.running), max((r.length for r in self.running), default=0) + 1)
         self.chunked.drop(seq_ids)
 
-    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:
-        """Prompts into the next free slots, and each one's first token, in a step of their own."""
+    def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:  # tests' and benches' short forms
         return self.finish(self.launch(StepPlan(decode=False, joining=sequences)))
 
     def decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
                ) -> StepOutput:
-        """One token for every running sequence, and from the same forward each rider's top-k,
-        the next chunk (`chunk`), each `joining` prompt into a slot, its first token."""
-        chunk_tokens = self.chunked.chunk_tokens if chunk else 0
-        return self.finish(self.launch(StepPlan(riders=riders, joining=joining, chunk=chunk_tokens)))
+        plan = StepPlan(riders=riders, joining=joining, chunk=self.chunked.chunk_tokens if chunk else 0)
+        return self.finish(self.launch(plan))
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -204,10 +200,15 @@ class Generator:
         return PackedAnswers(first_tokens=tokens, first_failed=failed, cached_tokens={s.seq_id: 0 for s in sequences},
                              prompt_tokens=sum(map(len, prompts)))
 
+    def uncached_tokens(self, prompt: Sequence[int]) -> int:
+        """What reading a prompt computes: its tokens past the blocks the prefix cache holds."""
+        pool = self.engine.prefix_cache
+        return len(prompt) - (len(pool.match(prompt)) * PREFIX_BLOCK if pool is not None else 0)
+
     def chunk_if_long(self, sequence: NewSequence) -> bool:
         """Queue a long prompt to be read in chunks (engine.chunked_prefill), one chunk a step
         (StepPlan.chunk): more uncached tokens than a chunk, no scores. Whether it was queued."""
-        if not self.chunked.reads_in_chunks(sequence, self.engine.prefix_cache):
+        if not self.chunked.reads_in_chunks(sequence, self.uncached_tokens):
             return False
         self.chunked.add(sequence)
         return True

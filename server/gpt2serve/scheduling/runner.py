@@ -94,8 +94,8 @@ class StepRunner:
             self.generator.remove({r.request_id for r in step.leaving})
         # One budget for the step's rows (scheduling.scheduler): decode rows, the chunk, then prompts
         budget = self.step_tokens - (len(self.generator.running) + step.chunk if step.decode else 0)
-        joining = self._prefill_step(step.admitted, step.decode, budget) if step.admitted else []
-        budget -= sum(len(r.prompt) for r in joining)
+        joining, joining_tokens = self._prefill_step(step.admitted, step.decode, budget) if step.admitted else ([], 0)
+        budget -= joining_tokens
         queued = self.generator.next_chunk if self.generator is not None else None
         chunk = step.chunk if queued is not None else 0
         if queued is not None and not chunk:  # queued just now: its first chunk, within what is left where it rides
@@ -218,23 +218,26 @@ class StepRunner:
         self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
 
     # Generations ------------------------------------------------------------------------------------
-    def _prefill_step(self, admitted: list[EngineRequest], decode: bool, budget: int) -> list[EngineRequest]:
+    def _prefill_step(self, admitted: list[EngineRequest], decode: bool, budget: int
+                      ) -> tuple[list[EngineRequest], int]:
         """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
         a decode step to come where prompts may ride it (`decode`), the rest are left to join it
-        (scored ones too), within `budget` prompt tokens: returned, not read."""
+        (scored ones too), within `budget` tokens to compute (after the prefix cache): returned,
+        not read, with the tokens they take."""
         whole, joining, tokens = [], [], 0
         rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
             if self.generator.chunk_if_long(_sequence(r)):
                 continue
-            if rides and tokens + len(r.prompt) <= budget:
+            cost = self.generator.uncached_tokens(r.prompt) if rides else 0
+            if rides and tokens + cost <= budget:
                 joining.append(r)
-                tokens += len(r.prompt)
+                tokens += cost
             else:
                 whole.append(r)
         if whole:
             self._prefill(whole)
-        return joining
+        return joining, tokens
 
     def _prefill(self, whole: list[EngineRequest]) -> None:
         """Out of device memory (the prefill left nothing behind): each half on its own, down to

@@ -17,8 +17,8 @@ KV-cache slot and take a token each step until they finish. Each step (`Step`) i
 One token budget a step, in vLLM v1's order, where prompts share the decode step's forward
 (`step_tokens`; not where steps replay CUDA graphs): the running generations' decode rows (one
 token each) first, then the chunk (at least SMALLEST_CHUNK tokens, so a long prompt always
-moves on), then admitted prompts, whole, while they fit; next-token prompts ride with what is
-left (scheduling.runner). So a wave of prompts arriving while generations run is read over a few
+moves on), then admitted prompts, whole, while they fit (each counts what it computes, past
+the blocks the prefix cache holds); next-token prompts ride with what is left (scheduling.runner). So a wave of prompts arriving while generations run is read over a few
 steps, each bounded, and the running streams take a token between them: read in one prefill of
 its own, it stalled them for the whole wave (docs/benchmarks.md, "One token budget a step").
 With nothing running, admission fills a prefill of its own up to --max-batch-tokens, as it does
@@ -45,7 +45,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..protocol import SamplingParams, StepControls, TraceContext
 from .grouping import plan_batch
@@ -152,9 +152,12 @@ class Step:
 
 class Scheduler:
     def __init__(self, *, slots: int, capacity_blocks: int, n_ctx: int, max_batch_size: int, max_batch_tokens: int,
-                 max_batch_delay_s: float, fixed_cost_tokens: float, step_tokens: int | None = None):
+                 max_batch_delay_s: float, fixed_cost_tokens: float, step_tokens: int | None = None,
+                 uncached: Callable[[list[int]], int] = len):
         """`step_tokens`: the token budget of a step whose prompts share the decode rows' forward;
-        None where they never do (admission then fills prefills of their own)."""
+        None where they never do (admission then fills prefills of their own). `uncached(prompt)`:
+        the tokens reading it computes, past what the prefix cache holds (vLLM's computed tokens)."""
+        self.uncached = uncached
         self.slots, self.capacity_blocks, self.n_ctx = slots, capacity_blocks, n_ctx
         self.max_batch_size, self.max_batch_tokens, self.step_tokens = max_batch_size, max_batch_tokens, step_tokens
         self.max_batch_delay_s, self.fixed_cost_tokens = max_batch_delay_s, fixed_cost_tokens
@@ -224,7 +227,7 @@ class Scheduler:
         return None if step.empty else step
 
     def _admit(self, staying: list[EngineRequest], budget: int, chunk: int) -> list[EngineRequest]:
-        """The oldest waiting generations, while slots, blocks and `budget` prompt tokens last
+        """The oldest waiting generations, while slots, blocks and `budget` tokens to compute last
         (the first one even over it, unless a chunk is read this step)."""
         self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
         free = self.slots - len(staying)
@@ -232,7 +235,8 @@ class Scheduler:
         longest = self._longest(staying)
         while self.waiting and len(admitted) < free:
             request = self.waiting[0]
-            if (admitted or chunk) and tokens + len(request.prompt) > budget:
+            cost = self.uncached(request.prompt)
+            if (admitted or chunk) and tokens + cost > budget:
                 break
             with_it = max(longest, min(request.longest, self.n_ctx))
             if blocks_needed(len(staying) + len(admitted) + 1, with_it) > self.capacity_blocks:
@@ -242,7 +246,7 @@ class Scheduler:
             request.state = "running"
             self.running[request.request_id] = request
             admitted.append(request)
-            tokens += len(request.prompt)
+            tokens += cost
         return admitted
 
     def _live_prompts(self) -> None:
