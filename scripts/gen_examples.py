@@ -11,8 +11,8 @@ An example is a marker line, then a fenced block:
 This starts `gpt2serve serve --model random:gpt2` (seed 0: the same weights everywhere, no hub
 needed), runs each marked command against it (GPT2SERVE_TARGET), and writes its output (stdout,
 then stderr) into the block. Timings differ from run to run: `--check` compares with every
-"<number> ms" masked and other numbers within a relative 1e-6, rewrites nothing, and exits 1 naming each stale example (the suite runs it:
-tests/project/test_doc_examples.py).
+"<number> ms" masked and other numbers within a relative 1e-6, rewrites nothing, and exits 1
+naming each stale example (the suite runs it: tests/project/test_doc_examples.py).
 
     .venv/bin/python scripts/gen_examples.py [--check] [FILE ...]
 """

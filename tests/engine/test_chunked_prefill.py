@@ -9,11 +9,10 @@ import asyncio
 import pytest
 
 from support.generation import GREEDY, PROMPTS, generation_core, lively_engine, transformers_greedy
-from support.scheduler_events import QueueSink, events
+from support.scheduler_events import QueueSink, StepRecorder, events
 
 from gpt2serve.engine.generator import Generator
 from gpt2serve.protocol import GenerateRequest
-from gpt2serve.telemetry.records import StepDone
 
 CHUNK = 16
 LONG = [(7 * j + 3) % 50257 for j in range(90)]  # 6 chunks of 16 (the last of 10)
@@ -22,17 +21,6 @@ LONG = [(7 * j + 3) % 50257 for j in range(90)]  # 6 chunks of 16 (the last of 1
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     return lively_engine(tmp_path_factory.mktemp("chunked"))
-
-
-class Steps:
-    def __init__(self):
-        self.steps: list[StepDone] = []
-
-    def record_step(self, record: StepDone) -> None:
-        self.steps.append(record)
-
-    def record_batch(self, record) -> None:
-        pass
 
 
 async def drain(stream) -> list:
@@ -54,7 +42,7 @@ def test_running_streams_take_tokens_while_a_long_prompt_is_read_in_chunks(saved
     tokens are what transformers gives each alone."""
     hf, engine = saved
     generator = Generator(engine, slots=4, chunk_tokens=CHUNK)
-    recorder = Steps()
+    recorder = StepRecorder()
 
     async def main():
         core = generation_core(generator, observer=recorder, overlap=overlap)

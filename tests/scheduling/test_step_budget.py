@@ -11,14 +11,13 @@ import asyncio
 import pytest
 
 from support.generation import GREEDY, PROMPTS, lively_engine, transformers_greedy
-from support.scheduler_events import events
+from support.scheduler_events import StepRecorder, events
 
 from gpt2serve.engine.generator import Generator
 from gpt2serve.engine.steps import Ask
 from gpt2serve.protocol import GenerateRequest
 from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 from gpt2serve.scheduling.scheduler import EngineRequest, Scheduler
-from gpt2serve.telemetry.records import StepDone
 
 WAVE = [[(13 * w + 7 * j + 5) % 50257 for j in range(100)] for w in range(8)]  # 800 tokens together
 LONG = [(7 * j + 3) % 50257 for j in range(90)]
@@ -29,26 +28,16 @@ def saved(tmp_path_factory):
     return lively_engine(tmp_path_factory.mktemp("budget"))
 
 
-class Steps:
-    def __init__(self):
-        self.steps: list[StepDone] = []
-
-    def record_step(self, record: StepDone) -> None:
-        self.steps.append(record)
-
-    def record_batch(self, record) -> None:
-        pass
-
-
 async def drain(stream) -> list[int]:
     return [e.token.token_id async for e in stream]
 
 
 def run_beside_streams(generator: Generator, streams: list[list[int]], arriving: list[list[int]],
-                       max_batch_tokens: int, overlap: bool = False) -> tuple[list[list[int]], list[list[int]], Steps]:
+                       max_batch_tokens: int, overlap: bool = False
+                       ) -> tuple[list[list[int]], list[list[int]], StepRecorder]:
     """Greedy streams of 30 tokens run; once each has its first token, `arriving` prompts (4 new
     tokens each) come together. -> (the streams' tokens, the arrivals', every step)."""
-    recorder = Steps()
+    recorder = StepRecorder()
 
     async def main():
         core = EngineCore(generator.engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,

@@ -8,6 +8,20 @@ from typing import AsyncIterator
 
 from gpt2serve.protocol import GenerateRequest, TokenEvent
 from gpt2serve.scheduling.core import EngineCore
+from gpt2serve.telemetry.records import StepDone
+
+
+class StepRecorder:
+    """An observer of the core that keeps every generation step's record."""
+
+    def __init__(self):
+        self.steps: list[StepDone] = []
+
+    def record_step(self, record: StepDone) -> None:
+        self.steps.append(record)
+
+    def record_batch(self, record) -> None:
+        pass
 
 
 class QueueSink:

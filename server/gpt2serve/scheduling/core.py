@@ -74,7 +74,7 @@ class EngineCore:
         self.scheduler = Scheduler(slots=self.slots, capacity_blocks=self.capacity_blocks, n_ctx=self.n_ctx,
                                    max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                                    max_batch_delay_s=max_batch_delay_s, fixed_cost_tokens=engine.fixed_cost_tokens,
-                                   step_tokens=step_tokens if generator is not None and generator.takes_riders else None,
+                                   step_tokens=step_tokens if generator and generator.takes_riders else None,
                                    uncached=generator.uncached_tokens if generator is not None else len)
         self._executor = engine_thread or new_engine_thread()
         self._intake: list[EngineRequest] = []

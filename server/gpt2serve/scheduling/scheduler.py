@@ -18,7 +18,8 @@ One token budget a step, in vLLM v1's order, where prompts share the decode step
 (`step_tokens`; not where steps replay CUDA graphs): the running generations' decode rows (one
 token each) first, then the chunk (at least SMALLEST_CHUNK tokens, so a long prompt always
 moves on), then admitted prompts, whole, while they fit (each counts what it computes, past
-the blocks the prefix cache holds); next-token prompts ride with what is left (scheduling.runner). So a wave of prompts arriving while generations run is read over a few
+the blocks the prefix cache holds); next-token prompts ride with what is left
+(scheduling.runner). So a wave of prompts arriving while generations run is read over a few
 steps, each bounded, and the running streams take a token between them: read in one prefill of
 its own, it stalled them for the whole wave (docs/benchmarks.md, "One token budget a step").
 With nothing running, admission fills a prefill of its own up to --max-batch-tokens, as it does
