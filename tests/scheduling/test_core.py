@@ -14,11 +14,10 @@ import pytest
 
 from support.generation import GREEDY, PROMPTS, generation_core, lively_engine, transformers_greedy
 from support.reference import as_result, assert_matches_reference, assert_prompt_scores_match
-from support.scheduler_events import events
+from support.scheduler_events import StepRecorder, events
 
 from gpt2serve.engine.generator import Generator
 from gpt2serve.protocol import GenerateRequest, TraceContext
-from gpt2serve.telemetry.records import BatchDone, StepDone
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +27,6 @@ def saved(tmp_path_factory):
 
 async def drain(stream) -> list:
     return [e async for e in stream]
-
-
-class Recorder:
-    def __init__(self):
-        self.steps: list[StepDone] = []
-        self.batches: list[BatchDone] = []
-
-    def record_step(self, record: StepDone) -> None:
-        self.steps.append(record)
-
-    def record_batch(self, record: BatchDone) -> None:
-        self.batches.append(record)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
@@ -54,7 +41,7 @@ def test_a_next_token_prompt_rides_the_next_decode_step_of_running_streams(saved
         return real_next_token(*args, **kwargs)
 
     engine.next_token = counting_next_token
-    recorder = Recorder()
+    recorder = StepRecorder()
     riders = [PROMPTS[7], PROMPTS[2], PROMPTS[11]]  # 22, 7 and 34 tokens: rows of three lengths
 
     async def main():
@@ -138,7 +125,7 @@ def run_beside_a_stream(generator, submit):
         finally:
             await core.stop()
 
-    recorder = Recorder()
+    recorder = StepRecorder()
     answers, rest = asyncio.run(main())
     return answers, rest, recorder
 

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from support.generation import GREEDY, PROMPTS, lively_engine, transformers_greedy
+from support.reference import as_result, assert_matches_reference
 from support.scheduler_events import StepRecorder, events
 
 from gpt2serve.engine.generator import Generator
@@ -111,6 +112,40 @@ def test_prompts_count_what_they_compute_past_the_prefix_cache(saved):
     joined = [s for s in recorder.steps[1:] if s.tokens_in > s.rows]
     assert [s.tokens_in - s.rows for s in joined] == [8 * 3], [(s.rows, s.tokens_in) for s in joined]
     assert joined[0].prefix_cache.hit_tokens == 8 * 96
+
+
+def test_riders_count_what_they_compute_past_the_prefix_cache(saved):
+    """Eight next-token prompts of 100 tokens behind a cached 96-token prefix all ride one decode
+    step of the stream (4 tokens each to compute); counted whole (800 tokens), three of them took
+    a forward of their own. Every answer is transformers'."""
+    hf, engine = saved
+    shared = [(11 * j + 2) % 50257 for j in range(96)]
+    prompts = [shared + [500 + w, 600 + w, 700 + w, 800 + w] for w in range(8)]
+    recorder = StepRecorder()
+
+    async def main():
+        core = EngineCore(engine, Generator(engine, slots=4), max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
+                          max_batch_tokens=4096, engine_thread=new_engine_thread(), observer=recorder)
+        core.start()
+        try:
+            stream = events(core, GenerateRequest(PROMPTS[5], GREEDY, 30))
+            await anext(stream)
+            answers = await core.submit(prompts, top_k=5)
+            await drain(stream)
+            return answers
+        finally:
+            await core.stop()
+
+    engine.attach_prefix_cache(64, doorkeeper=False)
+    try:
+        engine.next_token([Ask(shared + [9])])  # the shared blocks into the prefix cache
+        answers = asyncio.run(main())
+    finally:
+        engine.prefix_cache = None
+    assert [len(b.traces) for b in recorder.batches] == [8]  # one batch: none took a forward of its own
+    assert answers[0].batch_started_ns in {s.started_ns for s in recorder.steps if s.kind == "decode"}
+    for prompt, answer in zip(prompts, answers):
+        assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=5)
 
 
 def scheduler(step_tokens: int | None, max_batch_tokens: int = 4096, uncached=len) -> Scheduler:

@@ -8,20 +8,22 @@ from typing import AsyncIterator
 
 from gpt2serve.protocol import GenerateRequest, TokenEvent
 from gpt2serve.scheduling.core import EngineCore
-from gpt2serve.telemetry.records import StepDone
+from gpt2serve.telemetry.records import BatchDone, StepDone
 
 
 class StepRecorder:
-    """An observer of the core that keeps every generation step's record."""
+    """An observer of the core that keeps every generation step's record and every next-token
+    batch's."""
 
     def __init__(self):
         self.steps: list[StepDone] = []
+        self.batches: list[BatchDone] = []
 
     def record_step(self, record: StepDone) -> None:
         self.steps.append(record)
 
-    def record_batch(self, record) -> None:
-        pass
+    def record_batch(self, record: BatchDone) -> None:
+        self.batches.append(record)
 
 
 class QueueSink:

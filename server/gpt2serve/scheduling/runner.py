@@ -120,12 +120,16 @@ class StepRunner:
             self._prompt_step(riders)
 
     def _riders(self, prompts: list[EngineRequest], budget: int) -> tuple[list[EngineRequest], list[EngineRequest]]:
-        """(the prompts that ride this step's decode, within `budget` prompt tokens; the rest)."""
+        """(the prompts that ride this step's decode, within `budget` tokens to compute, after the
+        prefix cache; the rest)."""
+        if not self.generator.takes_riders:
+            return [], prompts
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            if r.rides and tokens + len(r.prompt) <= budget and self.generator.takes_riders:
+            cost = self.generator.uncached_tokens(r.prompt) if r.rides else budget + 1
+            if tokens + cost <= budget:
                 riders.append(r)
-                tokens += len(r.prompt)
+                tokens += cost
             else:
                 rest.append(r)
         return riders, rest
