@@ -77,8 +77,8 @@ def test_counters_move_by_what_was_sent(metered_server):
 
 
 def test_generation_steps_are_timed_by_kind(metered_server):
-    """A generation of 6 tokens alone: one prefill of one sequence (its first token), then five
-    decode steps of one sequence each."""
+    """A generation of 6 tokens alone: one prefill of one sequence (its first token, its 3 prompt
+    tokens), then five decode steps of one sequence (one token) each."""
     srv = metered_server
     before = scrape(srv)
     with Client(srv.grpc_target) as client:
@@ -94,6 +94,9 @@ def test_generation_steps_are_timed_by_kind(metered_server):
         assert delta("gpt2serve_step_sequences_count", kind=kind) == steps
         assert delta("gpt2serve_step_sequences_sum", kind=kind) == steps  # one sequence in each
         assert delta("gpt2serve_step_duration_seconds_sum", kind=kind) > 0
+        assert delta("gpt2serve_step_tokens_count", kind=kind) == steps
+    assert delta("gpt2serve_step_tokens_sum", kind="prefill") == 3
+    assert delta("gpt2serve_step_tokens_sum", kind="decode") == 5
     assert delta("gpt2serve_step_duration_seconds_bucket", kind="decode", le="+Inf") == 5
 
 

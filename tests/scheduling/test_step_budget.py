@@ -143,7 +143,8 @@ def test_riders_count_what_they_compute_past_the_prefix_cache(saved):
     finally:
         engine.prefix_cache = None
     assert [len(b.traces) for b in recorder.batches] == [8]  # one batch: none took a forward of its own
-    assert answers[0].batch_started_ns in {s.started_ns for s in recorder.steps if s.kind == "decode"}
+    (step,) = [s for s in recorder.steps if s.kind == "decode" and s.started_ns == answers[0].batch_started_ns]
+    assert step.tokens_in == 1 + 8 * 4  # the stream's row and what the riders computed past the prefix cache
     for prompt, answer in zip(prompts, answers):
         assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=5)
 

@@ -261,7 +261,8 @@ class Generator:
         for r in rows:
             r.length += 1
             r.unread += 1
-        return StepLaunch(rows, chosen, done, device_started, B + sum(len(r.prompt) for r in riders), started, started_ns,
+        computed = B + sum(len(r.prompt) for r in riders) - sum(packed.rider_cached if packed else ())  # past the cache
+        return StepLaunch(rows, chosen, done, device_started, computed, started, started_ns,
                           time.perf_counter() - started, packed)
 
     def finish(self, step: StepLaunch) -> StepOutput:
@@ -380,9 +381,8 @@ class Generator:
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int
                 ) -> tuple[dict[int, SampledToken], frozenset[int]]:
-        """Sample each row's next token (into last_ids from `first_slot` on), bring the answers
-        over in one copy, and record them; also the rows whose logits were not finite (see
-        sampling), which get no token."""
+        """Sample each row's next token (into last_ids from `first_slot` on), bring the answers over
+        in one copy, and record them; also the rows whose logits were not finite (no token)."""
         return read_choices(self._sample(logits, rows, first_slot, decode=False).cpu().tolist(), rows)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int, decode: bool) -> torch.Tensor:

@@ -104,7 +104,7 @@ class StepOutput:
     tokens: dict[int, SampledToken]  # seq_id -> its new token
     kind: str  # "prefill" or "decode"
     rows: int  # sequences in the forward
-    tokens_in: int  # tokens the forward read: prompt tokens (prefill) or one per row (decode)
+    tokens_in: int  # tokens the forward computed: one per decode row, prompt tokens past the prefix cache
     forward_s: float
     started_ns: int  # wall clock, for the step's span
     ended_ns: int

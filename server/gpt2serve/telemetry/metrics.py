@@ -37,6 +37,7 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A generation step: half a millisecond (a decode step on a card) to a second (a long prefill on a CPU).
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024)
 # gen_ai.server.time_per_output_token buckets, with finer ones below 10 ms for GPUs.
@@ -89,6 +90,11 @@ class Metrics:
                                        ["kind"], buckets=STEP_BUCKETS, registry=r)
         self.step_sequences = Histogram("gpt2serve_step_sequences", "Sequences in one generation step, by kind",
                                         ["kind"], buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.step_tokens = Histogram("gpt2serve_step_tokens",
+                                     "Tokens one generation step computed, by kind: one per decode row and the "
+                                     "prompt tokens read beside them, past the prefix cache (what the step's token "
+                                     "budget bounds; vLLM's iteration tokens)", ["kind"],
+                                     buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("gpt2serve_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
         self.generated_tokens = Counter("gpt2serve_generated_tokens", "Tokens generated", ["api"], registry=r)
         self.prefix_cache_queries = Counter("gpt2serve_prefix_cache_queries",
@@ -240,9 +246,10 @@ class Metrics:
         self.batch_size.observe(size)
         self.forward_duration.observe(forward_s)
 
-    def step(self, kind: str, sequences: int, seconds: float) -> None:
+    def step(self, kind: str, sequences: int, tokens: int, seconds: float) -> None:
         self._child(self.step_duration, kind=kind).observe(seconds)
         self._child(self.step_sequences, kind=kind).observe(sequences)
+        self._child(self.step_tokens, kind=kind).observe(tokens)
 
     def prefix_cache(self, use: PrefixCacheUse) -> None:
         counts = {self.prefix_cache_queries: use.queried_tokens, self.prefix_cache_hits: use.hit_tokens}

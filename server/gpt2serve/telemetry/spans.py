@@ -343,7 +343,7 @@ class Telemetry:
     def record_step(self, record: StepDone) -> None:
         """One span per generation step (prefill or decode) with a sampled sequence in it: a
         child of the first such sequence's request span, linked to the others'."""
-        self.metrics.step(record.kind, record.rows, record.forward_s)
+        self.metrics.step(record.kind, record.rows, record.tokens_in, record.forward_s)
         if record.prefix_cache is not None:
             self.metrics.prefix_cache(record.prefix_cache)
         sampled = [t for t in record.traces if t is not None and t.sampled]
