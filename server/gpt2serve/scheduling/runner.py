@@ -109,7 +109,7 @@ class StepRunner:
             if leaving:  # finished at their first token: out before the decode
                 self.generator.remove({r.request_id for r in leaving})
             members = self.scheduler.staying()
-            joining = [_sequence(r) for r in joining if r.state == "running" and not r.cancelled]  # no slot for leavers
+            joining = [seq for r, seq in joining if r.state == "running" and not r.cancelled]  # no slot for leavers
             rides = chunk if self.generator.takes_riders else 0
             if members and (self.generator.running or joining or rides):  # (a prompt read in chunks has no slot yet)
                 self._decode_step(members, StepPlan(riders=riders, joining=joining, chunk=rides))
@@ -223,30 +223,32 @@ class StepRunner:
 
     # Generations ------------------------------------------------------------------------------------
     def _prefill_step(self, admitted: list[EngineRequest], decode: bool, budget: int
-                      ) -> tuple[list[EngineRequest], int]:
+                      ) -> tuple[list[tuple[EngineRequest, NewSequence]], int]:
         """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
         a decode step to come where prompts may ride it (`decode`), the rest are left to join it
         (scored ones too), within `budget` tokens to compute (after the prefix cache): returned,
-        not read, with the tokens they take."""
+        not read, each with its sequence, and the tokens they take."""
         whole, joining, tokens = [], [], 0
         rides = decode and self.generator.takes_riders and bool(self.generator.running)
         for r in admitted:
-            if self.generator.chunk_if_long(_sequence(r)):
+            sequence = _sequence(r)
+            if self.generator.chunk_if_long(sequence):
                 continue
             cost = self.generator.uncached_tokens(r.prompt) if rides else 0
             if rides and tokens + cost <= budget:
-                joining.append(r)
+                joining.append((r, sequence))
                 tokens += cost
             else:
-                whole.append(r)
+                whole.append((r, sequence))
         if whole:
-            self._prefill(whole)
+            self._prefill([r for r, _ in whole], [seq for _, seq in whole])
         return joining, tokens
 
-    def _prefill(self, whole: list[EngineRequest]) -> None:
+    def _prefill(self, whole: list[EngineRequest], sequences: list[NewSequence] | None = None) -> None:
         """Out of device memory (the prefill left nothing behind): each half on its own, down to
-        one prompt, which then fails alone, as next-token batches split."""
-        plan = StepPlan(decode=False, joining=[_sequence(r) for r in whole])
+        one prompt, which then fails alone, as next-token batches split. (`sequences`: the
+        requests' own, where the caller made them.)"""
+        plan = StepPlan(decode=False, joining=sequences or [_sequence(r) for r in whole])
         halves = (lambda exc: self._in_halves(whole, self._prefill, exc, "prefill")) if len(whole) > 1 else None
         output = self._step("prefill", whole, lambda: self._run(plan), on_oom=halves)
         if output is not None:
