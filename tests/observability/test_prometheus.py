@@ -124,7 +124,7 @@ def test_every_dashboard_query_returns_data(stack):
     expressions = dashboard_expressions()
     assert len(expressions) >= 10
     for metric in ("time_to_first_token", "time_per_output_token", "running_sequences", "waiting_sequences",
-                   "kv_cache_usage", "generated_tokens", "prefix_cache_hits", "step_duration"):
+                   "kv_cache_usage", "generated_tokens", "prefix_cache_hits", "step_duration", "step_tokens"):
         assert any(metric in expr for expr in expressions), f"no panel shows gpt2serve_{metric}"
     empty = []
     for expr in expressions:
