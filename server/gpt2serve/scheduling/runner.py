@@ -36,7 +36,7 @@ from ..engine.steps import BatchOutput, NewSequence, PromptLaunch, StepLaunch, S
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
 from .engine_api import GenerationEngine, PromptEngine
 from .outputs import Handover, Outputs
-from .scheduler import SMALLEST_CHUNK, EngineRequest, Scheduler, Step
+from .scheduler import EngineRequest, Scheduler, Step
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,12 @@ class StepRunner:
             self.generator.remove({r.request_id for r in step.leaving})
         # One budget for the step's rows (scheduling.scheduler): decode rows, the chunk, then prompts
         budget = self.step_tokens - (len(self.generator.running) + step.chunk if step.decode else 0)
-        joining, joining_tokens = self._prefill_step(step.admitted, step.decode, budget) if step.admitted else ([], 0)
+        joining, joining_tokens = self._prefill_step(step, budget) if step.admitted else ([], 0)
         budget -= joining_tokens
         queued = self.generator.next_chunk if self.generator is not None else None
         chunk = step.chunk if queued is not None else 0
-        if queued is not None and not chunk:  # queued just now: its first chunk, within what is left where it rides
-            chunk = min(queued[1], max(budget, SMALLEST_CHUNK)) if self.generator.takes_riders else queued[1]
+        if queued is not None and not chunk:  # queued just now: its first chunk, within what is left
+            chunk = self.scheduler.chunk_within(queued[1], budget)
             budget -= chunk
         riders, prompts = self._riders(step.prompts, budget) if step.decode else ([], step.prompts)
         if prompts:
@@ -126,8 +126,8 @@ class StepRunner:
             return [], prompts
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            cost = self.generator.uncached_tokens(r.prompt) if r.rides else budget + 1
-            if tokens + cost <= budget:
+            cost = self.generator.uncached_tokens(r.prompt) if r.rides else 0
+            if r.rides and tokens + cost <= budget:
                 riders.append(r)
                 tokens += cost
             else:
@@ -222,19 +222,17 @@ class StepRunner:
         self._post(self.outputs.answer_prompts, batch, output, started, started_ns, True)
 
     # Generations ------------------------------------------------------------------------------------
-    def _prefill_step(self, admitted: list[EngineRequest], decode: bool, budget: int
-                      ) -> tuple[list[tuple[EngineRequest, NewSequence]], int]:
-        """One prefill of the admitted prompts; the long ones join the queue read in chunks. With
-        a decode step to come where prompts may ride it (`decode`), the rest are left to join it
-        (scored ones too), within `budget` tokens to compute (after the prefix cache): returned,
-        not read, each with its sequence, and the tokens they take."""
+    def _prefill_step(self, step: Step, budget: int) -> tuple[list[tuple[EngineRequest, NewSequence]], int]:
+        """One prefill of the step's admitted prompts; the long ones join the queue read in chunks.
+        With a decode step to come where prompts may ride it, the rest are left to join it (scored
+        ones too), within `budget` tokens to compute (after the prefix cache, as the scheduler
+        counted them): returned, not read, each with its sequence, and the tokens they take."""
         whole, joining, tokens = [], [], 0
-        rides = decode and self.generator.takes_riders and bool(self.generator.running)
-        for r in admitted:
+        rides = step.decode and self.generator.takes_riders and bool(self.generator.running)
+        for r, cost in zip(step.admitted, step.admitted_tokens):
             sequence = _sequence(r)
             if self.generator.chunk_if_long(sequence):
                 continue
-            cost = self.generator.uncached_tokens(r.prompt) if rides else 0
             if rides and tokens + cost <= budget:
                 joining.append((r, sequence))
                 tokens += cost

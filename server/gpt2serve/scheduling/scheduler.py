@@ -145,6 +145,7 @@ class Step:
     prompts: list[EngineRequest] = field(default_factory=list)
     decode: bool = False
     chunk: int = 0  # tokens of the next chunk to read, at most (0: none)
+    admitted_tokens: list[int] = field(default_factory=list)  # what each admitted prompt computes (uncached)
 
     @property
     def empty(self) -> bool:
@@ -212,11 +213,12 @@ class Scheduler:
         budget = self.max_batch_tokens
         if self.step_tokens is not None and staying:  # the decode rows first, then the chunk
             budget = self.step_tokens - len(staying)
-            step.chunk = min(chunk_waiting, max(budget, SMALLEST_CHUNK))
+            step.chunk = self.chunk_within(chunk_waiting, budget)
             budget -= step.chunk
         else:
             step.chunk = chunk_waiting
-        step.admitted = self._admit(staying, budget, step.chunk) if self.waiting else []
+        if self.waiting:
+            step.admitted, step.admitted_tokens = self._admit(staying, budget, step.chunk)
         step.decode = bool(staying or step.admitted)
         busy = step.decode or step.admitted
         if self.prompts:
@@ -227,12 +229,17 @@ class Scheduler:
                 return wake
         return None if step.empty else step
 
-    def _admit(self, staying: list[EngineRequest], budget: int, chunk: int) -> list[EngineRequest]:
+    def chunk_within(self, waiting: int, budget: int) -> int:
+        """The tokens a chunk of at most `waiting` reads in a step with `budget` tokens left: all of
+        them where steps do not pack prompts with decode rows, else what is left, SMALLEST_CHUNK at least."""
+        return waiting if self.step_tokens is None else min(waiting, max(budget, SMALLEST_CHUNK))
+
+    def _admit(self, staying: list[EngineRequest], budget: int, chunk: int) -> tuple[list[EngineRequest], list[int]]:
         """The oldest waiting generations, while slots, blocks and `budget` tokens to compute last
-        (the first one even over it, unless a chunk is read this step)."""
+        (the first one even over it, unless a chunk is read this step), and what each computes."""
         self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
         free = self.slots - len(staying)
-        admitted, tokens = [], 0
+        admitted, costs, tokens = [], [], 0
         longest = self._longest(staying)
         while self.waiting and len(admitted) < free:
             request = self.waiting[0]
@@ -247,8 +254,9 @@ class Scheduler:
             request.state = "running"
             self.running[request.request_id] = request
             admitted.append(request)
+            costs.append(cost)
             tokens += cost
-        return admitted
+        return admitted, costs
 
     def _live_prompts(self) -> None:
         while self.prompts and self.prompts[0].cancelled:
