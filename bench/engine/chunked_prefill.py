@@ -77,7 +77,7 @@ async def run(args) -> dict[int, list[dict]]:
         or [[(7 * j + 3) % 50257 for j in range(args.long_tokens)]]
     generator = Generator(engine, slots=args.streams + len(arriving))
     thread.submit(generator.warm_up).result()
-    core = EngineCore(engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
+    core = EngineCore(generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
                       max_batch_tokens=args.max_batch_tokens, engine_thread=thread)
     core.start()
     chunks = [int(c) for c in args.chunks.split(",")]

@@ -8,26 +8,25 @@ from __future__ import annotations
 import asyncio
 import time
 
-from standin_server import DECODE, NEXT_TOKEN, STEPS_FILE, StandinEngine, StandinGenerator
+from standin_server import DECODE, NEXT_TOKEN, STEPS_FILE, StandinGenerator
 
 
 def core_only(streams: list[int], clients: list[int], new_tokens: int, duration: float, max_batch: int) -> str:
     """The engine core in this process over the stand-in device (see the module doc)."""
-    from gpt2serve.engine.engine import EngineOptions
+    from gpt2serve.engine.engine import Engine, EngineOptions
     from gpt2serve.engine.kv_cache import blocks_needed
     from gpt2serve.engine.loading import load_model
     from gpt2serve.protocol import GenerateRequest, SamplingParams
     from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 
-    engine = StandinEngine(load_model("random:tiny", "cpu", "float32"), EngineOptions(max_batch_size=max_batch))
-    engine.warm_up()
+    engine = Engine(load_model("random:tiny", "cpu", "float32"), EngineOptions(max_batch_size=max_batch))
     greedy = SamplingParams(temperature=0.0)
     lines = ["engine core alone, over " + STEPS_FILE.name,
              "| load | served/s | ideal/s | ratio | process us/unit | core thread us/unit |", "|---|---|---|---|---|---|"]
 
     async def run(load: str, n: int) -> None:
         generator = StandinGenerator(engine, max(streams + [1]), blocks_needed(max(streams + [1]), 1024))
-        core = EngineCore(engine, generator, max_batch_size=max_batch, max_batch_delay_s=0.002, max_queue=8192,
+        core = EngineCore(generator, max_batch_size=max_batch, max_batch_delay_s=0.002, max_queue=8192,
                           max_batch_tokens=16384, engine_thread=new_engine_thread())
         thread_cpu, real_run = [0.0], core._run
 

@@ -11,12 +11,11 @@ engine core overlaps its host work with the device here as it does on cuda (STAN
 it does not, for an A/B). The answers are made up: every generated token is STANDIN_TOKEN, and
 next-token rows get fixed log-probabilities.
 
-The stand-in device is two classes, one per side of the engine's declared interface
-(scheduling.engine_api): `StandinEngine` (next-token batches) and `StandinGenerator`
-(generation steps), subclasses of the real ones whose device work they replace. The engine host
-builds them in place of the real ones. Run like `gpt2serve serve` (this file hands them to the
-engine host at import, so the engine process of `--workers N`, started with multiprocessing's
-spawn, gets them too):
+The stand-in device is one class, `StandinGenerator`, behind the engine core's one interface
+(scheduling.engine_api): the real generator with each step's launch replaced by the device's
+time. The engine host builds it in place of the real one. Run like `gpt2serve serve` (this file
+hands it to the engine host at import, so the engine process of `--workers N`, started with
+multiprocessing's spawn, gets it too):
 
     .venv/bin/python bench/host_path/standin_server.py serve --model random:gpt2 --device cpu --workers 2 \
         --max-batch-size 256 --max-running-sequences 256 --prefix-cache-mb 0
@@ -40,7 +39,6 @@ import torch
 from gpt2serve.cli import main
 from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
-from gpt2serve.engine.head import read_top_k
 from gpt2serve.engine.padding import left_pad
 from gpt2serve.engine.sampling import read_choices
 from gpt2serve.engine.steps import PackedAnswers, PromptLaunch, Running, StepLaunch
@@ -131,44 +129,21 @@ def _chosen(rows) -> torch.Tensor:
     return _chosen_rows[n][:len(rows)]
 
 
-class StandinEngine(engine_module.Engine):
-    """The engine (scheduling.engine_api.PromptEngine) on the stand-in device: every forward is
-    the device's time for its rows; staging the inputs and reading the answers back are real."""
-
-    def next_token(self, asks):
-        if any((a.trace is not None and a.trace.layers_wanted) or a.prompt_logprobs is not None or a.controls is not None
-               for a in asks):
-            raise ValueError("the stand-in device runs plain next-token batches only")
-        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
-        started, started_ns = time.perf_counter(), time.time_ns()
-        batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
-        device_wait(NEXT_TOKEN.seconds(len(prompts)))
-        top, failed = read_top_k(_top_k_rows(max(top_ks))[:, :len(prompts)], top_ks)  # the copy back, read as the engine does
-        return engine_module.BatchOutput(top, time.perf_counter() - started, batch.shape[2], started_ns, time.time_ns(),
-                                         cuda_graph=True, failed_rows=failed)
-
-    def launch_prompts(self, asks):
-        """A plain next-token batch queued on the stand-in device (engine.cuda_graphs.BucketedForward.launch); the real
-        finish_prompts() waits for it and reads it."""
-        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
-        started, started_ns = time.perf_counter(), time.time_ns()
-        batch = left_pad(prompts, self.pad_token_id)  # (3, B, T): the inputs staged as for a graph replay
-        start, end = Device.queue(NEXT_TOKEN.seconds(len(prompts)))
-        both = _top_k_rows(max(top_ks))[:, :len(prompts)]  # what the copy back brings
-        return PromptLaunch(both, Moment(end), Moment(start), list(top_ks), batch.shape[2], started, started_ns, False)
-
-    def warm_up(self):
-        self.fixed_cost_tokens = engine_module.MAX_FIXED_COST_TOKENS  # as a GPU measures it: padding is nearly free
-
-
 class StandinGenerator(generator_module.Generator):
-    """The generator (scheduling.engine_api.GenerationEngine) on the stand-in device: no cache,
-    steps of the device's time, decode steps launched and read back as on cuda."""
+    """The generator (scheduling.engine_api.GenerationEngine, the core's one interface to the
+    engine) on the stand-in device: no cache, every step queued for the device's time for its
+    rows, as on cuda; staging the inputs and reading the answers back are real. It launches the
+    three plans a card's steps are made of (no prompt rides a decode step there: decode steps are
+    graphs), and the real finish() waits for each and reads it."""
 
-    def _launch_step(self, plan, started, started_ns):
-        """A decode step of every running sequence queued on the stand-in device; the real
-        finish() waits for it and reads its answers. (Generator.launch sends a plan of joining
-        sequences alone to _prefill below.)"""
+    def launch(self, plan):
+        started, started_ns = time.perf_counter(), time.time_ns()
+        if plan.next_token:
+            return StepLaunch([], None, None, None, sum(len(a.prompt) for a in plan.riders), started, started_ns,
+                              prompts=self._next_token(plan.riders, started, started_ns))
+        if plan.joining and not (plan.riders or plan.chunk or (plan.decode and self.running)):
+            return StepLaunch([], torch.zeros(0), None, None, 0, started, started_ns, time.perf_counter() - started,
+                              self._prefill(plan.joining))
         if not plan.decode_only:
             raise ValueError("the stand-in device takes no riders, as cuda graphs take none")
         rows = list(self.running)
@@ -182,9 +157,19 @@ class StandinGenerator(generator_module.Generator):
         return StepLaunch(rows, _chosen(rows), Moment(end), Moment(start), len(staged), started, started_ns,
                           time.perf_counter() - started)
 
+    def _next_token(self, asks, started, started_ns):
+        """A plain next-token batch queued on the device (engine.cuda_graphs.BucketedForward.launch)."""
+        if any((a.trace is not None and a.trace.layers_wanted) or a.prompt_logprobs is not None or a.controls is not None
+               for a in asks):
+            raise ValueError("the stand-in device runs plain next-token batches only")
+        top_ks = [a.top_k for a in asks]
+        batch = left_pad([a.prompt for a in asks], self.engine.pad_token_id)  # (3, B, T): staged as for a graph replay
+        start, end = Device.queue(NEXT_TOKEN.seconds(len(asks)))
+        both = _top_k_rows(max(top_ks))[:, :len(asks)]  # what the copy back brings
+        return PromptLaunch(both, Moment(end), Moment(start), top_ks, batch.shape[2], started, started_ns, False)
+
     def _prefill(self, sequences):
-        """A prefill on the stand-in device: the device's time waited here, as a prefill's answers
-        are read at once."""
+        """A prefill on the device: its time waited here, as a prefill's answers are read at once."""
         if len(self.running) + len(sequences) > self.slots:
             raise ValueError(f"{len(self.running) + len(sequences)} sequences for {self.slots} cache slots")
         if any(s.prompt_logprobs is not None for s in sequences):
@@ -209,6 +194,10 @@ class StandinGenerator(generator_module.Generator):
         pass
 
     @property
+    def fixed_cost_tokens(self):
+        return engine_module.MAX_FIXED_COST_TOKENS  # as a GPU measures it: padding is nearly free
+
+    @property
     def overlaps(self):
         return os.environ.get("STANDIN_OVERLAP", "1") != "0"
 
@@ -217,8 +206,8 @@ class StandinGenerator(generator_module.Generator):
         return False  # as on cuda: decode steps are graphs
 
 
-# What the engine host builds (launch.engine_host.load_engine): the stand-ins.
-engine_host.Engine, engine_host.Generator = StandinEngine, StandinGenerator
+# What the engine host builds (launch.engine_host.load_engine): the stand-in.
+engine_host.Generator = StandinGenerator
 
 
 def after_engine_start(hook) -> None:

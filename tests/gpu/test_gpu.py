@@ -28,7 +28,8 @@ from support.reference import assert_layer_matches, reference_layers, reference_
 from support.reference import report_as_dict
 
 from gpt2serve.engine.engine import Engine, EngineOptions
-from gpt2serve.engine.steps import StepPlan, plain_asks
+from gpt2serve.engine.generator import Generator
+from gpt2serve.engine.steps import PromptLaunch, StepPlan, plain_asks
 from support.asks import traced_asks
 from gpt2serve.engine.loading import LoadedModel, build_random_model
 from gpt2serve.engine.model_info import parameter_breakdown
@@ -157,7 +158,7 @@ def test_a_real_out_of_memory_splits_the_batch(peaked):
         lambda: [engine.next_token(plain_asks([p], [3])).top[0] for p in prompts[:8]]).result())
     with full_card_but(8 * one_prompt):  # room for ~8 prompts
         async def run():
-            batcher = EngineCore(engine, None, max_batch_size=64, max_batch_delay_s=0.01, max_queue=1024,
+            batcher = EngineCore(Generator(engine, slots=1), max_batch_size=64, max_batch_delay_s=0.01, max_queue=1024,
                                  max_batch_tokens=10**6, engine_thread=thread)
             batcher.start()
             try:
@@ -178,7 +179,6 @@ def test_a_real_out_of_memory_in_a_prefill_splits_it(peaked):
     greedy next token)."""
     from support.scheduler_events import events
 
-    from gpt2serve.engine.generator import Generator
     from gpt2serve.protocol import GenerateRequest, SamplingParams
 
     async def drain(stream) -> list:
@@ -193,7 +193,7 @@ def test_a_real_out_of_memory_in_a_prefill_splits_it(peaked):
         lambda: [engine.next_token(plain_asks([p], [1])).top[0][0].token_id for p in prompts]).result())
     with full_card_but(4 * one_prompt):  # room for ~4 prompts
         async def run():
-            core = EngineCore(engine, generator, max_batch_size=16, max_batch_delay_s=0.01, max_queue=64,
+            core = EngineCore(generator, max_batch_size=16, max_batch_delay_s=0.01, max_queue=64,
                               max_batch_tokens=10**6, engine_thread=thread)
             core.start()
             try:
@@ -243,7 +243,7 @@ def test_decode_graphs_generate_what_eager_decoding_does(peaked):
     from support.generation import PROMPTS, transformers_greedy
     from support.reference import as_transformers
 
-    from gpt2serve.engine.generator import Generator, NewSequence
+    from gpt2serve.engine.generator import NewSequence
     from gpt2serve.protocol import SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)
@@ -275,7 +275,7 @@ def test_a_decode_launch_on_cuda_waits_for_nothing(peaked):
     if launching a step never waits for the device. torch's sync debug mode raises on any call
     that would (a pageable copy, a read of a device value), for greedy and every sampling mode,
     with the penalties (their token history is on the device), bias, min_p and min_tokens."""
-    from gpt2serve.engine.generator import Generator, NewSequence
+    from gpt2serve.engine.generator import NewSequence
     from gpt2serve.protocol import SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)
@@ -308,9 +308,9 @@ def test_launched_next_token_batches_wait_for_nothing_and_answer_as_next_token_d
         launched = [engine.launch_prompts(plain_asks(first, 5)), engine.launch_prompts(plain_asks(second, 3))]
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert all(launch is not None for launch in launched)
+    assert all(isinstance(launch.prompts, PromptLaunch) for launch in launched)  # queued, not run whole
     for prompts, k, launch in zip((first, second), (5, 3), launched):
-        got, want = engine.finish_prompts(launch), engine.next_token(plain_asks(prompts, [k] * len(prompts)))
+        got, want = engine.finish_prompts(launch).riders, engine.next_token(plain_asks(prompts, [k] * len(prompts)))
         assert got.cuda_graph and not got.failed_rows
         for mine, theirs in zip(got.top, want.top):
             assert [s.token_id for s in mine] == [s.token_id for s in theirs]
@@ -326,7 +326,6 @@ def test_the_overlapped_core_on_cuda_generates_what_it_does_without_overlap(peak
     token from the wrong draw, or a draw spent twice, still shows."""
     from support.generation import PROMPTS, run_joining
 
-    from gpt2serve.engine.generator import Generator
     from gpt2serve.protocol import GenerateRequest, SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)
@@ -344,7 +343,7 @@ def test_prefix_cache_hits_on_cuda_equal_the_uncached_answers_with_graphs_on(pea
     """fp32 on cuda with graphs captured: a pool claimed at start, next tokens behind cached
     blocks (packed and per-row layouts) equal the same engine's answers without the cache, and
     generations prefilled from cached blocks decode through the graphs to the same tokens."""
-    from gpt2serve.engine.generator import Generator, NewSequence
+    from gpt2serve.engine.generator import NewSequence
     from gpt2serve.protocol import SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)
@@ -387,7 +386,6 @@ def test_controls_and_grammars_on_cuda_under_the_overlapped_core(peaked):
     from support.generation import PROMPTS, run_joining
 
     from gpt2serve.engine.grammar_check import grammar_for
-    from gpt2serve.engine.generator import Generator
     from gpt2serve.protocol import GenerateRequest, SamplingParams
 
     engine = cuda_engine(peaked, torch.float32)

@@ -17,6 +17,7 @@ from support.reference import as_result, assert_matches_reference, assert_prompt
 from support.scheduler_events import StepRecorder, events
 
 from gpt2serve.engine.generator import Generator
+from gpt2serve.engine.steps import PromptLaunch
 from gpt2serve.protocol import GenerateRequest, TraceContext
 
 
@@ -248,17 +249,36 @@ def test_next_token_batches_launch_before_the_last_is_read_and_answer_as_alone(s
     callers arriving in waves over one another's batches each get their prompt's own answer; with
     a backlog (more callers than a batch holds) a batch was launched while another was in
     flight; a launched batch with nothing after it is read once the core is idle; and a lone
-    caller is answered all the same."""
+    caller's batch, with no backlog, is read at once, not held for the next step."""
     hf, engine = saved
     engine.graphs = engine.bucketed(capture=False)
     log: list[tuple[str, int]] = []
-    launch, finish = engine.launch_prompts, engine.finish_prompts
-    engine.launch_prompts = lambda asks: log.append(("launch", len(asks))) or launch(asks)
-    engine.finish_prompts = lambda launched: log.append(("read", len(launched.top_ks))) or finish(launched)
+    launch, finish = engine.graphs.launch, engine.finish_prompts
+
+    def logged_launch(prompts, top_ks, looked_up):
+        launched = launch(prompts, top_ks, looked_up)
+        if launched is not None:  # queued, not run whole
+            log.append(("launch", len(prompts)))
+        return launched
+
+    def logged_finish(step):
+        if isinstance(step.prompts, PromptLaunch):
+            log.append(("read", len(step.prompts.top_ks)))
+        return finish(step)
+
+    engine.graphs.launch, engine.finish_prompts = logged_launch, logged_finish
     prompts = [PROMPTS[i % len(PROMPTS)][:12] for i in range(200)]  # batches of 64 (generation_core)
 
     async def main():
         core = generation_core(Generator(engine, slots=2), overlap=True, max_queue=512)
+        read_held = core.runner.finish_prompts_in_flight
+
+        def held():  # the runner reads a batch it held in flight
+            if core.runner.prompts_in_flight is not None:
+                log.append(("held", len(core.runner.prompts_in_flight[1])))
+            read_held()
+
+        core.runner.finish_prompts_in_flight = held
         core.start()
         try:
             async def caller(i: int):
@@ -276,15 +296,16 @@ def test_next_token_batches_launch_before_the_last_is_read_and_answer_as_alone(s
     try:
         answers, alone = asyncio.run(main())
     finally:
-        del engine.launch_prompts, engine.finish_prompts
+        del engine.finish_prompts
         engine.graphs = None
     for prompt, answer in zip(prompts + prompts[:128], answers):
         assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=3)
     assert_matches_reference(hf, as_result(PROMPTS[3], alone.top), PROMPTS[3], top_k=2)
     in_flight, most = 0, 0
     for kind, _ in log:
-        in_flight += 1 if kind == "launch" else -1
+        in_flight += {"launch": 1, "read": -1, "held": 0}[kind]
         most = max(most, in_flight)
     assert most == 2, ("no batch was launched while another was in flight", log)
     assert in_flight == 0, "a launched batch was never read"
-    assert sum(n for kind, n in log if kind == "launch") < len(prompts) + 128, "batches without a backlog run whole"
+    assert ("held", 64) in log, "a full batch was not held in flight"
+    assert log[-2:] == [("launch", 1), ("read", 1)], ("the lone caller's batch was held", log[-4:])

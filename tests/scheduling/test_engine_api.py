@@ -1,5 +1,5 @@
 """The engine interface the core declares (scheduling/engine_api.py) is the one it uses: every
-member of the engine and the generator that the core and its runner touch is declared there,
+member of the generator that the core and its runner touch is declared there,
 and nothing is declared that they do not touch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 SCHEDULING = Path(__file__).resolve().parents[2] / "server" / "gpt2serve" / "scheduling"
 USERS = ("core.py", "runner.py")
-HOLDERS = {"engine": "PromptEngine", "generator": "GenerationEngine"}  # a name or self.<name> -> its Protocol
+HOLDERS = {"generator": "GenerationEngine"}  # a name or self.<name> -> its Protocol
 
 
 def declared(source: str) -> dict[str, set[str]]:
@@ -23,8 +23,7 @@ def declared(source: str) -> dict[str, set[str]]:
 
 
 def used(sources: list[str]) -> dict[str, set[str]]:
-    """Protocol name -> the members read or called on `engine`, `generator`, `self.engine` or
-    `self.generator` in these modules."""
+    """Protocol name -> the members read or called on `generator` or `self.generator` in these modules."""
     found: dict[str, set[str]] = {protocol: set() for protocol in HOLDERS.values()}
     for source in sources:
         for node in ast.walk(ast.parse(source)):

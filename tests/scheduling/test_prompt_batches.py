@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import time
 
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeGenerator
 
 from gpt2serve.errors import ResourceExhausted, ShuttingDown
 from gpt2serve.protocol import SamplingParams, StepControls, TraceContext
@@ -18,13 +18,13 @@ from gpt2serve.scheduling.scheduler import EngineRequest, next_token_request
 DELAY_S = 0.1  # --max-batch-delay-ms 100: long enough to see on a busy machine
 
 
-def batcher_for(engine: FakeEngine, **limits) -> EngineCore:
-    return EngineCore(engine, None, **{"max_batch_size": 64, "max_batch_delay_s": DELAY_S, "max_queue": 1024,
+def batcher_for(engine: FakeGenerator, **limits) -> EngineCore:
+    return EngineCore(engine, **{"max_batch_size": 64, "max_batch_delay_s": DELAY_S, "max_queue": 1024,
                                        "max_batch_tokens": 10**6, **limits})
 
 
 def test_a_burst_forms_one_batch_and_every_caller_gets_its_own_answer():
-    engine = FakeEngine()
+    engine = FakeGenerator()
 
     async def main():
         batcher = batcher_for(engine)
@@ -43,7 +43,7 @@ def test_a_burst_forms_one_batch_and_every_caller_gets_its_own_answer():
 def test_a_lone_request_after_a_burst_and_a_pause_does_not_wait_for_the_burst():
     """Closed-loop callers come back within the return window; after a pause they are gone,
     and a lone request must not wait --max-batch-delay-ms for them."""
-    engine = FakeEngine(forward_s=0.005)
+    engine = FakeGenerator(forward_s=0.005)
     delay_s = 0.5  # long beside a busy machine's stalls: waiting for it could not pass unseen
 
     async def main():
@@ -65,7 +65,7 @@ def test_a_lone_request_after_a_burst_and_a_pause_does_not_wait_for_the_burst():
 
 
 def test_closed_loop_callers_keep_full_batches():
-    engine = FakeEngine(forward_s=0.02)
+    engine = FakeGenerator(forward_s=0.02)
 
     async def main():
         batcher = batcher_for(engine)
@@ -85,7 +85,7 @@ def test_closed_loop_callers_keep_full_batches():
 
 
 def test_out_of_memory_splits_until_the_halves_fit():
-    engine = FakeEngine(oom_above=5)
+    engine = FakeGenerator(oom_above=5)
 
     async def main():
         batcher = batcher_for(engine)
@@ -103,7 +103,7 @@ def test_out_of_memory_splits_until_the_halves_fit():
 def test_prompts_count_as_waiting_then_running():
     """What the router gauges read: ten prompts and batches of four, so while the first forward
     runs, four are running and six wait; nothing is counted once all are answered."""
-    engine = FakeEngine(forward_s=0.3)
+    engine = FakeGenerator(forward_s=0.3)
 
     async def main():
         batcher = batcher_for(engine, max_batch_size=4)
@@ -161,7 +161,7 @@ def test_calls_queued_together_are_answered_one_by_one_and_refused_past_the_queu
     """queue_calls (the IPC door's Prompts message): the calls the queue has room for are queued
     under one lock and answered each from its top tokens; the rest get queue full, and none of
     them counts as waiting once answered."""
-    engine = FakeEngine(forward_s=0.05)
+    engine = FakeGenerator(forward_s=0.05)
 
     async def main():
         core = batcher_for(engine, max_queue=6)
@@ -187,7 +187,7 @@ def test_calls_queued_together_are_answered_one_by_one_and_refused_past_the_queu
 
 def test_a_call_that_fails_stops_counting_as_waiting():
     """A queued call told an error (the core stopping) leaves the waiting count as a group would."""
-    engine = FakeEngine(forward_s=0.3)
+    engine = FakeGenerator(forward_s=0.3)
 
     async def main():
         core = batcher_for(engine, max_batch_size=1)

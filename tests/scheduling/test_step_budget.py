@@ -41,7 +41,7 @@ def run_beside_streams(generator: Generator, streams: list[list[int]], arriving:
     recorder = StepRecorder()
 
     async def main():
-        core = EngineCore(generator.engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
+        core = EngineCore(generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
                           max_batch_tokens=max_batch_tokens, engine_thread=new_engine_thread(), observer=recorder,
                           overlap=overlap)
         core.start()
@@ -124,7 +124,7 @@ def test_riders_count_what_they_compute_past_the_prefix_cache(saved):
     recorder = StepRecorder()
 
     async def main():
-        core = EngineCore(engine, Generator(engine, slots=4), max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
+        core = EngineCore(Generator(engine, slots=4), max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
                           max_batch_tokens=4096, engine_thread=new_engine_thread(), observer=recorder)
         core.start()
         try:

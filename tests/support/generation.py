@@ -47,7 +47,7 @@ def generation_core(generator: Generator, *, max_queue: int = 64, max_queue_wait
                     eos_token_id: int | None = None, observer=None, overlap: bool | None = None) -> EngineCore:
     """An engine core over this generator (and its engine), as a server builds one. overlap=True
     runs a CPU core as a cuda one runs: each decode step launched before the last one is read."""
-    return EngineCore(generator.engine, generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=max_queue,
+    return EngineCore(generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=max_queue,
                       max_batch_tokens=4096, max_queue_wait_s=max_queue_wait_s, eos_token_id=eos_token_id,
                       engine_thread=new_engine_thread(), observer=observer, overlap=overlap)
 

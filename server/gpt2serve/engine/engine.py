@@ -34,7 +34,7 @@ from .loading import LoadedModel
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
 from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts
-from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, plain_asks
+from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, StepLaunch, StepOutput, plain_asks
 from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores, right_padded
 
 log = logging.getLogger(__name__)
@@ -232,21 +232,40 @@ class Engine:
             return forward(None)
         return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced)
 
+    def launch_prompts(self, asks: Sequence[PromptAsk]) -> StepLaunch:
+        """A batch's step (a plan of riders alone, engine.steps.StepPlan.next_token), queued and
+        not waited for where a graph holds it (engine.cuda_graphs.BucketedForward.launch): a plain
+        batch (top-k alone, since a graph keeps only the last position) with no prompt the prefix
+        cache could hold a block of (the synchronous path reads or keeps those); any other run
+        whole (next_token)."""
+        started, started_ns = time.perf_counter(), time.time_ns()
+        pool, prompts, top_ks = self.prefix_cache, [a.prompt for a in asks], [a.top_k for a in asks]
+        launched = None
+        plain = not any(a.prompt_logprobs is not None or a.controls is not None
+                        or (a.trace is not None and a.trace.layers_wanted) for a in asks)
+        if plain and self.graphs is not None and not (pool is not None and any(len(p) >= PREFIX_BLOCK for p in prompts)):
+            try:
+                launched = self._graph_launch(prompts, top_ks, pool is not None)
+            except Exception as exc:  # out of memory too: run whole, it fails or the core splits it
+                log.warning("launching a batch of %d failed (%s); running it whole", len(asks), exc)
+        computed = sum(map(len, prompts))  # less what the prefix cache held, once read (finish_prompts)
+        return StepLaunch([], None, None, None, computed, started, started_ns,
+                          prompts=launched if launched is not None else self.next_token(asks))
+
     @oom_as_out_of_memory
     @torch.inference_mode()
-    def launch_prompts(self, asks: Sequence[PromptAsk]) -> PromptLaunch | None:
-        """A plain batch (top-k alone) queued, not waited for (engine.cuda_graphs.BucketedForward.launch);
-        None: use next_token() (no graphs, no bucket, or a prompt the prefix cache could hold a
-        block of, which the synchronous path reads or keeps)."""
-        pool, prompts, top_ks = self.prefix_cache, [a.prompt for a in asks], [a.top_k for a in asks]
-        if self.graphs is None or (pool is not None and any(len(p) >= PREFIX_BLOCK for p in prompts)):
-            return None
-        return self.graphs.launch(prompts, top_ks, looked_up=pool is not None)
+    def _graph_launch(self, prompts: list[Sequence[int]], top_ks: list[int], looked_up: bool) -> PromptLaunch | None:
+        return self.graphs.launch(prompts, top_ks, looked_up=looked_up)  # None: no bucket holds it
 
-    def finish_prompts(self, launch: PromptLaunch) -> BatchOutput:
-        top, failed, forward_s = launch.read()
-        return BatchOutput(top, forward_s, launch.padded_len, launch.started_ns, launch.started_ns + int(forward_s * 1e9),
-                           cuda_graph=True, failed_rows=failed, cached_tokens=[0] * len(top) if launch.looked_up else [])
+    def finish_prompts(self, step: StepLaunch) -> StepOutput:
+        """A batch's answers (launch_prompts): read once its graph has run, or already there."""
+        out = step.prompts
+        if isinstance(out, PromptLaunch):
+            top, failed, forward_s = out.read()
+            out = BatchOutput(top, forward_s, out.padded_len, out.started_ns, out.started_ns + int(forward_s * 1e9),
+                              cuda_graph=True, failed_rows=failed, cached_tokens=[0] * len(top) if out.looked_up else [])
+        return StepOutput({}, "next-token", len(out.top), step.tokens_in - sum(out.cached_tokens), out.forward_s,
+                          out.started_ns, out.ended_ns, riders=out)
 
     def _untraced(self, asks: Sequence[PromptAsk], plans: list[RowPlan] | None, started: float,
                   started_ns: int) -> BatchOutput:

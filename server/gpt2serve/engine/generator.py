@@ -1,22 +1,21 @@
 """Token-by-token generation over a KV cache: the engine side of continuous batching.
 
 The scheduler (scheduling.scheduler) decides who runs; this module runs each step's plan
-(engine.steps.StepPlan), in the engine thread, as one of two kinds of step:
+(engine.steps.StepPlan), in the engine thread, as one of three kinds of step:
+- next-token: prompts that keep no slot, alone: a batch of the prompt forward (engine.engine);
 - prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
   fills their slots and gives each its first token; blocks found in the prefix cache are copied
   into the slot, not computed (engine.step_forward); out of memory, it leaves no row behind.
   On cuda, prompts that need nothing from the prefix cache replay a graph (engine.cuda_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
   replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU
-  (engine.traced_decode); or, carrying prompts (next-token ones, admitted ones, a long prompt's
-  next chunk), one eager forward for all (engine.step_forward).
-Sequences leave between steps, their slots refilled by compaction (engine.kv_cache).
+  (engine.traced_decode); or, with prompt rows (riders, joining prompts, a chunk), one eager
+  forward for all (engine.step_forward). Slots are refilled by compaction (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
 sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
 them, so a step can be launched before the host has read the last one's answers (`launch`, then
-`finish`: overlapped on cuda, where a launch copies nothing synchronously). Each row's own
-controls and grammar: engine.logits_controls."""
+`finish`: overlapped on cuda). Each row's controls and grammar: engine.logits_controls."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ import torch
 from .chunked_prefill import ChunkQueue
 from .cuda_graphs import DecodeGraphs, PrefillGraphs
 from .traced_decode import TracedDecode
-from ..protocol import SampledToken
 from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
 from .kv_cache import KVCache, SlotStore, blocks_needed
@@ -52,8 +50,7 @@ class Generator:
         a CPU (engine.traced_decode), the default; False: eager, at the exact shape. `chunk_tokens`:
         a prompt whose uncached part is longer is read in chunks of this many tokens, one a step
         (engine.chunked_prefill); 0: never."""
-        self.engine, self.model, self.slots = engine, engine.model, slots
-        self.n_ctx = self.model.config.n_ctx
+        self.engine, self.model, self.slots, self.n_ctx = engine, engine.model, slots, engine.model.config.n_ctx
         self.capacity_blocks = blocks_needed(slots, self.n_ctx) if capacity_blocks is None else capacity_blocks
         self.cache: KVCache | None = None  # allocated at the first step (or warm-up), not at load
         self.last_ids: torch.Tensor | None = None  # (slots,) on the device: each slot's last sampled token
@@ -61,8 +58,7 @@ class Generator:
         self.grammars = engine.grammars  # structured output's compiled grammars
         self.running: list[Running] = []
         self.chunked = ChunkQueue(chunk_tokens)  # long prompts being read, oldest first
-        on_cuda = engine.device.type == "cuda"
-        self.use_graphs = (engine.options.cuda_graphs or not on_cuda) if graphs is None else graphs
+        self.use_graphs = (engine.options.cuda_graphs or engine.device.type != "cuda") if graphs is None else graphs
         self.graphs: DecodeGraphs | None = None  # cuda
         self.prefill_graphs: PrefillGraphs | None = None  # cuda: short prompts' prefills (engine.cuda_graphs)
         self.traces: TracedDecode | None = None  # cpu
@@ -131,10 +127,8 @@ class Generator:
     def prefill(self, sequences: Sequence[NewSequence]) -> StepOutput:  # tests' and benches' short forms
         return self.finish(self.launch(StepPlan(decode=False, joining=sequences)))
 
-    def decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()
-               ) -> StepOutput:
-        plan = StepPlan(riders=riders, joining=joining, chunk=self.chunked.chunk_tokens if chunk else 0)
-        return self.finish(self.launch(plan))
+    def decode(self, riders: Sequence[PromptAsk] = (), chunk: bool = False, joining: Sequence[NewSequence] = ()):
+        return self.finish(self.launch(StepPlan(riders=riders, joining=joining, chunk=self.chunked.chunk_tokens * chunk)))
 
     @oom_as_out_of_memory
     @torch.inference_mode()
@@ -143,7 +137,10 @@ class Generator:
         sampled ones go back there, and their answers to the host by a copy that finish() waits
         for: on cuda nothing here waits for the device unless a prompt rides the step. Joining
         sequences alone are a prefill, answered here: in parts of at most `forward_tokens` on a
-        CPU, from a graph on cuda where it holds them; out of memory, it leaves no row behind."""
+        CPU, from a graph on cuda where it holds them; out of memory, it leaves no row behind.
+        Riders alone are a next-token batch (engine.engine), queued where a graph holds it."""
+        if plan.next_token:
+            return self.engine.launch_prompts(plan.riders)
         started, started_ns = time.perf_counter(), time.time_ns()
         self.allocate()  # it may be the first step of all
         if plan.joining and not (plan.riders or plan.chunk or (plan.decode and self.running)):
@@ -195,10 +192,17 @@ class Generator:
         if logits is None:  # over the graphs' memory budget
             return None
         added = [Running.of(s) for s in sequences]
-        tokens, failed = self._choose(logits, added, first)
+        tokens, failed = read_choices(self._sample(logits, added, first, decode=False).cpu().tolist(), added)
         self.running.extend(added)
         return PackedAnswers(first_tokens=tokens, first_failed=failed, cached_tokens={s.seq_id: 0 for s in sequences},
                              prompt_tokens=sum(map(len, prompts)))
+
+    def layer_reports(self, output: BatchOutput) -> BatchOutput:  # a traced batch's, once it is answered
+        return self.engine.layer_reports(output)
+
+    @property
+    def fixed_cost_tokens(self) -> float:  # what the scheduler weighs padding against (Engine.warm_up)
+        return self.engine.fixed_cost_tokens
 
     def uncached_tokens(self, prompt: Sequence[int]) -> int:
         """What reading a prompt computes: its tokens past the blocks the prefix cache holds."""
@@ -261,12 +265,15 @@ class Generator:
         for r in rows:
             r.length += 1
             r.unread += 1
-        computed = B + sum(len(r.prompt) for r in riders) - sum(packed.rider_cached if packed else ())  # past the cache
+        cached = packed.riders.cached_tokens if packed and packed.riders else ()
+        computed = B + sum(len(r.prompt) for r in riders) - sum(cached)  # past the cache
         return StepLaunch(rows, chosen, done, device_started, computed, started, started_ns,
                           time.perf_counter() - started, packed)
 
     def finish(self, step: StepLaunch) -> StepOutput:
         """Wait for a launched step's answers (cuda; on a CPU they are there) and read them."""
+        if step.prompts is not None:
+            return self.engine.finish_prompts(step)
         forward_s = step.forward_s
         if step.done is not None:
             step.done.synchronize()  # lets go of the GIL while it waits
@@ -275,9 +282,7 @@ class Generator:
         for r in step.rows:
             r.unread -= 1
         packed, ended_ns = step.packed or PackedAnswers(), step.started_ns + int(forward_s * 1e9)
-        riders = None if not packed.rider_width else BatchOutput(
-            packed.rider_tops, forward_s, packed.rider_width, step.started_ns, ended_ns, failed_rows=packed.rider_failed,
-            prompt_scores=packed.rider_scores, cached_tokens=packed.rider_cached)
+        riders = packed.riders and replace(packed.riders, forward_s=forward_s, started_ns=step.started_ns, ended_ns=ended_ns)
         return StepOutput({**tokens, **packed.first_tokens}, "decode" if step.rows else "prefill",
                           len(step.rows) + packed.prompt_rows, step.tokens_in + packed.prompt_tokens, forward_s,
                           step.started_ns, ended_ns, failed | packed.first_failed, prompt_scores=packed.prompt_scores,
@@ -335,31 +340,32 @@ class Generator:
             if plan.hit:  # into its slot, for its decode steps
                 self.cache.copy_in(first + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
         rows = [PromptRow.planned(plan, None if i < R else first + i - R) for i, plan in enumerate(plans)]
-        a = PackedAnswers()
+        a, top, failed = PackedAnswers(), [], frozenset()
         for pack in (True, False) if pack else (False,):
             hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,
                                             self.cache, pack)  # (1, N, C)
             wanted = torch.cat((torch.arange(D, device=hidden.device), layout.last[:R + J]))
             logits = self.model.head(hidden[0, wanted])  # (D + R + J, V)
             if R:
-                a.rider_width = max(len(r.prompt) for r in riders)
-                a.rider_tops, a.rider_failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1),
-                                                          [r.top_k for r in riders])
+                top, failed = top_k_rows(torch.log_softmax(logits[D:D + R].float(), dim=-1), [r.top_k for r in riders])
             added = [Running.of(s) for s in joined]
-            if J:
-                a.first_tokens, a.first_failed = self._choose(logits[D + R:], added, first)
-            if not layout.needs_rows_again([*a.rider_failed, *a.first_failed]):
+            if J:  # their first tokens, into last_ids, brought over in one copy
+                chosen = self._sample(logits[D + R:], added, first, decode=False).cpu().tolist()
+                a.first_tokens, a.first_failed = read_choices(chosen, added)
+            if not layout.needs_rows_again([*failed, *a.first_failed]):
                 break
         self.running.extend(added)
         wants = [*(r.prompt_logprobs for r in riders), *(s.prompt_logprobs for s in joined)]
         scores = prompt_scores(hidden, layout, pool, {i: k for i, k in enumerate(wants[:len(rows)]) if k is not None},
                                self.model.head, self.model.config.vocab_size)
-        a.rider_scores = {i: score for i, score in scores.items() if i < R}
+        if R:  # timed when the step is read (finish)
+            a.riders = BatchOutput(top, 0.0, max(len(r.prompt) for r in riders), 0, 0, failed_rows=failed,
+                                   prompt_scores={i: score for i, score in scores.items() if i < R},
+                                   cached_tokens=[r.start for r in rows[:R]] if pool is not None else [])
         a.prompt_scores = {joined[i - R].seq_id: score for i, score in scores.items() if i >= R}
-        a.rider_cached = [r.start for r in rows[:R]] if pool is not None else []
         a.cached_tokens = {s.seq_id: r.start for s, r in zip(joined, rows[R:])}
         a.prompt_tokens = sum(len(r.tokens) for r in rows[R:])
-        a.failed_plans = [*a.rider_failed, *(R + i for i, s in enumerate(joined[:len(rows) - R])
+        a.failed_plans = [*failed, *(R + i for i, s in enumerate(joined[:len(rows) - R])
                                              if s.seq_id in a.first_failed)]
         return logits[:D], a, hidden[0, layout.firsts[-1]:] if chunk_rows else None
 
@@ -378,12 +384,6 @@ class Generator:
         store = SlotStore(self.cache, positions, ids.shape[1], slots, real)
         hidden = self.model.hidden_states(ids, positions, None, kv=store)  # (B, T, C)
         return self.model.head(hidden[torch.arange(len(ids), device=ids.device), last])  # (B, V)
-
-    def _choose(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int
-                ) -> tuple[dict[int, SampledToken], frozenset[int]]:
-        """Sample each row's next token (into last_ids from `first_slot` on), bring the answers over
-        in one copy, and record them; also the rows whose logits were not finite (no token)."""
-        return read_choices(self._sample(logits, rows, first_slot, decode=False).cpu().tolist(), rows)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[Running], first_slot: int, decode: bool) -> torch.Tensor:
         """choose() each row's token under its controls (engine.logits_controls), into last_ids

@@ -14,8 +14,7 @@ import torch
 from gpt2serve_client.types import LayerReport, ShapeStep
 
 from ..introspection.probe import LayerProbe
-from ..protocol import (PromptScores, SampledToken, SamplingParams, StepControls, TokenScore, TopScores, TopTable,
-                        TraceContext)
+from ..protocol import PromptScores, SampledToken, SamplingParams, StepControls, TopScores, TopTable, TraceContext
 from ..telemetry.records import ForwardTimeline
 from .head import read_top_k
 
@@ -81,17 +80,23 @@ class BatchOutput:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """The rows of one generation step (Generator.launch), all of them in one forward:
+    """The rows of one step (Generator.launch), all of them in one forward:
     `decode`, one row of one position for every running sequence; `riders`, next-token prompts
     that keep no slot (their top-k, their scores); `joining`, new sequences whose prompts go into
     slots, each with its first token; `chunk`, that many tokens at most of the oldest prompt read
     in chunks (engine.chunked_prefill; 0: none). Prompts start after what the prefix cache holds of them. A plan
-    of joining sequences alone is a prefill, which on cuda may replay a graph (engine.cuda_graphs)."""
+    of joining sequences alone is a prefill, which on cuda may replay a graph (engine.cuda_graphs);
+    one of riders alone is a next-token batch (engine.engine), which may too."""
 
     decode: bool = True
     riders: Sequence[PromptAsk] = ()
     joining: Sequence[NewSequence] = ()
     chunk: int = 0
+
+    @property
+    def next_token(self) -> bool:
+        """Riders alone: a next-token batch (engine.engine)."""
+        return not (self.decode or self.joining or self.chunk)
 
     @property
     def decode_only(self) -> bool:
@@ -102,7 +107,7 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepOutput:
     tokens: dict[int, SampledToken]  # seq_id -> its new token
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "next-token" (riders alone)
     rows: int  # sequences in the forward
     tokens_in: int  # tokens the forward computed: one per decode row, prompt tokens past the prefix cache
     forward_s: float
@@ -149,11 +154,7 @@ class Running:
 class PackedAnswers:
     """What a decode step's packed forward (engine.step_forward) gave beside the decode tokens."""
 
-    rider_tops: Sequence[Sequence[TokenScore]] = field(default_factory=list)  # a TopTable when riders rode
-    rider_failed: frozenset[int] = frozenset()
-    rider_cached: list[int] = field(default_factory=list)
-    rider_scores: dict[int, PromptScores] = field(default_factory=dict)
-    rider_width: int = 0  # the longest rider's prompt
+    riders: BatchOutput | None = None  # the riders' answers, timed once the step is read
     prompt_tokens: int = 0  # of the chunk and the joining prompts, computed
     prompt_rows: int = 0  # sequences that joined, and the one whose chunk was read
     first_tokens: dict[int, SampledToken] = field(default_factory=dict)  # of the sequences that joined
@@ -178,7 +179,7 @@ class PackedAnswers:
 @dataclass
 class StepLaunch:
     """A step on its way: its decode rows' answers are in `chosen` once `done` has fired (a
-    prefill's are in `packed` already)."""
+    prefill's are in `packed` already); a next-token batch's are `prompts`, read or on its way."""
 
     rows: list[Running]
     chosen: torch.Tensor  # (B, 3 + 2n) fp32 on the host (pinned on cuda): choose()'s answers
@@ -189,6 +190,12 @@ class StepLaunch:
     started_ns: int
     forward_s: float = 0.0  # the host's time to launch it (the whole step on a CPU)
     packed: PackedAnswers | None = None  # its prompt rows' answers (riders, joining, a chunk)
+    prompts: BatchOutput | PromptLaunch | None = None  # a next-token batch's
+
+    @property
+    def answered(self) -> bool:
+        """Whether its answers are on the host already: nothing runs on that a later read could overlap."""
+        return self.done is None and not isinstance(self.prompts, PromptLaunch)
 
 
 @dataclass(slots=True)

@@ -187,7 +187,7 @@ class EngineHost:
             engine_thread.shutdown(wait=False)
             raise
         self.core = EngineCore(
-            engine, generator, max_batch_size=engine.options.max_batch_size,
+            generator, max_batch_size=engine.options.max_batch_size,
             max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
             max_batch_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s,
             eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry)

@@ -42,7 +42,7 @@ from ..engine.kv_cache import BLOCK, blocks_for
 from ..engine.padding import CPU_FORWARD_TOKENS
 from ..errors import InvalidArgument, ResourceExhausted, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink, TraceContext
-from .engine_api import GenerationEngine, PromptEngine
+from .engine_api import GenerationEngine
 from .outputs import Handover, Observer, Outputs, PromptGroup
 from .runner import StepRunner
 from .scheduler import EngineRequest, Scheduler, Step, next_token_request
@@ -56,7 +56,7 @@ def new_engine_thread() -> ThreadPoolExecutor:
 
 
 class EngineCore:
-    def __init__(self, engine: PromptEngine, generator: GenerationEngine | None, *, max_batch_size: int,
+    def __init__(self, generator: GenerationEngine, *, max_batch_size: int,
                  max_batch_delay_s: float, max_queue: int, max_batch_tokens: int, max_queue_wait_s: float = 60.0,
                  eos_token_id: int | None = None, engine_thread: ThreadPoolExecutor | None = None,
                  observer: Observer | None = None, overlap: bool | None = None):
@@ -64,18 +64,16 @@ class EngineCore:
         last one's answers (default: where the device runs on by itself, cuda); on a CPU the
         launch is the whole step, so it only makes each token a step later (tests force it on
         there)."""
-        self.engine, self.generator = engine, generator
+        self.generator = generator
         self.outputs = Outputs(observer)  # the callers' side: answers, on their loop
         self.max_batch_size, self.max_queue, self.max_queue_wait_s = max_batch_size, max_queue, max_queue_wait_s
-        self.slots = generator.slots if generator is not None else 0
-        self.capacity_blocks = generator.capacity_blocks if generator is not None else 0
-        self.n_ctx = generator.n_ctx if generator is not None else 1024
+        self.slots, self.capacity_blocks, self.n_ctx = generator.slots, generator.capacity_blocks, generator.n_ctx
         step_tokens = min(max_batch_tokens, CPU_FORWARD_TOKENS)  # the rows of a step that packs prompts with decodes
         self.scheduler = Scheduler(slots=self.slots, capacity_blocks=self.capacity_blocks, n_ctx=self.n_ctx,
                                    max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
-                                   max_batch_delay_s=max_batch_delay_s, fixed_cost_tokens=engine.fixed_cost_tokens,
-                                   step_tokens=step_tokens if generator and generator.takes_riders else None,
-                                   uncached=generator.uncached_tokens if generator is not None else len)
+                                   max_batch_delay_s=max_batch_delay_s, fixed_cost_tokens=generator.fixed_cost_tokens,
+                                   step_tokens=step_tokens if generator.takes_riders else None,
+                                   uncached=generator.uncached_tokens)
         self._executor = engine_thread or new_engine_thread()
         self._intake: list[EngineRequest] = []
         self._lock = threading.Lock()  # the intake and the waiting counts, shared with the callers' thread
@@ -88,8 +86,8 @@ class EngineCore:
         self._task: asyncio.Future | None = None
         self._post = Handover()  # fn(*args) on the callers' loop, from this core's thread
         self.runner = StepRunner(
-            engine, generator, self.scheduler, self.outputs, self._post,
-            overlap=(generator is not None and generator.overlaps) if overlap is None else overlap,
+            generator, self.scheduler, self.outputs, self._post,
+            overlap=generator.overlaps if overlap is None else overlap,
             step_tokens=step_tokens,
             eos_token_id=eos_token_id, prompts_started=self._prompts_started, wake=self._wake.set)
 
@@ -303,7 +301,7 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} waiting); retry later"))
         if self.runner.last_tokens_in_flight():
             self.runner.finish_in_flight()
-        chunk = self.generator.next_chunk if self.generator is not None else None
+        chunk = self.generator.next_chunk
         step = self.scheduler.schedule(now, chunk[1] if chunk is not None else 0)
         if not isinstance(step, Step):
             if self.runner.prompts_in_flight is not None:  # nothing to launch behind it: its callers wait

@@ -1,39 +1,26 @@
-"""What the engine core (scheduling.core) needs of the engine: next-token forwards of prompts,
-and the steps of generation. engine.engine.Engine and engine.generator.Generator are these;
-tests/support/fake_engine.FakeEngine stands in for the first."""
+"""What the engine core (scheduling.core) needs of the engine: steps, each a plan of rows
+(engine.steps.StepPlan) launched and then read. engine.generator.Generator is this;
+tests/support/fake_engine.FakeGenerator stands in for it where no model is needed."""
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from ..engine.steps import BatchOutput, NewSequence, PromptAsk, PromptLaunch, StepLaunch, StepOutput, StepPlan
-
-
-class PromptEngine(Protocol):
-    """What the core needs of engine.engine.Engine (tests/support/fake_engine.FakeEngine stands in
-    for it), and all of it (tests/scheduling/test_engine_api.py)."""
-
-    fixed_cost_tokens: float
-
-    def next_token(self, asks: Sequence[PromptAsk]) -> BatchOutput: ...  # an EngineRequest is a PromptAsk
-
-    def layer_reports(self, output: BatchOutput) -> BatchOutput: ...
-
-    # A plain batch queued without waiting for it (engine.cuda_graphs.BucketedForward.launch); None: run it with next_token.
-    def launch_prompts(self, asks: Sequence[PromptAsk]) -> PromptLaunch | None: ...
-
-    def finish_prompts(self, launch: PromptLaunch) -> BatchOutput: ...
+from ..engine.steps import BatchOutput, NewSequence, StepLaunch, StepOutput, StepPlan
 
 
 class GenerationEngine(Protocol):
-    """What the core needs of engine.generator.Generator: all of it (tests/scheduling/test_engine_api.py
-    checks that the core and its runner use nothing else). A step is a plan (engine.steps.StepPlan)
-    launched, then read: decode rows, next-token prompts riding along, joining prompts, a chunk."""
+    """All the core needs of engine.generator.Generator (tests/scheduling/test_engine_api.py checks
+    that the core and its runner use nothing else). A step's plan holds decode rows, next-token
+    prompts (riding them, or alone: a next-token batch), joining prompts and a chunk."""
 
     slots: int
     capacity_blocks: int
     n_ctx: int
     running: Sequence  # the sequences holding slots
+
+    @property
+    def fixed_cost_tokens(self) -> float: ...  # a forward's fixed cost, for grouping prompts by length
 
     @property
     def overlaps(self) -> bool: ...  # a step may be launched before the last one is read
@@ -54,3 +41,5 @@ class GenerationEngine(Protocol):
     def launch(self, plan: StepPlan) -> StepLaunch: ...
 
     def finish(self, launch: StepLaunch) -> StepOutput: ...
+
+    def layer_reports(self, output: BatchOutput) -> BatchOutput: ...  # a traced batch's, after its answers went out

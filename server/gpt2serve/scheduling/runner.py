@@ -1,14 +1,15 @@
-"""The engine core's runner: it carries out one scheduled step (scheduling.scheduler.Step) on
-the engine and the generator, and hands every answer to the callers' side (scheduling.outputs).
+"""The engine core's runner: it carries out one scheduled step (scheduling.scheduler.Step) as
+plans of rows (engine.steps.StepPlan) that the generator launches and reads, and hands every
+answer to the callers' side (scheduling.outputs).
 
     leaving   their KV-cache slots come free
     admitted  one prefill, which gives each its first token; a long prompt is read instead in
               chunks, one chunk a step (engine.chunked_prefill), the oldest first, riding the
               decode step where it can (engine.step_forward), else in a forward of its own
     prompts   next-token prompts: riding this step's decode (engine.step_forward) where they
-              can, the others in a forward of their own; with overlap a plain batch is launched and the
-              batch before it read while it runs (engine.cuda_graphs.BucketedForward.launch), and a batch with none
-              launched behind it is read at the next step, or at once when there is none
+              can, the others a step of their own; with overlap a plain batch is launched and the
+              batch before it read while it runs (engine.cuda_graphs.BucketedForward.launch), and a
+              batch with none launched behind it is read at the next step, or at once when none is
     decode    launched; then the step before it is read. With overlap (on cuda) the two are
               different steps: this one is queued behind the one still running on the device,
               whose answers are read while it runs, so the host's work hides behind the device's
@@ -27,14 +28,13 @@ a prefill run again as two halves, down to one prompt, and a decode step fails i
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import astuple, dataclass
 from typing import Callable
 
 from ..engine.engine import OutOfMemory
-from ..engine.steps import BatchOutput, NewSequence, PromptLaunch, StepLaunch, StepOutput, StepPlan
+from ..engine.steps import BatchOutput, NewSequence, StepLaunch, StepOutput, StepPlan
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
-from .engine_api import GenerationEngine, PromptEngine
+from .engine_api import GenerationEngine
 from .outputs import Handover, Outputs
 from .scheduler import EngineRequest, Scheduler, Step
 
@@ -70,18 +70,17 @@ class TokenCounts:
 class StepRunner:
     """Runs in the core's thread only."""
 
-    def __init__(self, engine: PromptEngine, generator: GenerationEngine | None, scheduler: Scheduler,
+    def __init__(self, generator: GenerationEngine, scheduler: Scheduler,
                  outputs: Outputs, post: Handover, *, overlap: bool, step_tokens: int, eos_token_id: int | None,
                  prompts_started: Callable[[list[EngineRequest]], None], wake: Callable[[], None]):
         """prompts_started(batch): they stop counting as waiting (the core's count, under its
         lock); wake(): the core's loop looks again (a sink failed: its slot comes free)."""
-        self.engine, self.generator, self.scheduler = engine, generator, scheduler
+        self.generator, self.scheduler = generator, scheduler
         self.outputs, self._post = outputs, post
         self.overlap, self.step_tokens, self.eos_token_id = overlap, step_tokens, eos_token_id
         self._prompts_started, self._wake = prompts_started, wake
         self.in_flight: tuple[StepLaunch, list[EngineRequest]] | None = None  # launched, not yet read
-        # a next-token batch launched, not yet read: (launch, its requests, started, started_ns)
-        self.prompts_in_flight: tuple[PromptLaunch, list[EngineRequest], float, int] | None = None
+        self.prompts_in_flight: tuple[StepLaunch, list[EngineRequest]] | None = None  # a next-token batch's
         self.prompts_running = 0  # next-token prompts in the forward under way
         self.steps_run = 0
         self.batches_run = 0
@@ -90,13 +89,13 @@ class StepRunner:
     def run(self, step: Step) -> None:
         if not step.prompts:  # a batch in flight is read now unless the next one launches first
             self.finish_prompts_in_flight()
-        if step.leaving and self.generator is not None:
+        if step.leaving:
             self.generator.remove({r.request_id for r in step.leaving})
         # One budget for the step's rows (scheduling.scheduler): decode rows, the chunk, then prompts
         budget = self.step_tokens - (len(self.generator.running) + step.chunk if step.decode else 0)
         joining, joining_tokens = self._prefill_step(step, budget) if step.admitted else ([], 0)
         budget -= joining_tokens
-        queued = self.generator.next_chunk if self.generator is not None else None
+        queued = self.generator.next_chunk
         chunk = step.chunk if queued is not None else 0
         if queued is not None and not chunk:  # queued just now: its first chunk, within what is left
             chunk = self.scheduler.chunk_within(queued[1], budget)
@@ -147,51 +146,22 @@ class StepRunner:
         log.debug("batch: %d prompts in their own forward (%d queued)", len(batch), len(self.scheduler.prompts))
         self._prompts_start(batch)
         try:
-            if not (self.overlap and self._launch_prompts(batch)):
-                self.finish_prompts_in_flight()  # answers in the order the batches ran
-                self._forward_prompts(batch)
+            self._forward_prompts(batch)
         finally:
             self._settle_running()
 
-    def _launch_prompts(self, batch: list[EngineRequest]) -> bool:
-        """Queue a plain batch (engine.cuda_graphs.BucketedForward.launch), then read the one before it, which ran on
-        the device meanwhile; False where it cannot be launched so (then it runs whole). Only
-        with a backlog (a full batch, or prompts left waiting): callers that all fit one batch
-        are answered sooner whole, and overlapping them split them into two half batches, which
-        cost more a prompt (docs/benchmarks.md, "Next-token batches overlapped with the device")."""
-        if len(batch) < self.scheduler.max_batch_size and not self.scheduler.prompts:
-            return False
-        if not all(r.plain for r in batch):
-            return False
-        started, started_ns = time.perf_counter(), time.time_ns()
-        try:
-            launch = self.engine.launch_prompts(batch)
-        except Exception as exc:  # out of memory too: the whole-batch path fails or splits it
-            log.warning("launching a batch of %d failed (%s); running it whole", len(batch), exc)
-            return False
-        if launch is None:
-            return False
-        self.finish_prompts_in_flight()
-        self.prompts_in_flight = (launch, batch, started, started_ns)
-        return True
-
-    def finish_prompts_in_flight(self) -> None:
-        """Read the launched batch and answer it."""
-        if self.prompts_in_flight is None:
-            return
-        (launch, batch, started, started_ns), self.prompts_in_flight = self.prompts_in_flight, None
-        try:
-            output = self.engine.finish_prompts(launch)
-        except Exception as exc:
-            self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
-            return
-        self._answer(batch, output, started, started_ns)
-
     def _forward_prompts(self, batch: list[EngineRequest]) -> None:
-        """Forward one batch and answer it. Out of device memory: each half on its own."""
-        started, started_ns = time.perf_counter(), time.time_ns()
+        """A step of these next-token rows alone, launched (engine.generator). With overlap and a
+        backlog (a full batch, or prompts left waiting), one queued on the device is read at the
+        next step, and the batch before it now, while it runs; else it is read at once. Callers
+        that all fit one batch are answered sooner so: overlapping them split them into two half
+        batches, which cost more a prompt (docs/benchmarks.md, "Next-token batches overlapped with
+        the device"). Out of device memory: each half on its own."""
+        overlapped = self.overlap and (len(batch) >= self.scheduler.max_batch_size or bool(self.scheduler.prompts))
+        if not overlapped:
+            self.finish_prompts_in_flight()  # answers in the order the batches ran
         try:
-            output = self.engine.next_token(batch)
+            launch = self.generator.launch(StepPlan(decode=False, riders=batch))
         except OutOfMemory as exc:
             if len(batch) == 1:
                 self.fail(batch, ResourceExhausted(f"the device is out of memory even for this prompt alone "
@@ -202,7 +172,25 @@ class StepRunner:
         except Exception as exc:  # fail this batch only; keep serving
             self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
             return
-        self._answer(batch, output, started, started_ns)
+        self.finish_prompts_in_flight()
+        if overlapped and not launch.answered:
+            self.prompts_in_flight = (launch, batch)
+        else:
+            self._finish_prompts(launch, batch)
+
+    def finish_prompts_in_flight(self) -> None:
+        """Read the launched batch and answer it."""
+        if self.prompts_in_flight is not None:
+            (launch, batch), self.prompts_in_flight = self.prompts_in_flight, None
+            self._finish_prompts(launch, batch)
+
+    def _finish_prompts(self, launch: StepLaunch, batch: list[EngineRequest]) -> None:
+        try:
+            output = self.generator.finish(launch).riders
+        except Exception as exc:
+            self.fail(batch, EngineFailure(f"the forward pass failed; {INTERNAL_MESSAGE}"), exc, "forward pass")
+            return
+        self._answer(batch, output, launch.started, launch.started_ns)
 
     def _answer(self, batch: list[EngineRequest], output: BatchOutput, started: float, started_ns: int) -> None:
         self.batches_run += 1
@@ -213,7 +201,7 @@ class StepRunner:
             # them in the response first, then build them.
             self._post(self.outputs.answer_prompts, batch, output, started, started_ns, False)
             try:
-                output = self.engine.layer_reports(output)
+                output = self.generator.layer_reports(output)
             except Exception as exc:
                 self.fail(batch, EngineFailure(f"the per-layer reports failed; {INTERNAL_MESSAGE}"), exc,
                           "per-layer reports")
