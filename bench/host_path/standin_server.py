@@ -130,7 +130,7 @@ def _chosen(rows) -> torch.Tensor:
 
 
 class StandinGenerator(generator_module.Generator):
-    """The generator (scheduling.engine_api.GenerationEngine, the core's one interface to the
+    """The generator (scheduling.engine_api.ModelRunner, the core's one interface to the
     engine) on the stand-in device: no cache, every step queued for the device's time for its
     rows, as on cuda; staging the inputs and reading the answers back are real. It launches the
     three plans a card's steps are made of (no prompt rides a decode step there: decode steps are

@@ -9,7 +9,7 @@ from pathlib import Path
 
 SCHEDULING = Path(__file__).resolve().parents[2] / "server" / "gpt2serve" / "scheduling"
 USERS = ("core.py", "runner.py")
-HOLDERS = {"generator": "GenerationEngine"}  # a name or self.<name> -> its Protocol
+HOLDERS = {"generator": "ModelRunner"}  # a name or self.<name> -> its Protocol
 
 
 def declared(source: str) -> dict[str, set[str]]:
@@ -57,5 +57,5 @@ def test_an_undeclared_call_is_found():
     """The check can fail: a runner that reaches into the generator's queue of chunks."""
     members = declared((SCHEDULING / "engine_api.py").read_text())
     reaching = sources() + ["def step(self):\n    self.generator.chunked.popleft()\n"]
-    touched = used(reaching)["GenerationEngine"]
-    assert touched - members["GenerationEngine"] == {"chunked"}
+    touched = used(reaching)["ModelRunner"]
+    assert touched - members["ModelRunner"] == {"chunked"}

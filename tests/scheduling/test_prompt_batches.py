@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import time
 
-from support.fake_engine import FakeGenerator
+from support.fake_generator import FakeGenerator
 
 from gpt2serve.errors import ResourceExhausted, ShuttingDown
 from gpt2serve.protocol import SamplingParams, StepControls, TraceContext

@@ -42,7 +42,7 @@ from ..engine.kv_cache import BLOCK, blocks_for
 from ..engine.padding import CPU_FORWARD_TOKENS
 from ..errors import InvalidArgument, ResourceExhausted, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink, TraceContext
-from .engine_api import GenerationEngine
+from .engine_api import ModelRunner
 from .outputs import Handover, Observer, Outputs, PromptGroup
 from .runner import StepRunner
 from .scheduler import EngineRequest, Scheduler, Step, next_token_request
@@ -56,7 +56,7 @@ def new_engine_thread() -> ThreadPoolExecutor:
 
 
 class EngineCore:
-    def __init__(self, generator: GenerationEngine, *, max_batch_size: int,
+    def __init__(self, generator: ModelRunner, *, max_batch_size: int,
                  max_batch_delay_s: float, max_queue: int, max_batch_tokens: int, max_queue_wait_s: float = 60.0,
                  eos_token_id: int | None = None, engine_thread: ThreadPoolExecutor | None = None,
                  observer: Observer | None = None, overlap: bool | None = None):

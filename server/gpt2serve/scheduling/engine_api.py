@@ -1,6 +1,6 @@
 """What the engine core (scheduling.core) needs of the engine: steps, each a plan of rows
 (engine.steps.StepPlan) launched and then read. engine.generator.Generator is this;
-tests/support/fake_engine.FakeGenerator stands in for it where no model is needed."""
+tests/support/fake_generator.FakeGenerator stands in for it where no model is needed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Protocol, Sequence
 from ..engine.steps import BatchOutput, NewSequence, StepLaunch, StepOutput, StepPlan
 
 
-class GenerationEngine(Protocol):
+class ModelRunner(Protocol):
     """All the core needs of engine.generator.Generator (tests/scheduling/test_engine_api.py checks
     that the core and its runner use nothing else). A step's plan holds decode rows, next-token
     prompts (riding them, or alone: a next-token batch), joining prompts and a chunk."""

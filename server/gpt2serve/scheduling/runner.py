@@ -34,7 +34,7 @@ from typing import Callable
 from ..engine.engine import OutOfMemory
 from ..engine.steps import BatchOutput, NewSequence, StepLaunch, StepOutput, StepPlan
 from ..errors import INTERNAL_MESSAGE, NonFiniteOutput, ResourceExhausted, ServeError
-from .engine_api import GenerationEngine
+from .engine_api import ModelRunner
 from .outputs import Handover, Outputs
 from .scheduler import EngineRequest, Scheduler, Step
 
@@ -70,7 +70,7 @@ class TokenCounts:
 class StepRunner:
     """Runs in the core's thread only."""
 
-    def __init__(self, generator: GenerationEngine, scheduler: Scheduler,
+    def __init__(self, generator: ModelRunner, scheduler: Scheduler,
                  outputs: Outputs, post: Handover, *, overlap: bool, step_tokens: int, eos_token_id: int | None,
                  prompts_started: Callable[[list[EngineRequest]], None], wake: Callable[[], None]):
         """prompts_started(batch): they stop counting as waiting (the core's count, under its

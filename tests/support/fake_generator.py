@@ -1,4 +1,4 @@
-"""A generator (scheduling.engine_api.GenerationEngine) for in-process scheduling tests of
+"""A generator (scheduling.engine_api.ModelRunner) for in-process scheduling tests of
 next-token batches: no model and no cache slots, answers computed from the prompt, and a forward
 that takes `forward_s` (in the engine thread, as the real one does)."""
 
