@@ -42,8 +42,10 @@ HOPS = [  # (owner module, class or None, function, mark at entry, mark at retur
     ("gpt2serve.ipc.engine_server", "EngineServer", "_receive", "engine: frame read", None),
     ("gpt2serve.scheduling.core", "EngineCore", "queue_calls", None, "engine: calls queued"),
     ("gpt2serve.scheduling.core", "EngineCore", "_iteration", "engine: core loop awake", None),
-    # the engine class the engine host builds: the stand-in's (standin_server sets it first)
-    ("gpt2serve.launch.engine_host", "Engine", "next_token", "engine: step start", "engine: step end"),
+    # the model runner the engine host builds: the stand-in's (standin_server sets it first); a
+    # lone call's batch is a step of its own, launched and read at once
+    ("gpt2serve.launch.engine_host", "Generator", "launch", "engine: step start", None),
+    ("gpt2serve.launch.engine_host", "Generator", "finish", None, "engine: step end"),
     ("gpt2serve.ipc.engine_server", "EngineServer", "call_soon_threadsafe", "engine: answers handed over", None),
     ("gpt2serve.ipc.engine_server", "EngineServer", "_write", "engine: frame written", None),
     ("gpt2serve.ipc.socket_client", "SocketEngineClient", "data_received", "frame read", "frame dispatched"),

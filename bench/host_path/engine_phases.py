@@ -27,8 +27,9 @@ from gpt2serve.ipc import engine_server
 from gpt2serve.launch import engine_host
 from gpt2serve.scheduling import core, outputs, runner, scheduler
 
-# (owner, attribute, label): the label's indent shows what it runs under. The engine is the
-# class the engine host builds (the stand-in's, set before this module is imported).
+# (owner, attribute, label): the label's indent shows what it runs under. The model runner is the
+# class the engine host builds (the stand-in's, set before this module is imported); a next-token
+# batch is a step it launches and reads.
 PHASES = [
     (engine_server.EngineServer, "_receive", "IPC thread: a front end's frames received, decoded and queued"),
     (codec, "decode", "IPC thread:   the frame decoded"),
@@ -41,9 +42,8 @@ PHASES = [
     (core.EngineCore, "_iteration", "core thread: the loop's passes"),
     (scheduler.Scheduler, "schedule", "core thread:   scheduling"),
     (runner.StepRunner, "_prompt_step", "core thread:   a next-token step"),
-    (engine_host.Engine, "launch_prompts", "core thread:     inputs staged and launched"),
-    (engine_host.Engine, "next_token", "core thread:     a whole forward (not launched)"),
-    (engine_host.Engine, "finish_prompts", "core thread:     the launched forward read back"),
+    (engine_host.Generator, "launch", "core thread:     inputs staged and launched"),
+    (engine_host.Generator, "finish", "core thread:     the launched forward read back"),
 ]
 
 

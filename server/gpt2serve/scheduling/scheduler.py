@@ -101,12 +101,6 @@ class EngineRequest:
         return finish
 
     @property
-    def plain(self) -> bool:
-        """A next-token prompt that wants its top-k alone: no layer trace, no scores, no controls.
-        Only such a prompt may be launched ahead of its reading (a graph keeps the last position)."""
-        return self.rides and self.prompt_logprobs is None
-
-    @property
     def rides(self) -> bool:
         """A prompt that may be a row of a decode step's forward (engine.step_forward): its top-k,
         or a generation's first token, and its scores; not a layer trace or a traced step's controls."""
