@@ -41,7 +41,7 @@ from gpt2serve.engine import engine as engine_module
 from gpt2serve.engine import generator as generator_module
 from gpt2serve.engine.padding import left_pad
 from gpt2serve.engine.sampling import read_choices
-from gpt2serve.engine.steps import PackedAnswers, PromptLaunch, Running, StepLaunch
+from gpt2serve.engine.steps import PackedAnswers, PromptLaunch, Running, StepLaunch, traced
 from gpt2serve.launch import engine_host
 
 STEPS_FILE = Path(os.environ.get("STANDIN_STEPS", Path(__file__).with_name("h200_steps.json")))
@@ -159,8 +159,7 @@ class StandinGenerator(generator_module.Generator):
 
     def _next_token(self, asks, started, started_ns):
         """A plain next-token batch queued on the device (engine.cuda_graphs.BucketedForward.launch)."""
-        if any((a.trace is not None and a.trace.layers_wanted) or a.prompt_logprobs is not None or a.controls is not None
-               for a in asks):
+        if any(traced(a) or a.prompt_logprobs is not None for a in asks):
             raise ValueError("the stand-in device runs plain next-token batches only")
         top_ks = [a.top_k for a in asks]
         batch = left_pad([a.prompt for a in asks], self.engine.pad_token_id)  # (3, B, T): staged as for a graph replay

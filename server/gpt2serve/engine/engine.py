@@ -34,7 +34,7 @@ from .loading import LoadedModel
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
 from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts
-from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, StepLaunch, StepOutput, plain_asks
+from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, StepLaunch, StepOutput, plain_asks, traced
 from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores, right_padded
 
 log = logging.getLogger(__name__)
@@ -217,10 +217,10 @@ class Engine:
         prefix cache (engine.padding)."""
         started, started_ns = time.perf_counter(), time.time_ns()
         prompts = [a.prompt for a in asks]
-        traced = any(a.controls is not None or (a.trace is not None and a.trace.layers_wanted) for a in asks)
+        traced_batch = any(map(traced, asks))
 
         def forward(plans: list[RowPlan] | None) -> BatchOutput:
-            if traced:
+            if traced_batch:
                 return self._traced(asks, plans, started, started_ns)
             cached = [plan.cached_tokens for plan in plans] if plans is not None else [0] * len(prompts)
             parts = forward_parts([len(p) - c for p, c in zip(prompts, cached)], self.forward_tokens)
@@ -230,7 +230,7 @@ class Engine:
 
         if self.prefix_cache is None:
             return forward(None)
-        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced)
+        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced_batch)
 
     def launch_prompts(self, asks: Sequence[PromptAsk]) -> StepLaunch:
         """A batch's step (a plan of riders alone, engine.steps.StepPlan.next_token), queued and
@@ -241,8 +241,7 @@ class Engine:
         started, started_ns = time.perf_counter(), time.time_ns()
         pool, prompts, top_ks = self.prefix_cache, [a.prompt for a in asks], [a.top_k for a in asks]
         launched = None
-        plain = not any(a.prompt_logprobs is not None or a.controls is not None
-                        or (a.trace is not None and a.trace.layers_wanted) for a in asks)
+        plain = not any(a.prompt_logprobs is not None or traced(a) for a in asks)
         if plain and self.graphs is not None and not (pool is not None and any(len(p) >= PREFIX_BLOCK for p in prompts)):
             try:
                 launched = self._graph_launch(prompts, top_ks, pool is not None)

@@ -52,6 +52,12 @@ class Ask:
     controls: StepControls | None = None
 
 
+def traced(ask: PromptAsk) -> bool:
+    """Whether a prompt's forward runs whole and traced (engine.engine): it wants per-layer reports,
+    or a traced generation step's controls. Such a prompt rides no decode step and no graph."""
+    return ask.controls is not None or (ask.trace is not None and ask.trace.layers_wanted)
+
+
 def plain_asks(prompts: Sequence[Sequence[int]], top_ks: Sequence[int] | int = 1) -> list[Ask]:
     """Plain asks: each prompt's top-k (one k for all, or one each)."""
     ks = [top_ks] * len(prompts) if isinstance(top_ks, int) else top_ks

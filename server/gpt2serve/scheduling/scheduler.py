@@ -51,6 +51,7 @@ from typing import Any, Callable
 from ..protocol import SamplingParams, StepControls, TraceContext
 from .grouping import plan_batch
 from ..engine.kv_cache import blocks_needed
+from ..engine.steps import traced
 
 STREAMING_WAIT_FACTOR = 3
 STREAMING_WAIT_SHARE_OF_FORWARD = 0.5
@@ -104,7 +105,7 @@ class EngineRequest:
     def rides(self) -> bool:
         """A prompt that may be a row of a decode step's forward (engine.step_forward): its top-k,
         or a generation's first token, and its scores; not a layer trace or a traced step's controls."""
-        return (self.trace is None or not self.trace.layers_wanted) and self.controls is None
+        return not traced(self)
 
     @property
     def longest(self) -> int:
