@@ -136,8 +136,8 @@ class PoisonedGenerator(Generator):
 
     poison_position = -1
 
-    def _decode_logits(self, last, positions, span):
-        logits = self._real_decode_logits(last, positions, span)
+    def _decode_logits(self, last, positions, span, adapters=None):
+        logits = self._real_decode_logits(last, positions, span, adapters)
         return torch.where((positions == self.poison_position)[:, None], float("nan"), logits)
 
     _real_decode_logits = Generator._decode_logits

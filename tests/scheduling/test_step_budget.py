@@ -149,7 +149,7 @@ def test_riders_count_what_they_compute_past_the_prefix_cache(saved):
         assert_matches_reference(hf, as_result(prompt, answer.top), prompt, top_k=5)
 
 
-def scheduler(step_tokens: int | None, max_batch_tokens: int = 4096, uncached=len) -> Scheduler:
+def scheduler(step_tokens: int | None, max_batch_tokens: int = 4096, uncached=lambda prompt, adapter: len(prompt)) -> Scheduler:
     return Scheduler(slots=32, capacity_blocks=10_000, n_ctx=1024, max_batch_size=64, max_batch_tokens=max_batch_tokens,
                      max_batch_delay_s=0.001, fixed_cost_tokens=0, step_tokens=step_tokens, uncached=uncached)
 
@@ -189,7 +189,7 @@ def test_the_scheduler_fills_one_budget_decode_rows_then_the_chunk_then_admitted
     first_alone.add(generations(2, 700, 100))
     assert [r.request_id for r in first_alone.schedule(0.0).admitted] == [100]  # over the budget, but never stuck
 
-    cached = scheduler(512, uncached=lambda prompt: len(prompt) - 640)  # the prefix cache holds 640 of each
+    cached = scheduler(512, uncached=lambda prompt, adapter: len(prompt) - 640)  # the prefix cache holds 640 of each
     cached.add(generations(4, 10, 0))
     cached.schedule(0.0)
     cached.add(generations(8, 700, 100))

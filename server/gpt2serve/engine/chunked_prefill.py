@@ -24,7 +24,7 @@ from typing import Callable, Collection
 import torch
 
 from .kv_cache import KVCache
-from .prefix_cache import BLOCK, PrefixCache
+from .prefix_cache import BLOCK, PrefixCache, root_for
 from .step_forward import PromptRow
 
 
@@ -59,7 +59,8 @@ class ChunkedPrefill:
         staged tokens (copied now, so nothing has to stay pinned in the pool between steps)."""
         if pool is None:
             return
-        positions = torch.tensor(PrefixCache.positions(pool.match(self.prompt)), dtype=torch.long,
+        root = root_for(self.sequence.adapter)
+        positions = torch.tensor(PrefixCache.positions(pool.match(self.prompt, root)), dtype=torch.long,
                                  device=pool.device)  # (c,)
         c = len(positions)
         if not c:
@@ -99,7 +100,7 @@ class ChunkedPrefill:
                 pool.hidden[positions] = self.hidden[start:start + n].to(pool.dtype)
             return failed
 
-        pool.run([self.prompt], write, lambda failed_: [0] if failed_ else [])
+        pool.run([self.prompt], write, lambda failed_: [0] if failed_ else [], roots=[root_for(self.sequence.adapter)])
 
 
 class ChunkQueue:
@@ -117,12 +118,12 @@ class ChunkQueue:
     def oldest(self) -> ChunkedPrefill | None:
         return self.jobs[0] if self.jobs else None
 
-    def reads_in_chunks(self, sequence, uncached: Callable[[list[int]], int]) -> bool:
-        """More uncached tokens (`uncached(prompt)`) than a chunk, and no scores (scoring reads
-        every position's hidden state at once)."""
+    def reads_in_chunks(self, sequence, uncached: Callable[[list[int], object], int]) -> bool:
+        """More uncached tokens (`uncached(prompt, adapter)`) than a chunk, and no scores (scoring
+        reads every position's hidden state at once)."""
         if not self.chunk_tokens or sequence.prompt_logprobs is not None or len(sequence.prompt) <= self.chunk_tokens:
             return False
-        return uncached(sequence.prompt) > self.chunk_tokens
+        return uncached(sequence.prompt, sequence.adapter) > self.chunk_tokens
 
     def add(self, sequence) -> None:
         self.jobs.append(ChunkedPrefill(sequence))
@@ -146,7 +147,7 @@ class ChunkQueue:
         if not job.done:
             job.take_hits(pool, n_layer)
         stop = min(job.done + min(tokens, self.chunk_tokens), len(job.prompt))
-        return PromptRow(job.prompt, job.done, stop, staging=job)
+        return PromptRow(job.prompt, job.done, stop, staging=job, adapter=job.sequence.adapter)
 
     def read(self, row: PromptRow, hidden: torch.Tensor, pool: PrefixCache | None) -> None:
         """`row` was computed, (T, C) `hidden` its residual stream; its job leaves the queue when

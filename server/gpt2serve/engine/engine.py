@@ -32,7 +32,7 @@ from .head import ScoredSpan, score_prompts, top_k_rows
 from .constraints import Grammars
 from .loading import LoadedModel
 from .logits_controls import controlled_view
-from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
+from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan, root_for
 from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts
 from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, StepLaunch, StepOutput, plain_asks, traced
 from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores, right_padded
@@ -230,7 +230,8 @@ class Engine:
 
         if self.prefix_cache is None:
             return forward(None)
-        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced_batch)
+        return self.prefix_cache.run(prompts, forward, lambda output: output.failed_rows, use_hits=not traced_batch,
+                                     roots=[root_for(a.adapter) for a in asks])
 
     def launch_prompts(self, asks: Sequence[PromptAsk]) -> StepLaunch:
         """A batch's step (a plan of riders alone, engine.steps.StepPlan.next_token), queued and
@@ -241,7 +242,7 @@ class Engine:
         started, started_ns = time.perf_counter(), time.time_ns()
         pool, prompts, top_ks = self.prefix_cache, [a.prompt for a in asks], [a.top_k for a in asks]
         launched = None
-        plain = not any(a.prompt_logprobs is not None or traced(a) for a in asks)
+        plain = not any(a.prompt_logprobs is not None or a.adapter is not None or traced(a) for a in asks)
         if plain and self.graphs is not None and not (pool is not None and any(len(p) >= PREFIX_BLOCK for p in prompts)):
             try:
                 launched = self._graph_launch(prompts, top_ks, pool is not None)
@@ -270,7 +271,7 @@ class Engine:
                   started_ns: int) -> BatchOutput:
         """A plain batch from a graph that holds it; any other as prompt rows (engine.step_forward)."""
         prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
-        scored = any(a.prompt_logprobs is not None for a in asks)
+        scored = any(a.prompt_logprobs is not None or a.adapter is not None for a in asks)  # no graph either way
         kept = plans is not None and any(plan.hit or plan.new for plan in plans)
         replayed = self.graphs.run(prompts) if self.graphs is not None and not (scored or kept) else None
         if replayed is not None:
@@ -287,7 +288,8 @@ class Engine:
         its tokens after its cached blocks, attending over those blocks (shared layout or rows),
         its new full blocks kept. Rows pad only attention, so a batch of mixed lengths costs
         little more than its real tokens (docs/benchmarks.md, "Next-token batches as prompt rows")."""
-        rows = [PromptRow.planned(plan) for plan in plans] if plans is not None else [PromptRow(a.prompt) for a in asks]
+        rows = [PromptRow.planned(plan, adapter=a.adapter) for plan, a in zip(plans, asks)] if plans is not None \
+            else [PromptRow(a.prompt, adapter=a.adapter) for a in asks]
         for pack in (True, False) if plans is not None else (False,):
             hidden, layout = prompt_forward(self.model, rows, self.prefix_cache, plans or (), pack=pack)  # (1, N, C)
             logits = self.model.head(hidden[0, layout.last])  # (B, V)
@@ -313,7 +315,8 @@ class Engine:
                                self.loaded.tokenizer.token_text, [r for r, t in traces.items() if t.attention_maps],
                                [r for r, t in traces.items() if t.last_row_maps])
             probe.start()
-        hidden = padded_forward(self.model, prompts, ids, self.prefix_cache, plans or (), taps=probe)  # (R, T, C)
+        hidden = padded_forward(self.model, prompts, ids, self.prefix_cache, plans or (), taps=probe,
+                                adapters=[a.adapter for a in asks])  # (R, T, C)
         ends = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # (R,) each row's last column
         last = hidden[torch.arange(len(prompts), device=self.device), ends]  # (R, C)
         logits = self.model.head(last)  # (R, V): only the last position is decoded

@@ -32,7 +32,8 @@ from .engine import Engine, oom_as_out_of_memory
 from .head import top_k_rows
 from .kv_cache import KVCache, SlotStore, blocks_needed
 from .padding import forward_parts
-from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan
+from .lora import AdapterRows
+from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan, root_for
 from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
@@ -168,7 +169,7 @@ class Generator:
         pool = self.engine.prefix_cache
         try:
             answers = forward([RowPlan(p, []) for p in prompts]) if pool is None else pool.run(
-                prompts, forward, lambda out: out.failed_plans)
+                prompts, forward, lambda out: out.failed_plans, roots=[root_for(s.adapter) for s in sequences])
         except torch.cuda.OutOfMemoryError:
             del self.running[first:]  # all or none: parts that fit leave too (the core splits it)
             raise
@@ -180,7 +181,7 @@ class Generator:
         """The prefill from a graph (engine.cuda_graphs): prompts that read and keep nothing in
         the prefix cache and score nothing. None where it does not apply or no bucket holds them."""
         if (self.prefill_graphs is None or any(plan.hit or plan.new for plan in plans)
-                or any(s.prompt_logprobs is not None for s in sequences)):
+                or any(s.prompt_logprobs is not None or s.adapter is not None for s in sequences)):
             return None
         shape = self.prefill_graphs.shape_for(prompts)
         if shape is None:
@@ -204,10 +205,10 @@ class Generator:
     def fixed_cost_tokens(self) -> float:  # what the scheduler weighs padding against (Engine.warm_up)
         return self.engine.fixed_cost_tokens
 
-    def uncached_tokens(self, prompt: Sequence[int]) -> int:
-        """What reading a prompt computes: its tokens past the blocks the prefix cache holds."""
+    def uncached_tokens(self, prompt: Sequence[int], adapter=None) -> int:
+        """What reading a prompt (under `adapter`) computes: its tokens past the blocks the prefix cache holds."""
         pool = self.engine.prefix_cache
-        return len(prompt) - (len(pool.match(prompt)) * PREFIX_BLOCK if pool is not None else 0)
+        return len(prompt) - (len(pool.match(prompt, root_for(adapter))) * PREFIX_BLOCK if pool is not None else 0)
 
     def chunk_if_long(self, sequence: NewSequence) -> bool:
         """Queue a long prompt to be read in chunks (engine.chunked_prefill), one chunk a step
@@ -247,18 +248,19 @@ class Generator:
             device_started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             device_started.record()
         last = self.last_ids[:B]  # (B,) on the device
-        logits, packed = None, None
+        logits, packed, adapters = None, None, [r.adapter for r in rows]
+        replay = not any(adapters)  # graphs and traces are recorded without LoRA adapters: eager
         if not plan.decode_only:
-            logits, packed = self._packed_step(last, lengths, needed, riders, chunk, joining)
-        elif self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
+            logits, packed = self._packed_step(last, lengths, needed, riders, chunk, joining, adapters)
+        elif replay and self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
-        elif self.traces is not None:  # cpu: one trace per span, any number of rows
+        elif replay and self.traces is not None:  # cpu: one trace per span, any number of rows
             span = self.cache.span_for(B, needed)
             self.cache.reserve(B, span)
             logits = self.traces.run(last, torch.tensor(lengths), span)
         if logits is None:  # eager, at the exact batch
             span = self.cache.eager_span(B, needed)
-            logits = self._decode_logits(last, to_device(lengths, device), span)
+            logits = self._decode_logits(last, to_device(lengths, device), span, AdapterRows.of(adapters, 1, device))
         chosen = self._sample(logits, rows, 0, decode=True) if B else torch.zeros(0)  # (B, 3 + 2n)
         if done is not None:
             chosen = to_host(chosen, done)
@@ -290,7 +292,7 @@ class Generator:
                           prompts_read=frozenset(packed.first_tokens), riders=riders)
 
     def _packed_step(self, last: torch.Tensor, lengths: list[int], needed: int, riders: Sequence[PromptAsk],
-                     chunk: int, joining: Sequence[NewSequence]) -> tuple[torch.Tensor, PackedAnswers]:
+                     chunk: int, joining: Sequence[NewSequence], adapters: list) -> tuple[torch.Tensor, PackedAnswers]:
         """One forward (engine.step_forward) of D decode tokens ((D,) `last`, at `needed`
         positions), the riders' prompts and the joining sequences' (each after what the prefix
         cache holds of it; into the next free slots), and the next `chunk` tokens at most of the
@@ -311,12 +313,13 @@ class Generator:
         prompts = [*(r.prompt for r in riders), *(s.prompt for s in joining)]
 
         def forward(plans: list[RowPlan]) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor | None]:
-            return self._read_rows(decode, last, lengths, riders, joined, chunk_rows, plans, first)
+            return self._read_rows(decode, last, lengths, riders, joined, chunk_rows, plans, first, adapters=adapters)
 
         if pool is None or not prompts:
             logits, answers, chunk_hidden = forward([RowPlan(p, []) for p in prompts])
         else:
-            logits, answers, chunk_hidden = pool.run(prompts, forward, lambda out: out[1].failed_plans)
+            roots = [root_for(a.adapter) for a in (*riders, *joining)]
+            logits, answers, chunk_hidden = pool.run(prompts, forward, lambda out: out[1].failed_plans, roots=roots)
         answers.prompt_rows = len(joining) + bool(chunk)
         if chunk:  # (T, C) chunk_hidden: the chunk's residual stream, for its blocks
             answers.prompt_tokens += len(chunk_rows[0].tokens)
@@ -329,7 +332,7 @@ class Generator:
 
     def _read_rows(self, decode: SlotStore | None, last: torch.Tensor, lengths: Sequence[int],
                    riders: Sequence[PromptAsk], joined: Sequence[NewSequence], chunk_rows: list[PromptRow],
-                   plans: list[RowPlan], first: int, pack: bool = False
+                   plans: list[RowPlan], first: int, pack: bool = False, adapters: Sequence = ()
                    ) -> tuple[torch.Tensor, PackedAnswers, torch.Tensor | None]:
         """The packed forward of a step's rows (`plans`: the riders', then the joining prompts');
         the joined (the joining, then a chunk's whose last chunk is read) take slots first, ... and
@@ -339,11 +342,12 @@ class Generator:
         for i, plan in enumerate(plans[R:]):
             if plan.hit:  # into its slot, for its decode steps
                 self.cache.copy_in(first + i, pool.keys, pool.values, PrefixCache.positions(plan.hit))
-        rows = [PromptRow.planned(plan, None if i < R else first + i - R) for i, plan in enumerate(plans)]
+        rows = [PromptRow.planned(plan, None if i < R else first + i - R, ask.adapter)
+                for i, (plan, ask) in enumerate(zip(plans, (*riders, *joined)))]
         a, top, failed = PackedAnswers(), [], frozenset()
         for pack in (True, False) if pack else (False,):
             hidden, layout = packed_forward(self.model, decode, last, lengths, rows + chunk_rows, pool, plans,
-                                            self.cache, pack)  # (1, N, C)
+                                            self.cache, pack, adapters)  # (1, N, C)
             wanted = torch.cat((torch.arange(D, device=hidden.device), layout.last[:R + J]))
             logits = self.model.head(hidden[0, wanted])  # (D + R + J, V)
             if R:
@@ -369,12 +373,13 @@ class Generator:
                                              if s.seq_id in a.first_failed)]
         return logits[:D], a, hidden[0, layout.firsts[-1]:] if chunk_rows else None
 
-    def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+    def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int,
+                       adapters: AdapterRows | None = None) -> torch.Tensor:
         """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`
-        positions of slots 0..B-1. What a decode graph captures."""
+        positions of slots 0..B-1. What a decode graph captures (without adapters)."""
         store = SlotStore(self.cache, positions, span)
-        hidden = self.model.hidden_states(last[:, None], positions[:, None], None, kv=store,
-                                          mask=store.mask())  # (B, 1, C)
+        hidden = self.model.hidden_states(last[:, None], positions[:, None], None, kv=store, mask=store.mask(),
+                                          adapters=adapters)  # (B, 1, C)
         return self.model.head(hidden[:, -1])  # (B, V)
 
     def _prefill_logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

@@ -71,6 +71,13 @@ class KeyValueStore(Protocol):
     # y (B, nh, T, hs), reading only the keys each query sees; None: `attend`, then the kernel below
 
 
+class Adapters(Protocol):
+    """LoRA adapters chosen per token of a forward (engine.lora.AdapterRows)."""
+
+    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+    # x (..., in) a projection's input, y (..., out) its output -> y plus its adapter terms
+
+
 class ShapesOnMeta:
     """Modules built on the meta device (shapes only, as every loader here builds them) skip their
     random init: torch runs normal_ and fill_ (and empty_like) on meta through its decompositions,
@@ -122,9 +129,11 @@ class CausalSelfAttention(nn.Module):
         self.proj = Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, taps: ForwardTaps | None, layer: int,
-                kv: KeyValueStore | None = None) -> torch.Tensor:
+                kv: KeyValueStore | None = None, adapters: Adapters | None = None) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x)  # (B, T, 3C)
+        if adapters is not None:
+            qkv = adapters.add(layer, "attn.qkv", x, qkv)
         if taps is not None:
             taps.qkv(layer, qkv)
         q, k, v = qkv.split(C, dim=2)  # each (B, T, C)
@@ -142,7 +151,8 @@ class CausalSelfAttention(nn.Module):
         if taps is not None:
             taps.heads(layer, q, k, v, y)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
-        return self.proj(y)  # (B, T, C)
+        out = self.proj(y)  # (B, T, C)
+        return out if adapters is None else adapters.add(layer, "attn.proj", y, out)
 
 
 class MLP(nn.Module):
@@ -152,11 +162,16 @@ class MLP(nn.Module):
         self.proj = Linear(config.d_mlp, config.d_model)
         self.approximate = config.gelu_approximate
 
-    def forward(self, x: torch.Tensor, taps: ForwardTaps | None = None, layer: int = 0) -> torch.Tensor:
-        hidden = F.gelu(self.fc(x), approximate=self.approximate)  # (B, T, d_mlp)
+    def forward(self, x: torch.Tensor, taps: ForwardTaps | None = None, layer: int = 0,
+                adapters: Adapters | None = None) -> torch.Tensor:
+        fc = self.fc(x)  # (B, T, d_mlp)
+        if adapters is not None:
+            fc = adapters.add(layer, "mlp.fc", x, fc)
+        hidden = F.gelu(fc, approximate=self.approximate)  # (B, T, d_mlp)
         if taps is not None:
             taps.mlp_hidden(layer, hidden)
-        return self.proj(hidden)  # (B, T, C)
+        out = self.proj(hidden)  # (B, T, C)
+        return out if adapters is None else adapters.add(layer, "mlp.proj", hidden, out)
 
 
 class Block(nn.Module):
@@ -168,10 +183,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, taps: ForwardTaps | None, layer: int,
-                kv: KeyValueStore | None = None) -> torch.Tensor:
-        attn_out = self.attn(self.ln_1(x), mask, taps, layer, kv)  # (B, T, C)
+                kv: KeyValueStore | None = None, adapters: Adapters | None = None) -> torch.Tensor:
+        attn_out = self.attn(self.ln_1(x), mask, taps, layer, kv, adapters)  # (B, T, C)
         x = x + attn_out
-        mlp_out = self.mlp(self.ln_2(x), taps, layer)  # (B, T, C)
+        mlp_out = self.mlp(self.ln_2(x), taps, layer, adapters)  # (B, T, C)
         x = x + mlp_out
         if taps is not None:
             taps.block(layer, attn_out, mlp_out, x)
@@ -195,18 +210,19 @@ class GPT2(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor | None,
                       taps: ForwardTaps | None = None, kv: KeyValueStore | None = None,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+                      mask: torch.Tensor | None = None, adapters: Adapters | None = None) -> torch.Tensor:
         """(B, T) token ids, positions and real-token mask -> (B, T, C) residual stream after the
         last block (before ln_f). With `kv`, `mask` (B, 1, T, S) says which of the store's keys
         each query sees; without, the mask follows from `valid`. With neither, each query sees the
-        keys up to its own column (right-padded rows: a real token never sees the padding)."""
+        keys up to its own column (right-padded rows: a real token never sees the padding).
+        `adapters`: which tokens take which LoRA adapter (engine.lora.AdapterRows); None: the base alone."""
         if mask is None and valid is not None:
             mask = attention_mask(valid)  # (B, 1, T, T), shared by every block
         x = self.wte(input_ids) + self.wpe(position_ids)  # (B, T, C)
         if taps is not None:
             taps.embedded(x)
         for layer, block in enumerate(self.blocks):
-            x = block(x, mask, taps, layer, kv)  # (B, T, C)
+            x = block(x, mask, taps, layer, kv, adapters)  # (B, T, C)
         return x
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -47,13 +47,19 @@ from .gpt2 import GPT2Config
 
 BLOCK = 16  # tokens: vLLM's default block; 800 shared tokens then leave at most 15 to compute again
 NULL_BLOCK = 0
-ROOT = -1  # the parent of a prompt's first block
+ROOT = -1  # the parent of a prompt's first block; an adapter's prompts hang under a root of their own
 DOORKEEPER_PER_BLOCK = 4  # digests remembered per block of capacity
 Output = TypeVar("Output")
 
 
 def full_blocks(length: int) -> int:
     return length // BLOCK
+
+
+def root_for(adapter) -> int:
+    """The parent of a prompt's first block: ROOT for the base, one root per loaded LoRA adapter
+    (engine.lora), so a prefix computed under one adapter is never read under another."""
+    return ROOT if adapter is None else ROOT - adapter.uid
 
 
 @dataclass
@@ -70,6 +76,7 @@ class RowPlan:
     tokens: Sequence[int]
     hit: list[int]  # cached blocks, from the prompt's first token
     new: list[int] = field(default_factory=list)  # allocated for the full blocks after them
+    root: int = ROOT  # root_for(its adapter)
 
     @property
     def cached_tokens(self) -> int:
@@ -112,10 +119,10 @@ class PrefixCache:
     def cached_blocks(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        """The cached blocks `tokens` starts with, leaving at least its last token to compute (its
-        logits are the answer). Touches them (most recently used)."""
-        chain, parent = [], ROOT
+    def match(self, tokens: Sequence[int], root: int = ROOT) -> list[int]:
+        """The cached blocks `tokens` starts with (under `root`, root_for), leaving at least its last
+        token to compute (its logits are the answer). Touches them (most recently used)."""
+        chain, parent = [], root
         for b in range(full_blocks(len(tokens) - 1)):
             block = self._index.get((parent, tuple(tokens[b * BLOCK:(b + 1) * BLOCK])))
             if block is None:
@@ -126,10 +133,12 @@ class PrefixCache:
         return chain
 
     def run(self, prompts: Sequence[Sequence[int]], forward: Callable[[list[RowPlan]], Output],
-            failed_rows: Callable[[Output], Collection[int]], use_hits: bool = True) -> Output:
-        """Plan the prompts, run `forward` on the plans, then index what it wrote, less the rows
-        `failed_rows(output)` names; when `forward` raises, its blocks go back free, unindexed."""
-        plans = self.plan(prompts, use_hits)
+            failed_rows: Callable[[Output], Collection[int]], use_hits: bool = True,
+            roots: Sequence[int] | None = None) -> Output:
+        """Plan the prompts (under `roots`, root_for: default all ROOT), run `forward` on the plans,
+        then index what it wrote, less the rows `failed_rows(output)` names; when `forward` raises,
+        its blocks go back free, unindexed."""
+        plans = self.plan(prompts, use_hits, roots)
         try:
             output = forward(plans)
         except BaseException:
@@ -138,10 +147,12 @@ class PrefixCache:
         self.commit(plans, failed_rows(output))
         return output
 
-    def plan(self, prompts: Sequence[Sequence[int]], use_hits: bool = True) -> list[RowPlan]:
+    def plan(self, prompts: Sequence[Sequence[int]], use_hits: bool = True,
+             roots: Sequence[int] | None = None) -> list[RowPlan]:
         """Each prompt's hit (none when not `use_hits`) and new blocks for its full blocks past it,
         as many as room allows (the pool is a cache: a prompt that finds no room is not kept)."""
-        rows = [RowPlan(p, self.match(p) if use_hits else []) for p in prompts]
+        roots = roots or [ROOT] * len(prompts)
+        rows = [RowPlan(p, self.match(p, root) if use_hits else [], root=root) for p, root in zip(prompts, roots)]
         pinned = {block for row in rows for block in row.hit}
         for row in rows:
             row.new = self.allocate(self._admitted(row), pinned)
@@ -154,7 +165,7 @@ class PrefixCache:
         seen = self._seen
         if seen is None:
             return wanted
-        digest, admitted, blocked = 0, 0, False
+        digest, admitted, blocked = row.root, 0, False
         for b in range(full_blocks(len(row.tokens))):
             digest = hash((digest, tuple(row.tokens[b * BLOCK:(b + 1) * BLOCK])))
             if b < len(row.hit):
@@ -190,7 +201,7 @@ class PrefixCache:
         entry = self._entries.pop(block)
         del self._index[(entry.parent, entry.tokens)]
         del self._lru[block]
-        if entry.parent != ROOT:
+        if entry.parent > NULL_BLOCK:  # not a root
             self._entries[entry.parent].children -= 1
         self._free.append(block)
 
@@ -202,7 +213,7 @@ class PrefixCache:
             if i in failed:
                 self.release(row.new)
                 continue
-            parent = row.hit[-1] if row.hit else ROOT
+            parent = row.hit[-1] if row.hit else row.root
             chain = list(row.hit)
             for j, block in enumerate(row.new):
                 key = (parent, row.new_block_tokens(j))
@@ -213,7 +224,7 @@ class PrefixCache:
                 else:
                     self._index[key] = block
                     self._entries[block] = _Entry(*key)
-                    if parent != ROOT:
+                    if parent > NULL_BLOCK:
                         self._entries[parent].children += 1
                     self._lru[block] = None
                     parent = block

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from ..protocol import PromptScores
 from .head import ScoredSpan, score_prompts
 from .kv_cache import KVCache, SlotStore
+from .lora import AdapterRows, LoraAdapter
 from .prefix_cache import BLOCK, PrefixCache, RowPlan
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,12 @@ class PromptRow:
     reads: Sequence[int] = ()
     staging: object = None
     slot: int | None = None  # a new sequence's KV-cache slot: its keys and values go there too
+    adapter: LoraAdapter | None = None  # engine.lora; None: the base
 
     @classmethod
-    def planned(cls, plan: RowPlan, slot: int | None = None) -> PromptRow:
+    def planned(cls, plan: RowPlan, slot: int | None = None, adapter: LoraAdapter | None = None) -> PromptRow:
         """A prompt from the first position after its prefix-cache hit (`plan`), reading the hit."""
-        return cls(plan.tokens, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=slot)
+        return cls(plan.tokens, plan.cached_tokens, reads=PrefixCache.positions(plan.hit), slot=slot, adapter=adapter)
 
     @property
     def stop(self) -> int:
@@ -326,15 +328,18 @@ def packed_inputs(decode_ids: torch.Tensor, decode_positions: Sequence[int], lay
 
 def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, decode_positions: Sequence[int],
                    rows: Sequence[PromptRow], pool: PrefixCache | None = None, plans: Sequence = (),
-                   cache: KVCache | None = None, pack: bool = False) -> tuple[torch.Tensor, StepLayout]:
+                   cache: KVCache | None = None, pack: bool = False,
+                   decode_adapters: Sequence[LoraAdapter | None] = ()) -> tuple[torch.Tensor, StepLayout]:
     """One forward of D decode tokens ((D,) ids at their positions, attending over slots 0..D-1
     through `decode`) and the prompt rows -> ((1, N, C) residual stream, the layout). The first
     len(plans) rows are prompts planned by the prefix cache (prefix_cache.RowPlan): their new
     full blocks go into `pool`, their hidden rows included; rows with a slot write into `cache`.
     `pack`: the shared layout where it is cheaper (then the caller runs again in rows where
-    layout.needs_rows_again)."""
+    layout.needs_rows_again). `decode_adapters`: each decode token's LoRA adapter (empty: none)."""
     device = decode_ids.device
     layout = StepLayout.of(len(decode_ids), rows, device, pack)
+    adapters = AdapterRows.of([*(decode_adapters or [None] * len(decode_ids)), *(r.adapter for r in rows)],
+                              [*[1] * len(decode_ids), *(len(r.tokens) for r in rows)], device)
     writer = None
     if pool is not None and any(plan.new for plan in plans):  # new blocks start where the hit ends
         writer = BlockWriter.for_rows(pool, plans, layout.firsts[:len(plans)], [0] * len(plans))
@@ -342,8 +347,9 @@ def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, de
     store = StepStore(decode, layout, pool, writer, cache)
     if store.plain:  # rows of one length that read and keep nothing: the same forward, one row each
         R, T = layout.padded
-        return model.hidden_states(ids.view(R, T), positions.view(R, T), None).view(1, R * T, -1), layout
-    hidden = model.hidden_states(ids, positions, None, kv=store)  # (1, N, C)
+        return model.hidden_states(ids.view(R, T), positions.view(R, T), None,
+                                   adapters=adapters).view(1, R * T, -1), layout
+    hidden = model.hidden_states(ids, positions, None, kv=store, adapters=adapters)  # (1, N, C)
     if writer is not None:
         writer.write_hidden(hidden)
     return hidden, layout
@@ -356,18 +362,19 @@ def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.de
 
 
 def padded_forward(model, prompts: Sequence[Sequence[int]], ids: torch.Tensor, pool: PrefixCache | None = None,
-                   plans: Sequence[RowPlan] = (), taps=None) -> torch.Tensor:
+                   plans: Sequence[RowPlan] = (), taps=None, adapters: Sequence[LoraAdapter | None] = ()) -> torch.Tensor:
     """Whole prompts, right-padded into (R, T) `ids` (right_padded), in one forward, each row
     attending causally over its own tokens, with introspection's `taps` (engine.gpt2.ForwardTaps)
     -> (R, T, C) residual stream. Each plan's new full blocks go into `pool` (no hit is read:
-    every position is computed)."""
+    every position is computed). `adapters`: each row's LoRA adapter (empty: none)."""
     R, T = ids.shape
     positions = torch.arange(T, device=ids.device).expand(R, T)  # (R, T)
     store = None
     if pool is not None and any(plan.new for plan in plans):  # a row's blocks lie from its column 0
         layout = StepLayout.of(0, [PromptRow(p) for p in prompts], ids.device)
         store = StepStore(None, layout, pool, BlockWriter.for_rows(pool, plans, [0] * R), right_padded=True)
-    hidden = model.hidden_states(ids, positions, None, taps=taps, kv=store)  # (R, T, C)
+    hidden = model.hidden_states(ids, positions, None, taps=taps, kv=store,
+                                 adapters=AdapterRows.of(adapters, T, ids.device))  # (R, T, C)
     if store is not None:
         store.writer.write_hidden(hidden)
     return hidden

@@ -17,6 +17,7 @@ from ..introspection.probe import LayerProbe
 from ..protocol import PromptScores, SampledToken, SamplingParams, StepControls, TopScores, TopTable, TraceContext
 from ..telemetry.records import ForwardTimeline
 from .head import read_top_k
+from .lora import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class NewSequence:
     params: SamplingParams
     seed: int  # of the sequence's own generator: the same seed, the same draws
     prompt_logprobs: int | None = None  # score the prompt's positions too, with this many alternatives
+    adapter: LoraAdapter | None = None  # its LoRA adapter (engine.lora); None: the base model
 
 
 class PromptAsk(Protocol):
@@ -33,14 +35,16 @@ class PromptAsk(Protocol):
     (Engine.next_token) or rides a generation step (Generator.launch): its top `top_k` next
     tokens; with `prompt_logprobs`, every position's log-probability with that many alternatives
     (engine.head); with a `trace` that wants layers, per-layer reports (introspection); with
-    `controls`, a traced generation step's top tokens after them too. scheduling's EngineRequest
-    is one; `Ask` is one for every other caller."""
+    `controls`, a traced generation step's top tokens after them too; with `adapter`, under that
+    LoRA adapter (engine.lora). scheduling's EngineRequest is one; `Ask` is one for every other
+    caller."""
 
     prompt: Sequence[int]
     top_k: int
     prompt_logprobs: int | None
     trace: TraceContext | None
     controls: StepControls | None
+    adapter: LoraAdapter | None
 
 
 @dataclass(slots=True)  # not frozen: made per prompt (see protocol's PER_REQUEST)
@@ -50,6 +54,7 @@ class Ask:
     prompt_logprobs: int | None = None
     trace: TraceContext | None = None
     controls: StepControls | None = None
+    adapter: LoraAdapter | None = None
 
 
 def traced(ask: PromptAsk) -> bool:
@@ -148,12 +153,14 @@ class Running:
     finite: bool = True  # False once a step's logits were not finite: its slot is cleared as it leaves
     unread: int = 0  # decode steps launched for it whose answers the host has not read yet
     history_written: bool = False  # its prompt and tokens are in the token history
+    adapter: LoraAdapter | None = None  # engine.lora
 
     @classmethod
     def of(cls, sequence: NewSequence, length: int | None = None) -> Running:
         """A sequence joining with its prompt in its slot (`length`: positions filled, default all)."""
         length = len(sequence.prompt) if length is None else length
-        return cls(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length, sequence.prompt)
+        return cls(sequence.seq_id, sequence.params, random.Random(sequence.seed), length, length, sequence.prompt,
+                   adapter=sequence.adapter)
 
 
 @dataclass

@@ -30,7 +30,7 @@ class ModelRunner(Protocol):
 
     def remove(self, seq_ids) -> None: ...
 
-    def uncached_tokens(self, prompt) -> int: ...  # what reading it computes, past the prefix cache's blocks
+    def uncached_tokens(self, prompt, adapter=None) -> int: ...  # what reading it computes, past the prefix cache's blocks
 
     # Long prompts, read one chunk a step (engine.chunked_prefill): queued here, not joining.
     def chunk_if_long(self, sequence: NewSequence) -> bool: ...

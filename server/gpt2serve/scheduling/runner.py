@@ -125,7 +125,7 @@ class StepRunner:
             return [], prompts
         riders, rest, tokens = [], [], 0
         for r in prompts:
-            cost = self.generator.uncached_tokens(r.prompt) if r.rides else 0
+            cost = self.generator.uncached_tokens(r.prompt, r.adapter) if r.rides else 0
             if r.rides and tokens + cost <= budget:
                 riders.append(r)
                 tokens += cost
@@ -370,4 +370,5 @@ class StepRunner:
 
 def _sequence(request: EngineRequest) -> NewSequence:
     """What the generator takes of a generation request."""
-    return NewSequence(request.request_id, request.prompt, request.params, request.seed, request.prompt_logprobs)
+    return NewSequence(request.request_id, request.prompt, request.params, request.seed, request.prompt_logprobs,
+                       request.adapter)

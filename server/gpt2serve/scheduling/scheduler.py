@@ -70,6 +70,7 @@ class EngineRequest:
     prompt_logprobs: int | None = None  # score every prompt position too, with this many alternatives
     trace: TraceContext | None = None
     controls: StepControls | None = None  # a traced generation step's (service.step_trace)
+    adapter: Any = None  # its LoRA adapter (engine.lora.LoraAdapter); None: the base model
     seed: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
@@ -118,15 +119,15 @@ _DEFAULT_PARAMS, _NO_STOPS = SamplingParams(), frozenset()
 
 def next_token_request(prompt: list[int], top_k: int, output: Any, row: int, call_id: int, arrived: float,
                        arrived_ns: int, trace: TraceContext | None = None, prompt_logprobs: int | None = None,
-                       controls: StepControls | None = None) -> EngineRequest:
+                       controls: StepControls | None = None, adapter: Any = None) -> EngineRequest:
     """The EngineRequest of a next-token prompt (EngineCore.queue_prompts, queue_calls), every
     slot set here: the dataclass's keyword __init__, with its two clock reads, costs more than
     twice as much a prompt, at tens of thousands of prompts a second (docs/benchmarks.md, "One
     output for a front end's plain calls"). The same defaults as the dataclass's;
     tests/scheduling/test_prompt_batches.py compares the two field by field."""
     r = object.__new__(EngineRequest)
-    r.prompt, r.new_tokens, r.top_k, r.params, r.prompt_logprobs, r.trace, r.controls = \
-        prompt, 0, top_k, _DEFAULT_PARAMS, prompt_logprobs, trace, controls
+    r.prompt, r.new_tokens, r.top_k, r.params, r.prompt_logprobs, r.trace, r.controls, r.adapter = \
+        prompt, 0, top_k, _DEFAULT_PARAMS, prompt_logprobs, trace, controls, adapter
     r.seed, r.stop_token_ids, r.ignore_eos, r.expires_at, r.output, r.request_id, r.row = \
         0, _NO_STOPS, False, math.inf, output, call_id, row
     r.arrived, r.arrived_ns, r.state, r.generated, r.cancelled = arrived, arrived_ns, "waiting", 0, False
@@ -150,9 +151,9 @@ class Step:
 class Scheduler:
     def __init__(self, *, slots: int, capacity_blocks: int, n_ctx: int, max_batch_size: int, max_batch_tokens: int,
                  max_batch_delay_s: float, fixed_cost_tokens: float, step_tokens: int | None = None,
-                 uncached: Callable[[list[int]], int] = len):
+                 uncached: Callable[[list[int], object], int] = lambda prompt, adapter: len(prompt)):
         """`step_tokens`: the token budget of a step whose prompts share the decode rows' forward;
-        None where they never do (admission then fills prefills of their own). `uncached(prompt)`:
+        None where they never do (admission then fills prefills of their own). `uncached(prompt, adapter)`:
         the tokens reading it computes, past what the prefix cache holds (vLLM's computed tokens)."""
         self.uncached = uncached
         self.slots, self.capacity_blocks, self.n_ctx = slots, capacity_blocks, n_ctx
@@ -238,7 +239,7 @@ class Scheduler:
         longest = self._longest(staying)
         while self.waiting and len(admitted) < free:
             request = self.waiting[0]
-            cost = self.uncached(request.prompt)
+            cost = self.uncached(request.prompt, request.adapter)
             if (admitted or chunk) and tokens + cost > budget:
                 break
             with_it = max(longest, min(request.longest, self.n_ctx))

@@ -1,0 +1,216 @@
+"""LoRA adapters in peft's format, chosen per row of a forward (Punica's and S-LoRA's way, never
+by merging weights into the base).
+
+An adapter adds to a Linear's output y = W x + b the low-rank term  scale * B (A x),  with A
+(r, in) and B (out, r) for each module it targets. GPT-2's targets, in peft's (Hugging Face's)
+names and ours:
+
+    attn.c_attn -> attn.qkv    attn.c_proj -> attn.proj    mlp.c_fc -> mlp.fc    mlp.c_proj -> mlp.proj
+
+HF's GPT-2 keeps these as Conv1D (weights stored (in, out), peft's `fan_in_fan_out`); peft's
+lora_A and lora_B are plain Linear layers either way, so A is (r, in) and B (out, r) for both.
+`scale` is lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA; `alpha_pattern` and
+`rank_pattern` set them per module. Dropout does nothing at inference. Everything else peft can
+save that changes the forward (DoRA, `modules_to_save`, LoRA biases, embedding adapters, another
+model's shapes) is refused at load, by name.
+
+A forward's rows each name an adapter or none (the base). `AdapterRows` holds, for each adapter
+in the forward, the flat indices of its tokens; each targeted projection then adds, for each
+adapter, its term on its own tokens (gather, two small matmuls in fp32, scatter-add), as S-LoRA's
+SGMV kernel does per segment. Rows of the base cost nothing, and a forward without adapter rows
+runs exactly as before (no AdapterRows at all).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from ..errors import InvalidArgument
+from .gpt2 import GPT2Config
+
+# peft's module name -> ours (engine.gpt2)
+TARGETS = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
+TARGET_NAMES = ("c_attn", "c_proj", "c_fc")
+DEFAULT_MAX_RANK = 64
+_KEY = re.compile(r"(?:^|\.)h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+_uids = itertools.count(1)
+
+
+class AdapterError(InvalidArgument):
+    """An adapter that cannot be served: the message names the file, field or module at fault."""
+
+
+@dataclass(frozen=True, eq=False)  # compared by identity: two loads of one directory are two adapters
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int  # the largest of its modules'
+    # (layer, our module name) -> (A (r, in), B (out, r) times its scale), fp32
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    targets: tuple[str, ...]  # peft's module names it adapts, e.g. ("c_attn", "c_fc")
+    uid: int = field(default_factory=lambda: next(_uids))  # its prefix-cache root (engine.prefix_cache)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def shapes(config: GPT2Config) -> dict[str, tuple[int, int]]:
+    """Our module name -> (out, in) of its weight."""
+    C, M = config.d_model, config.d_mlp
+    return {"attn.qkv": (3 * C, C), "attn.proj": (C, C), "mlp.fc": (M, C), "mlp.proj": (C, M)}
+
+
+def load_adapter(name: str, path: str | Path, config: GPT2Config, max_rank: int = DEFAULT_MAX_RANK,
+                 device: torch.device | str = "cpu") -> LoraAdapter:
+    """A peft LoRA directory (adapter_config.json, then adapter_model.safetensors or .bin) for a
+    model of `config`'s shapes. Raises AdapterError naming what it refuses."""
+    where = Path(path)
+    settings = _read_config(where)
+    tensors = _read_weights(where)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise AdapterError(f"adapter {name!r}: {where}: the weight {key!r} is not a LoRA A or B of GPT-2's "
+                               f"c_attn, c_proj or c_fc (embedding adapters, modules_to_save and LoRA biases "
+                               f"are not supported)")
+        layer, module, side = int(match[1]), match[2], match[3]
+        pairs.setdefault((layer, module), {})[side] = tensor
+    if not pairs:
+        raise AdapterError(f"adapter {name!r}: {where}: no LoRA weights in the file")
+    expected = shapes(config)
+    weights = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        where_in = f"adapter {name!r}: h.{layer}.{module}"
+        if set(pair) != {"A", "B"}:
+            raise AdapterError(f"{where_in}: lora_{'B' if 'A' in pair else 'A'} is missing")
+        if layer >= config.n_layer:
+            raise AdapterError(f"{where_in}: the model has {config.n_layer} layers (another base model?)")
+        a, b = pair["A"], pair["B"]
+        out_features, in_features = expected[TARGETS[module]]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape[0] != out_features \
+                or a.shape[0] != b.shape[1]:
+            raise AdapterError(f"{where_in}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit "
+                               f"the base's ({out_features}, {in_features}) weight (another base model?)")
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise AdapterError(f"{where_in}: rank {rank} is over --max-lora-rank {max_rank}")
+        scale = _scale(settings, f"h.{layer}.{module}", rank)
+        weights[(layer, TARGETS[module])] = (a.to(device, torch.float32).contiguous(),
+                                             (b.to(torch.float32) * scale).to(device).contiguous())
+    modules = sorted({m.split(".")[1] for _, m in pairs}, key=TARGET_NAMES.index)
+    return LoraAdapter(name, str(where), max(a.shape[0] for a, _ in weights.values()), weights, tuple(modules))
+
+
+def _read_config(where: Path) -> dict:
+    config_file = where / "adapter_config.json"
+    try:
+        settings = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{where}: no adapter_config.json (not a peft adapter directory)") from None
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{config_file}: not readable JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise AdapterError(f"{config_file}: not a JSON object")
+    refused = {
+        "peft_type": settings.get("peft_type", "LORA") != "LORA",
+        "use_dora": bool(settings.get("use_dora")),
+        "modules_to_save": bool(settings.get("modules_to_save")),
+        "bias": settings.get("bias", "none") != "none",
+        "lora_bias": bool(settings.get("lora_bias")),
+        "layer_replication": bool(settings.get("layer_replication")),
+        "target_parameters": bool(settings.get("target_parameters")),
+    }
+    for key, bad in refused.items():
+        if bad:
+            raise AdapterError(f"{config_file}: {key}={settings.get(key)!r} is not supported (plain LoRA on "
+                               f"c_attn, c_proj and c_fc only)")
+    for key in ("r", "lora_alpha"):
+        value = settings.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise AdapterError(f"{config_file}: {key} must be a positive number, not {value!r}")
+    targets = settings.get("target_modules")
+    names = [targets] if isinstance(targets, str) else targets or []
+    unknown = [t for t in names if isinstance(targets, list) and t.split(".")[-1] not in TARGET_NAMES]
+    if unknown:
+        raise AdapterError(f"{config_file}: target_modules {unknown} are not supported (GPT-2's c_attn, c_proj "
+                           f"and c_fc only)")
+    return settings
+
+
+def _read_weights(where: Path) -> dict[str, torch.Tensor]:
+    safetensors_file, bin_file = where / "adapter_model.safetensors", where / "adapter_model.bin"
+    try:
+        if safetensors_file.exists():
+            from safetensors.torch import load_file
+            return load_file(str(safetensors_file))
+        if bin_file.exists():
+            loaded = torch.load(bin_file, map_location="cpu", weights_only=True)
+            if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+                raise ValueError("not a mapping of names to tensors")
+            return loaded
+    except Exception as exc:  # a truncated or foreign file: the library's own words
+        raise AdapterError(f"{where}: the adapter's weights are not readable ({type(exc).__name__}: {exc})") from None
+    raise AdapterError(f"{where}: no adapter_model.safetensors or adapter_model.bin")
+
+
+def _scale(settings: dict, module: str, rank: int) -> float:
+    """lora_alpha (or its alpha_pattern entry for this module) over r, or over sqrt(r) (rsLoRA)."""
+    alpha = settings["lora_alpha"]
+    for pattern, value in (settings.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+            alpha = value
+    return alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+
+
+class AdapterRows:
+    """Which tokens of one forward take which adapter: for each adapter, the flat indices (into
+    the forward's (B * T) tokens, row-major) of its tokens. engine.gpt2 calls `add` after each
+    targeted projection."""
+
+    def __init__(self, segments: Sequence[tuple[LoraAdapter, torch.Tensor | None]]):
+        self.segments = segments  # (adapter, (n,) token indices, or None: every token)
+
+    @classmethod
+    def of(cls, adapters: Sequence[LoraAdapter | None], lengths: Sequence[int] | int,
+           device: torch.device) -> AdapterRows | None:
+        """Row i's `lengths[i]` tokens (an int: every row's) take `adapters[i]`, rows laid end to
+        end; None when no row has one."""
+        if not any(adapters):
+            return None
+        counts = [lengths] * len(adapters) if isinstance(lengths, int) else lengths
+        if len(set(adapters)) == 1:
+            return cls([(adapters[0], None)])
+        tokens: dict[LoraAdapter, list[int]] = {}
+        start = 0
+        for adapter, n in zip(adapters, counts):
+            if adapter is not None:
+                tokens.setdefault(adapter, []).extend(range(start, start + n))
+            start += n
+        return cls([(a, torch.tensor(ix, dtype=torch.long, device=device)) for a, ix in tokens.items()])
+
+    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x (..., in) the projection's input, y (..., out) its output -> y plus each token's
+        adapter term (fp32, cast to y's dtype)."""
+        out = y
+        for adapter, index in self.segments:
+            pair = adapter.weights.get((layer, module))
+            if pair is None:
+                continue
+            a, b = pair  # (r, in), (out, r) scaled
+            rows = x.reshape(-1, x.shape[-1])  # (N, in)
+            if index is None:
+                out = out + ((rows.float() @ a.T) @ b.T).to(y.dtype).view(y.shape)  # (..., out)
+                continue
+            delta = (rows.index_select(0, index).float() @ a.T) @ b.T  # (n, out)
+            out = out.reshape(-1, y.shape[-1]).index_add(0, index, delta.to(y.dtype)).view(y.shape)
+        return out
