@@ -1,0 +1,206 @@
+"""LoRA adapters (engine.lora) against peft's own unmerged forward, on a checkpoint and adapters
+this test saves itself: next-token top-k, scored prompts and greedy generation, each adapter
+alone and mixed with the base and each other in one forward; the prefix cache never shares a
+block across adapters; and every adapter peft can save that we cannot serve is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from support.generation import GREEDY, LIVELY, transformers_greedy
+from support.lora import ADAPTERS, make_adapter, make_adapters, peft_model
+from support.reference import TOLERANCE, as_result, assert_matches_reference, assert_prompt_scores_match, \
+    transformers_random_model
+
+from gpt2serve.engine.engine import Engine
+from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.loading import load_model
+from gpt2serve.engine.lora import AdapterError, load_adapter
+from gpt2serve.engine.steps import Ask
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [(3 * j + 1) % 50257 for j in range(40)], [7, 8, 9], [12]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(base transformers model, its checkpoint dir, adapter dirs, peft models by name)."""
+    directory = tmp_path_factory.mktemp("lora")
+    hf = transformers_random_model(seed=3, **LIVELY)
+    hf.save_pretrained(directory / "ckpt")
+    dirs = make_adapters(directory / "ckpt", directory)
+    return hf, directory / "ckpt", dirs, {name: peft_model(directory / "ckpt", path) for name, path in dirs.items()}
+
+
+def engine_with_adapters(setup, quantize: str = "none") -> tuple[Engine, dict]:
+    _, ckpt, dirs, _ = setup
+    engine = Engine(load_model(str(ckpt), "cpu", "float32", quantize=quantize))
+    return engine, {name: load_adapter(name, path, engine.model.config) for name, path in dirs.items()}
+
+
+def judge(setup, name):
+    hf, _, _, peft = setup
+    return hf if name is None else peft[name]
+
+
+MIXED = [None, "poet", "coder", "critic", "coder"]  # one per prompt: the base and all three, in one forward
+
+
+def test_next_token_equals_peft_for_each_adapter_mixed_with_the_base_in_one_batch(setup):
+    engine, adapters = engine_with_adapters(setup)
+    out = engine.next_token([Ask(p, 5, adapter=adapters.get(n)) for p, n in zip(PROMPTS, MIXED)])
+    for prompt, name, top in zip(PROMPTS, MIXED, out.top):
+        assert_matches_reference(judge(setup, name), as_result(prompt, top), prompt, 5)
+    # The adapters move the answer: the base's top-5 for the coder's prompt is another list.
+    base = engine.next_token([Ask(PROMPTS[2], 5)]).top[0]
+    assert [t.token_id for t in base] != [t.token_id for t in out.top[2]]
+
+
+def test_scored_prompts_equal_peft_under_their_adapters(setup):
+    engine, adapters = engine_with_adapters(setup)
+    out = engine.next_token([Ask(p, 1, prompt_logprobs=3, adapter=adapters.get(n)) for p, n in zip(PROMPTS, MIXED)])
+    for row, (prompt, name) in enumerate(zip(PROMPTS, MIXED)):
+        if len(prompt) < 2:
+            continue
+        s = out.prompt_scores[row]
+        assert_prompt_scores_match(judge(setup, name), prompt, s.token_logprobs, s.ranks, s.top_ids, s.top_logprobs)
+
+
+@pytest.mark.parametrize("riders", [False, True])
+def test_greedy_generation_equals_peft_with_adapters_and_the_base_decoding_side_by_side(setup, riders):
+    engine, adapters = engine_with_adapters(setup)
+    generator = Generator(engine, slots=4)
+    names = [None, "poet", "coder", "critic"]
+    prompts = PROMPTS[:4]
+    generator.prefill([NewSequence(i, p, GREEDY, i, adapter=adapters.get(n))
+                       for i, (p, n) in enumerate(zip(prompts, names))])
+    tokens = {i: [] for i in range(4)}
+    first = generator.running
+    assert [r.adapter for r in first] == [adapters.get(n) for n in names]
+    for _ in range(8):  # the prefill's tokens came back in its output; read each decode step's
+        step = generator.decode([Ask(PROMPTS[4], 3, adapter=adapters["coder"])] if riders else [])
+        for i, token in step.tokens.items():
+            tokens[i].append(token.token_id)
+        if riders:  # a rider under an adapter in a decode step's forward answers as peft does
+            assert_matches_reference(judge(setup, "coder"), as_result(PROMPTS[4], step.riders.top[0]), PROMPTS[4], 3)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        want = transformers_greedy(judge(setup, name), prompt, 9)
+        assert tokens[i] == want[1:], name
+
+
+def test_int8_adapter_rows_stay_within_int8s_own_error(setup):
+    """int8 weights, the LoRA term in fp32 on top: under each adapter the answers are as far from
+    peft's as the int8 base is from transformers' (on these lively weights, up to 0.3 in a
+    log-probability), while an adapter moves them by 9 to 24: every prompt under every adapter
+    and the base, twenty rows in one forward."""
+    engine, adapters = engine_with_adapters(setup, quantize="int8")
+    names = [None, *ADAPTERS]
+    out = engine.next_token([Ask(p, 1, adapter=adapters.get(n)) for n in names for p in PROMPTS])
+    errors = {}
+    for i, top in enumerate(out.top):
+        name, prompt = names[i // len(PROMPTS)], PROMPTS[i % len(PROMPTS)]
+        with torch.no_grad():
+            ref = torch.log_softmax(judge(setup, name)(torch.tensor([prompt])).logits[0, -1], -1)
+        errors.setdefault(name, []).append(abs(ref[top[0].token_id].item() - top[0].logprob))
+    base_error = max(errors.pop(None))
+    assert base_error > TOLERANCE  # int8 is not exact: the bar below is int8's own error
+    for name, errs in errors.items():
+        assert max(errs) <= 2 * base_error, (name, errs, base_error)
+    # Alone, the same numbers as beside the base and the other adapters: rows do not reach each other.
+    alone = engine.next_token([Ask(PROMPTS[2], 1, adapter=adapters["coder"])]).top[0]
+    assert alone[0].logprob == pytest.approx(out.top[2 * len(PROMPTS) + 2][0].logprob, abs=1e-5)
+
+
+def test_the_prefix_cache_never_serves_a_block_computed_under_another_adapter(setup):
+    engine, adapters = engine_with_adapters(setup)
+    engine.attach_prefix_cache(64, doorkeeper=False)
+    prompt = PROMPTS[2]  # 40 tokens: two full blocks
+    first = engine.next_token([Ask(prompt, 3, adapter=adapters["coder"])])
+    assert first.cached_tokens == [0]
+    again = engine.next_token([Ask(prompt, 3, adapter=adapters["coder"]), Ask(prompt, 3), Ask(prompt, 3, adapter=adapters["poet"])])
+    assert again.cached_tokens == [32, 0, 0]  # the coder's blocks, for the coder alone
+    for name, top in zip(["coder", None, "poet"], again.top):
+        assert_matches_reference(judge(setup, name), as_result(prompt, top), prompt, 3)
+    base_again = engine.next_token([Ask(prompt, 3)])
+    assert base_again.cached_tokens == [32]  # the base kept its own blocks
+    assert_matches_reference(judge(setup, None), as_result(prompt, base_again.top[0]), prompt, 3)
+
+
+def test_adapter_weights_cost_their_own_bytes(setup):
+    _, adapters = engine_with_adapters(setup)
+    coder = adapters["coder"]
+    config = transformers_random_model(seed=3, **LIVELY).config
+    C, r, L = config.n_embd, ADAPTERS["coder"][0], config.n_layer
+    # per layer: c_attn (r x C + 3C x r), attn c_proj (2 x C x r), mlp c_fc (r x C + 4C x r), mlp c_proj (r x 4C + C x r)
+    assert coder.nbytes == 4 * L * r * (C + 3 * C + 2 * C + C + 4 * C + 4 * C + C)
+    assert coder.rank == r and coder.targets == ("c_attn", "c_proj", "c_fc")
+
+
+def _refusal(tmp_path, setup, edit=None, targets=("c_attn",), **extra) -> str:
+    _, ckpt, _, _ = setup
+    path = make_adapter(ckpt, tmp_path / "bad", 4, list(targets), 8, False, seed=9, **extra)
+    if edit is not None:
+        edit(path)
+    engine, _ = engine_with_adapters(setup)
+    with pytest.raises(AdapterError) as refused:
+        load_adapter("bad", path, engine.model.config, max_rank=8)
+    return str(refused.value)
+
+
+def test_a_rank_over_the_limit_is_refused(tmp_path, setup):
+    _, ckpt, _, _ = setup
+    path = make_adapter(ckpt, tmp_path / "big", 16, ["c_attn"], 8, False, seed=9)
+    engine, _ = engine_with_adapters(setup)
+    with pytest.raises(AdapterError, match="rank 16 is over --max-lora-rank 8"):
+        load_adapter("big", path, engine.model.config, max_rank=8)
+
+
+def test_dora_modules_to_save_and_biases_are_refused_by_name(tmp_path, setup):
+    assert "use_dora" in _refusal(tmp_path / "dora", setup, use_dora=True)
+    assert "modules_to_save" in _refusal(tmp_path / "save", setup, modules_to_save=["lm_head"])
+    assert "bias" in _refusal(tmp_path / "bias", setup, bias="lora_only")
+
+
+def test_an_embedding_adapter_is_refused_by_its_weight(tmp_path, setup):
+    message = _refusal(tmp_path, setup, edit=lambda p: _set_config(p, target_modules=["c_attn"]),
+                       targets=["c_attn", "wte"])
+    assert "wte" in message
+
+
+def test_a_corrupt_or_missing_file_and_another_models_shapes_are_refused(tmp_path, setup):
+    def truncate(path):
+        data = (path / "adapter_model.safetensors").read_bytes()
+        (path / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+
+    assert "not readable" in _refusal(tmp_path / "cut", setup, edit=truncate)
+    assert "no adapter_model" in _refusal(tmp_path / "gone", setup,
+                                          edit=lambda p: (p / "adapter_model.safetensors").unlink())
+    assert "adapter_config.json" in _refusal(tmp_path / "noconf", setup,
+                                             edit=lambda p: (p / "adapter_config.json").unlink())
+    # An adapter made for a wider GPT-2: its A and B do not fit this base.
+    other = tmp_path / "other"
+    transformers_random_model(seed=4, n_embd=128).save_pretrained(other / "ckpt")
+    path = make_adapter(other / "ckpt", other / "adapter", 4, ["c_attn"], 8, False, seed=9)
+    engine, _ = engine_with_adapters(setup)
+    with pytest.raises(AdapterError, match="do not fit the base"):
+        load_adapter("other", path, engine.model.config)
+
+
+def test_a_bin_adapter_loads_as_its_safetensors_twin_does(tmp_path, setup):
+    _, ckpt, _, _ = setup
+    a = make_adapter(ckpt, tmp_path / "st", 4, ["c_fc"], 8, False, seed=5)
+    b = make_adapter(ckpt, tmp_path / "bin", 4, ["c_fc"], 8, False, seed=5, safetensors=False)
+    assert (b / "adapter_model.bin").exists()
+    engine, _ = engine_with_adapters(setup)
+    one, two = (load_adapter(n, p, engine.model.config) for n, p in (("st", a), ("bin", b)))
+    assert one.weights.keys() == two.weights.keys()
+    for key in one.weights:
+        assert all(torch.equal(x, y) for x, y in zip(one.weights[key], two.weights[key]))
+
+
+def _set_config(path, **fields):
+    config = json.loads((path / "adapter_config.json").read_text())
+    config.update(fields)
+    (path / "adapter_config.json").write_text(json.dumps(config))
