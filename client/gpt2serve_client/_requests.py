@@ -55,37 +55,45 @@ def prompt_fields(prompt: Prompt) -> dict[str, Any]:
 
 
 def next_token_proto(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
-                     attention_maps: bool = False, prompt_logprobs: int | None = None) -> pb.NextTokenRequest:
+                     attention_maps: bool = False, prompt_logprobs: int | None = None,
+                     adapter: str | None = None) -> pb.NextTokenRequest:
     return pb.NextTokenRequest(
         **prompt_fields(prompt), top_k=top_k, trace_layers=trace_layers, include_layers=include_layers,
-        attention_maps=attention_maps, prompt_logprobs=prompt_logprobs,
+        attention_maps=attention_maps, prompt_logprobs=prompt_logprobs, adapter=adapter,
     )
 
 
 def next_token_batch_proto(
     prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, adapter: str | None = None,
 ) -> pb.NextTokenBatchRequest:
     return pb.NextTokenBatchRequest(
         prompts=[pb.Prompt(**prompt_fields(p)) for p in prompts],
         top_k=top_k, trace_layers=trace_layers, include_layers=include_layers, prompt_logprobs=prompt_logprobs,
+        adapter=adapter,
     )
 
 
 def next_token_json(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
-                    attention_maps: bool = False, prompt_logprobs: int | None = None) -> dict[str, Any]:
+                    attention_maps: bool = False, prompt_logprobs: int | None = None,
+                    adapter: str | None = None) -> dict[str, Any]:
     body = {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers,
             "attention_maps": attention_maps}
-    return body if prompt_logprobs is None else {**body, "prompt_logprobs": prompt_logprobs}
+    return optional_fields(body, prompt_logprobs=prompt_logprobs, adapter=adapter)
 
 
 def next_token_batch_json(
     prompts: Sequence[Prompt], top_k: int | None, trace_layers: bool, include_layers: bool,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, adapter: str | None = None,
 ) -> dict[str, Any]:
     items = [p if isinstance(p, str) else [int(t) for t in p] for p in prompts]
     body = {"prompts": items, "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers}
-    return body if prompt_logprobs is None else {**body, "prompt_logprobs": prompt_logprobs}
+    return optional_fields(body, prompt_logprobs=prompt_logprobs, adapter=adapter)
+
+
+def optional_fields(body: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """The body with each field that is set (unset ones left out, as the server's defaults)."""
+    return {**body, **{name: value for name, value in fields.items() if value is not None}}
 
 
 def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float | None, top_k: int | None,
@@ -96,7 +104,7 @@ def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float |
                     logit_bias: Mapping[int, float] | None = None, min_p: float | None = None,
                     min_tokens: int | None = None, json_schema: Mapping[str, Any] | str | None = None,
                     regex: str | None = None, choice: Sequence[str] | None = None,
-                    grammar: str | None = None) -> dict[str, Any]:
+                    grammar: str | None = None, adapter: str | None = None) -> dict[str, Any]:
     """A generate call's fields, the same for the proto and the JSON body (unset ones left out;
     logit_bias keyed by int: the JSON body's keys become strings, as OpenAI's are)."""
     fields = {**prompt_fields(prompt), "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
@@ -109,7 +117,7 @@ def generate_fields(prompt: Prompt, max_tokens: int | None, temperature: float |
               "logit_bias": {int(t): float(b) for t, b in logit_bias.items()} if logit_bias else None,
               "json_schema": json_schema if json_schema is None or isinstance(json_schema, str) else
               json.dumps(json_schema), "regex": regex, "choice": list(choice) if choice else None,
-              "grammar": grammar}
+              "grammar": grammar, "adapter": adapter}
     return {name: value for name, value in fields.items() if value is not None}
 
 

@@ -121,15 +121,16 @@ class Client:
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
-                   prompt_logprobs: int | None = None) -> NextTokenResult:
+                   prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
         request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps,
-                                             prompt_logprobs)
+                                             prompt_logprobs, adapter)
         return NextTokenResult.from_proto(self._call(self._stub.NextToken, request, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, timeout: float | None = None,
-                         prompt_logprobs: int | None = None) -> list[NextTokenResult]:
-        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers, prompt_logprobs)
+                         prompt_logprobs: int | None = None, adapter: str | None = None) -> list[NextTokenResult]:
+        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers, prompt_logprobs,
+                                                   adapter)
         response = self._call(self._stub.NextTokenBatch, request, timeout)
         return [NextTokenResult.from_proto(r) for r in response.results]
 
@@ -142,7 +143,7 @@ class Client:
                         min_p: float | None = None, min_tokens: int | None = None,
                         json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
                         choice: Sequence[str] | None = None, grammar: str | None = None,
-                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+                        adapter: str | None = None, timeout: float | None = None) -> Iterator[GenerateChunk]:
         """The generation as it goes: a GenerateChunk per token, then a closing one with the
         finish reason and usage. temperature 0 is greedy; the same seed, the same text.
         The penalties, logit_bias (token id -> bias), min_p and min_tokens control each step's
@@ -155,7 +156,7 @@ class Client:
             trace_layers=trace_layers, trace_steps=trace_steps,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
-            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
+            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar, adapter=adapter)
         attempts = self._new_attempts(1, timeout)  # no failover: refused streams and a starting server only
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata(),
@@ -243,16 +244,18 @@ class AsyncClient:
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
-                         prompt_logprobs: int | None = None) -> NextTokenResult:
+                         prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
         request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps,
-                                             prompt_logprobs)
+                                             prompt_logprobs, adapter)
         return NextTokenResult.from_proto(await self._call(self._stub.NextToken, request, timeout))
 
     async def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5,
                                trace_layers: bool = False, include_layers: bool = False,
-                               timeout: float | None = None, prompt_logprobs: int | None = None
+                               timeout: float | None = None, prompt_logprobs: int | None = None,
+                               adapter: str | None = None
                                ) -> list[NextTokenResult]:
-        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers, prompt_logprobs)
+        request = _requests.next_token_batch_proto(prompts, top_k, trace_layers, include_layers, prompt_logprobs,
+                                                   adapter)
         response = await self._call(self._stub.NextTokenBatch, request, timeout)
         return [NextTokenResult.from_proto(r) for r in response.results]
 
@@ -266,7 +269,7 @@ class AsyncClient:
                               min_p: float | None = None, min_tokens: int | None = None,
                               json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
                               choice: Sequence[str] | None = None, grammar: str | None = None,
-                              timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
+                              adapter: str | None = None, timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
         """As `Client.generate_stream`, asynchronously."""
         request = _requests.generate_proto(
             prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
@@ -274,7 +277,7 @@ class AsyncClient:
             trace_layers=trace_layers, trace_steps=trace_steps,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
-            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
+            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar, adapter=adapter)
         attempts = self._new_attempts(1, timeout)  # no failover: refused streams and a starting server only
         while True:
             call = self._stub.Generate(request, timeout=attempts.timeout(), metadata=self._metadata(),

@@ -119,14 +119,15 @@ class RestClient:
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
-                   prompt_logprobs: int | None = None) -> NextTokenResult:
-        body = _requests.next_token_json(prompt, top_k, trace_layers, include_layers, attention_maps, prompt_logprobs)
+                   prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
+        body = _requests.next_token_json(prompt, top_k, trace_layers, include_layers, attention_maps, prompt_logprobs,
+                                        adapter)
         return NextTokenResult.from_dict(self._request("POST", "/v1/next-token", body, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, timeout: float | None = None,
-                         prompt_logprobs: int | None = None) -> list[NextTokenResult]:
-        body = _requests.next_token_batch_json(prompts, top_k, trace_layers, include_layers, prompt_logprobs)
+                         prompt_logprobs: int | None = None, adapter: str | None = None) -> list[NextTokenResult]:
+        body = _requests.next_token_batch_json(prompts, top_k, trace_layers, include_layers, prompt_logprobs, adapter)
         data = self._request("POST", "/v1/next-token/batch", body, timeout)
         return [NextTokenResult.from_dict(r) for r in data["results"]]
 
@@ -139,7 +140,7 @@ class RestClient:
                         min_p: float | None = None, min_tokens: int | None = None,
                         json_schema: Mapping[str, Any] | str | None = None, regex: str | None = None,
                         choice: Sequence[str] | None = None, grammar: str | None = None,
-                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+                        adapter: str | None = None, timeout: float | None = None) -> Iterator[GenerateChunk]:
         """As the gRPC `Client.generate_stream`, over server-sent events (not retried once the
         stream has begun). Closing the iterator closes the connection, which cancels the generation."""
         body = _requests.generate_json(
@@ -148,7 +149,7 @@ class RestClient:
             trace_layers=trace_layers, trace_steps=trace_steps,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repetition_penalty=repetition_penalty, logit_bias=logit_bias, min_p=min_p, min_tokens=min_tokens,
-            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar)
+            json_schema=json_schema, regex=regex, choice=choice, grammar=grammar, adapter=adapter)
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         starting = ServerStarting(self.base_url, timeout) if self.wait_for_ready else None

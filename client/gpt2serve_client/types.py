@@ -300,6 +300,7 @@ class ModelInfo:
     prefix_cache_bytes: int = 0  # its memory: claimed at start on cuda, the most it grows to on a CPU
     chat_completions: bool = False  # /v1/chat/completions has a chat template to form prompts with
     chat_template_source: str = ""  # where that template came from (--chat-template, or the checkpoint's own)
+    adapters: list[str] = field(default_factory=list)  # LoRA adapters served beside the base (--lora-modules)
 
     def to_proto(self) -> pb.ModelInfo:
         data = asdict(self)
@@ -311,6 +312,7 @@ class ModelInfo:
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
         scalars = {f: getattr(msg, f) for f in cls.__dataclass_fields__ if f not in ("architecture", "parameters")}
+        scalars["adapters"] = list(scalars["adapters"])
         return cls(
             **scalars,
             architecture=Architecture(**{f: getattr(msg.architecture, f) for f in Architecture.__dataclass_fields__}),

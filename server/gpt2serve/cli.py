@@ -91,7 +91,7 @@ def cmd_next(args: argparse.Namespace) -> int:
     try:
         with Client(args.target, timeout=args.timeout) as client:
             result = client.next_token(args.prompt, top_k=args.top_k, trace_layers=args.trace,
-                                       include_layers=args.trace)
+                                       include_layers=args.trace, adapter=args.adapter)
     except Gpt2ServeError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
@@ -140,7 +140,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         return 2
     try:
         with Client(args.target, timeout=args.timeout) as client:
-            result = client.next_token(text, top_k=1, prompt_logprobs=max(args.top_k, 1))
+            result = client.next_token(text, top_k=1, prompt_logprobs=max(args.top_k, 1), adapter=args.adapter)
     except Gpt2ServeError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
@@ -154,7 +154,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         with Client(args.target, timeout=args.timeout) as client:
             for chunk in client.generate_stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                                stop=args.stop or None, trace_layers=args.trace):
+                                                stop=args.stop or None, trace_layers=args.trace,
+                                                adapter=args.adapter):
                 print(chunk.text, end="", flush=True)
                 closing = chunk
     except Gpt2ServeError as exc:
@@ -222,6 +223,8 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--top-k", type=int, default=5, help="alternatives to show")
     env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
     env.add("--timeout", type=float, default=30.0, help="deadline in seconds")
+    env.add("--adapter", default=None, help="a LoRA adapter the server serves (GetModelInfo's adapters), by name; "
+                                            "default: the base model")
     nxt.add_argument("--trace", action="store_true", help="trace this request's layers: print a per-layer table and the trace id")
     nxt.set_defaults(func=cmd_next)
 
@@ -233,6 +236,8 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--top-k", type=int, default=1, help="alternatives the server returns per position (the first is shown)")
     env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
     env.add("--timeout", type=float, default=60.0, help="deadline in seconds")
+    env.add("--adapter", default=None, help="a LoRA adapter the server serves (GetModelInfo's adapters), by name; "
+                                            "default: the base model")
     score.set_defaults(func=cmd_score)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, printed as it comes")
@@ -246,6 +251,8 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop before this string (repeatable)")
     env.add("--target", default="localhost:50051", help="gRPC server host:port", env=TARGET_ENV)
     env.add("--timeout", type=float, default=120.0, help="deadline in seconds")
+    env.add("--adapter", default=None, help="a LoRA adapter the server serves (GetModelInfo's adapters), by name; "
+                                            "default: the base model")
     gen.add_argument("--trace", action="store_true", help="trace the prompt's layers and print the trace id")
     gen.set_defaults(func=cmd_generate)
 

@@ -126,6 +126,10 @@ class ServeConfig:
     stream_interval: int = 1
     # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
     chat_template: str | None = None
+    # LoRA adapters served beside the base, each "name=path" (a peft adapter directory), chosen per
+    # request by name (the OpenAI `model` field, or `adapter`); ranks above --max-lora-rank are refused.
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 16
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
@@ -285,6 +289,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
             help="Jinja chat template for /v1/chat/completions: a file, or the template inline (rendered as "
                  "transformers' apply_chat_template renders it); default: the checkpoint's own "
                  "(tokenizer_config.json or chat_template.jinja); with neither, chat answers 400")
+    env.add("--lora-modules", type=lora_modules, default=d.lora_modules, nargs="*",
+            help="LoRA adapters to serve beside the base, each name=path (a directory peft's save_pretrained "
+                 "wrote); a request picks one by name: the OpenAI routes' `model`, or `adapter` on gRPC and REST "
+                 "(the variable: entries separated by spaces)")
+    env.add("--max-lora-rank", type=int, default=d.max_lora_rank,
+            help="largest LoRA rank an adapter may have; a higher one is refused at load")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process); on a GPU, the front ends the engine's measured rate needs "
@@ -293,8 +303,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
     parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
 
 
+def lora_modules(value: str) -> tuple[str, ...]:
+    """name=path entries: one from the command line, or the variable's, separated by spaces."""
+    entries = tuple(value.split())
+    for entry in entries:
+        name, _, path = entry.partition("=")
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"{entry!r} is not name=path")
+    return entries
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    config = ServeConfig(**{name: getattr(args, name) for name in ServeConfig.__dataclass_fields__})
+    values = {name: getattr(args, name) for name in ServeConfig.__dataclass_fields__}
+    values["lora_modules"] = tuple(e for entry in values["lora_modules"] for e in (
+        entry if isinstance(entry, tuple) else (entry,)))
+    config = ServeConfig(**values)
     validate(config)
     return config
 
@@ -355,6 +378,11 @@ def validate(config: ServeConfig) -> None:
         problems.append("--http-max-header-bytes must be >= 1024, --http-max-request-line-bytes >= 256")
     if config.grpc_max_connection_age_s < 0:
         problems.append("--grpc-max-connection-age-s must be >= 0")
+    names = [entry.partition("=")[0] for entry in config.lora_modules]
+    if len(set(names)) != len(names):
+        problems.append("--lora-modules: each adapter needs a name of its own")
+    if not 1 <= config.max_lora_rank <= 512:
+        problems.append("--max-lora-rank must be within 1..512")
     if config.stream_interval < 1:
         problems.append("--stream-interval must be >= 1")
     if config.shutdown_grace_s < 0:

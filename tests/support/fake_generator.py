@@ -47,7 +47,7 @@ class FakeGenerator:
     def remove(self, seq_ids) -> None:
         pass
 
-    def uncached_tokens(self, prompt) -> int:
+    def uncached_tokens(self, prompt, adapter=None) -> int:
         return len(prompt)
 
     def chunk_if_long(self, sequence) -> bool:

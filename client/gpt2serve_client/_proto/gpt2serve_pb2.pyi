@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextTokenRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps", "prompt_logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps", "prompt_logprobs", "adapter")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class NextTokenRequest(_message.Message):
     INCLUDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MAPS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k: int
@@ -23,7 +24,8 @@ class NextTokenRequest(_message.Message):
     include_layers: bool
     attention_maps: bool
     prompt_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids")
@@ -34,18 +36,20 @@ class Prompt(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NextTokenBatchRequest(_message.Message):
-    __slots__ = ("prompts", "top_k", "trace_layers", "include_layers", "prompt_logprobs")
+    __slots__ = ("prompts", "top_k", "trace_layers", "include_layers", "prompt_logprobs", "adapter")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TRACE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     top_k: int
     trace_layers: bool
     include_layers: bool
     prompt_logprobs: int
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class PromptTokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "rank", "top")
@@ -238,7 +242,7 @@ class ParameterBreakdown(_message.Message):
     def __init__(self, token_embedding: _Optional[int] = ..., position_embedding: _Optional[int] = ..., attention_qkv: _Optional[int] = ..., attention_output: _Optional[int] = ..., mlp: _Optional[int] = ..., layer_norm: _Optional[int] = ..., lm_head: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "weights", "weights_source", "dtype", "device", "architecture", "parameters", "max_prompt_tokens", "max_batch_size", "max_running_sequences", "quantize", "prefix_cache_tokens", "prefix_cache_bytes", "chat_completions", "chat_template_source")
+    __slots__ = ("model", "weights", "weights_source", "dtype", "device", "architecture", "parameters", "max_prompt_tokens", "max_batch_size", "max_running_sequences", "quantize", "prefix_cache_tokens", "prefix_cache_bytes", "chat_completions", "chat_template_source", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +258,7 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHAT_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     weights: str
     weights_source: str
@@ -269,10 +274,11 @@ class ModelInfo(_message.Message):
     prefix_cache_bytes: int
     chat_completions: bool
     chat_template_source: str
-    def __init__(self, model: _Optional[str] = ..., weights: _Optional[str] = ..., weights_source: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[_Union[Architecture, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBreakdown, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., quantize: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., chat_completions: _Optional[bool] = ..., chat_template_source: _Optional[str] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., weights: _Optional[str] = ..., weights_source: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., architecture: _Optional[_Union[Architecture, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBreakdown, _Mapping]] = ..., max_prompt_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_running_sequences: _Optional[int] = ..., quantize: _Optional[str] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., chat_completions: _Optional[bool] = ..., chat_template_source: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers", "trace_steps", "min_tokens", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "json_schema", "regex", "choice", "grammar")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "logprobs", "ignore_eos", "trace_layers", "trace_steps", "min_tokens", "logit_bias", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "json_schema", "regex", "choice", "grammar", "adapter")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +309,7 @@ class GenerateRequest(_message.Message):
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -326,7 +333,8 @@ class GenerateRequest(_message.Message):
     regex: str
     choice: _containers.RepeatedScalarFieldContainer[str]
     grammar: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ..., trace_steps: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., trace_layers: _Optional[bool] = ..., trace_steps: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerationStep(_message.Message):
     __slots__ = ("index", "position", "context_tokens", "new_row_shape", "kv_cache_shape", "attention", "logit_lens", "top", "walkthrough", "n_layer", "n_head", "token_id", "token", "new_tokens", "controlled_top", "allowed_tokens")

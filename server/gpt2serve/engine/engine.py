@@ -31,11 +31,12 @@ from .cuda_graphs import BucketedForward
 from .head import ScoredSpan, score_prompts, top_k_rows
 from .constraints import Grammars
 from .loading import LoadedModel
+from .lora import LoraRegistry
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan, root_for
-from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts
+from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts, right_padded
 from .steps import Ask, BatchOutput, PromptAsk, PromptLaunch, StepLaunch, StepOutput, plain_asks, traced
-from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores, right_padded
+from .step_forward import PromptRow, padded_forward, prompt_forward, prompt_scores
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class Engine:
         # A batch's padded tokens per forward (engine.padding); None: the whole batch in one.
         self.forward_tokens = CPU_FORWARD_TOKENS if self.device.type == "cpu" else None
         self.grammars = Grammars(loaded.tokenizer)  # structured output's compiled grammars (the generator's too)
+        self.adapters = LoraRegistry(config, device=self.device)  # LoRA adapters requests may name
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -3,14 +3,14 @@
 The scheduler (scheduling.scheduler) decides who runs; this module runs each step's plan
 (engine.steps.StepPlan), in the engine thread, as one of three kinds of step:
 - next-token: prompts that keep no slot, alone: a batch of the prompt forward (engine.engine);
-- prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that
-  fills their slots and gives each its first token; blocks found in the prefix cache are copied
-  into the slot, not computed (engine.step_forward); out of memory, it leaves no row behind.
-  On cuda, prompts that need nothing from the prefix cache replay a graph (engine.cuda_graphs);
+- prefill: new prompts in one forward (on a CPU, forwards of at most CPU_FORWARD_TOKENS) that fills
+  their slots and gives each its first token; blocks found in the prefix cache are copied into the
+  slot, not computed (engine.step_forward); out of memory, it leaves no row behind. On cuda,
+  prompts that need nothing from the prefix cache replay a graph (engine.cuda_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
-  replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU
-  (engine.traced_decode); or, with prompt rows (riders, joining prompts, a chunk), one eager
-  forward for all (engine.step_forward). Slots are refilled by compaction (engine.kv_cache).
+  replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU (engine.traced_decode),
+  eager where a row takes a LoRA adapter (engine.lora); with prompt rows (riders, joining prompts, a
+  chunk), one eager forward for all (engine.step_forward). Compaction refills slots (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
 sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
@@ -33,7 +33,7 @@ from .head import top_k_rows
 from .kv_cache import KVCache, SlotStore, blocks_needed
 from .padding import forward_parts
 from .lora import AdapterRows
-from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan, root_for
+from .prefix_cache import PrefixCache, RowPlan, root_for
 from .step_forward import PromptRow, packed_forward, prompt_scores
 from .logits_controls import TokenHistory, controlled_logits
 from .sampling import TOKEN, WARM_UP_PARAMS, choose, read_choices, to_device, to_host
@@ -76,8 +76,7 @@ class Generator:
             elif self.use_graphs:
                 self.graphs = DecodeGraphs(
                     self._decode_logits, slots=self.slots, n_ctx=config.n_ctx, device=self.engine.device,
-                    vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id,
-                    capture=self.engine.device.type == "cuda",
+                    vocab_size=config.vocab_size, pad_id=self.engine.pad_token_id, capture=self.engine.device.type == "cuda",
                     memory_budget_bytes=int(self.engine.options.cuda_graph_memory_mb * 2**20))
                 self.prefill_graphs = self.prefill_buckets(capture=True)
         return self.cache
@@ -178,8 +177,8 @@ class Generator:
 
     def _prefill_graphed(self, sequences: Sequence[NewSequence], prompts: list[list[int]], plans: list[RowPlan],
                          first: int) -> PackedAnswers | None:
-        """The prefill from a graph (engine.cuda_graphs): prompts that read and keep nothing in
-        the prefix cache and score nothing. None where it does not apply or no bucket holds them."""
+        """The prefill from a graph (engine.cuda_graphs): prompts that read and keep nothing in the prefix
+        cache, score nothing and take no adapter. None where it does not apply or no bucket holds them."""
         if (self.prefill_graphs is None or any(plan.hit or plan.new for plan in plans)
                 or any(s.prompt_logprobs is not None or s.adapter is not None for s in sequences)):
             return None
@@ -205,10 +204,8 @@ class Generator:
     def fixed_cost_tokens(self) -> float:  # what the scheduler weighs padding against (Engine.warm_up)
         return self.engine.fixed_cost_tokens
 
-    def uncached_tokens(self, prompt: Sequence[int], adapter=None) -> int:
-        """What reading a prompt (under `adapter`) computes: its tokens past the blocks the prefix cache holds."""
-        pool = self.engine.prefix_cache
-        return len(prompt) - (len(pool.match(prompt, root_for(adapter))) * PREFIX_BLOCK if pool is not None else 0)
+    def uncached_tokens(self, prompt: Sequence[int], adapter=None) -> int:  # what reading it computes
+        return len(prompt) if self.engine.prefix_cache is None else self.engine.prefix_cache.uncached(prompt, adapter)
 
     def chunk_if_long(self, sequence: NewSequence) -> bool:
         """Queue a long prompt to be read in chunks (engine.chunked_prefill), one chunk a step
@@ -240,8 +237,7 @@ class Generator:
     def _launch_step(self, plan: StepPlan, started: float, started_ns: int) -> StepLaunch:
         riders, chunk, joining = plan.riders, plan.chunk, plan.joining
         rows, device = list(self.running) if plan.decode else [], self.engine.device
-        B = len(rows)
-        lengths = [r.length for r in rows]
+        B, lengths = len(rows), [r.length for r in rows]
         needed = max(lengths, default=0) + 1  # positions, with the new token's
         device_started = done = None
         if device.type == "cuda":
@@ -267,10 +263,9 @@ class Generator:
         for r in rows:
             r.length += 1
             r.unread += 1
-        cached = packed.riders.cached_tokens if packed and packed.riders else ()
-        computed = B + sum(len(r.prompt) for r in riders) - sum(cached)  # past the cache
-        return StepLaunch(rows, chosen, done, device_started, computed, started, started_ns,
-                          time.perf_counter() - started, packed)
+        cached = packed.riders.cached_tokens if packed and packed.riders else ()  # computed: past the cache
+        return StepLaunch(rows, chosen, done, device_started, B + sum(len(r.prompt) for r in riders) - sum(cached),
+                          started, started_ns, time.perf_counter() - started, packed)
 
     def finish(self, step: StepLaunch) -> StepOutput:
         """Wait for a launched step's answers (cuda; on a CPU they are there) and read them."""
@@ -375,8 +370,8 @@ class Generator:
 
     def _decode_logits(self, last: torch.Tensor, positions: torch.Tensor, span: int,
                        adapters: AdapterRows | None = None) -> torch.Tensor:
-        """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span`
-        positions of slots 0..B-1. What a decode graph captures (without adapters)."""
+        """(B,) last tokens at (B,) positions -> (B, V) logits; keys over the first `span` positions
+        of slots 0..B-1. What a decode graph captures (without adapters)."""
         store = SlotStore(self.cache, positions, span)
         hidden = self.model.hidden_states(last[:, None], positions[:, None], None, kv=store, mask=store.mask(),
                                           adapters=adapters)  # (B, 1, C)

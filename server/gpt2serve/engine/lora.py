@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, NotFound
 from .gpt2 import GPT2Config
 
 # peft's module name -> ours (engine.gpt2)
@@ -214,3 +214,40 @@ class AdapterRows:
             delta = (rows.index_select(0, index).float() @ a.T) @ b.T  # (n, out)
             out = out.reshape(-1, y.shape[-1]).index_add(0, index, delta.to(y.dtype)).view(y.shape)
         return out
+
+
+class LoraRegistry:
+    """The adapters requests may name, by name. Loaded in the engine thread, read from the callers'
+    threads: each change swaps in a new dict (one reference assignment), never edits the one in use.
+    An adapter's requests hold its LoraAdapter, so one unloaded mid-flight still finishes them."""
+
+    def __init__(self, config: GPT2Config | None, max_rank: int = DEFAULT_MAX_RANK, device: torch.device | str = "cpu"):
+        self.config, self.max_rank, self.device = config, max_rank, device
+        self._by_name: dict[str, LoraAdapter] = {}
+
+    @classmethod
+    def empty(cls) -> LoraRegistry:
+        return cls(None)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def load(self, name: str, path: str | Path) -> LoraAdapter:
+        if not name or "=" in name:
+            raise AdapterError(f"adapter name {name!r}: empty or with '='")
+        if name in self._by_name:
+            raise AdapterError(f"adapter {name!r} is loaded already; unload it first")
+        adapter = load_adapter(name, path, self.config, self.max_rank, self.device)
+        self._by_name = {**self._by_name, name: adapter}
+        return adapter
+
+    def resolve(self, name: str | None) -> LoraAdapter | None:
+        """The adapter a request names (None: the base); NotFound for a name not loaded."""
+        if name is None:
+            return None
+        adapter = self._by_name.get(name)
+        if adapter is None:
+            loaded = ", ".join(self._by_name) or "none"
+            raise NotFound(f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", param="adapter")
+        return adapter

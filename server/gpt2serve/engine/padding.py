@@ -1,4 +1,4 @@
-"""Left padding with tensor ops, and the shape buckets CUDA graphs are captured for.
+"""Left padding with tensor ops, right padding for traced batches, and the shape buckets CUDA graphs are captured for.
 
 A batch becomes one (3, B, T) int64 tensor, [token ids, position ids, real-token mask], so it
 reaches the device in one copy. Every prompt's last token sits in column T-1; positions count
@@ -37,6 +37,12 @@ def forward_parts(new_lengths: Sequence[int], budget: int | None) -> list[tuple[
             start, longest = row, 0
         longest = max(longest, n)
     return parts + [(start, len(new_lengths))] if new_lengths else []
+
+
+def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Prompts as (R, T) ids, each from column 0, padded to the longest at the end."""
+    T = max(map(len, prompts))
+    return torch.tensor([[*p, *[pad_id] * (T - len(p))] for p in prompts], dtype=torch.long).to(device)
 
 
 def left_pad_into(out: torch.Tensor, prompts: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:

@@ -132,6 +132,11 @@ class PrefixCache:
         self._touch(chain)
         return chain
 
+    def uncached(self, tokens: Sequence[int], adapter=None) -> int:
+        """What reading a prompt under `adapter` (engine.lora; None: the base) computes: its tokens
+        past the blocks cached for it."""
+        return len(tokens) - len(self.match(tokens, root_for(adapter))) * BLOCK
+
     def run(self, prompts: Sequence[Sequence[int]], forward: Callable[[list[RowPlan]], Output],
             failed_rows: Callable[[Output], Collection[int]], use_hits: bool = True,
             roots: Sequence[int] | None = None) -> Output:

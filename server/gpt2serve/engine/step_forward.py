@@ -355,15 +355,9 @@ def packed_forward(model, decode: SlotStore | None, decode_ids: torch.Tensor, de
     return hidden, layout
 
 
-def right_padded(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
-    """Prompts as (R, T) ids, each from column 0, padded to the longest at the end."""
-    T = max(map(len, prompts))
-    return torch.tensor([[*p, *[pad_id] * (T - len(p))] for p in prompts], dtype=torch.long).to(device)
-
-
 def padded_forward(model, prompts: Sequence[Sequence[int]], ids: torch.Tensor, pool: PrefixCache | None = None,
                    plans: Sequence[RowPlan] = (), taps=None, adapters: Sequence[LoraAdapter | None] = ()) -> torch.Tensor:
-    """Whole prompts, right-padded into (R, T) `ids` (right_padded), in one forward, each row
+    """Whole prompts, right-padded into (R, T) `ids` (padding.right_padded), in one forward, each row
     attending causally over its own tokens, with introspection's `taps` (engine.gpt2.ForwardTaps)
     -> (R, T, C) residual stream. Each plan's new full blocks go into `pool` (no hit is read:
     every position is computed). `adapters`: each row's LoRA adapter (empty: none)."""

@@ -124,7 +124,7 @@ def _pack_params(p: SamplingParams) -> list:
 
 def _pack_generate(r: GenerateRequest) -> list:
     return [r.prompt, _pack_params(r.params), r.max_tokens, sorted(r.stop_token_ids), r.ignore_eos, r.seed,
-            r.deadline, _pack_trace(r.trace), r.prompt_logprobs]
+            r.deadline, _pack_trace(r.trace), r.prompt_logprobs, r.adapter]
 
 
 def _pack_controls(c: StepControls | None) -> list | None:
@@ -150,10 +150,10 @@ def _params(x: Any) -> SamplingParams:
 
 
 def _generate(x: Any) -> GenerateRequest:
-    prompt, params, max_tokens, stop_ids, ignore_eos, seed, deadline, trace, prompt_logprobs = as_fields(x, 9)
+    prompt, params, max_tokens, stop_ids, ignore_eos, seed, deadline, trace, prompt_logprobs, adapter = as_fields(x, 10)
     return GenerateRequest(as_ids(prompt), _params(params), as_int(max_tokens), frozenset(as_ids(stop_ids)),
                            as_bool(ignore_eos), optional(as_int, seed), optional(as_float, deadline), _trace(trace),
-                           optional(as_int, prompt_logprobs))
+                           optional(as_int, prompt_logprobs), optional(as_str, adapter))
 
 
 def _pack_event(e: TokenEvent) -> list:
@@ -264,9 +264,10 @@ def _unpack_ready(f: list) -> EngineReady:
 
 
 def _unpack_submit(f: list) -> Submit:
-    request_id, (prompts, top_k, trace, prompt_logprobs, controls) = as_int(as_fields(f, 2)[0]), as_fields(f[1], 5)
+    request_id, (prompts, top_k, trace, prompt_logprobs, controls, adapter) = as_int(as_fields(f, 2)[0]), as_fields(f[1], 6)
     return Submit(request_id, NextTokenRequest(as_id_lists(prompts), as_int(top_k), _trace(trace),
-                                               optional(as_int, prompt_logprobs), _controls(controls)))
+                                               optional(as_int, prompt_logprobs), _controls(controls),
+                                               optional(as_str, adapter)))
 
 
 def _pack_result(m: Result) -> list:
@@ -317,7 +318,7 @@ _WIRE: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     0: (Hello, lambda m: [m.pid], lambda f: Hello(as_int(as_fields(f, 1)[0]))),
     1: (EngineReady, lambda m: [asdict(m.model_info), m.tokenizer_source, m.max_batch_size], _unpack_ready),
     2: (Submit, lambda m: [m.request_id, [m.request.prompts, m.request.top_k, _pack_trace(m.request.trace),
-                            m.request.prompt_logprobs, _pack_controls(m.request.controls)]],
+                            m.request.prompt_logprobs, _pack_controls(m.request.controls), m.request.adapter]],
         _unpack_submit),
     3: (Generate, lambda m: [m.request_id, _pack_generate(m.request)],
         lambda f: Generate(as_int(as_fields(f, 2)[0]), _generate(f[1]))),

@@ -295,7 +295,7 @@ class EngineServer:
         elif kind is Submit:
             request = message.request
             self._queue(peer, message.request_id, request.prompts, request.top_k, request.trace,
-                        request.prompt_logprobs, request.controls)
+                        request.prompt_logprobs, request.controls, request.adapter)
         elif kind is Cancel:
             key = (peer, message.request_id)
             self._cancel(key)
@@ -307,12 +307,12 @@ class EngineServer:
 
     def _queue(self, peer: int, request_id: int, prompts: list[list[int]], top_k: int,
                trace: TraceContext | None = None, prompt_logprobs: int | None = None,
-               controls: StepControls | None = None) -> None:
+               controls: StepControls | None = None, adapter: str | None = None) -> None:
         key = (peer, request_id)
         try:
             answered = functools.partial(self._answered, key)
             self._submits[key] = self._core.queue_prompts(prompts, top_k, trace, prompt_logprobs, answered,
-                                                          wake=False, controls=controls)
+                                                          wake=False, controls=controls, adapter=adapter)
         except Exception as exc:  # refused (queue full, too many prompts, shutting down)
             self._send_error(key, exc, "request")
 

@@ -20,7 +20,7 @@ class InprocEngineClient:
 
     async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
         return await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs,
-                                       request.controls)
+                                       request.controls, request.adapter)
 
     def generate(self, request: GenerateRequest, sink: TokenSink) -> Callable[[], None]:
         return functools.partial(self._core.abort, self._core.add(request, sink))

@@ -28,7 +28,8 @@ from ..engine.kv_cache import BLOCK, KVCache, blocks_for
 from ..engine.loading import LoadedModel, load_model
 from ..engine.prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache
 from ..engine.model_info import architecture
-from ..errors import ModelLoadError
+from ..engine.lora import AdapterError, LoraRegistry
+from ..errors import ModelLoadError, StartupError
 from ..ipc.engine_server import EngineServer
 from ..ipc.inproc_client import InprocEngineClient
 from ..protocol import EngineReady
@@ -125,6 +126,19 @@ def measure_prompt_rate(engine: Engine, prompt_tokens: int = 8, forwards: int = 
     return size / times[len(times) // 2]
 
 
+def load_adapters(adapters: LoraRegistry, config: ServeConfig) -> None:
+    """--lora-modules, each name=path, into the registry; the first that cannot be served stops the start."""
+    adapters.max_rank = config.max_lora_rank
+    for entry in config.lora_modules:
+        name, _, path = entry.partition("=")
+        try:
+            adapter = adapters.load(name, path)
+        except AdapterError as exc:
+            raise StartupError(f"--lora-modules {entry}: {exc.message}") from exc
+        log.info("LoRA adapter %r: rank %d on %s, %.1f MiB, from %s", name, adapter.rank, ", ".join(adapter.targets),
+                 adapter.nbytes / 2**20, path)
+
+
 def load_engine(config: ServeConfig) -> tuple[Engine, Generator, float]:
     """Runs in the engine thread: load, then warm up (see Engine.warm_up) so the first request is
     not slow. Also returns the engine's measured prompts a second under --workers auto (else 0)."""
@@ -142,6 +156,7 @@ def load_engine(config: ServeConfig) -> tuple[Engine, Generator, float]:
                  torch.get_num_threads())
         torch.set_num_threads(1)
     engine = Engine(loaded, engine_options(config, loaded))
+    load_adapters(engine.adapters, config)
     engine.warm_up()  # on this thread, which serves: cuBLAS makes its handle here, before the caches claim memory
     if loaded.device.type == "cuda":
         RESERVE.keep(loaded.device)  # before the caches are sized from what is free
@@ -190,13 +205,15 @@ class EngineHost:
             generator, max_batch_size=engine.options.max_batch_size,
             max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
             max_batch_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s,
-            eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry)
+            eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry,
+            adapters=engine.adapters)
         self.core.start()
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
         prefix = engine.prefix_cache
         described = describe_model(loaded)
         self.info = replace(described, model=config.served_model_name or described.model,  # the name clients use
+                            adapters=engine.adapters.names,
                             max_running_sequences=generator.slots,
                             prefix_cache_tokens=prefix.capacity_blocks * PREFIX_BLOCK if prefix else 0,
                             prefix_cache_bytes=prefix_cache_bytes(engine))
@@ -225,8 +242,9 @@ def engine_main(config: ServeConfig, address: str, status, parent_pid: int, titl
     child_setup(config, "engine", title)
     try:
         asyncio.run(_engine_process(config, address, status, parent_pid))
-    except ModelLoadError as exc:
-        print(f"gpt2serve serve: cannot load model: {exc}", flush=True)
+    except (ModelLoadError, StartupError) as exc:
+        what = "cannot load model" if isinstance(exc, ModelLoadError) else "cannot start"
+        print(f"gpt2serve serve: {what}: {exc}", flush=True)
         raise SystemExit(1)
 
 

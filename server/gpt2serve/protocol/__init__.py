@@ -67,6 +67,7 @@ class NextTokenRequest:
     trace: TraceContext | None = None
     prompt_logprobs: int | None = None  # score every prompt position too, with this many alternatives
     controls: StepControls | None = None  # a traced generation step's: its top tokens after them too
+    adapter: str | None = None  # a LoRA adapter's name (--lora-modules); None: the base model
 
 
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)
@@ -148,6 +149,7 @@ class GenerateRequest:
     deadline: float | None = None  # time.monotonic() (CLOCK_MONOTONIC: every process's) for a cache slot
     trace: TraceContext | None = None
     prompt_logprobs: int | None = None  # score the prompt in its prefill, with this many alternatives
+    adapter: str | None = None  # a LoRA adapter's name (--lora-modules); None: the base model
 
 
 _NO_ALTERNATIVES: list = []  # shared, never changed: a token's `top` when none were asked for
@@ -276,7 +278,7 @@ class Failed:
 class Prompts:
     """Plain next-token requests in columns, one message for all a front end sends in one loop
     tick (256 unary calls are one message, not 256 Submits). Plain: one prompt, and nothing the
-    engine keeps for it (no sampled trace, layers, prompt scores or controls); others are Submits."""
+    engine keeps for it (no sampled trace, layers, prompt scores, controls or adapter); others are Submits."""
 
     request_ids: list[int]
     prompts: list[list[int]]
@@ -286,7 +288,7 @@ class Prompts:
     def plain(request: NextTokenRequest) -> bool:
         trace = request.trace
         return (len(request.prompts) == 1 and request.prompt_logprobs is None and request.controls is None
-                and (trace is None or not (trace.sampled or trace.layers_wanted)))
+                and request.adapter is None and (trace is None or not (trace.sampled or trace.layers_wanted)))
 
 
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)

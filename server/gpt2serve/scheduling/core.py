@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from ..engine.kv_cache import BLOCK, blocks_for
+from ..engine.lora import LoraRegistry
 from ..engine.padding import CPU_FORWARD_TOKENS
 from ..errors import InvalidArgument, ResourceExhausted, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink, TraceContext
@@ -59,12 +60,13 @@ class EngineCore:
     def __init__(self, generator: ModelRunner, *, max_batch_size: int,
                  max_batch_delay_s: float, max_queue: int, max_batch_tokens: int, max_queue_wait_s: float = 60.0,
                  eos_token_id: int | None = None, engine_thread: ThreadPoolExecutor | None = None,
-                 observer: Observer | None = None, overlap: bool | None = None):
+                 observer: Observer | None = None, overlap: bool | None = None,
+                 adapters: LoraRegistry | None = None):
         """overlap: launch each decode step, and each plain next-token batch, before reading the
         last one's answers (default: where the device runs on by itself, cuda); on a CPU the
         launch is the whole step, so it only makes each token a step later (tests force it on
-        there)."""
-        self.generator = generator
+        there). adapters: the LoRA adapters requests may name (engine.lora); None: none."""
+        self.generator, self.adapters = generator, adapters or LoraRegistry.empty()
         self.outputs = Outputs(observer)  # the callers' side: answers, on their loop
         self.max_batch_size, self.max_queue, self.max_queue_wait_s = max_batch_size, max_queue, max_queue_wait_s
         self.slots, self.capacity_blocks, self.n_ctx = generator.slots, generator.capacity_blocks, generator.n_ctx
@@ -151,7 +153,8 @@ class EngineCore:
             raise Unavailable(f"the {what} is not running")
 
     async def submit(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None = None,
-                     prompt_logprobs: int | None = None, controls: StepControls | None = None) -> list[NextTokenOutput]:
+                     prompt_logprobs: int | None = None, controls: StepControls | None = None,
+                     adapter: str | None = None) -> list[NextTokenOutput]:
         """Queue all prompts of one request together (or none of them) and await their answers."""
         answered = self._loop.create_future()
 
@@ -159,7 +162,7 @@ class EngineCore:
             if not answered.done():
                 answered.set_exception(result) if isinstance(result, BaseException) else answered.set_result(result)
 
-        group = self.queue_prompts(prompts, top_k, trace, prompt_logprobs, done, controls=controls)
+        group = self.queue_prompts(prompts, top_k, trace, prompt_logprobs, done, controls=controls, adapter=adapter)
         try:
             return await answered
         except asyncio.CancelledError:
@@ -168,13 +171,15 @@ class EngineCore:
 
     def queue_prompts(self, prompts: Sequence[list[int]], top_k: int, trace: TraceContext | None,
                       prompt_logprobs: int | None, done: Callable, wake: bool = True,
-                      controls: StepControls | None = None) -> PromptGroup:
+                      controls: StepControls | None = None, adapter: str | None = None) -> PromptGroup:
         """Queue all prompts of one request together, or none of them (refusals raise here).
         `done` is called once on the callers' loop: with every prompt's answer, in order, or
         with the error that ended the request (its other prompts then leave the queue).
         wake=False: the caller calls wake() once after a run of requests (the IPC door, after
-        each frame), so the loop does not wake, and take the GIL, for each one."""
+        each frame), so the loop does not wake, and take the GIL, for each one. `adapter`: a
+        loaded LoRA adapter's name (NotFound otherwise), or None for the base."""
         self._check_running("model worker")
+        lora = self.adapters.resolve(adapter)
         if len(prompts) > self.max_queue:  # no wait can serve it: the caller's mistake, not "busy"
             raise InvalidArgument(f"prompts: {len(prompts)} prompts can never fit a queue of {self.max_queue} "
                                   f"(--max-queue)")
@@ -182,7 +187,7 @@ class EngineCore:
         group = PromptGroup(len(prompts), done, self.cancel_prompts)
         now, now_ns = time.perf_counter(), time.time_ns()
         group.requests = requests = [
-            next_token_request(list(p), top_k, group, row, -1, now, now_ns, trace, prompt_logprobs, controls)
+            next_token_request(list(p), top_k, group, row, -1, now, now_ns, trace, prompt_logprobs, controls, lora)
             for row, p in enumerate(prompts)]
         with self._lock:
             if self._prompts_waiting + len(prompts) > self.max_queue:
@@ -241,6 +246,7 @@ class EngineCore:
         Refusals raise here: the loop is not running, or the queue is full. wake: as for
         queue_prompts."""
         self._check_running("generation loop")
+        lora = self.adapters.resolve(request.adapter)
         longest = min(len(request.prompt) + request.max_tokens, self.n_ctx)
         if blocks_for(longest) > self.capacity_blocks:
             raise InvalidArgument(f"the prompt plus max_tokens needs {longest} tokens of KV cache, and it holds "
@@ -256,7 +262,7 @@ class EngineCore:
         engine_request = EngineRequest(
             request.prompt, request.max_tokens, params=request.params, prompt_logprobs=request.prompt_logprobs,
             trace=request.trace, seed=seed, stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-            expires_at=time.perf_counter() + max(wait_s, 0.0), output=sink, request_id=next(self._ids))
+            expires_at=time.perf_counter() + max(wait_s, 0.0), output=sink, request_id=next(self._ids), adapter=lora)
         self.outputs.generations[engine_request.request_id] = engine_request
         with self._lock:
             self._intake.append(engine_request)

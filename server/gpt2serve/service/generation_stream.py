@@ -136,6 +136,7 @@ class GenerationStream:
         try:
             engine, _ = service.require_model()
             validator = service.validator
+            validator.adapter(self.settings.adapter)
             prompt = self.token_ids = await validator.prompt(self.prompt, "prompt")
             trace = validator.trace(request, options)
             generate = self.settings.request(prompt, validator.n_ctx, validator.vocab_size, options.deadline, trace,
@@ -145,7 +146,7 @@ class GenerationStream:
                                          request, validator.tokenizer.token_text, generate.params, len(prompt))
             request.generation_settings(generate, self.settings.constraint)
             if trace is not None and trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
-                await engine.next_token(NextTokenRequest([prompt], 1, trace))
+                await engine.next_token(NextTokenRequest([prompt], 1, trace, adapter=generate.adapter))
             self.tokenizer: Tokenizer = validator.tokenizer
             self.text = Detokenizer(self.tokenizer, self.settings.stop)
             self._cancel = engine.generate(generate, self)

@@ -88,7 +88,8 @@ class InferenceService:
         `engine` is the engine client."""
         n_ctx, vocab_size = info.architecture.n_ctx, info.architecture.vocab_size
         self.max_batch_size = engine.max_batch_size
-        self.validator = Validator(tokenizer, n_ctx, vocab_size, self.config.max_prompt_tokens, self.config.trace_layers)
+        self.validator = Validator(tokenizer, n_ctx, vocab_size, self.config.max_prompt_tokens, self.config.trace_layers,
+                                   info.adapters)
         self.chat = ChatPrompts(tokenizer, resolve_chat_template(self.config.chat_template, tokenizer))
         info = replace(info, max_prompt_tokens=self.validator.max_prompt_tokens, max_batch_size=self.max_batch_size,
                        chat_completions=self.chat.template is not None, chat_template_source=self.chat.source)
@@ -146,14 +147,15 @@ class InferenceService:
 
     async def next_token(self, prompt: PromptInput, top_k: int | None = None,
                          options: RequestOptions = RequestOptions(),
-                         prompt_logprobs: int | None = None) -> NextTokenResult:
-        return (await self.next_token_batch([prompt], top_k, options, prompt_logprobs))[0]
+                         prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
+        return (await self.next_token_batch([prompt], top_k, options, prompt_logprobs, adapter))[0]
 
     async def next_token_batch(self, prompts: Sequence[PromptInput], top_k: int | None = None,
                                options: RequestOptions = RequestOptions(),
-                               prompt_logprobs: int | None = None) -> list[NextTokenResult]:
-        """`prompt_logprobs`: also score every prompt token, with that many alternatives each."""
-        return await next_token_batch(self, prompts, top_k, options, prompt_logprobs)
+                               prompt_logprobs: int | None = None, adapter: str | None = None) -> list[NextTokenResult]:
+        """`prompt_logprobs`: also score every prompt token, with that many alternatives each;
+        `adapter`: under that LoRA adapter (ModelInfo.adapters), None: the base."""
+        return await next_token_batch(self, prompts, top_k, options, prompt_logprobs, adapter)
 
     def generate(self, prompt: PromptInput, settings: GenerateSettings = GenerateSettings(),
                  options: RequestOptions = GENERATE, coalesce: bool = False) -> AsyncIterator[GenerateChunk]:
@@ -208,6 +210,7 @@ class InferenceService:
         """The prompt tokenized and the settings checked: what `generate` raises for bad input.
         Alone, it refuses a request of several generations whole, before any of them starts."""
         self.require_model()
+        self.validator.adapter(settings.adapter)
         token_ids = await self.validator.prompt(prompt, "prompt")
         return settings.request(token_ids, self.validator.n_ctx, self.validator.vocab_size,
                                 eos_token_id=self.validator.tokenizer.eos_token_id)

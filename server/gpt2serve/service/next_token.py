@@ -16,7 +16,8 @@ from .validation import MAX_ATTENTION_MAP_TOKENS, PromptInput
 
 
 async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput], top_k: int | None,
-                           options: RequestOptions, prompt_logprobs: int | None = None) -> list[NextTokenResult]:
+                           options: RequestOptions, prompt_logprobs: int | None = None,
+                           adapter: str | None = None) -> list[NextTokenResult]:
     received = time.perf_counter()
     with service.telemetry.start_request(options) as request:
         engine, _ = service.require_model()
@@ -28,6 +29,7 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
                                   f"per call")
         k = validator.top_k(top_k)
         scored_k = validator.prompt_logprobs(prompt_logprobs)
+        adapter = validator.adapter(adapter)
         token_ids = [await validator.prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                      for i, p in enumerate(prompts)]
         longest = max(map(len, token_ids))
@@ -37,7 +39,7 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
         trace = validator.trace(request, options)
         prompt_tokens = sum(map(len, token_ids))
         request.next_token_settings(k)
-        outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace, scored_k))
+        outputs = await engine.next_token(NextTokenRequest(token_ids, k, trace, scored_k, adapter=adapter))
         request.prefix_cache_hit(sum(o.cached_tokens for o in outputs))
         if scored_k is not None:
             request.prompts_scored([o.prompt_logprobs for o in outputs])

@@ -11,7 +11,7 @@ from typing import Mapping, Sequence
 
 from ..engine.grammar_check import grammar_for
 from ..engine.tokenizer import Tokenizer
-from ..errors import FailedPrecondition, InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from ..protocol import GenerateRequest, SamplingParams, TraceContext
 from ..telemetry.records import RequestOptions
 from ..telemetry.spans import RequestTelemetry
@@ -53,6 +53,7 @@ class GenerateSettings:
     min_tokens: int | None = None
     # Structured output: (kind, spec, the field it came from); kinds: engine.grammar_check.grammar_for.
     constraint: tuple[str, str, str] | None = None
+    adapter: str | None = None  # a LoRA adapter's name (checked by Validator.adapter); None: the base
 
     def request(self, prompt: list[int], n_ctx: int, vocab_size: int, deadline: float | None = None,
                 trace: TraceContext | None = None, eos_token_id: int | None = None) -> GenerateRequest:
@@ -85,7 +86,7 @@ class GenerateSettings:
         params = SamplingParams(temperature, top_k, top_p, self.logprobs,
                                 **self.controls(vocab_size, max_tokens, eos_token_id))
         return GenerateRequest(prompt, params, max_tokens, frozenset(self.stop_token_ids), self.ignore_eos, self.seed,
-                               deadline, trace, self.prompt_logprobs)
+                               deadline, trace, self.prompt_logprobs, self.adapter)
 
     def controls(self, vocab_size: int, max_tokens: int, eos_token_id: int | None) -> dict:
         """The logits controls as SamplingParams fields, each checked (ranges as OpenAI's and vLLM's)."""
@@ -145,8 +146,8 @@ class Validator:
     """The model-dependent rules: set up by InferenceService.attach once the model is known."""
 
     def __init__(self, tokenizer: Tokenizer, n_ctx: int, vocab_size: int, max_prompt_tokens: int | None,
-                 trace_layers_mode: str):
-        self.tokenizer, self.n_ctx, self.vocab_size = tokenizer, n_ctx, vocab_size
+                 trace_layers_mode: str, adapters: Sequence[str] = ()):
+        self.tokenizer, self.n_ctx, self.vocab_size, self.adapters = tokenizer, n_ctx, vocab_size, tuple(adapters)
         self.max_prompt_tokens = min(max_prompt_tokens or n_ctx, n_ctx)
         # A text of more bytes than this has more tokens than allowed: refuse it without tokenizing.
         self.max_prompt_bytes = self.max_prompt_tokens * tokenizer.max_token_bytes
@@ -158,6 +159,15 @@ class Validator:
         if not 1 <= top_k <= self.vocab_size:
             raise InvalidArgument(f"top_k: {top_k} is outside 1..{self.vocab_size}")
         return top_k
+
+    def adapter(self, name: str | None) -> str | None:
+        """The LoRA adapter a request names: None or "" for the base, else one this server serves (NotFound)."""
+        if not name:
+            return None
+        if name not in self.adapters:
+            served = ", ".join(self.adapters) or "none"
+            raise NotFound(f"adapter: the LoRA adapter {name!r} is not served here (served: {served})", param="adapter")
+        return name
 
     @staticmethod
     def prompt_logprobs(k: int | None, where: str = "prompt_logprobs") -> int | None:

@@ -133,7 +133,7 @@ def generate_settings(msg: pb.GenerateRequest) -> GenerateSettings:
         logprobs=msg.logprobs, ignore_eos=msg.ignore_eos, min_tokens=optional("min_tokens"),
         logit_bias=dict(msg.logit_bias) or None, repetition_penalty=optional("repetition_penalty"),
         frequency_penalty=optional("frequency_penalty"), presence_penalty=optional("presence_penalty"),
-        min_p=optional("min_p"), constraint=constraint_of(msg),
+        min_p=optional("min_p"), constraint=constraint_of(msg), adapter=optional("adapter"),
     )
 
 
@@ -173,7 +173,8 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
         top_k = request.top_k if request.HasField("top_k") else None
         options = request_options("NextToken", request, context)
         scored = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
-        result = await self.service.next_token(prompt_input(request), top_k, options, scored)
+        adapter = request.adapter if request.HasField("adapter") else None
+        result = await self.service.next_token(prompt_input(request), top_k, options, scored, adapter)
         return result.to_proto()
 
     @status_errors
@@ -181,8 +182,9 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
         top_k = request.top_k if request.HasField("top_k") else None
         options = request_options("NextTokenBatch", request, context)
         scored = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        adapter = request.adapter if request.HasField("adapter") else None
         results = await self.service.next_token_batch([prompt_input(p) for p in request.prompts], top_k, options,
-                                                      scored)
+                                                      scored, adapter)
         return pb.NextTokenBatchResponse(results=[r.to_proto() for r in results])
 
     @status_errors

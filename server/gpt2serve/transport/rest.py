@@ -82,6 +82,8 @@ class Body(BaseModel):
 
 PROMPT_LOGPROBS_FIELD = Field(None, description="Also score the prompt: each token's log-probability given the "
                                                 "ones before it, its rank, and this many alternatives (0..20)")
+ADAPTER_FIELD = Field(None, description="A LoRA adapter served beside the base (GET /v1/models, --lora-modules), by "
+                                        "name; unset: the base model. One not served: 404")
 
 
 class NextTokenBody(Body):
@@ -93,6 +95,7 @@ class NextTokenBody(Body):
     attention_maps: StrictBool = Field(False, description="Also every head's attention pattern and the logit "
                                                           "lens at every position, per layer (at most 128 tokens)")
     prompt_logprobs: StrictInt | None = PROMPT_LOGPROBS_FIELD
+    adapter: StrictStr | None = ADAPTER_FIELD
 
 
 class NextTokenBatchBody(Body):
@@ -103,6 +106,7 @@ class NextTokenBatchBody(Body):
     trace_layers: StrictBool = False
     include_layers: StrictBool = False
     prompt_logprobs: StrictInt | None = PROMPT_LOGPROBS_FIELD
+    adapter: StrictStr | None = ADAPTER_FIELD
 
 
 class GenerateBody(Body, SamplingControls, StructuredOutputFields):
@@ -125,13 +129,14 @@ class GenerateBody(Body, SamplingControls, StructuredOutputFields):
                                     "attention over the KV cache, logit lens, top tokens, shapes); prompt and "
                                     "max_tokens within 128 tokens")
     stream: StrictBool = Field(False, description="Server-sent events: one per token, then a closing one")
+    adapter: StrictStr | None = ADAPTER_FIELD
 
     def settings(self) -> GenerateSettings:
         return GenerateSettings(
             max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             stop_token_ids=self.stop_token_ids, logprobs=self.logprobs, ignore_eos=self.ignore_eos, **self.controls(),
-            constraint=self.constraint())
+            constraint=self.constraint(), adapter=self.adapter)
 
 
 class BatchResults(BaseModel):
@@ -318,14 +323,14 @@ class InferenceRoutes:
         """The next token of one prompt, with its top-k (and per-layer reports when asked)."""
         prompt = PromptInput(text=body.prompt, token_ids=body.prompt_token_ids)
         options = request_options(head, "/v1/next-token", "NextToken", body)
-        result = await self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs)
+        result = await self.service.next_token(prompt, body.top_k, options, body.prompt_logprobs, body.adapter)
         return dataclass_json(result, result.to_dict)
 
     async def next_token_batch(self, head: CallHead, body: NextTokenBatchBody) -> bytes:
         """The next token of each prompt, in order (`{"results": [...]}`)."""
         prompts = [batch_prompt(p) for p in body.prompts]
         options = request_options(head, "/v1/next-token/batch", "NextTokenBatch", body)
-        results = await self.service.next_token_batch(prompts, body.top_k, options, body.prompt_logprobs)
+        results = await self.service.next_token_batch(prompts, body.top_k, options, body.prompt_logprobs, body.adapter)
         return dataclass_json({"results": results}, lambda: {"results": [r.to_dict() for r in results]})
 
     async def generate(self, head: CallHead, body: GenerateBody) -> bytes | EventStream:

@@ -48,9 +48,9 @@ class DetokenizeResult(BaseModel):
 
 
 def check_served(service: InferenceService, model: str | None) -> None:
-    """`model`, when given, must be the served name (as the OpenAI routes ask)."""
+    """`model`, when given, must be a served name: the base or an adapter (as the OpenAI routes ask)."""
     if model is not None:
-        check_model(model, service.model_info().model)
+        check_model(model, service.model_info())
 
 
 def add_tokenize_routes(app: FastAPI, service: InferenceService, responses: dict) -> None:

@@ -41,7 +41,9 @@ class OpenAIRoutes:
         """OpenAI's model list: the one model this server serves, its context, and (as a
         gpt2serve extension) whether chat has a template and where it came from."""
         info = self.service.model_info()
-        return {"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "gpt2serve",
-            "max_model_len": info.architecture.n_ctx, "chat_completions": info.chat_completions,
-            "chat_template_source": info.chat_template_source or None}]}
+        base = {"id": info.model, "object": "model", "created": 0, "owned_by": "gpt2serve", "root": info.model,
+                "parent": None, "max_model_len": info.architecture.n_ctx, "chat_completions": info.chat_completions,
+                "chat_template_source": info.chat_template_source or None}
+        # Each LoRA adapter is a model of its own name whose parent is the base (vLLM's listing).
+        return {"object": "list", "data": [base, *({**base, "id": name, "root": name, "parent": info.model}
+                                                  for name in info.adapters)]}

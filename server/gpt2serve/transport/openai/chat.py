@@ -157,13 +157,13 @@ class ChatCompletionBody(SamplingControls, StructuredOutputFields):
         if self.top_logprobs and not self.logprobs:
             raise InvalidArgument("top_logprobs: needs logprobs: true", param="top_logprobs")
 
-    def settings(self, max_tokens: int, choice: int) -> GenerateSettings:
+    def settings(self, max_tokens: int, choice: int, adapter: str | None = None) -> GenerateSettings:
         return GenerateSettings(
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             seed=choice_seed(self.seed, choice),
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             logprobs=(self.top_logprobs or 0) if self.logprobs else 0, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids or [], **self.controls(), constraint=self.constraint())
+            stop_token_ids=self.stop_token_ids or [], **self.controls(), constraint=self.constraint(), adapter=adapter)
 
 
 class ChatCompletions:
@@ -178,7 +178,7 @@ class ChatCompletions:
         for `chat.completion.chunk` events then `[DONE]`. Errors in OpenAI's shape."""
         service = self.service
         info = service.model_info()
-        check_model(body.model, info.model)
+        adapter = check_model(body.model, info)
         body.check(service.max_batch_size)
         prompt, seen = await conversation_prompt(service, body.messages, body.add_generation_prompt,
                                                  body.continue_final_message, body.chat_template_kwargs)
@@ -189,16 +189,16 @@ class ChatCompletions:
                 raise InvalidArgument(f"messages: the prompt's {len(prompt)} tokens fill the model's context of "
                                       f"{info.architecture.n_ctx}; nothing is left to generate", param="messages")
         try:  # checked once for all choices, before any of them starts
-            await service.generation_request(PromptInput(token_ids=prompt), body.settings(max_tokens, 0))
+            await service.generation_request(PromptInput(token_ids=prompt), body.settings(max_tokens, 0, adapter))
         except InvalidArgument as exc:  # named as chat names the field
             field, _, why = exc.message.partition(": ")
             field = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                      "logprobs": "top_logprobs"}.get(field, field)
             raise InvalidArgument(f"{field}: {why}", param=field if field in ChatCompletionBody.model_fields else None) from None
         options = call_options(head, ROUTE, "ChatCompletions", api="openai", attributes=seen)
-        choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i))
+        choices = Choices(service, [(PromptInput(token_ids=prompt), body.settings(max_tokens, i, adapter))
                                     for i in range(body.n)], options, coalesce=body.stream)
-        answer = {"id": f"chatcmpl-{os.urandom(16).hex()}", "created": int(time.time()), "model": info.model}
+        answer = {"id": f"chatcmpl-{os.urandom(16).hex()}", "created": int(time.time()), "model": body.model}
         tokenizer = service.validator.tokenizer
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))

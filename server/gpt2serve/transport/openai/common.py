@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 from pydantic import BaseModel
 
 from gpt2serve_client.generation import GenerateChunk, GenerateResult, Usage
+from gpt2serve_client.types import ModelInfo
 
 from ...errors import InvalidArgument, ModelNotFound, ServeError
 from ...service import GenerateSettings, InferenceService, PromptInput, RequestOptions
@@ -28,9 +29,15 @@ class OpenAIErrorBody(BaseModel):
     error: OpenAIError
 
 
-def check_model(asked: str, served: str) -> None:
-    if asked != served:
-        raise ModelNotFound(f"The model '{asked}' does not exist; this server serves '{served}'", param="model")
+def check_model(asked: str, info: ModelInfo) -> str | None:
+    """The LoRA adapter `model` names (vLLM's way: an adapter is a model of its own name), None for
+    the base; 404 for a model this server does not serve."""
+    if asked == info.model:
+        return None
+    if asked in info.adapters:
+        return asked
+    served = ", ".join([info.model, *info.adapters])
+    raise ModelNotFound(f"The model '{asked}' does not exist; this server serves {served}", param="model")
 
 
 def choice_seed(seed: int | None, choice: int) -> int | None:

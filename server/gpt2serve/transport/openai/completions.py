@@ -147,17 +147,16 @@ class Completions:
         """OpenAI's completions API: a prompt (text or token ids) or a list of them, one choice
         each; `stream` for server-sent chunks then `[DONE]`. Errors in OpenAI's shape."""
         service = self.service
-        model = service.model_info().model
-        check_model(body.model, model)
+        adapter = check_model(body.model, service.model_info())
         options = call_options(head, ROUTE, "Completions", api="openai")
-        settings = body.settings()
+        settings = replace(body.settings(), adapter=adapter)
         prompts = body.prompt_inputs(service.max_batch_size)
         tokenizer = service.validator.tokenizer
         name = functools.partial(openai_token, tokenizer)
         completion = {"id": f"cmpl-{os.urandom(16).hex()}", "object": "text_completion", "created": int(time.time()),
-                      "model": model}
+                      "model": body.model}
         if body.echo and body.max_tokens == 0:
-            return await self.score(body, prompts, options, completion)
+            return await self.score(body, prompts, options, completion, adapter)
         if len(prompts) > 1:  # one bad prompt refuses the request whole, before any generation starts
             for index, prompt in enumerate(prompts):
                 try:
@@ -190,7 +189,8 @@ class Completions:
             answers.append(choice)
         return json_bytes({**completion, "choices": answers, "usage": usage_json([r.usage for r in results])})
 
-    async def score(self, body: CompletionBody, prompts: list[PromptInput], options, completion: dict) -> bytes:
+    async def score(self, body: CompletionBody, prompts: list[PromptInput], options, completion: dict,
+                    adapter: str | None = None) -> bytes:
         """echo with max_tokens 0: every prompt scored in one next-token call, nothing generated."""
         service = self.service
         tokenizer = service.validator.tokenizer
@@ -199,7 +199,7 @@ class Completions:
         except InvalidArgument as exc:
             raise InvalidArgument(exc.message, param="logprobs") from None
         try:
-            results = await service.next_token_batch(prompts, 1, options, scored)
+            results = await service.next_token_batch(prompts, 1, options, scored, adapter)
         except InvalidArgument as exc:
             raise InvalidArgument(exc.message, param=exc.param or "prompt") from None
         choices = []

@@ -1,0 +1,138 @@
+"""LoRA adapters on a running server (`--lora-modules`), against peft's own forward: chosen by the
+OpenAI `model` field (the openai SDK), by `adapter` on gRPC and REST (the typed clients, sync and
+async), listed by /v1/models with the base as parent, mixed with the base in concurrent calls;
+an unknown adapter is 404 / NOT_FOUND naming it, and the server goes on serving. Each test runs on
+one process and on --workers 2, where requests cross the IPC door with their adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import grpc
+import httpx
+import pytest
+import torch
+from support.generation import LIVELY, transformers_greedy
+from support.lora import make_adapter, make_adapters, peft_model
+from support.reference import as_result, assert_matches_reference, assert_prompt_scores_match, \
+    transformers_random_model
+from support.servers import launch_server, openai_client
+
+from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "workers-2"])
+def lora(tmp_path_factory, request):
+    """(server, checkpoint dir, adapter dirs, peft judges by name, the base judge)."""
+    directory = tmp_path_factory.mktemp("lora-serving")
+    hf = transformers_random_model(seed=3, **LIVELY)
+    hf.save_pretrained(directory / "ckpt")
+    dirs = make_adapters(directory / "ckpt", directory)
+    modules = [f"{name}={path}" for name, path in dirs.items()]
+    srv = launch_server(directory, "--model", str(directory / "ckpt"), "--served-model-name", "base-gpt2",
+                        "--lora-modules", *modules, "--max-lora-rank", "8", "--workers", request.param)
+    judges = {name: peft_model(directory / "ckpt", path) for name, path in dirs.items()}
+    yield srv, directory / "ckpt", dirs, judges, hf
+    srv.stop()
+
+
+def test_v1_models_lists_each_adapter_with_the_base_as_parent(lora):
+    srv = lora[0]
+    models = openai_client(srv.http_url).models.list().data
+    by_id = {m.id: m for m in models}
+    assert list(by_id) == ["base-gpt2", "poet", "coder", "critic"]
+    assert by_id["base-gpt2"].model_extra["parent"] is None
+    assert all(by_id[name].model_extra["parent"] == "base-gpt2" for name in ("poet", "coder", "critic"))
+    with Client(srv.grpc_target) as client:
+        assert client.model_info().adapters == ["poet", "coder", "critic"]
+
+
+def test_the_openai_sdk_chooses_an_adapter_by_model_and_generates_as_peft_does(lora, tokenizer):
+    srv, _, _, judges, hf = lora
+    client = openai_client(srv.http_url)
+    for name, judge in [("coder", judges["coder"]), ("critic", judges["critic"]), ("base-gpt2", hf)]:
+        answer = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
+        assert answer.model == name
+        assert answer.choices[0].text == tokenizer.decode(transformers_greedy(judge, PROMPT, 6)), name
+
+
+def test_grpc_and_rest_choose_an_adapter_by_its_field_and_answer_as_peft_does(lora):
+    srv, _, _, judges, hf = lora
+    with Client(srv.grpc_target) as grpc_client, RestClient(srv.http_url) as rest:
+        for name in ("poet", "coder"):
+            for result in (grpc_client.next_token(PROMPT, top_k=5, adapter=name),
+                           rest.next_token(PROMPT, top_k=5, adapter=name)):
+                assert_matches_reference(judges[name], result, PROMPT, 5)
+        scored = rest.next_token_batch([PROMPT, PROMPT[:4]], top_k=1, prompt_logprobs=2, adapter="critic")
+        for prompt, result in zip([PROMPT, PROMPT[:4]], scored):
+            entries = result.prompt_logprobs[1:]
+            assert_prompt_scores_match(judges["critic"], prompt, [e.logprob for e in entries], [e.rank for e in entries],
+                                       [[t.token_id for t in e.top] for e in entries],
+                                       [[t.logprob for t in e.top] for e in entries])
+        generated = grpc_client.generate(PROMPT, max_tokens=5, temperature=0, adapter="poet")
+        assert [t.token_id for t in generated.tokens] == transformers_greedy(judges["poet"], PROMPT, 5)
+        streamed = rest.generate(PROMPT, max_tokens=5, temperature=0, adapter="coder")
+        assert [t.token_id for t in streamed.tokens] == transformers_greedy(judges["coder"], PROMPT, 5)
+
+
+def test_concurrent_calls_under_different_adapters_and_the_base_each_get_their_own_answer(lora):
+    srv, _, _, judges, hf = lora
+    names = [None, "poet", "coder", "critic"] * 4
+    prompts = [[(7 * i + j) % 50257 for j in range(3 + i % 5)] for i in range(len(names))]
+
+    async def run():
+        async with AsyncClient(srv.grpc_target) as client:
+            return await asyncio.gather(*(client.next_token(p, top_k=3, adapter=n) for p, n in zip(prompts, names)))
+
+    for prompt, name, result in zip(prompts, names, asyncio.run(run())):
+        assert_matches_reference(judges[name] if name else hf, result, prompt, 3)
+
+
+def test_an_unknown_adapter_is_not_found_by_name_and_the_server_keeps_serving(lora):
+    srv, _, _, _, hf = lora
+    with Client(srv.grpc_target) as client:
+        with pytest.raises(Gpt2ServeError) as refused:
+            client.next_token(PROMPT, adapter="pirate")
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND.name and "pirate" in refused.value.message
+        with pytest.raises(Gpt2ServeError) as refused:
+            client.generate(PROMPT, max_tokens=2, adapter="pirate")
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND.name and "pirate" in refused.value.message
+        assert_matches_reference(hf, client.next_token(PROMPT, top_k=3), PROMPT, 3)
+    rest = httpx.post(f"{srv.http_url}/v1/next-token", json={"prompt_token_ids": PROMPT, "adapter": "pirate"})
+    assert rest.status_code == 404 and "pirate" in rest.text
+    openai = httpx.post(f"{srv.http_url}/v1/completions", json={"model": "pirate", "prompt": "x", "max_tokens": 1})
+    assert openai.status_code == 404 and openai.json()["error"]["code"] == "model_not_found"
+    assert "coder" in openai.json()["error"]["message"]  # it names what is served
+
+
+def test_the_cli_generates_through_an_adapter(lora, tokenizer):
+    srv, _, _, judges, _ = lora
+    text = "The capital of France is"
+    done = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "generate", text, "--target", srv.grpc_target,
+                           "--adapter", "coder", "--max-tokens", "5", "--temperature", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    want = tokenizer.decode(transformers_greedy(judges["coder"], tokenizer.encode(text), 5))
+    assert done.stdout == want + "\n"
+    refused = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "next", text, "--target", srv.grpc_target,
+                              "--adapter", "pirate"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr and "pirate" in refused.stderr
+
+
+@pytest.mark.parametrize("entry, why", [("bad=/nonexistent/dir", "no adapter_config.json"),
+                                        ("big={big}", "rank 16 is over --max-lora-rank 8")])
+def test_an_adapter_that_cannot_be_served_stops_the_start_in_one_line(tmp_path, lora, entry, why):
+    _, ckpt, _, _, _ = lora
+    big = make_adapter(ckpt, tmp_path / "big", 16, ["c_attn"], 8, False, seed=1)
+    entry = entry.format(big=big)
+    done = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "serve", "--host", "127.0.0.1", "--grpc-port", "0",
+                           "--http-port", "0", "--model", str(ckpt), "--device", "cpu", "--lora-modules", entry,
+                           "--max-lora-rank", "8"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "cannot start" in line]
+    assert len(lines) == 1 and f"--lora-modules {entry}" in lines[0] and why in lines[0], done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
