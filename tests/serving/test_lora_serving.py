@@ -18,7 +18,8 @@ from support.generation import LIVELY, transformers_greedy
 from support.lora import make_adapter, make_adapters, peft_model
 from support.reference import as_result, assert_matches_reference, assert_prompt_scores_match, \
     transformers_random_model
-from support.servers import launch_server, openai_client
+from support.otlp_receiver import OtlpReceiver
+from support.servers import launch_server, metric_value, openai_client
 
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
 
@@ -33,11 +34,15 @@ def lora(tmp_path_factory, request):
     hf.save_pretrained(directory / "ckpt")
     dirs = make_adapters(directory / "ckpt", directory)
     modules = [f"{name}={path}" for name, path in dirs.items()]
+    receiver = OtlpReceiver().start()
     srv = launch_server(directory, "--model", str(directory / "ckpt"), "--served-model-name", "base-gpt2",
-                        "--lora-modules", *modules, "--max-lora-rank", "8", "--workers", request.param)
+                        "--lora-modules", *modules, "--max-lora-rank", "8", "--workers", request.param,
+                        env=receiver.server_env())
+    srv.receiver = receiver
     judges = {name: peft_model(directory / "ckpt", path) for name, path in dirs.items()}
     yield srv, directory / "ckpt", dirs, judges, hf
     srv.stop()
+    receiver.stop()
 
 
 def test_v1_models_lists_each_adapter_with_the_base_as_parent(lora):
@@ -90,6 +95,23 @@ def test_concurrent_calls_under_different_adapters_and_the_base_each_get_their_o
 
     for prompt, name, result in zip(prompts, names, asyncio.run(run())):
         assert_matches_reference(judges[name] if name else hf, result, prompt, 3)
+
+
+def test_spans_carry_the_adapter_and_metrics_count_requests_by_adapter(lora):
+    srv = lora[0]
+    counted = {"adapter": "critic", "status": "OK"}
+    before = metric_value(srv.http_url, "gpt2serve_lora_requests_total", counted)
+    with Client(srv.grpc_target) as client:
+        traced = client.next_token(PROMPT, adapter="critic")
+        base = client.next_token(PROMPT)
+        client.generate(PROMPT, max_tokens=2, adapter="critic")
+    [span] = [s for s in srv.receiver.wait_for(traced.trace_id, {"gpt2serve.v1.Gpt2Serve/NextToken"})
+              if s.name == "gpt2serve.v1.Gpt2Serve/NextToken"]
+    assert span.attributes["gpt2serve.adapter"] == "critic"
+    [base_span] = [s for s in srv.receiver.wait_for(base.trace_id, {"gpt2serve.v1.Gpt2Serve/NextToken"})
+                   if s.name == "gpt2serve.v1.Gpt2Serve/NextToken"]
+    assert "gpt2serve.adapter" not in base_span.attributes
+    assert metric_value(srv.http_url, "gpt2serve_lora_requests_total", counted) == before + 2
 
 
 def test_an_unknown_adapter_is_not_found_by_name_and_the_server_keeps_serving(lora):

@@ -136,7 +136,7 @@ class GenerationStream:
         try:
             engine, _ = service.require_model()
             validator = service.validator
-            validator.adapter(self.settings.adapter)
+            request.adapter_chosen(validator.adapter(self.settings.adapter))
             prompt = self.token_ids = await validator.prompt(self.prompt, "prompt")
             trace = validator.trace(request, options)
             generate = self.settings.request(prompt, validator.n_ctx, validator.vocab_size, options.deadline, trace,

@@ -30,6 +30,7 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
         k = validator.top_k(top_k)
         scored_k = validator.prompt_logprobs(prompt_logprobs)
         adapter = validator.adapter(adapter)
+        request.adapter_chosen(adapter)
         token_ids = [await validator.prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                      for i, p in enumerate(prompts)]
         longest = max(map(len, token_ids))

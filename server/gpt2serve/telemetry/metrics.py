@@ -96,6 +96,9 @@ class Metrics:
                                      "budget bounds; vLLM's iteration tokens)", ["kind"],
                                      buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("gpt2serve_prompt_tokens", "Prompt tokens processed", ["api"], registry=r)
+        self.lora_requests = Counter("gpt2serve_lora_requests", "Requests that named a LoRA adapter, by adapter and "
+                                     "status code (the base's are requests_total's alone)", ["adapter", "status"],
+                                     registry=r)
         self.generated_tokens = Counter("gpt2serve_generated_tokens", "Tokens generated", ["api"], registry=r)
         self.prefix_cache_queries = Counter("gpt2serve_prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache", registry=r)
@@ -204,6 +207,8 @@ class Metrics:
     def request_done(self, record: RequestDone) -> None:
         self.in_flight_value.inc(-1)
         api, method = record.api, record.method
+        if record.adapter:
+            self._child(self.lora_requests, adapter=record.adapter, status=record.status).inc()
         if record.status != "OK":
             self._child(self.requests, api=api, method=method, status=record.status).inc()
             return

@@ -51,6 +51,7 @@ class RequestDone:
     output_tokens: int = 0
     queue_s: tuple[float, ...] = ()  # next-token: each prompt's wait for its batch
     time_per_output_token_s: float | None = None  # generation, past its first token
+    adapter: str = ""  # the LoRA adapter it named, "" for the base
 
 
 @dataclass(frozen=True)

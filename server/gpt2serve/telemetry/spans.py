@@ -179,6 +179,7 @@ class RequestTelemetry:
                                                  record_exception=False, set_status_on_exception=False)
         self.trace_id = exported_trace_id(self._span)  # the exemplar for the histograms
         self.finished = False
+        self.adapter = ""  # the LoRA adapter the request named (adapter_chosen)
         telemetry.metrics.request_started()
 
     def finish(self, error: BaseException | None = None, *, prompt_tokens: int = 0, output_tokens: int = 0,
@@ -210,7 +211,7 @@ class RequestTelemetry:
         seconds = time.perf_counter() - self.started
         self.telemetry.metrics.request_done(RequestDone(
             self.options.api, self.options.method, status, seconds, self.trace_id,
-            prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s))
+            prompt_tokens, output_tokens, tuple(queue_s), time_per_output_token_s, self.adapter))
         request_log = self.telemetry.request_log
         if request_log is not None:
             options, carrier = self.options, self.options.trace_carrier
@@ -230,6 +231,12 @@ class RequestTelemetry:
         return traceparent(self._span)
 
     # What the service tells of the request as it goes; the attributes are named here, and only here.
+
+    def adapter_chosen(self, name: str | None) -> None:
+        """The LoRA adapter the request runs under (None: the base): on its span, and counted by adapter."""
+        if name:
+            self.adapter = name
+            self._span.set_attribute("gpt2serve.adapter", name)
 
     def next_token_settings(self, top_k: int) -> None:
         self._span.set_attribute("gen_ai.request.top_k", top_k)
