@@ -272,7 +272,7 @@ class FakeCore:
     def hand_outputs_to(self, loop) -> None:
         self.outputs_loop = loop  # the engine server's IPC thread
 
-    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done, wake=True, controls=None):
+    def queue_prompts(self, prompts, top_k, trace, prompt_logprobs, done, wake=True, controls=None, adapter=None):
         answers = [NextTokenOutput([TokenScore(sum(p), -0.5)], 0.0, 0.001, len(prompts), 1, 2) for p in prompts]
         self.outputs_loop.call_soon_threadsafe(done, answers)  # later, handed over, as the core answers
         return object()

@@ -199,22 +199,22 @@ class AdapterRows:
         return cls([(a, torch.tensor(ix, dtype=torch.long, device=device)) for a, ix in tokens.items()])
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x (..., in) the projection's input, y (..., out) its output -> y plus each token's
-        adapter term (fp32, cast to y's dtype)."""
-        out = y
+        """x (..., in) the projection's input, y (..., out) its output (the caller's own, changed in
+        place) -> y plus each token's adapter term (fp32, cast to y's dtype). In place: a copy of
+        y per adapter would move more bytes than the adapters' matmuls."""
+        rows = x.reshape(-1, x.shape[-1])  # (N, in)
+        out = y.reshape(-1, y.shape[-1])  # (N, out): a view of y where one can be, else a copy
         for adapter, index in self.segments:
             pair = adapter.weights.get((layer, module))
             if pair is None:
                 continue
             a, b = pair  # (r, in), (out, r) scaled
-            rows = x.reshape(-1, x.shape[-1])  # (N, in)
             if index is None:
-                out = out + ((rows.float() @ a.T) @ b.T).to(y.dtype).view(y.shape)  # (..., out)
-                continue
-            delta = (rows.index_select(0, index).float() @ a.T) @ b.T  # (n, out)
-            out = out.reshape(-1, y.shape[-1]).index_add(0, index, delta.to(y.dtype)).view(y.shape)
-        return out
-
+                out += ((rows.float() @ a.T) @ b.T).to(y.dtype)  # (N, out)
+            else:
+                delta = (rows.index_select(0, index).float() @ a.T) @ b.T  # (n, out)
+                out.index_add_(0, index, delta.to(y.dtype))
+        return out.reshape(y.shape)
 
 class LoraRegistry:
     """The adapters requests may name, by name. Loaded in the engine thread, read from the callers'
