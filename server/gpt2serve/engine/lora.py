@@ -14,11 +14,9 @@ lora_A and lora_B are plain Linear layers either way, so A is (r, in) and B (out
 save that changes the forward (DoRA, `modules_to_save`, LoRA biases, embedding adapters, another
 model's shapes) is refused at load, by name.
 
-A forward's rows each name an adapter or none (the base). `AdapterRows` holds, for each adapter
-in the forward, the flat indices of its tokens; each targeted projection then adds, for each
-adapter, its term on its own tokens (gather, two small matmuls in fp32, scatter-add), as S-LoRA's
-SGMV kernel does per segment. Rows of the base cost nothing, and a forward without adapter rows
-runs exactly as before (no AdapterRows at all).
+A forward's rows each name an adapter or none (the base). `AdapterRows` knows which tokens take
+which adapter; each targeted projection then adds every token's term in two GEMMs (below). A
+forward without adapter rows runs exactly as before (no AdapterRows at all).
 """
 
 from __future__ import annotations
@@ -173,12 +171,24 @@ def _scale(settings: dict, module: str, rank: int) -> float:
 
 
 class AdapterRows:
-    """Which tokens of one forward take which adapter: for each adapter, the flat indices (into
-    the forward's (B * T) tokens, row-major) of its tokens. engine.gpt2 calls `add` after each
-    targeted projection."""
+    """Which tokens of one forward take which adapter, and their terms. engine.gpt2 calls `add`
+    after each targeted projection.
 
-    def __init__(self, segments: Sequence[tuple[LoraAdapter, torch.Tensor | None]]):
-        self.segments = segments  # (adapter, (n,) token indices, or None: every token)
+    For each projection, each adapter's A shrinks every token into its r rows of (K r, N), masked
+    to each token's own adapter; one GEMM then adds every B side by side (out, K r) times that to
+    the output, in place: Punica's shrink and expand as dense GEMMs. K adapters cost K times the
+    shrink's few FLOPs, and the output is passed over once whatever K: a pass per adapter, or a
+    term tensor added after, cost more on a CPU than the adapters' arithmetic
+    (bench/engine/lora_mixed.py; docs/benchmarks.md, "LoRA adapters")."""
+
+    _stacks: tuple[tuple, dict] = ((), {})  # the last forward's adapters and their stacks: decode steps repeat
+
+    def __init__(self, adapters: Sequence[LoraAdapter], mask: torch.Tensor | None):
+        self.adapters, self.mask = tuple(adapters), mask  # mask (K r, N): 1 in each token's adapter's rows
+        self.rank = max(a.rank for a in adapters)
+        if AdapterRows._stacks[0] != self.adapters:
+            AdapterRows._stacks = (self.adapters, {})
+        self.stacks = AdapterRows._stacks[1]  # (layer, module, dtype) -> (A's (K r, in), B's (out, K r))
 
     @classmethod
     def of(cls, adapters: Sequence[LoraAdapter | None], lengths: Sequence[int] | int,
@@ -187,34 +197,60 @@ class AdapterRows:
         end; None when no row has one."""
         if not any(adapters):
             return None
+        if len(set(adapters)) == 1:  # one adapter for every token: nothing to mask
+            return cls([adapters[0]], None)
         counts = [lengths] * len(adapters) if isinstance(lengths, int) else lengths
-        if len(set(adapters)) == 1:
-            return cls([(adapters[0], None)])
-        tokens: dict[LoraAdapter, list[int]] = {}
-        start = 0
-        for adapter, n in zip(adapters, counts):
-            if adapter is not None:
-                tokens.setdefault(adapter, []).extend(range(start, start + n))
-            start += n
-        return cls([(a, torch.tensor(ix, dtype=torch.long, device=device)) for a, ix in tokens.items()])
+        distinct = list(dict.fromkeys(a for a in adapters if a is not None))
+        column = {a: k for k, a in enumerate(distinct)}
+        owner = torch.tensor([column[a] if a is not None else -1 for a in adapters]).repeat_interleave(
+            torch.tensor(counts))  # (N,) each token's adapter, -1: the base
+        rank = max(a.rank for a in distinct)
+        mask = (torch.arange(len(distinct) * rank)[:, None] // rank == owner[None, :]).float()  # (K r, N)
+        return cls(distinct, mask.to(device))
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (..., in) the projection's input, y (..., out) its output (the caller's own, changed in
-        place) -> y plus each token's adapter term (fp32, cast to y's dtype). In place: a copy of
-        y per adapter would move more bytes than the adapters' matmuls."""
-        rows = x.reshape(-1, x.shape[-1])  # (N, in)
+        place) -> y plus each token's adapter term (the shrink in fp32, the expand in y's dtype)."""
+        stacks = self._stacks_for(layer, module, y.dtype)
+        if stacks is None:  # no adapter here targets this projection
+            return y
+        a, b = stacks  # (K r, in) fp32, (out, K r)
         out = y.reshape(-1, y.shape[-1])  # (N, out): a view of y where one can be, else a copy
-        for adapter, index in self.segments:
-            pair = adapter.weights.get((layer, module))
-            if pair is None:
-                continue
-            a, b = pair  # (r, in), (out, r) scaled
-            if index is None:
-                out += ((rows.float() @ a.T) @ b.T).to(y.dtype)  # (N, out)
-            else:
-                delta = (rows.index_select(0, index).float() @ a.T) @ b.T  # (n, out)
-                out.index_add_(0, index, delta.to(y.dtype))
+        rows, r = x.reshape(-1, x.shape[-1]).float(), self.rank
+        # One (r, N) GEMM an adapter, not one for all K: a GEMM's sums may be ordered by its shape,
+        # and a row's answer must not depend on which adapters share its forward (int8's
+        # activation rounding turns an ulp into 1e-4). A @ x^T, as engine.gpt2.Linear computes on
+        # a CPU: x @ A^T's narrow output falls off MKL's cliff (3x slower).
+        h = torch.cat([a[k * r:(k + 1) * r] @ rows.T for k in range(len(self.adapters))])  # (K r, N)
+        if self.mask is not None:
+            h *= self.mask
+        h = h.to(y.dtype)
+        if out.T.is_contiguous():  # Linear's transposed output on a CPU: (out, N) is the memory's order
+            out.T.addmm_(b, h)
+        else:
+            out.addmm_(h.T, b.T)
         return out.reshape(y.shape)
+
+    def _stacks_for(self, layer: int, module: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every adapter's A and B (scaled) side by side, r rows or columns each, zero where its rank
+        or its targets leave them: ((K r, in) fp32, (out, K r) in `dtype`); None where none targets it."""
+        key = (layer, module, dtype)
+        if key not in self.stacks:
+            pairs = [adapter.weights.get((layer, module)) for adapter in self.adapters]
+            present = [p for p in pairs if p is not None]
+            stacked = None
+            if present:
+                r, (a0, b0) = self.rank, present[0]
+                a = torch.zeros(len(pairs) * r, a0.shape[1], dtype=torch.float32, device=a0.device)
+                b = torch.zeros(b0.shape[0], len(pairs) * r, dtype=dtype, device=b0.device)
+                for k, pair in enumerate(pairs):
+                    if pair is not None:
+                        a[k * r:k * r + len(pair[0])] = pair[0]
+                        b[:, k * r:k * r + len(pair[0])] = pair[1]
+                stacked = (a, b)
+            self.stacks[key] = stacked
+        return self.stacks[key]
+
 
 class LoraRegistry:
     """The adapters requests may name, by name. Loaded in the engine thread, read from the callers'
