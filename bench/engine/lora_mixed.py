@@ -25,14 +25,13 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.lora import load_adapter, shapes
 from gpt2serve.engine.steps import Ask
 from gpt2serve.protocol import SamplingParams
+from safetensors.torch import save_file
 
 GREEDY = SamplingParams(temperature=0.0)
 PEFT_NAMES = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}

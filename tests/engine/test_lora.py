@@ -9,17 +9,20 @@ import json
 
 import pytest
 import torch
-
-from support.generation import GREEDY, LIVELY, transformers_greedy
-from support.lora import ADAPTERS, make_adapter, make_adapters, peft_model
-from support.reference import TOLERANCE, as_result, assert_matches_reference, assert_prompt_scores_match, \
-    transformers_random_model
-
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.lora import AdapterError, load_adapter
 from gpt2serve.engine.steps import Ask
+from support.generation import GREEDY, LIVELY, transformers_greedy
+from support.lora import ADAPTERS, make_adapter, make_adapters, peft_model
+from support.reference import (
+    TOLERANCE,
+    as_result,
+    assert_matches_reference,
+    assert_prompt_scores_match,
+    transformers_random_model,
+)
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [(3 * j + 1) % 50257 for j in range(40)], [7, 8, 9], [12]]
 

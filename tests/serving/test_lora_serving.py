@@ -13,15 +13,16 @@ import sys
 import grpc
 import httpx
 import pytest
-import torch
+from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
 from support.generation import LIVELY, transformers_greedy
 from support.lora import make_adapter, make_adapters, peft_model
-from support.reference import as_result, assert_matches_reference, assert_prompt_scores_match, \
-    transformers_random_model
 from support.otlp_receiver import OtlpReceiver
+from support.reference import (
+    assert_matches_reference,
+    assert_prompt_scores_match,
+    transformers_random_model,
+)
 from support.servers import launch_server, metric_value, openai_client
-
-from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
