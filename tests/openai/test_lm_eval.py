@@ -1,5 +1,6 @@
 """lm-evaluation-harness as a real client: `lm_eval --model local-completions` against a real
-server, and `lm_eval --model hf` in process, on the same checkpoint saved here and on our own
+server, and `lm_eval --model hf` in process, on the same checkpoint saved here (alone, and with a
+peft LoRA adapter: served by name with --lora-modules, and loaded by hf's `peft=`) and on our own
 local tasks (tests/support/lm_eval_tasks: a LAMBADA-style loglikelihood, a multiple choice, and
 loglikelihood_rolling over documents, one longer than the context). Every item's log-likelihood
 agrees within 1e-4 (plus a few float32 ulps for long documents' sums), every is-greedy flag and
@@ -15,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from support.servers import launch_server
+from support.lora import make_adapter
 from support.reference import transformers_random_model
+from support.servers import launch_server
 
 from gpt2serve.engine.tokenizer import bundled_gpt2_tokenizer
 
@@ -68,16 +70,21 @@ def metrics(out: Path) -> dict:
     return json.loads(path.read_text())["results"]
 
 
-def test_lm_eval_against_the_server_agrees_with_lm_eval_in_process(checkpoint, tmp_path):
-    server = launch_server(tmp_path, "--model", str(checkpoint))
+@pytest.mark.parametrize("adapter", [None, "tuned"])
+def test_lm_eval_against_the_server_agrees_with_lm_eval_in_process(checkpoint, tmp_path, adapter):
+    lora, model, peft = [], checkpoint, ""
+    if adapter is not None:  # rank 8 on every target module, random non-zero weights
+        path = make_adapter(checkpoint, tmp_path / adapter, 8, ["c_attn", "c_proj", "c_fc"], 16, False, seed=2)
+        lora, model, peft = ["--lora-modules", f"{adapter}={path}"], adapter, f",peft={path}"
+    server = launch_server(tmp_path, "--model", str(checkpoint), *lora)
     try:
         served_s = lm_eval(tmp_path / "served", "--model", "local-completions", "--model_args",
-                           f"model={checkpoint},base_url={server.http_url}/v1/completions,tokenizer_backend=huggingface,"
+                           f"model={model},base_url={server.http_url}/v1/completions,tokenizer_backend=huggingface,"
                            f"tokenizer={checkpoint},max_length={WINDOW + 2},num_concurrent=4,max_retries=1")
     finally:
         server.stop()
     local_s = lm_eval(tmp_path / "local", "--model", "hf", "--device", "cpu", "--model_args",
-                      f"pretrained={checkpoint},dtype=float32,max_length={WINDOW}")
+                      f"pretrained={checkpoint},dtype=float32,max_length={WINDOW}{peft}")
     print(f"lm_eval wall time: local-completions against the server {served_s:.1f} s, hf in process {local_s:.1f} s")
     for task in TASKS:
         served, local = samples(tmp_path / "served", task), samples(tmp_path / "local", task)

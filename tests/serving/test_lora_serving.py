@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import httpx
@@ -25,6 +26,7 @@ from support.reference import (
 from support.servers import launch_server, metric_value, openai_client
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
+CHATML = (Path(__file__).resolve().parents[2] / "examples" / "chat-templates" / "chatml.jinja").read_text()
 
 
 @pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "workers-2"])
@@ -38,6 +40,7 @@ def lora(tmp_path_factory, request):
     receiver = OtlpReceiver().start()
     srv = launch_server(directory, "--model", str(directory / "ckpt"), "--served-model-name", "base-gpt2",
                         "--lora-modules", *modules, "--max-lora-rank", "8", "--workers", request.param,
+                        "--chat-template", CHATML,
                         env=receiver.server_env())
     srv.receiver = receiver
     judges = {name: peft_model(directory / "ckpt", path) for name, path in dirs.items()}
@@ -64,6 +67,21 @@ def test_the_openai_sdk_chooses_an_adapter_by_model_and_generates_as_peft_does(l
         answer = client.completions.create(model=name, prompt=PROMPT, max_tokens=6, temperature=0)
         assert answer.model == name
         assert answer.choices[0].text == tokenizer.decode(transformers_greedy(judge, PROMPT, 6)), name
+
+
+def test_langchain_chats_through_an_adapter_by_model(lora, tokenizer):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    srv, _, _, judges, _ = lora
+    messages = [{"role": "user", "content": "Name a river."}]
+    with RestClient(srv.http_url) as rest:
+        prompt = rest.tokenize(messages=messages).tokens  # the chat template's ids, as chat renders them
+    chat = ChatOpenAI(model="critic", base_url=f"{srv.http_url}/v1", api_key="unused", temperature=0, max_tokens=6,
+                      max_retries=0, extra_body={"ignore_eos": True})
+    reply = chat.invoke([HumanMessage("Name a river.")])
+    assert reply.content == tokenizer.decode(transformers_greedy(judges["critic"], prompt, 6))
+    assert reply.response_metadata["model_name"] == "critic"
 
 
 def test_grpc_and_rest_choose_an_adapter_by_its_field_and_answer_as_peft_does(lora):
