@@ -15,6 +15,7 @@ import grpc
 import httpx
 import pytest
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
+from gpt2serve_client.types import NextTokenResult
 from support.generation import LIVELY, transformers_greedy
 from support.lora import make_adapter, make_adapters, peft_model
 from support.otlp_receiver import OtlpReceiver
@@ -23,7 +24,8 @@ from support.reference import (
     assert_prompt_scores_match,
     transformers_random_model,
 )
-from support.servers import launch_server, metric_value, openai_client
+from prometheus_client.parser import text_string_to_metric_families
+from support.servers import launch_server, metric_value, openai_client, wait_for
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 CHATML = (Path(__file__).resolve().parents[2] / "examples" / "chat-templates" / "chatml.jinja").read_text()
@@ -131,6 +133,34 @@ def test_spans_carry_the_adapter_and_metrics_count_requests_by_adapter(lora):
                    if s.name == "gpt2serve.v1.Gpt2Serve/NextToken"]
     assert "gpt2serve.adapter" not in base_span.attributes
     assert metric_value(srv.http_url, "gpt2serve_lora_requests_total", counted) == before + 2
+
+
+def lora_readings(http_url: str) -> list[tuple[float, dict]]:
+    """vllm:lora_requests_info's series: (when read, labels), the latest first."""
+    text = httpx.get(f"{http_url}/metrics", timeout=10).text
+    return sorted(((sample.value, sample.labels) for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == "vllm:lora_requests_info"),
+                  key=lambda reading: -reading[0])
+
+
+def test_vllm_lora_requests_info_names_the_running_adapters(lora):
+    srv = lora[0]
+    with Client(srv.grpc_target) as client:
+        # Step traces make each step a traced forward too: a long enough generation to be read running.
+        stream = client.generate_stream(PROMPT, max_tokens=120, temperature=0, ignore_eos=True, adapter="coder",
+                                        trace_steps=True)
+        first = next(stream)  # running now
+        try:
+            # The step's trace ran under the adapter too: its top tokens are peft's.
+            assert_matches_reference(lora[3]["coder"], NextTokenResult(
+                first.step.top[0].token_id, "", first.step.top[0].logprob, first.step.top, PROMPT), PROMPT, 5)
+            seen = wait_for(lambda: lora_readings(srv.http_url)[0][1]["running_lora_adapters"] == "coder",
+                            timeout=10, what="coder running in vllm:lora_requests_info")
+            assert seen and lora_readings(srv.http_url)[0][1]["max_lora"] == "3"
+        finally:
+            stream.close()
+    wait_for(lambda: lora_readings(srv.http_url)[0][1]["running_lora_adapters"] == "", timeout=10,
+             what="no adapter running once the stream is closed")
 
 
 def test_an_unknown_adapter_is_not_found_by_name_and_the_server_keeps_serving(lora):

@@ -219,14 +219,15 @@ class EngineHost:
                             prefix_cache_bytes=prefix_cache_bytes(engine))
         info = self.info
         telemetry.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
-                                           info.architecture.vocab_size),
+                                           info.architecture.vocab_size, len(info.adapters)),
                                self.stats, device_memory_probe(loaded.device), config.metrics_compat)
         self.stats_log = StatsLog(config.log_stats_interval_s, self.stats, self.core.runner.counts.totals)
         self.stats_log.start()
 
     def stats(self) -> SchedulerStats:
         core = self.core
-        return SchedulerStats(core.queue_depth, core.prompts_running, core.waiting, core.running, core.cache_usage)
+        return SchedulerStats(core.queue_depth, core.prompts_running, core.waiting, core.running, core.cache_usage,
+                              *core.adapters_in_use())
 
     def client(self) -> InprocEngineClient:
         return InprocEngineClient(self.core)

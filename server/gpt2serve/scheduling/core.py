@@ -126,6 +126,17 @@ class EngineCore:
             return 0.0
         return self.scheduler.blocks(self.scheduler.staying()) / self.capacity_blocks
 
+    def adapters_in_use(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The LoRA adapters of the generations running, and of the requests waiting, by name."""
+        if not self.adapters.names:
+            return (), ()
+        running = {r.adapter.name for r in list(self.scheduler.running.values()) if r.adapter is not None}
+        with self._lock:
+            arriving = list(self._intake)
+        waiting = {r.adapter.name for r in arriving + list(self.scheduler.waiting) + list(self.scheduler.prompts)
+                   if r.adapter is not None and not r.cancelled}
+        return tuple(sorted(running)), tuple(sorted(waiting))
+
     # The callers' side (their event loop's thread) ------------------------------------------------
     def start(self) -> None:
         self._loop = self._post.loop = asyncio.get_running_loop()

@@ -143,7 +143,8 @@ class GenerationStream:
                                              validator.tokenizer.eos_token_id)
             if options.trace_steps:  # checked before any work
                 self._steps = StepTracer(engine, validator.step_trace(request, len(prompt), generate.max_tokens),
-                                         request, validator.tokenizer.token_text, generate.params, len(prompt))
+                                         request, validator.tokenizer.token_text, generate.params, len(prompt),
+                                         generate.adapter)
             request.generation_settings(generate, self.settings.constraint)
             if trace is not None and trace.layer_spans:  # the prompt's forward, layer by layer: a next-token pass of it
                 await engine.next_token(NextTokenRequest([prompt], 1, trace, adapter=generate.adapter))

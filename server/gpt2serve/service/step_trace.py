@@ -39,8 +39,10 @@ class StepTracer:
     """The traces of one generation's steps, each a task that yields its chunk with `step` set."""
 
     def __init__(self, engine, trace: TraceContext, request: RequestTelemetry, token_text: Callable[[int], str],
-                 params: SamplingParams, prompt_length: int):
+                 params: SamplingParams, prompt_length: int, adapter: str | None = None):
+        """`adapter`: the generation's LoRA adapter, which its traced steps run under too."""
         self.engine, self.trace, self.request, self.token_text = engine, trace, request, token_text
+        self.adapter = adapter
         self.controls = StepControls(params, prompt_length) if params.controlled else None
         self.pending: list[asyncio.Future] = []
         self.last_ns = time.time_ns()  # the previous step's end: the prefill starts with the request
@@ -54,7 +56,7 @@ class StepTracer:
 
     async def _traced(self, index: int, sequence: list[int], chunk: GenerateChunk, started_ns: int,
                       ended_ns: int) -> GenerateChunk:
-        request = NextTokenRequest([sequence], STEP_TOP_K, self.trace, controls=self.controls)
+        request = NextTokenRequest([sequence], STEP_TOP_K, self.trace, controls=self.controls, adapter=self.adapter)
         [out] = await self.engine.next_token(request)
         step = build_step(index, sequence, out, chunk.token.token_id, self.token_text)
         self.request.step_span(step, started_ns, ended_ns)

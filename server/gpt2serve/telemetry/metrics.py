@@ -21,6 +21,7 @@ are (METRICS_COMPAT).
 from __future__ import annotations
 
 import os
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -65,6 +66,7 @@ class Metrics:
         self.multiprocess_dir = os.environ.get(MULTIPROCESS_DIR_ENV)
         self._gauges: list[tuple[Gauge, Callable[[SchedulerStats], float]]] = []  # set by refresh() (multiprocess mode)
         self._stats: Callable[[], SchedulerStats] | None = None
+        self._max_lora = ""  # adapters served, as vllm:lora_requests_info's label ("": none, no gauge)
         self._children: dict[tuple, object] = {}  # (metric, label values) -> its child (see _child)
         self._series: dict[tuple[str, str], _RequestSeries] = {}  # (api, method) -> see request_done
         r = self.registry
@@ -167,6 +169,16 @@ class Metrics:
                 counter = Counter(their_name, f"{ours.name} under its --metrics-compat {compat} name: {ours.documentation}",
                                   ["model_name", "engine"], registry=self.registry)
                 self._compat_counters.append((getattr(self, name), counter.labels(model_name=model.model, engine="0")))
+        if model.adapters:  # vLLM's LoRA gauge: its labels are the reading, its value the reading's time
+            self.lora_info = Gauge("vllm:lora_requests_info", "LoRA adapters of the generations running and of the "
+                                   "requests waiting (vLLM's gauge: the labels name them, comma-separated; the value "
+                                   "is when they were read)", ["max_lora", "running_lora_adapters",
+                                                               "waiting_lora_adapters"],
+                                   registry=None, multiprocess_mode="mostrecent")
+            self._max_lora = str(model.adapters)
+            if not self.multiprocess_dir:  # read at each scrape, before the gauge itself is collected
+                self.registry.register(_OnScrape(lambda: self._lora_reading(stats(), clear=True)))
+            self.registry.register(self.lora_info)
         if self.multiprocess_dir:
             self.model_gauge.labels(**labels).set(1)
             self._gauges, self._stats = gauges, stats
@@ -182,6 +194,14 @@ class Metrics:
         stats = self._stats()
         for gauge, read in self._gauges:
             gauge.set(read(stats))
+        if self._max_lora:  # each reading a series of its own labels; the latest has the latest time
+            self._lora_reading(stats, clear=False)
+
+    def _lora_reading(self, stats: SchedulerStats, clear: bool) -> None:
+        if clear:  # one process: only the current reading is exported
+            self.lora_info.clear()
+        self.lora_info.labels(max_lora=self._max_lora, running_lora_adapters=",".join(stats.running_adapters),
+                              waiting_lora_adapters=",".join(stats.waiting_adapters)).set(time.time())
 
     def _child(self, metric, **labels):
         """metric.labels(**labels), kept: labels() validates and takes a lock on every call
@@ -278,6 +298,21 @@ class Metrics:
             MultiProcessCollector(registry, self.multiprocess_dir)
             return encoder(registry), content_type
         return encoder(self.registry), content_type
+
+
+class _OnScrape:
+    """A collector that exports nothing: it calls `read` when a scrape reaches it (registered before
+    the metrics `read` sets)."""
+
+    def __init__(self, read: Callable[[], None]):
+        self.read = read
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self.read()
+        return []
 
 
 @dataclass(slots=True)

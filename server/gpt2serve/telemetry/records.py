@@ -83,6 +83,7 @@ class ModelLoaded:
     device: str
     weights: str
     vocab_size: int
+    adapters: int = 0  # LoRA adapters served (vllm:lora_requests_info's max_lora)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class SchedulerStats:
     generations_waiting: int = 0  # for a KV-cache slot
     generations_running: int = 0
     kv_cache_usage: float = 0.0  # share of the slots held
+    running_adapters: tuple[str, ...] = ()  # LoRA adapters of the generations running, by name
+    waiting_adapters: tuple[str, ...] = ()  # and of the requests waiting
 
 
 @dataclass
