@@ -18,7 +18,8 @@ from gpt2serve.ipc import codec
 from gpt2serve.ipc.codec import BadFrame
 from gpt2serve.errors import ResourceExhausted, Unavailable
 from gpt2serve.engine.steps import BatchOutput
-from gpt2serve.ipc.engine_server import EngineServer, _PlainCalls
+from gpt2serve.ipc.engine_answers import PlainCalls
+from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient
 from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
@@ -479,13 +480,13 @@ def test_the_stream_is_cut_back_into_the_frames_sent_however_it_arrives(piece):
 
 
 def test_a_batch_answers_each_front_ends_plain_calls_in_one_message_of_columns(tmp_path):
-    """The core's answers of one batch (Outputs.answer_prompts, then _PlainCalls.answer_tops): each
+    """The core's answers of one batch (Outputs.answer_prompts, then PlainCalls.answer_tops): each
     front end's live plain calls join one Answers message, in batch order, with their rows of the
     TopTable, queue times, arrival times and cached counts. A call cancelled before the answer gets
     nothing; a row that was not finite gets a Failed of its own, and the rest are answered."""
     server = EngineServer(f"{tmp_path}/engine.sock", FakeCore(), EngineReady(INFO, "bundled", 8))
     try:
-        first, second = _PlainCalls(server, 1), _PlainCalls(server, 2)
+        first, second = PlainCalls(server, 1), PlainCalls(server, 2)
         batch = []
         for row, (calls, call_id) in enumerate([(first, 10), (second, 20), (first, 11), (second, 21), (first, 12)]):
             calls.pending[call_id] = next_token_request([row, 1], 2, calls, 0, call_id, 1.0 + row, 100 + row)
@@ -495,7 +496,7 @@ def test_a_batch_answers_each_front_ends_plain_calls_in_one_message_of_columns(t
         table.table[0, 3, 0] = np.nan  # row 3, the second front end's call 21
         output = BatchOutput(table, 0.004, 2, 7, 8, failed_rows=table.failed_rows(), cached_tokens=[0, 1, 2, 3, 4])
         Outputs(None).answer_prompts(batch, output, 10.0, 9, True)
-        sent = server._outbox._messages
+        sent = server.outbox._messages
         (answers,) = sent[1]
         assert (answers.request_ids, answers.tops, answers.queue_s, answers.enqueued_ns, answers.cached_tokens) == \
             ([10, 12], [0, 4], [9.0, 5.0], [100, 104], [0, 4])

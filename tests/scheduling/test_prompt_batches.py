@@ -124,7 +124,7 @@ def test_prompts_count_as_waiting_then_running():
 
 class ColumnCalls:
     """One-prompt calls answered from their top tokens alone, all through this one output (as a
-    front end's ipc.engine_server._PlainCalls): each call's answer or error lands in its future."""
+    front end's ipc.engine_answers.PlainCalls): each call's answer or error lands in its future."""
 
     answers_top, finished = True, False
 

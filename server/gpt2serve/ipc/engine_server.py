@@ -1,7 +1,7 @@
 """The engine process's side of the IPC door (see socket_client): each Submit becomes an
 EngineCore.queue_prompts answered by a callback (no task or future per request). A Prompts
 message's one-prompt calls are queued together (EngineCore.queue_calls), each answered straight
-into its front end's Answers message of the batch (_PlainCalls): a batch's plain answers for one
+into its front end's Answers message of the batch (ipc.engine_answers): a batch's plain answers for one
 front end are one message, the others Results. Each Generate becomes an EngineCore.add whose
 tokens go back to the front end that asked: a step's plain tokens for one front end as one
 Tokens message, a first token (with its queue time and prompt scores) as a Step.
@@ -29,111 +29,21 @@ import select
 import socket
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import INTERNAL_MESSAGE, ServeError
 from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
-                        SampledToken, Step, StepControls, Submit, TokenEvent, Tokens, TopScores, TopTable, TraceContext)
+                        StepControls, Submit, TopTable, TraceContext)
 from ..scheduling.outputs import run_posted
+from .engine_answers import Key, PeerSink, PlainCalls
 from .framing import LENGTH, BrokenStream, FrameReader, Outbox, deliver
 
 if TYPE_CHECKING:
     from ..scheduling.core import EngineCore
     from ..scheduling.outputs import PromptGroup
-    from ..scheduling.scheduler import EngineRequest
 
 log = logging.getLogger(__name__)
-Key = tuple[int, int]  # (front end's connection number, its request id)
 READ_BYTES = 1 << 18  # read from one front end a pass: neither side starves the other
-
-
-class _PeerSink:
-    """A generation's events, on their way back to the front end that asked."""
-
-    def __init__(self, server: EngineServer, key: Key):
-        self.server, self.key = server, key
-
-    def put(self, event: TokenEvent) -> None:
-        """A plain token joins the peer's Tokens message of this step (one per front end per
-        step); a first token, with its extras, goes as a Step."""
-        if not (event.queue_s or event.prompt_logprobs is not None or event.cached_tokens):
-            self.put_plain(event.token, event.finish_reason, event.forward_s, event.batch_size)
-            return
-        if event.finish_reason:
-            self.server._generations.pop(self.key, None)
-        self.server._outbox.put(self.key[0], Step(self.key[1], event))
-
-    def put_plain(self, token: SampledToken, finish_reason: str, forward_s: float, batch_size: int) -> None:
-        """A token with no extras, straight into the peer's Tokens message of this step."""
-        server, (peer, request_id) = self.server, self.key
-        if finish_reason:
-            server._generations.pop(self.key, None)
-        tokens = server._outbox.last(peer)  # only the last: a later token must not pass an earlier Step
-        if type(tokens) is not Tokens or tokens.forward_s != forward_s or tokens.batch_size != batch_size:
-            tokens = Tokens([], [], [], [], [], forward_s, batch_size, [])
-            server._outbox.put(peer, tokens)
-        tokens.request_ids.append(request_id)
-        tokens.token_ids.append(token.token_id)
-        tokens.logprobs.append(token.logprob)
-        tokens.finish_reasons.append(finish_reason)
-        tokens.tops.append(token.top)
-        tokens.allowed.append(token.allowed)
-
-    def fail(self, error: Exception) -> None:
-        self.server._generations.pop(self.key, None)
-        self.server._send_error(self.key, error, "generation")
-
-
-class _PlainCalls:
-    """A front end's one-prompt calls, the core's output for each of their requests (request_id:
-    the call's id): an answer goes straight into the front end's Answers message of the batch,
-    with no PromptGroup, NextTokenOutput or object of its own made for it."""
-
-    __slots__ = ("server", "peer", "pending")
-    answers_top, finished = True, False  # finished: a call leaves `pending` instead
-
-    def __init__(self, server: EngineServer, peer: int):
-        self.server, self.peer = server, peer
-        self.pending: dict[int, EngineRequest] = {}  # queued and not yet answered, by call id
-
-    @staticmethod
-    def answer_tops(requests: list[EngineRequest], rows: list[int], tops: Sequence[TopScores], started: float,
-                    cached_tokens: list[int], forward_s: float, batch_size: int, batch_started_ns: int) -> None:
-        """The plain calls a batch answered (`rows`: theirs in `tops`; `cached_tokens`: per batch row, [] if none),
-        in columns: each front end's join its Answers of the batch (as rows of `tops` if a TopTable, not TopScores)."""
-        by_front_end: dict[_PlainCalls, tuple[list[EngineRequest], list[int]]] = {}
-        for request, row in zip(requests, rows):
-            calls = request.output
-            if calls.pending.pop(request.request_id, None) is None:
-                continue  # cancelled: nobody to answer
-            taken = by_front_end.get(calls) or by_front_end.setdefault(calls, ([], []))
-            taken[0].append(request)
-            taken[1].append(row)
-        table = tops if type(tops) is TopTable else None
-        for calls, (answered, answered_rows) in by_front_end.items():
-            calls.server._answers_of_batch(calls.peer, forward_s, batch_size, batch_started_ns, table).extend(
-                [r.request_id for r in answered],
-                answered_rows if table is not None else [tops[row] for row in answered_rows],
-                [started - r.arrived for r in answered], [r.arrived_ns for r in answered],
-                [cached_tokens[row] for row in answered_rows] if cached_tokens else [0] * len(answered))
-
-    def fail(self, error: Exception, request: EngineRequest) -> None:
-        if self.cancel(request.request_id):
-            self.server._send_error((self.peer, request.request_id), error, "request")
-
-    def cancel(self, call_id: int) -> bool:
-        """The call leaves the queue (as a PromptGroup's prompts); False when it was not pending."""
-        request = self.pending.pop(call_id, None)
-        if request is None:
-            return False
-        self.server._core.cancel_requests((request,))
-        return True
-
-    def cancel_all(self) -> int:
-        """Every pending call leaves the queue (its front end is gone); how many there were."""
-        requests, self.pending = list(self.pending.values()), {}
-        self.server._core.cancel_requests(requests)
-        return len(requests)
 
 
 class _FrontEnd:
@@ -144,7 +54,7 @@ class _FrontEnd:
 
     def __init__(self, server: EngineServer, number: int, sock: socket.socket):
         self.number, self.sock = number, sock
-        self.calls = _PlainCalls(server, number)  # its one-prompt calls in the core
+        self.calls = PlainCalls(server, number)  # its one-prompt calls in the core
         self.reader = FrameReader()
         self.unsent = bytearray()  # written when its socket has room (EPOLLOUT)
         self.pid = 0
@@ -162,11 +72,11 @@ class EngineServer:
         self._front_ends: dict[int, _FrontEnd] = {}  # by connection number (a Key's first half)
         self._by_fd: dict[int, _FrontEnd] = {}
         self._numbers = itertools.count()
-        self._outbox = Outbox(self._write, flushed_by_owner=True)
-        self._core = core
+        self.outbox = Outbox(self._write, flushed_by_owner=True)
+        self.core = core
         self._ready = ready
         self._submits: dict[Key, PromptGroup] = {}  # Submits' (one-prompt calls: _FrontEnd.calls)
-        self._generations: dict[Key, int] = {}  # -> the core's generation id
+        self.generations: dict[Key, int] = {}  # -> the core's generation id
         self._posted: deque[tuple[Callable, tuple]] = deque()  # from the core's thread
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
@@ -216,8 +126,8 @@ class EngineServer:
                         if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                             received |= self._receive(front_end)
                 if received:
-                    self._core.wake()  # once for the pass's requests (queued with wake=False)
-                self._outbox.flush()
+                    self.core.wake()  # once for the pass's requests (queued with wake=False)
+                self.outbox.flush()
         except BaseException:  # the door is shut: the engine process ends (launch.engine_host)
             log.exception("the IPC thread failed")
 
@@ -287,9 +197,9 @@ class EngineServer:
         if kind is Generate:
             key = (peer, message.request_id)
             try:
-                self._generations[key] = self._core.add(message.request, _PeerSink(self, key), wake=False)
+                self.generations[key] = self.core.add(message.request, PeerSink(self, key), wake=False)
             except Exception as exc:  # refused (queue full, shutting down)
-                self._send_error(key, exc, "generation")
+                self.send_error(key, exc, "generation")
         elif kind is Prompts:
             self._queue_calls(peer, message)
         elif kind is Submit:
@@ -301,7 +211,7 @@ class EngineServer:
             self._cancel(key)
         elif kind is Hello:
             self._front_ends[peer].pid = message.pid
-            self._outbox.put(peer, self._ready)
+            self.outbox.put(peer, self._ready)
         else:
             log.error("dropped a %s message: not one a front end sends", kind.__name__)
 
@@ -311,62 +221,62 @@ class EngineServer:
         key = (peer, request_id)
         try:
             answered = functools.partial(self._answered, key)
-            self._submits[key] = self._core.queue_prompts(prompts, top_k, trace, prompt_logprobs, answered,
+            self._submits[key] = self.core.queue_prompts(prompts, top_k, trace, prompt_logprobs, answered,
                                                           wake=False, controls=controls, adapter=adapter)
         except Exception as exc:  # refused (queue full, too many prompts, shutting down)
-            self._send_error(key, exc, "request")
+            self.send_error(key, exc, "request")
 
     def _queue_calls(self, peer: int, message: Prompts) -> None:
         """A Prompts message's calls, queued together (EngineCore.queue_calls); those the queue
         has no room for are refused one by one."""
         calls = self._front_ends[peer].calls
         try:
-            requests, refusal = self._core.queue_calls(message.prompts, message.top_ks, message.request_ids, calls)
+            requests, refusal = self.core.queue_calls(message.prompts, message.top_ks, message.request_ids, calls)
         except Exception as exc:  # not running: every call is refused
             requests, refusal = [], exc
         calls.pending.update(zip(message.request_ids, requests))
         for request_id in message.request_ids[len(requests):]:
-            self._send_error((peer, request_id), refusal, "request")
+            self.send_error((peer, request_id), refusal, "request")
 
     def _answered(self, key: Key, result: list[NextTokenOutput] | Exception) -> None:
         if self._submits.pop(key, None) is None:
             return  # cancelled: nobody to answer
         if isinstance(result, Exception):
-            self._send_error(key, result, "request")
+            self.send_error(key, result, "request")
         elif len(result) == 1 and result[0].plain:  # joins its front end's Answers message of this batch
             (o,) = result
-            self._answers_of_batch(key[0], o.forward_s, o.batch_size, o.batch_started_ns).extend(
+            self.answers_of_batch(key[0], o.forward_s, o.batch_size, o.batch_started_ns).extend(
                 [key[1]], [o.top], [o.queue_s], [o.enqueued_ns], [o.cached_tokens])
         else:
-            self._outbox.put(key[0], Result(key[1], result))
+            self.outbox.put(key[0], Result(key[1], result))
 
-    def _answers_of_batch(self, peer: int, forward_s: float, batch_size: int, batch_started_ns: int,
+    def answers_of_batch(self, peer: int, forward_s: float, batch_size: int, batch_started_ns: int,
                           table: TopTable | None = None) -> Answers:
         """The front end's Answers message of this batch, to extend: its last message when that
         is one of the same form (rows of `table`, or TopScores when None; an answer must not
         pass an earlier message), else a new one."""
-        answers = self._outbox.last(peer)
+        answers = self.outbox.last(peer)
         if (type(answers) is not Answers or answers.forward_s != forward_s or answers.batch_size != batch_size
                 or answers.batch_started_ns != batch_started_ns or answers.table is not table):
             answers = Answers([], [], [], [], [], forward_s, batch_size, batch_started_ns, table)
-            self._outbox.put(peer, answers)
+            self.outbox.put(peer, answers)
         return answers
 
     def _cancel(self, key: Key) -> None:
-        group, seq_id = self._submits.pop(key, None), self._generations.pop(key, None)
+        group, seq_id = self._submits.pop(key, None), self.generations.pop(key, None)
         if group is not None:
-            self._core.cancel_prompts(group)  # its prompts leave the queue
+            self.core.cancel_prompts(group)  # its prompts leave the queue
         elif (front_end := self._front_ends.get(key[0])) is not None:
             front_end.calls.cancel(key[1])  # if it is a one-prompt call
         if seq_id is not None:
-            self._core.abort(seq_id)  # its slot comes free at the next step
+            self.core.abort(seq_id)  # its slot comes free at the next step
 
-    def _send_error(self, key: Key, error: Exception, what: str) -> None:
+    def send_error(self, key: Key, error: Exception, what: str) -> None:
         if isinstance(error, ServeError):
-            self._outbox.put(key[0], Failed(key[1], error.code, error.message))
+            self.outbox.put(key[0], Failed(key[1], error.code, error.message))
         else:  # never lose a request silently; the details stay in this log
             log.error("engine %s failed", what, exc_info=error)
-            self._outbox.put(key[0], Failed(key[1], "INTERNAL", INTERNAL_MESSAGE))
+            self.outbox.put(key[0], Failed(key[1], "INTERNAL", INTERNAL_MESSAGE))
 
     def _front_end_gone(self, front_end: _FrontEnd) -> None:
         """Its socket closed (an exit, a drain's or a death's): its requests leave the queue and
@@ -374,7 +284,7 @@ class EngineServer:
         del self._front_ends[front_end.number], self._by_fd[front_end.sock.fileno()]
         self._epoll.unregister(front_end.sock.fileno())
         front_end.sock.close()
-        keys = [key for key in [*self._submits, *self._generations] if key[0] == front_end.number]
+        keys = [key for key in [*self._submits, *self.generations] if key[0] == front_end.number]
         for key in keys:
             self._cancel(key)
         cancelled = len(keys) + front_end.calls.cancel_all()
@@ -385,7 +295,7 @@ class EngineServer:
 
     def close(self) -> None:
         """After stop(): cancel what is left, close the sockets and the descriptors."""
-        for key in [*self._submits, *self._generations]:
+        for key in [*self._submits, *self.generations]:
             self._cancel(key)
         for front_end in self._front_ends.values():
             front_end.calls.cancel_all()

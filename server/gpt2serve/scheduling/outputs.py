@@ -67,7 +67,7 @@ class PromptGroup:
     that rate made the garbage collector's full passes a third of the engine's CPU."""
 
     __slots__ = ("answers", "left", "done", "on_error", "finished", "requests")
-    answers_top = False  # see ipc.engine_server._PlainCalls: an output answered from its top tokens alone
+    answers_top = False  # see ipc.engine_answers.PlainCalls: an output answered from its top tokens alone
 
     def __init__(self, size: int, done: Callable[[Union[list[NextTokenOutput], Exception]], None],
                  on_error: Callable[[PromptGroup], None]):

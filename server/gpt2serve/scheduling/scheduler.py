@@ -76,7 +76,7 @@ class EngineRequest:
     ignore_eos: bool = False
     expires_at: float = math.inf  # perf_counter: a generation still waiting then is refused
     output: Any = None  # where answers go, on the caller's event loop: a PromptGroup, a TokenSink, or the
-    # IPC door's plain calls of a front end (ipc.engine_server._PlainCalls)
+    # IPC door's plain calls of a front end (ipc.engine_answers.PlainCalls)
     request_id: int = -1  # a generation's: its KV-cache row's sequence id; a plain call's: its id at its front end
     row: int = 0  # a next-token prompt's place in its request (PromptGroup)
     arrived: float = field(default_factory=time.perf_counter)
