@@ -193,6 +193,17 @@ class Client:
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_proto(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
 
+    def load_adapter(self, name: str, path: str, timeout: float | None = None) -> list[str]:
+        """Load the LoRA adapter in directory `path` (on the server) as `name`; the adapters served
+        after. The server must allow it (--allow-runtime-lora-updating)."""
+        return list(self._call(self._stub.LoadAdapter, pb.LoadAdapterRequest(name=name, path=path), timeout).names)
+
+    def unload_adapter(self, name: str, timeout: float | None = None) -> list[str]:
+        return list(self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout).names)
+
+    def list_adapters(self, timeout: float | None = None) -> list[str]:
+        return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).names)
+
     def health(self, timeout: float | None = None) -> HealthStatus:
         """Readiness as the server says it, asked at once (as RestClient.health): a server not
         listening yet is UNAVAILABLE, not waited for; one loading is NOT_SERVING."""
@@ -312,6 +323,16 @@ class AsyncClient:
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         return ModelInfo.from_proto(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+
+    async def load_adapter(self, name: str, path: str, timeout: float | None = None) -> list[str]:
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        return list((await self._call(self._stub.LoadAdapter, request, timeout)).names)
+
+    async def unload_adapter(self, name: str, timeout: float | None = None) -> list[str]:
+        return list((await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout)).names)
+
+    async def list_adapters(self, timeout: float | None = None) -> list[str]:
+        return list((await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout)).names)
 
     async def health(self, timeout: float | None = None) -> HealthStatus:
         response = await self._call(self._health.Check, health_pb2.HealthCheckRequest(), timeout, wait=False)

@@ -126,10 +126,10 @@ class ServeConfig:
     stream_interval: int = 1
     # A Jinja chat template (file, or inline) for /v1/chat/completions; None: the checkpoint's own, if any.
     chat_template: str | None = None
-    # LoRA adapters served beside the base, each "name=path" (a peft adapter directory), chosen per
-    # request by name (the OpenAI `model` field, or `adapter`); ranks above --max-lora-rank are refused.
+    # LoRA adapters beside the base, each "name=path" (a peft directory), chosen per request by name.
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 16
+    allow_runtime_lora_updating: bool = False  # adapters loaded and unloaded while serving
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
@@ -290,11 +290,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "transformers' apply_chat_template renders it); default: the checkpoint's own "
                  "(tokenizer_config.json or chat_template.jinja); with neither, chat answers 400")
     env.add("--lora-modules", type=lora_modules, default=d.lora_modules, nargs="*",
-            help="LoRA adapters to serve beside the base, each name=path (a directory peft's save_pretrained "
-                 "wrote); a request picks one by name: the OpenAI routes' `model`, or `adapter` on gRPC and REST "
-                 "(the variable: entries separated by spaces)")
+            help="LoRA adapters served beside the base, each name=path (a directory peft's save_pretrained wrote), "
+                 "chosen by the OpenAI `model` or `adapter` on gRPC and REST (the variable: entries space-separated)")
     env.add("--max-lora-rank", type=int, default=d.max_lora_rank,
             help="largest LoRA rank an adapter may have; a higher one is refused at load")
+    env.add("--allow-runtime-lora-updating", type=parse_bool,
+            default=d.allow_runtime_lora_updating or environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
+            in ("1", "true", "yes", "on"),
+            help="allow loading and unloading LoRA adapters while serving (POST /v1/load_lora_adapter and "
+                 "/v1/unload_lora_adapter, gRPC LoadAdapter and UnloadAdapter; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                 "turns it on too)")
     env.add("--workers", type=auto_or_int, default="auto",
             help="front-end processes (gRPC + REST on shared ports) around one engine process; "
                  "auto: 1 on a CPU (one process); on a GPU, the front ends the engine's measured rate needs "

@@ -22,7 +22,7 @@ from gpt2serve.ipc.engine_answers import PlainCalls
 from gpt2serve.ipc.engine_server import EngineServer
 from gpt2serve.ipc.framing import LENGTH, MAX_FRAME_BYTES, BrokenStream, FrameReader
 from gpt2serve.ipc.socket_client import SocketEngineClient
-from gpt2serve.protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
+from gpt2serve.protocol import (AdapterUpdate, Adapters, Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello,
                                 NextTokenOutput, NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step,
                                 StepControls, Submit, TokenEvent, TokenScore, Tokens, TopRow, TopScores, TopTable,
                                 TraceContext)
@@ -69,6 +69,13 @@ SAMPLES = [
     Prompts([15, 16], [[464, 3139], [50256]], [5, 1]),
     Answers([15, 16], [TopScores([262, 11], [-1.5, -2.0]), TopScores([13], [-0.25])], [0.001, 0.0], [10**18, 10**18 + 1],
             [], 0.002, 64, 10**18 + 5),
+    # under LoRA adapters, and the adapters' updates
+    Submit(18, NextTokenRequest([[5, 6]], 3, None, 2, None, "poet")),
+    Generate(19, GenerateRequest([5], SamplingParams(), 4, adapter="coder")),
+    AdapterUpdate(20, "extra", "/adapters/extra"),
+    AdapterUpdate(21, "poet", ""),
+    Adapters(20, ["coder", "extra"]),
+    Adapters(-1, []),
     Answers([17], [TopScores([262], [-1.5])], [0.0], [1], [3], 0.002, 1, 2),
     Tokens([9, 12, 4], [262, 11, 50256], [-0.25, -1.5, -3.0], ["", "length", "eos"], [[], [], []], 0.002, 256, []),
     Tokens([5, 6], [13, 198], [-0.5, -2.0], ["", ""], [[TokenScore(13, -0.5), TokenScore(11, -1.0)], []], 0.01, 2,

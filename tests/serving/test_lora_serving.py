@@ -40,10 +40,12 @@ def lora(tmp_path_factory, request):
     dirs = make_adapters(directory / "ckpt", directory)
     modules = [f"{name}={path}" for name, path in dirs.items()]
     receiver = OtlpReceiver().start()
+    # Loading while serving allowed by our flag (one process) and by vLLM's variable (--workers 2).
+    allowed = ["--allow-runtime-lora-updating"] if request.param == "1" else []
+    env = {**receiver.server_env(), **({} if allowed else {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})}
     srv = launch_server(directory, "--model", str(directory / "ckpt"), "--served-model-name", "base-gpt2",
                         "--lora-modules", *modules, "--max-lora-rank", "8", "--workers", request.param,
-                        "--chat-template", CHATML,
-                        env=receiver.server_env())
+                        "--chat-template", CHATML, *allowed, env=env)
     srv.receiver = receiver
     judges = {name: peft_model(directory / "ckpt", path) for name, path in dirs.items()}
     yield srv, directory / "ckpt", dirs, judges, hf
@@ -192,6 +194,65 @@ def test_the_cli_generates_through_an_adapter(lora, tokenizer):
     refused = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "next", text, "--target", srv.grpc_target,
                               "--adapter", "pirate"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr and "pirate" in refused.stderr
+
+
+def test_adapters_load_and_unload_while_serving_and_every_front_end_follows(lora, tmp_path, tokenizer):
+    srv, ckpt, _, judges, _ = lora
+    extra = make_adapter(ckpt, tmp_path / "extra", 4, ["c_fc", "c_attn"], 12, True, seed=11)
+    judge = peft_model(ckpt, extra)
+    want = tokenizer.decode(transformers_greedy(judge, PROMPT, 4))
+    with Client(srv.grpc_target) as client:
+        # A generation under an adapter runs on while another is loaded, then while its own is unloaded.
+        stream = client.generate_stream(PROMPT, max_tokens=40, temperature=0, ignore_eos=True, adapter="poet",
+                                        trace_steps=True)
+        first = next(stream)
+        loaded = httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(extra)})
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'extra' added successfully."
+        # Each call on a new connection: under --workers 2 the kernel spreads them over both front ends.
+        for _ in range(6):
+            assert "extra" in [m["id"] for m in httpx.get(f"{srv.http_url}/v1/models").json()["data"]]
+            answer = httpx.post(f"{srv.http_url}/v1/completions", json={
+                "model": "extra", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == want
+        assert client.list_adapters() == ["poet", "coder", "critic", "extra"]
+        assert_matches_reference(judge, client.next_token(PROMPT, top_k=3, adapter="extra"), PROMPT, 3)
+        again = httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(extra)})
+        assert again.status_code == 400 and "loaded already" in again.json()["error"]["message"]
+        missing = httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+        assert missing.status_code == 400 and "/nowhere" in missing.json()["error"]["message"]
+        assert client.unload_adapter("poet") == ["coder", "critic", "extra"]
+        tokens = [first.token.token_id, *(chunk.token.token_id for chunk in stream if chunk.token is not None)]
+        assert tokens == transformers_greedy(judges["poet"], PROMPT, 40)  # finished under the unloaded adapter
+        with pytest.raises(Gpt2ServeError) as gone:
+            client.next_token(PROMPT, adapter="poet")
+        assert gone.value.code == "NOT_FOUND"
+        for _ in range(6):
+            refused = httpx.post(f"{srv.http_url}/v1/completions", json={"model": "poet", "prompt": "x", "max_tokens": 1})
+            assert refused.status_code == 404
+        unknown = httpx.post(f"{srv.http_url}/v1/unload_lora_adapter", json={"lora_name": "pirate"})
+        assert unknown.status_code == 404 and "pirate" in unknown.json()["error"]["message"]
+        # Back as it was for the other tests: poet from its directory again, extra gone.
+        assert client.unload_adapter("extra") == ["coder", "critic"]
+        assert client.load_adapter("poet", str(lora[2]["poet"])) == ["coder", "critic", "poet"]
+
+
+def test_loading_adapters_needs_the_flag_and_the_api_key(tmp_path):
+    srv = launch_server(tmp_path, "--model", "random:tiny", "--api-key", "sesame")
+    try:
+        body = {"lora_name": "x", "lora_path": str(tmp_path)}
+        assert httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json=body).status_code == 401
+        refused = httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json=body,
+                             headers={"authorization": "Bearer sesame"})
+        assert refused.status_code == 400 and "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
+        with Client(srv.grpc_target, api_key="sesame") as client:
+            with pytest.raises(Gpt2ServeError) as off:
+                client.load_adapter("x", str(tmp_path))
+            assert off.value.code == "FAILED_PRECONDITION" and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in off.value.message
+        with Client(srv.grpc_target) as keyless, pytest.raises(Gpt2ServeError) as denied:
+            keyless.list_adapters()
+        assert denied.value.code == "UNAUTHENTICATED"
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize("entry, why", [("bad=/nonexistent/dir", "no adapter_config.json"),

@@ -67,6 +67,21 @@ class Gpt2ServeStub:
                 request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/gpt2serve.v1.Gpt2Serve/LoadAdapter',
+                request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/gpt2serve.v1.Gpt2Serve/UnloadAdapter',
+                request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/gpt2serve.v1.Gpt2Serve/ListAdapters',
+                request_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.FromString,
+                _registered_method=True)
 
 
 class Gpt2ServeServicer:
@@ -118,6 +133,27 @@ class Gpt2ServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters while serving (--allow-runtime-lora-updating, else FAILED_PRECONDITION): load one
+        from a directory on the server, unload one (its requests in flight finish; new ones are
+        NOT_FOUND), list those served. vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_Gpt2ServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +186,21 @@ def add_Gpt2ServeServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeRequest.FromString,
                     response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +367,87 @@ class Gpt2Serve:
             '/gpt2serve.v1.Gpt2Serve/Detokenize',
             gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeRequest.SerializeToString,
             gpt2serve_dot_v1_dot_gpt2serve__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpt2serve.v1.Gpt2Serve/LoadAdapter',
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.LoadAdapterRequest.SerializeToString,
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpt2serve.v1.Gpt2Serve/UnloadAdapter',
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.UnloadAdapterRequest.SerializeToString,
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gpt2serve.v1.Gpt2Serve/ListAdapters',
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.ListAdaptersRequest.SerializeToString,
+            gpt2serve_dot_v1_dot_gpt2serve__pb2.AdapterList.FromString,
             options,
             channel_credentials,
             insecure,

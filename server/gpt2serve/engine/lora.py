@@ -278,6 +278,11 @@ class LoraRegistry:
         self._by_name = {**self._by_name, name: adapter}
         return adapter
 
+    def unload(self, name: str) -> None:
+        """Not served from now on; requests that hold it finish with it."""
+        self.resolve(name)  # NotFound when it is not loaded
+        self._by_name = {n: a for n, a in self._by_name.items() if n != name}
+
     def resolve(self, name: str | None) -> LoraAdapter | None:
         """The adapter a request names (None: the base); NotFound for a name not loaded."""
         if name is None:

@@ -16,7 +16,7 @@ import numpy as np
 
 from gpt2serve_client.types import LayerReport, ModelInfo, ShapeStep
 
-from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
+from ..protocol import (AdapterUpdate, Adapters, Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, PromptScores, Result, SampledToken, SamplingParams, Step, StepControls,
                         Submit, TokenEvent, TokenScore, Tokens, TopRow, TopScores, TraceContext, cut_rows,
                         read_rows)
@@ -329,6 +329,10 @@ _WIRE: dict[int, tuple[type, Callable[[Any], list], Callable[[list], Any]]] = {
     8: (Tokens, _pack_tokens, _unpack_tokens),
     9: (Prompts, _pack_prompts, _unpack_prompts),
     10: (Answers, _pack_answers, _unpack_answers),
+    11: (AdapterUpdate, lambda m: [m.request_id, m.name, m.path],
+         lambda f: AdapterUpdate(*(read(x) for read, x in zip((as_int, as_str, as_str), as_fields(f, 3))))),
+    12: (Adapters, lambda m: [m.request_id, m.names],
+         lambda f: Adapters(as_int(as_fields(f, 2)[0]), [as_str(name) for name in as_list(f[1])])),
 }
 _TAGS = {cls: (tag, pack) for tag, (cls, pack, _) in _WIRE.items()}
 MESSAGE_TYPES = tuple(cls for cls, _, _ in _WIRE.values())

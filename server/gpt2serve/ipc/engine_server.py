@@ -29,10 +29,11 @@ import select
 import socket
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import INTERNAL_MESSAGE, ServeError
-from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
+from ..protocol import (AdapterUpdate, Adapters, Answers, Cancel, EngineReady, Failed, Generate, Hello, NextTokenOutput, Prompts, Result,
                         StepControls, Submit, TopTable, TraceContext)
 from ..scheduling.outputs import run_posted
 from .engine_answers import Key, PeerSink, PlainCalls
@@ -209,6 +210,8 @@ class EngineServer:
         elif kind is Cancel:
             key = (peer, message.request_id)
             self._cancel(key)
+        elif kind is AdapterUpdate:  # off this thread: a load reads files for milliseconds
+            threading.Thread(target=self._update_adapter, args=(peer, message), name="lora", daemon=True).start()
         elif kind is Hello:
             self._front_ends[peer].pid = message.pid
             self.outbox.put(peer, self._ready)
@@ -277,6 +280,21 @@ class EngineServer:
         else:  # never lose a request silently; the details stay in this log
             log.error("engine %s failed", what, exc_info=error)
             self.outbox.put(key[0], Failed(key[1], "INTERNAL", INTERNAL_MESSAGE))
+
+    def _update_adapter(self, peer: int, message: AdapterUpdate) -> None:
+        """Load or unload (on a thread of its own); the answer goes to `peer`, and the adapters now
+        served to every front end (each checks names against its list, and lists them)."""
+        try:
+            names = self.core.update_adapter(message.name, message.path or None)
+        except Exception as exc:
+            self.call_soon_threadsafe(self.send_error, (peer, message.request_id), exc, "adapter update")
+            return
+        self.call_soon_threadsafe(self._adapters_changed, peer, message.request_id, names)
+
+    def _adapters_changed(self, peer: int, request_id: int, names: list[str]) -> None:
+        self._ready = replace(self._ready, model_info=replace(self._ready.model_info, adapters=names))  # for a new front end
+        for number in self._front_ends:
+            self.outbox.put(number, Adapters(request_id if number == peer else -1, names))
 
     def _front_end_gone(self, front_end: _FrontEnd) -> None:
         """Its socket closed (an exit, a drain's or a death's): its requests leave the queue and

@@ -4,6 +4,7 @@ InprocClient is for its engine core. Nothing is encoded; the messages are the sa
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import TYPE_CHECKING, Callable
 
@@ -21,6 +22,9 @@ class InprocEngineClient:
     async def next_token(self, request: NextTokenRequest) -> list[NextTokenOutput]:
         return await self._core.submit(request.prompts, request.top_k, request.trace, request.prompt_logprobs,
                                        request.controls, request.adapter)
+
+    async def update_adapter(self, name: str, path: str | None) -> list[str]:
+        return await asyncio.to_thread(self._core.update_adapter, name, path)
 
     def generate(self, request: GenerateRequest, sink: TokenSink) -> Callable[[], None]:
         return functools.partial(self._core.abort, self._core.add(request, sink))

@@ -30,7 +30,7 @@ from typing import Callable
 from gpt2serve_client.types import ModelInfo
 
 from ..errors import ShuttingDown, Unavailable, error_from_code
-from ..protocol import (Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
+from ..protocol import (AdapterUpdate, Adapters, Answers, Cancel, EngineReady, Failed, Generate, GenerateRequest, Hello, NextTokenOutput,
                         NextTokenRequest, Prompts, Result, Step, Submit, Tokens, TokenSink)
 from .framing import LENGTH, BrokenStream, FrameReader, Outbox, deliver
 
@@ -58,6 +58,7 @@ class SocketEngineClient(asyncio.Protocol):
         self.model_info: ModelInfo | None = None
         self.tokenizer_source = ""
         self.max_batch_size = 0
+        self.on_adapters: Callable[[list[str]], None] | None = None  # another front end changed them (the service)
 
     async def connect(self) -> None:
         """Connect (the engine's socket appears once its model is loaded), say hello and wait
@@ -126,6 +127,18 @@ class SocketEngineClient(asyncio.Protocol):
         self._outbox.put(None, Generate(request_id, request))
         return functools.partial(self._cancel_generation, request_id)
 
+    async def update_adapter(self, name: str, path: str | None) -> list[str]:
+        """The engine loads (or, path None, unloads) a LoRA adapter; the adapters served after."""
+        if self.dead_reason:
+            raise Unavailable(self.dead_reason)
+        request_id = next(self._ids)
+        future = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        self._outbox.put(None, AdapterUpdate(request_id, name, path or ""))
+        try:
+            return await future
+        finally:
+            self._pending.pop(request_id, None)
+
     def _cancel_generation(self, request_id: int) -> None:
         if self._sinks.pop(request_id, None) is not None and not self.dead_reason:
             self._outbox.put(None, Cancel(request_id))  # its KV-cache slot comes free
@@ -188,6 +201,12 @@ class SocketEngineClient(asyncio.Protocol):
                 future.set_exception(error)
             elif sink is not None:
                 sink.fail(error)
+        elif kind is Adapters:
+            future = self._pending.get(message.request_id)
+            if future is not None and not future.done():
+                future.set_result(message.names)
+            elif message.request_id == -1 and self.on_adapters is not None:
+                self.on_adapters(message.names)
         elif kind is EngineReady:
             self.model_info, self.tokenizer_source = message.model_info, message.tokenizer_source
             self.max_batch_size = message.max_batch_size

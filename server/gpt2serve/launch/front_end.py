@@ -208,6 +208,7 @@ async def _front_end_process(config: ServeConfig, address: str, status, parent_p
         tokenizer = load_tokenizer(Path(source) if os.path.isdir(source) else None)
         if front.transports is None:
             await listen()
+        engine.on_adapters = front.service.adapters_changed  # another front end loaded or unloaded one
         await front.serve(tokenizer, engine.model_info, engine)
         freeze_startup_heap()
         status.send(("ready", None))

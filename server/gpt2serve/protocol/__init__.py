@@ -198,6 +198,11 @@ class EngineClient(Protocol):
         """Start a generation (refusals raise here); returns what cancels it."""
         ...
 
+    async def update_adapter(self, name: str, path: str | None) -> list[str]:
+        """Load the LoRA adapter at `path` as `name`, or unload `name` (path None); the adapters
+        served after it."""
+        ...
+
 
 # The IPC envelope ---------------------------------------------------------------------------------
 
@@ -212,6 +217,19 @@ class EngineReady:  # engine -> front end, once its model is loaded and warm
     model_info: ModelInfo
     tokenizer_source: str
     max_batch_size: int
+
+
+@dataclass(frozen=True)
+class AdapterUpdate:  # front end -> engine: load the LoRA adapter at `path` as `name`, or unload it (path "")
+    request_id: int
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class Adapters:  # engine -> front ends: the LoRA adapters served now, after AdapterUpdate `request_id`
+    request_id: int  # -1: another front end's update
+    names: list[str]
 
 
 @dataclass(slots=True)  # not frozen: made per request (see PER_REQUEST)

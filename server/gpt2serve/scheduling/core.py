@@ -126,6 +126,19 @@ class EngineCore:
             return 0.0
         return self.scheduler.blocks(self.scheduler.staying()) / self.capacity_blocks
 
+    def update_adapter(self, name: str, path: str | None) -> list[str]:
+        """Load the LoRA adapter at `path` as `name`, or unload it (None); the adapters served after.
+        Any thread but a caller's event loop (a load reads its files): requests hold their adapter,
+        so one unloaded while they run finishes them, and the loop never waits for a load."""
+        if path is None:
+            self.adapters.unload(name)
+            log.info("LoRA adapter %r unloaded", name)
+        else:
+            adapter = self.adapters.load(name, path)
+            log.info("LoRA adapter %r loaded: rank %d on %s, %.1f MiB, from %s", name, adapter.rank,
+                     ", ".join(adapter.targets), adapter.nbytes / 2**20, path)
+        return self.adapters.names
+
     def adapters_in_use(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The LoRA adapters of the generations running, and of the requests waiting, by name."""
         if not self.adapters.names:

@@ -21,7 +21,7 @@ from gpt2serve_client.types import ModelInfo, NextTokenResult, TokenizeResult
 
 from ..config import ServeConfig
 from ..engine.tokenizer import Tokenizer
-from ..errors import InvalidArgument, ModelLoading, ShuttingDown
+from ..errors import FailedPrecondition, InvalidArgument, ModelLoading, ShuttingDown
 from ..protocol import EngineClient, GenerateRequest
 from ..telemetry.records import RequestOptions, RequestRefused
 from ..telemetry.spans import Telemetry
@@ -144,6 +144,29 @@ class InferenceService:
 
     def model_info(self) -> ModelInfo:
         return self.require_model()[1]
+
+    async def update_adapter(self, name: str, path: str | None) -> list[str]:
+        """Load the LoRA adapter at `path` as `name`, or unload `name` (path None), in the engine,
+        when --allow-runtime-lora-updating says so; the adapters served after it."""
+        engine, _ = self.require_model()
+        if not self.config.allow_runtime_lora_updating:
+            raise FailedPrecondition("loading and unloading LoRA adapters while serving is off: start the server "
+                                     "with --allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)")
+        if not name:
+            raise InvalidArgument("lora_name: an adapter needs a name", param="lora_name")
+        if path is not None and not path:
+            raise InvalidArgument("lora_path: the adapter's directory is needed", param="lora_path")
+        if name == self.model_info().model:
+            raise InvalidArgument(f"lora_name: {name!r} is the base model's name", param="lora_name")
+        names = await engine.update_adapter(name, path)
+        self.adapters_changed(names)
+        return names
+
+    def adapters_changed(self, names: list[str]) -> None:
+        """The engine serves these adapters now: requests are checked against them, and listed."""
+        engine, info = self.require_model()
+        self.validator.adapters = tuple(names)
+        self._attached = (engine, replace(info, adapters=list(names)))
 
     async def next_token(self, prompt: PromptInput, top_k: int | None = None,
                          options: RequestOptions = RequestOptions(),

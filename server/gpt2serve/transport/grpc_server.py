@@ -202,6 +202,18 @@ class Gpt2ServeServicer(pb_grpc.Gpt2ServeServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         return pb.DetokenizeResponse(prompt=self.service.detokenize(request.tokens))
 
+    @status_errors
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context) -> pb.AdapterList:
+        return pb.AdapterList(names=await self.service.update_adapter(request.name, request.path))
+
+    @status_errors
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context) -> pb.AdapterList:
+        return pb.AdapterList(names=await self.service.update_adapter(request.name, None))
+
+    @status_errors
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context) -> pb.AdapterList:
+        return pb.AdapterList(names=self.service.model_info().adapters)
+
 
 def unary_methods(servicer: Gpt2ServeServicer) -> dict:
     return {
@@ -210,6 +222,9 @@ def unary_methods(servicer: Gpt2ServeServicer) -> dict:
         "GetModelInfo": (servicer.GetModelInfo, pb.GetModelInfoRequest, pb.ModelInfo),
         "Tokenize": (servicer.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
         "Detokenize": (servicer.Detokenize, pb.DetokenizeRequest, pb.DetokenizeResponse),
+        "LoadAdapter": (servicer.LoadAdapter, pb.LoadAdapterRequest, pb.AdapterList),
+        "UnloadAdapter": (servicer.UnloadAdapter, pb.UnloadAdapterRequest, pb.AdapterList),
+        "ListAdapters": (servicer.ListAdapters, pb.ListAdaptersRequest, pb.AdapterList),
     }
 
 

@@ -38,6 +38,7 @@ from .openai import ChatCompletionBody, CompletionBody, OpenAIErrorBody, OpenAIR
 from .openai.chat import ChatMessage, conversation_prompt
 from .sampling_fields import SamplingControls, StructuredOutputFields
 from .sse import dataclass_json, json_bytes, sse_event
+from .lora_routes import LOAD_PATH as LOAD_LORA_PATH, PATHS as LORA_PATHS, UNLOAD_PATH as UNLOAD_LORA_PATH, add_lora_routes
 from .tokenize_routes import DETOKENIZE_PATHS, TOKENIZE_PATHS, add_tokenize_routes
 from .ui import add_ui_routes
 
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 METHODS = {"/v1/next-token": "NextToken", "/v1/next-token/batch": "NextTokenBatch", "/v1/generate": "Generate",
            COMPLETIONS_ROUTE: "Completions", CHAT_ROUTE: "ChatCompletions", "/v1/model": "GetModelInfo",
            MODELS_ROUTE: "ListModels", **dict.fromkeys(TOKENIZE_PATHS, "Tokenize"),
-           **dict.fromkeys(DETOKENIZE_PATHS, "Detokenize")}
+           **dict.fromkeys(DETOKENIZE_PATHS, "Detokenize"), LOAD_LORA_PATH: "LoadAdapter",
+           UNLOAD_LORA_PATH: "UnloadAdapter"}
 
 
 def method_of(path: str) -> str:
@@ -164,7 +166,7 @@ def create_app(service: InferenceService, config: ServeConfig | None = None) -> 
     """The ASGI app, the guard (API key, body size) in front of the inference routes and FastAPI;
     and the routes the front end's HTTP protocol answers itself (transport.http_direct)."""
     config = config or ServeConfig()
-    errors = HttpErrors(service.count_refusal, method_of, OPENAI_PATHS)
+    errors = HttpErrors(service.count_refusal, method_of, (*OPENAI_PATHS, *LORA_PATHS))  # vLLM's routes: its errors
     routes = InferenceRoutes(service, errors)
     guard = HttpGuard(routes.asgi(create_fastapi(service, routes, errors, config)),
                       key=BearerKey(config.api_key) if config.api_key else None,
@@ -241,6 +243,8 @@ def create_fastapi(service: InferenceService, routes: InferenceRoutes, errors: H
 
     add_tokenize_routes(app, service, error_responses(False, ("invalid_argument", "failed_precondition",
                                                               "not_found", "malformed", "unavailable")))
+    add_lora_routes(app, service, error_responses(True, ("invalid_argument", "failed_precondition", "not_found",
+                                                        "unavailable")))
     add_ui_routes(app, config)
     document_only_real_errors(app)
     return app
@@ -254,7 +258,7 @@ def document_only_real_errors(app: FastAPI) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             spec = build()
-            for path in OPENAI_PATHS:
+            for path in (*OPENAI_PATHS, *LORA_PATHS):
                 for operation in spec["paths"].get(path, {}).values():
                     operation["responses"].pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
