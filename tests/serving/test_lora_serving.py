@@ -244,6 +244,9 @@ def test_loading_adapters_needs_the_flag_and_the_api_key(tmp_path):
         refused = httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json=body,
                              headers={"authorization": "Bearer sesame"})
         assert refused.status_code == 400 and "--allow-runtime-lora-updating" in refused.json()["error"]["message"]
+        malformed = httpx.post(f"{srv.http_url}/v1/load_lora_adapter", json={"lora_name": 5},
+                               headers={"authorization": "Bearer sesame"})
+        assert malformed.status_code == 400 and "lora_name" in malformed.json()["error"]["message"]
         with Client(srv.grpc_target, api_key="sesame") as client:
             with pytest.raises(Gpt2ServeError) as off:
                 client.load_adapter("x", str(tmp_path))
