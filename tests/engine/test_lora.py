@@ -5,6 +5,7 @@ block across adapters; and every adapter peft can save that we cannot serve is r
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -14,6 +15,9 @@ from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.lora import AdapterError, load_adapter
 from gpt2serve.engine.steps import Ask
+from gpt2serve.protocol import GenerateRequest
+from gpt2serve.scheduling.core import EngineCore, new_engine_thread
+from support.asks import LAYERS
 from support.generation import GREEDY, LIVELY, transformers_greedy
 from support.lora import ADAPTERS, make_adapter, make_adapters, peft_model
 from support.reference import (
@@ -23,6 +27,7 @@ from support.reference import (
     assert_prompt_scores_match,
     transformers_random_model,
 )
+from support.scheduler_events import events
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [(3 * j + 1) % 50257 for j in range(40)], [7, 8, 9], [12]]
 
@@ -207,3 +212,48 @@ def _set_config(path, **fields):
     config = json.loads((path / "adapter_config.json").read_text())
     config.update(fields)
     (path / "adapter_config.json").write_text(json.dumps(config))
+
+
+def test_a_long_prompt_read_in_chunks_under_an_adapter_beside_base_streams_generates_as_peft_does(setup):
+    """Through the engine core, as a server runs it: the adapter named by the request, its prompt
+    read in chunks of 16 riding the base stream's decode steps, the prefix cache on."""
+    engine, _ = engine_with_adapters(setup)
+    engine.attach_prefix_cache(64, doorkeeper=False)
+    _, ckpt, dirs, _ = setup
+    engine.adapters.load("coder", dirs["coder"])
+    generator = Generator(engine, slots=4, chunk_tokens=16)
+    long_prompt = [(7 * j + 3) % 50257 for j in range(60)]
+    requests = [(0.0, GenerateRequest(PROMPTS[0], GREEDY, 12)),
+                (0.05, GenerateRequest(long_prompt, GREEDY, 6, adapter="coder")),
+                (0.05, GenerateRequest(long_prompt, GREEDY, 6))]
+    core = EngineCore(generator, max_batch_size=64, max_batch_delay_s=0.001, max_queue=64, max_batch_tokens=4096,
+                      engine_thread=new_engine_thread(), adapters=engine.adapters)
+
+    async def run():
+        core.start()
+        try:
+            async def one(delay, request):
+                await asyncio.sleep(delay)
+                return [event.token.token_id async for event in events(core, request)]
+            return await asyncio.gather(*(one(d, r) for d, r in requests))
+        finally:
+            await core.stop()
+
+    base_tokens, coder_tokens, plain_tokens = asyncio.run(run())
+    assert coder_tokens == transformers_greedy(judge(setup, "coder"), long_prompt, 6)
+    assert plain_tokens == transformers_greedy(judge(setup, None), long_prompt, 6)  # the adapter's blocks not reused
+    assert base_tokens == transformers_greedy(judge(setup, None), PROMPTS[0], 12)
+    assert coder_tokens != plain_tokens
+
+
+def test_a_traced_prompt_under_an_adapter_reports_peft_s_layers(setup):
+    engine, adapters = engine_with_adapters(setup)
+    out = engine.layer_reports(engine.next_token([Ask(PROMPTS[2], 5, trace=LAYERS, adapter=adapters["poet"]),
+                                                  Ask(PROMPTS[2], 5, trace=LAYERS)]))
+    for row, name in enumerate(["poet", None]):
+        assert_matches_reference(judge(setup, name), as_result(PROMPTS[2], out.top[row]), PROMPTS[2], 5)
+        with torch.no_grad():
+            want = torch.softmax(judge(setup, name)(torch.tensor([PROMPTS[2]])).logits[0, -1], -1).topk(3)
+        lens = out.layers[row][-1].logit_lens  # the last block's lens: the model's own answer
+        assert [t.token_id for t in lens[:3]] == want.indices.tolist()
+        assert [t.prob for t in lens[:3]] == pytest.approx(want.values.tolist(), abs=1e-4)
