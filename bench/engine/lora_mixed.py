@@ -3,7 +3,7 @@ process, one engine, one run, rounds alternating, the median of --rounds each:
 
 - next-token: a batch of --prompts prompts spread evenly over --adapters adapters, against the
   same batch on the base (Engine.next_token);
-- generation: --streams greedy streams spread over --gen-adapters adapters, decode steps after
+- generation: --streams greedy streams spread over --stream-adapters adapters, decode steps after
   one prefill, against the same streams on the base (engine.generator);
 - loading one adapter (load_adapter, from a peft-format directory written here), and what it
   holds against the bytes of its weights file.
@@ -70,18 +70,24 @@ def decode_steps(engine: Engine, prompts: list[list[int]], adapters: list, steps
     return seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_load_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """What both LoRA benches take (this one and bench/serving/lora_served.py): the model, the
+    adapters, and the two loads."""
     parser.add_argument("--model", default="random:gpt2")
     parser.add_argument("--quantize", default="none")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--adapters", type=int, default=8, help="next-token prompts spread over this many")
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--gen-adapters", type=int, default=4)
+    parser.add_argument("--stream-adapters", type=int, default=4, help="generation streams spread over this many")
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_load_arguments(parser, rounds=5)
+    parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
     engine = Engine(load_model(args.model, "cpu", "float32", quantize=args.quantize))
@@ -104,7 +110,7 @@ def main() -> None:
     spread = [adapters[i % args.adapters] for i in range(args.prompts)]
     base_asks, lora_asks = [Ask(p, 5) for p in prompts], [Ask(p, 5, adapter=a) for p, a in zip(prompts, spread)]
     streams = prompts[:args.streams]
-    gen_spread = [adapters[i % args.gen_adapters] for i in range(args.streams)]
+    gen_spread = [adapters[i % args.stream_adapters] for i in range(args.streams)]
     engine.next_token(base_asks), engine.next_token(lora_asks)  # warm
     base_nt, lora_nt, base_gen, lora_gen = [], [], [], []
     for _ in range(args.rounds):
@@ -114,7 +120,7 @@ def main() -> None:
         lora_gen.append(decode_steps(engine, streams, gen_spread, args.steps))
     for what, base, lora in ((f"next-token: {args.prompts} prompts x {args.prompt_tokens} tokens over "
                               f"{args.adapters} adapters", base_nt, lora_nt),
-                             (f"generation: {args.streams} streams over {args.gen_adapters} adapters, a decode step",
+                             (f"generation: {args.streams} streams over {args.stream_adapters} adapters, a decode step",
                               base_gen, lora_gen)):
         b, m = statistics.median(base), statistics.median(lora)
         print(f"{what}: base {b * 1000:.1f} ms, adapters {m * 1000:.1f} ms, ratio {b / m:.2f} "

@@ -24,7 +24,7 @@ from pathlib import Path
 from gpt2serve_client import AsyncClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: local_server, engine.lora_mixed
-from engine.lora_mixed import write_adapter  # noqa: E402
+from engine.lora_mixed import add_load_arguments, write_adapter  # noqa: E402
 from local_server import launch  # noqa: E402
 
 
@@ -58,16 +58,9 @@ async def generation_load(target: str, adapters: list[str | None], streams: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="random:gpt2")
-    parser.add_argument("--quantize", default="none")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--adapters", type=int, default=8)
+    add_load_arguments(parser, rounds=3)
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--stream-adapters", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
     from gpt2serve.engine.loading import load_model
