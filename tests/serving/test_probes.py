@@ -22,7 +22,8 @@ def test_reflection_lists_and_describes_the_services(server):
         assert {"gpt2serve.v1.Gpt2Serve", "grpc.health.v1.Health"} <= services
         method_names = {m.name for m in
                         db.FindFileContainingSymbol("gpt2serve.v1.Gpt2Serve").service[0].method}
-        assert method_names == {"NextToken", "NextTokenBatch", "GetModelInfo", "Generate", "Tokenize", "Detokenize"}
+        assert method_names == {"NextToken", "NextTokenBatch", "GetModelInfo", "Generate", "Tokenize", "Detokenize",
+                                "LoadAdapter", "UnloadAdapter", "ListAdapters"}
 
 
 def v1_reflection(target: str, request_fields: dict):
