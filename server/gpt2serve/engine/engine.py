@@ -273,9 +273,10 @@ class Engine:
                   started_ns: int) -> BatchOutput:
         """A plain batch from a graph that holds it; any other as prompt rows (engine.step_forward)."""
         prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
-        scored = any(a.prompt_logprobs is not None or a.adapter is not None for a in asks)  # no graph either way
+        # A graph keeps only the last position (no scores) and is recorded without adapters.
+        graphless = any(a.prompt_logprobs is not None or a.adapter is not None for a in asks)
         kept = plans is not None and any(plan.hit or plan.new for plan in plans)
-        replayed = self.graphs.run(prompts) if self.graphs is not None and not (scored or kept) else None
+        replayed = self.graphs.run(prompts) if self.graphs is not None and not (graphless or kept) else None
         if replayed is not None:
             logprobs, (_, length) = replayed
             top, failed = top_k_rows(logprobs, top_ks)
