@@ -60,6 +60,10 @@ class LoraAdapter:
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
+    def __str__(self) -> str:  # for the log: what was loaded, and from where
+        return (f"LoRA adapter {self.name!r}: rank {self.rank} on {', '.join(self.targets)}, "
+                f"{self.nbytes / 2**20:.1f} MiB, from {self.path}")
+
 
 def shapes(config: GPT2Config) -> dict[str, tuple[int, int]]:
     """Our module name -> (out, in) of its weight."""

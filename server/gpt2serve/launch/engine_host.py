@@ -135,8 +135,7 @@ def load_adapters(adapters: LoraRegistry, config: ServeConfig) -> None:
             adapter = adapters.load(name, path)
         except AdapterError as exc:
             raise StartupError(f"--lora-modules {entry}: {exc.message}") from exc
-        log.info("LoRA adapter %r: rank %d on %s, %.1f MiB, from %s", name, adapter.rank, ", ".join(adapter.targets),
-                 adapter.nbytes / 2**20, path)
+        log.info("%s", adapter)
 
 
 def load_engine(config: ServeConfig) -> tuple[Engine, Generator, float]:

@@ -135,8 +135,7 @@ class EngineCore:
             log.info("LoRA adapter %r unloaded", name)
         else:
             adapter = self.adapters.load(name, path)
-            log.info("LoRA adapter %r loaded: rank %d on %s, %.1f MiB, from %s", name, adapter.rank,
-                     ", ".join(adapter.targets), adapter.nbytes / 2**20, path)
+            log.info("loaded %s", adapter)
         return self.adapters.names
 
     def adapters_in_use(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
