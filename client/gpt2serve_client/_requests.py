@@ -56,10 +56,10 @@ def prompt_fields(prompt: Prompt) -> dict[str, Any]:
 
 def next_token_proto(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
                      attention_maps: bool = False, prompt_logprobs: int | None = None,
-                     adapter: str | None = None) -> pb.NextTokenRequest:
+                     adapter: str | None = None, compare_base: bool = False) -> pb.NextTokenRequest:
     return pb.NextTokenRequest(
         **prompt_fields(prompt), top_k=top_k, trace_layers=trace_layers, include_layers=include_layers,
-        attention_maps=attention_maps, prompt_logprobs=prompt_logprobs, adapter=adapter,
+        attention_maps=attention_maps, prompt_logprobs=prompt_logprobs, adapter=adapter, compare_base=compare_base,
     )
 
 
@@ -76,9 +76,11 @@ def next_token_batch_proto(
 
 def next_token_json(prompt: Prompt, top_k: int | None, trace_layers: bool, include_layers: bool,
                     attention_maps: bool = False, prompt_logprobs: int | None = None,
-                    adapter: str | None = None) -> dict[str, Any]:
+                    adapter: str | None = None, compare_base: bool = False) -> dict[str, Any]:
     body = {**prompt_fields(prompt), "top_k": top_k, "trace_layers": trace_layers, "include_layers": include_layers,
             "attention_maps": attention_maps}
+    if compare_base:  # sent only when set: a server before it refuses unknown fields
+        body["compare_base"] = True
     return optional_fields(body, prompt_logprobs=prompt_logprobs, adapter=adapter)
 
 

@@ -121,9 +121,10 @@ class Client:
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
-                   prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
+                   prompt_logprobs: int | None = None, adapter: str | None = None,
+                   compare_base: bool = False) -> NextTokenResult:
         request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps,
-                                             prompt_logprobs, adapter)
+                                             prompt_logprobs, adapter, compare_base)
         return NextTokenResult.from_proto(self._call(self._stub.NextToken, request, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,
@@ -255,9 +256,10 @@ class AsyncClient:
 
     async def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                          include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
-                         prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
+                         prompt_logprobs: int | None = None, adapter: str | None = None,
+                         compare_base: bool = False) -> NextTokenResult:
         request = _requests.next_token_proto(prompt, top_k, trace_layers, include_layers, attention_maps,
-                                             prompt_logprobs, adapter)
+                                             prompt_logprobs, adapter, compare_base)
         return NextTokenResult.from_proto(await self._call(self._stub.NextToken, request, timeout))
 
     async def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5,

@@ -119,9 +119,10 @@ class RestClient:
 
     def next_token(self, prompt: _requests.Prompt, top_k: int | None = 5, trace_layers: bool = False,
                    include_layers: bool = False, attention_maps: bool = False, timeout: float | None = None,
-                   prompt_logprobs: int | None = None, adapter: str | None = None) -> NextTokenResult:
+                   prompt_logprobs: int | None = None, adapter: str | None = None,
+                   compare_base: bool = False) -> NextTokenResult:
         body = _requests.next_token_json(prompt, top_k, trace_layers, include_layers, attention_maps, prompt_logprobs,
-                                        adapter)
+                                        adapter, compare_base)
         return NextTokenResult.from_dict(self._request("POST", "/v1/next-token", body, timeout))
 
     def next_token_batch(self, prompts: Sequence[_requests.Prompt], top_k: int | None = 5, trace_layers: bool = False,

@@ -80,6 +80,7 @@ class HeadSummary:
     previous_token_score: float
 
 
+BASE_SHIFT_FIELDS = ("base_residual_shift", "base_attn_shift", "base_mlp_shift")  # optional: None unless compare_base
 SHAPE_FIELDS = ("batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape",
                 "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape")
 
@@ -107,6 +108,14 @@ class LayerReport:
     # (see `attention_map`), and the top token after this block at every position [T].
     attention: list[float] = field(default_factory=list)
     logit_lens_positions: list[TokenProb] = field(default_factory=list)
+    # With compare_base (a prompt under a LoRA adapter): the same prompt through the base model in
+    # the same forward. How far the adapter moved this block at the last position, as
+    # ||adapter - base|| / ||base||: the residual stream after the block (everything so far) and
+    # the block's own attention and MLP outputs; and the base's logit lens beside `logit_lens`.
+    base_residual_shift: float | None = None
+    base_attn_shift: float | None = None
+    base_mlp_shift: float | None = None
+    base_logit_lens: list[TokenProb] = field(default_factory=list)
 
     def attention_map(self, head: int) -> list[list[float]]:
         """One head's [T, T] attention pattern (query rows, key columns)."""
@@ -120,7 +129,8 @@ class LayerReport:
         data = asdict(self)
         return pb.LayerReport(**{**data, "heads": [pb.HeadSummary(**h) for h in data["heads"]],
                                  "logit_lens": [pb.TokenProb(**t) for t in data["logit_lens"]],
-                                 "logit_lens_positions": [pb.TokenProb(**t) for t in data["logit_lens_positions"]]})
+                                 "logit_lens_positions": [pb.TokenProb(**t) for t in data["logit_lens_positions"]],
+                                 "base_logit_lens": [pb.TokenProb(**t) for t in data["base_logit_lens"]]})
 
     @classmethod
     def from_proto(cls, msg: pb.LayerReport) -> LayerReport:
@@ -128,15 +138,18 @@ class LayerReport:
         data.update({name: list(data[name]) for name in SHAPE_FIELDS})
         data["heads"] = [HeadSummary(**_fields_of(HeadSummary, lambda n, h=h: getattr(h, n))) for h in msg.heads]
         data["attention"] = list(msg.attention)
-        for name in ("logit_lens", "logit_lens_positions"):
+        for name in ("logit_lens", "logit_lens_positions", "base_logit_lens"):
             data[name] = [TokenProb(**_fields_of(TokenProb, lambda n, t=t: getattr(t, n))) for t in getattr(msg, name)]
+        for name in BASE_SHIFT_FIELDS:
+            data[name] = getattr(msg, name) if msg.HasField(name) else None
         return cls(**data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerReport:
         return cls(**{**data, "heads": [HeadSummary(**h) for h in data["heads"]],
                       "logit_lens": [TokenProb(**t) for t in data["logit_lens"]],
-                      "logit_lens_positions": [TokenProb(**t) for t in data.get("logit_lens_positions", [])]})
+                      "logit_lens_positions": [TokenProb(**t) for t in data.get("logit_lens_positions", [])],
+                      "base_logit_lens": [TokenProb(**t) for t in data.get("base_logit_lens", [])]})
 
 
 @dataclass(frozen=True)
@@ -213,6 +226,8 @@ class NextTokenResult:
     walkthrough: list[ShapeStep] = field(default_factory=list)  # with the layers: the forward's shapes
     # With prompt_logprobs: one entry per prompt token (the first has no logprob).
     prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
+    # With compare_base: the base model's top-k for the same prompt, beside `top` (the adapter's).
+    base_top: list[TokenLogprob] = field(default_factory=list)
 
     def to_proto(self) -> pb.NextTokenResponse:
         return pb.NextTokenResponse(
@@ -222,6 +237,7 @@ class NextTokenResult:
             layers=[layer.to_proto() for layer in self.layers], prompt_tokens=self.prompt_tokens,
             walkthrough=[step.to_proto() for step in self.walkthrough],
             prompt_logprobs=[p.to_proto() for p in self.prompt_logprobs],
+            base_top=[t.to_proto() for t in self.base_top],
         )
 
     @classmethod
@@ -234,6 +250,7 @@ class NextTokenResult:
             layers=[LayerReport.from_proto(layer) for layer in msg.layers], prompt_tokens=list(msg.prompt_tokens),
             walkthrough=[ShapeStep.from_proto(step) for step in msg.walkthrough],
             prompt_logprobs=[PromptTokenLogprob.from_proto(p) for p in msg.prompt_logprobs],
+            base_top=[TokenLogprob.from_proto(t) for t in msg.base_top],
         )
 
     @classmethod
@@ -248,6 +265,7 @@ class NextTokenResult:
             prompt_tokens=list(data.get("prompt_tokens") or []),
             walkthrough=[ShapeStep.from_dict(step) for step in data.get("walkthrough") or []],
             prompt_logprobs=[PromptTokenLogprob.from_dict(p) for p in data.get("prompt_logprobs") or []],
+            base_top=[TokenLogprob.from_dict(t) for t in data.get("base_top") or []],
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,7 +275,8 @@ class NextTokenResult:
                 "timings": self.timings.to_dict(), "trace_id": self.trace_id, "batch_size": self.batch_size,
                 "layers": [asdict(layer) for layer in self.layers], "prompt_tokens": list(self.prompt_tokens),
                 "walkthrough": [asdict(step) for step in self.walkthrough],
-                "prompt_logprobs": [asdict(p) for p in self.prompt_logprobs]}
+                "prompt_logprobs": [asdict(p) for p in self.prompt_logprobs],
+                "base_top": [t.to_dict() for t in self.base_top]}
 
 
 @dataclass(frozen=True)

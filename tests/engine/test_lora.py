@@ -15,11 +15,11 @@ from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.lora import AdapterError, load_adapter
 from gpt2serve.engine.steps import Ask
-from gpt2serve.protocol import GenerateRequest
+from gpt2serve.protocol import GenerateRequest, TraceContext
 from gpt2serve.scheduling.core import EngineCore, new_engine_thread
 from support.asks import LAYERS
 from support.generation import GREEDY, LIVELY, transformers_greedy
-from support.lora import ADAPTERS, make_adapter, make_adapters, peft_model
+from support.lora import ADAPTERS, make_adapter, make_adapters, peft_blocks, peft_model, peft_shifts
 from support.reference import (
     TOLERANCE,
     as_result,
@@ -257,3 +257,35 @@ def test_a_traced_prompt_under_an_adapter_reports_peft_s_layers(setup):
         lens = out.layers[row][-1].logit_lens  # the last block's lens: the model's own answer
         assert [t.token_id for t in lens[:3]] == want.indices.tolist()
         assert [t.prob for t in lens[:3]] == pytest.approx(want.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_compare_base_sets_each_block_beside_the_base_as_peft_measures_it(setup, prefix_cache):
+    engine, adapters = engine_with_adapters(setup)
+    if prefix_cache:
+        engine.attach_prefix_cache(64, doorkeeper=False)
+    beside = TraceContext(layers_wanted=True, compare_base=True)
+    prompt = PROMPTS[2]
+    asks = [Ask(PROMPTS[0], 5), Ask(prompt, 5, trace=beside, adapter=adapters["coder"]),
+            Ask(PROMPTS[1], 5, adapter=adapters["poet"]), Ask(PROMPTS[3], 4, trace=beside, adapter=adapters["critic"])]
+    out = engine.layer_reports(engine.next_token(asks))
+    assert len(out.top) == 4 and set(out.layers) == {1, 3}  # the twins are no rows of the answer
+    assert set(out.base_top) == {1, 3}
+    for row, name in ((1, "coder"), (3, "critic")):
+        model, text = judge(setup, name), asks[row].prompt
+        assert_matches_reference(model, as_result(text, out.top[row]), text, asks[row].top_k)
+        assert_matches_reference(judge(setup, None), as_result(text, out.base_top[row]), text, asks[row].top_k)
+        want = peft_shifts(model, text)
+        got = [(r.base_residual_shift, r.base_attn_shift, r.base_mlp_shift) for r in out.layers[row]]
+        assert got == [pytest.approx(w, rel=1e-3, abs=1e-5) for w in want]
+        _, base_logits = peft_blocks(model, text, base=True)
+        lens = out.layers[row][-1].base_logit_lens  # the last block's base lens: the base's own answer
+        assert [t.token_id for t in lens[:3]] == base_logits.softmax(-1).topk(3).indices.tolist()
+        assert min(min(shift) for shift in got) > 1e-3  # every block moved: the test can tell
+    # Rows that did not ask are answered as before, with no base beside them.
+    assert_matches_reference(judge(setup, "poet"), as_result(PROMPTS[1], out.top[2]), PROMPTS[1], 5)
+    assert 2 not in out.base_top
+    if prefix_cache:  # the traced row kept its blocks under its adapter, read back as peft's
+        again = engine.next_token([Ask(prompt, 3, adapter=adapters["coder"])])
+        assert again.cached_tokens == [32]
+        assert_matches_reference(judge(setup, "coder"), as_result(prompt, again.top[0]), prompt, 3)

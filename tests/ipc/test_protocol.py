@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import threading
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -66,6 +67,12 @@ SAMPLES = [
     Result(14, [NextTokenOutput([TokenScore(262, -1.5)], 0.0, 0.02, 1, 1, 2,
                                 controlled_top=[TokenScore(64, -0.5), TokenScore(65, -1.0)], allowed_tokens=2)]),
     Step(14, TokenEvent(SampledToken(64, -0.25, [], 2), "", 0.003, 0.01, 1)),
+    # a prompt under an adapter set beside the base (compare_base): its layers and the base's top
+    Submit(17, NextTokenRequest([[5, 6]], 2, TraceContext("", False, True, False, True, False, False, True),
+                                adapter="coder")),
+    Result(17, [NextTokenOutput([TokenScore(262, -1.5)], 0.0, 0.02, 2, 1, 2, [replace(
+        LAYER, base_residual_shift=0.25, base_attn_shift=0.5, base_mlp_shift=0.125,
+        base_logit_lens=[TokenProb(13, ".", 0.5)])], base_top=[TokenScore(13, -0.75)])]),
     Prompts([15, 16], [[464, 3139], [50256]], [5, 1]),
     Answers([15, 16], [TopScores([262, 11], [-1.5, -2.0]), TopScores([13], [-0.25])], [0.001, 0.0], [10**18, 10**18 + 1],
             [], 0.002, 64, 10**18 + 5),
@@ -109,15 +116,15 @@ def test_top_scores_travel_as_their_columns_and_read_as_token_scores():
     assert fields == [[262, 11, 5], [-1.5, -2.0, -3.25]]
     (decoded,) = codec.decode(codec.encode([message]))
     assert type(decoded.outputs[0].top) is TopScores and decoded == message
-    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]], None]))
+    (whole,) = codec.decode(_frame([5, 3, [[[[262], [-1]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0, None]], None]))
     assert whole.outputs[0].top[0] == TokenScore(262, -1.0) and type(whole.outputs[0].top[0].logprob) is float
     with pytest.raises(BadFrame):
-        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0]], None]))
+        codec.decode(_frame([5, 3, [[[[262], ["x"]], 0.0, 0.01, 1, 1, 2, None, None, None, 0, None, 0, None]], None]))
 
 
 def test_plain_answers_of_a_request_travel_in_columns():
     """A NextTokenBatch's answers (plain: no layers, scores or controls) go as columns, not a list
-    of 12 fields each, and come back equal; one answer that is not plain sends them whole."""
+    of 13 fields each, and come back equal; one answer that is not plain sends them whole."""
     outputs = [NextTokenOutput(TopScores([262 + i, 11], [-1.5, -2.0 - i]), 0.001 * i, 0.02, 64, 10**18 + i,
                                10**18 + 9, cached_tokens=i % 2) for i in range(3)]
     plain = Result(4, outputs)

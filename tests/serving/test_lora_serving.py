@@ -7,6 +7,7 @@ one process and on --workers 2, where requests cross the IPC door with their ada
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 from gpt2serve_client import AsyncClient, Client, Gpt2ServeError, RestClient
 from gpt2serve_client.types import NextTokenResult
 from support.generation import LIVELY, transformers_greedy
-from support.lora import make_adapter, make_adapters, peft_model
+from support.lora import make_adapter, make_adapters, peft_model, peft_shifts
 from support.otlp_receiver import OtlpReceiver
 from support.reference import (
     assert_matches_reference,
@@ -105,6 +106,34 @@ def test_grpc_and_rest_choose_an_adapter_by_its_field_and_answer_as_peft_does(lo
         assert [t.token_id for t in generated.tokens] == transformers_greedy(judges["poet"], PROMPT, 5)
         streamed = rest.generate(PROMPT, max_tokens=5, temperature=0, adapter="coder")
         assert [t.token_id for t in streamed.tokens] == transformers_greedy(judges["coder"], PROMPT, 5)
+
+
+def test_compare_base_sets_the_adapter_beside_the_base_on_grpc_rest_and_the_layer_spans(lora):
+    srv, _, _, judges, hf = lora
+    want = peft_shifts(judges["coder"], PROMPT)
+    with Client(srv.grpc_target) as grpc_client, RestClient(srv.http_url) as rest:
+        results = [grpc_client.next_token(PROMPT, top_k=4, adapter="coder", compare_base=True, trace_layers=True),
+                   rest.next_token(PROMPT, top_k=4, adapter="coder", compare_base=True)]
+        for result in results:
+            assert_matches_reference(judges["coder"], result, PROMPT, 4)
+            best = result.base_top[0]
+            base = dataclasses.replace(result, top=result.base_top, token_id=best.token_id, logprob=best.logprob)
+            assert_matches_reference(hf, base, PROMPT, 4)  # the base's own top-k, beside the adapter's
+            got = [(r.base_residual_shift, r.base_attn_shift, r.base_mlp_shift) for r in result.layers]
+            assert got == [pytest.approx(w, rel=1e-3, abs=1e-5) for w in want]
+            assert len(result.layers[0].base_logit_lens) == len(result.layers[0].logit_lens) > 0
+        traced = results[0]
+        plain = grpc_client.next_token(PROMPT, top_k=4, adapter="coder", include_layers=True)
+        assert plain.base_top == [] and plain.layers[0].base_residual_shift is None  # only when asked
+        with pytest.raises(Gpt2ServeError) as refused:  # nothing to compare: the base is the base
+            grpc_client.next_token(PROMPT, compare_base=True)
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT.name and "adapter" in refused.value.message
+    blocks = [s for s in srv.receiver.wait_for(traced.trace_id, {"block 0"}) if s.name.startswith("block ")]
+    by_index = {s.attributes["gpt2.layer.index"]: s for s in blocks}
+    assert by_index[0].attributes["gpt2.adapter.residual_shift"] == pytest.approx(want[0][0], rel=1e-3)
+    assert by_index[0].attributes["gpt2.base.logit_lens.token"]
+    assert httpx.post(f"{srv.http_url}/v1/next-token", json={"prompt_token_ids": PROMPT, "compare_base": True}
+                      ).status_code == 400
 
 
 def test_concurrent_calls_under_different_adapters_and_the_base_each_get_their_own_answer(lora):

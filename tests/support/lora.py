@@ -4,6 +4,7 @@ starts B at zero, which would make every adapter the base)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -43,3 +44,30 @@ def make_adapters(base_dir: Path, directory: Path) -> dict[str, Path]:
 def peft_model(base_dir: Path, adapter_dir: Path) -> PeftModel:
     """peft's model of the adapter over a fresh copy of the base, unmerged, dropout off (eval)."""
     return PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base_dir), adapter_dir).eval()
+
+
+def peft_blocks(model, prompt, base: bool) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+    """peft's forward of `prompt` (with its adapter off when `base`): at the last position, the
+    residual stream after each block and each block's attention and MLP outputs; and the logits."""
+    captured = {"hidden": [], "attn": [], "mlp": []}
+    first = lambda output: output[0] if isinstance(output, tuple) else output  # noqa: E731
+    hooks = []
+    for block in model.base_model.model.transformer.h:
+        hooks.append(block.register_forward_hook(lambda m, i, o: captured["hidden"].append(first(o)[0, -1])))
+        hooks.append(block.attn.register_forward_hook(lambda m, i, o: captured["attn"].append(first(o)[0, -1])))
+        hooks.append(block.mlp.register_forward_hook(lambda m, i, o: captured["mlp"].append(first(o)[0, -1])))
+    try:
+        with torch.no_grad(), model.disable_adapter() if base else contextlib.nullcontext():
+            logits = model(torch.tensor([prompt])).logits[0, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured, logits
+
+
+def peft_shifts(model, prompt) -> list[tuple[float, float, float]]:
+    """Per block, ||adapter - base|| / ||base|| of the residual, attention and MLP outputs, by peft."""
+    (adapted, _), (base, _) = peft_blocks(model, prompt, base=False), peft_blocks(model, prompt, base=True)
+    return [tuple(float((adapted[k][i] - base[k][i]).norm() / base[k][i].norm()) for k in ("hidden", "attn", "mlp"))
+            for i in range(len(base["hidden"]))]
+

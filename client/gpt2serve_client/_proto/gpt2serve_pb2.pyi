@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NextTokenRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps", "prompt_logprobs", "adapter")
+    __slots__ = ("prompt", "prompt_token_ids", "top_k", "trace_layers", "include_layers", "attention_maps", "prompt_logprobs", "adapter", "compare_base")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class NextTokenRequest(_message.Message):
     ATTENTION_MAPS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    COMPARE_BASE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k: int
@@ -25,7 +26,8 @@ class NextTokenRequest(_message.Message):
     attention_maps: bool
     prompt_logprobs: int
     adapter: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    compare_base: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., trace_layers: _Optional[bool] = ..., include_layers: _Optional[bool] = ..., attention_maps: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., adapter: _Optional[str] = ..., compare_base: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids")
@@ -86,7 +88,7 @@ class Timings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class NextTokenResponse(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens", "walkthrough", "prompt_logprobs")
+    __slots__ = ("token_id", "token", "logprob", "top", "prompt_token_ids", "timings", "trace_id", "batch_size", "layers", "prompt_tokens", "walkthrough", "prompt_logprobs", "base_top")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +101,7 @@ class NextTokenResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WALKTHROUGH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BASE_TOP_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
@@ -111,7 +114,8 @@ class NextTokenResponse(_message.Message):
     prompt_tokens: _containers.RepeatedScalarFieldContainer[str]
     walkthrough: _containers.RepeatedCompositeFieldContainer[ShapeStep]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptTokenLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+    base_top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., trace_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerReport, _Mapping]]] = ..., prompt_tokens: _Optional[_Iterable[str]] = ..., walkthrough: _Optional[_Iterable[_Union[ShapeStep, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptTokenLogprob, _Mapping]]] = ..., base_top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ShapeStep(_message.Message):
     __slots__ = ("stage", "name", "kind", "shape", "note")
@@ -128,7 +132,7 @@ class ShapeStep(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class LayerReport(_message.Message):
-    __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms", "attention", "logit_lens_positions")
+    __slots__ = ("index", "batch_hidden_shape", "batch_qkv_shape", "batch_attn_shape", "batch_mlp_shape", "hidden_shape", "qkv_shape", "attn_shape", "mlp_shape", "heads", "residual_norm", "attn_output_norm", "mlp_output_norm", "logit_lens", "duration_ms", "attention", "logit_lens_positions", "base_residual_shift", "base_attn_shift", "base_mlp_shift", "base_logit_lens")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_HIDDEN_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BATCH_QKV_SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +150,10 @@ class LayerReport(_message.Message):
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     LOGIT_LENS_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BASE_RESIDUAL_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    BASE_ATTN_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    BASE_MLP_SHIFT_FIELD_NUMBER: _ClassVar[int]
+    BASE_LOGIT_LENS_FIELD_NUMBER: _ClassVar[int]
     index: int
     batch_hidden_shape: _containers.RepeatedScalarFieldContainer[int]
     batch_qkv_shape: _containers.RepeatedScalarFieldContainer[int]
@@ -163,7 +171,11 @@ class LayerReport(_message.Message):
     duration_ms: float
     attention: _containers.RepeatedScalarFieldContainer[float]
     logit_lens_positions: _containers.RepeatedCompositeFieldContainer[TokenProb]
-    def __init__(self, index: _Optional[int] = ..., batch_hidden_shape: _Optional[_Iterable[int]] = ..., batch_qkv_shape: _Optional[_Iterable[int]] = ..., batch_attn_shape: _Optional[_Iterable[int]] = ..., batch_mlp_shape: _Optional[_Iterable[int]] = ..., hidden_shape: _Optional[_Iterable[int]] = ..., qkv_shape: _Optional[_Iterable[int]] = ..., attn_shape: _Optional[_Iterable[int]] = ..., mlp_shape: _Optional[_Iterable[int]] = ..., heads: _Optional[_Iterable[_Union[HeadSummary, _Mapping]]] = ..., residual_norm: _Optional[float] = ..., attn_output_norm: _Optional[float] = ..., mlp_output_norm: _Optional[float] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., duration_ms: _Optional[float] = ..., attention: _Optional[_Iterable[float]] = ..., logit_lens_positions: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ...) -> None: ...
+    base_residual_shift: float
+    base_attn_shift: float
+    base_mlp_shift: float
+    base_logit_lens: _containers.RepeatedCompositeFieldContainer[TokenProb]
+    def __init__(self, index: _Optional[int] = ..., batch_hidden_shape: _Optional[_Iterable[int]] = ..., batch_qkv_shape: _Optional[_Iterable[int]] = ..., batch_attn_shape: _Optional[_Iterable[int]] = ..., batch_mlp_shape: _Optional[_Iterable[int]] = ..., hidden_shape: _Optional[_Iterable[int]] = ..., qkv_shape: _Optional[_Iterable[int]] = ..., attn_shape: _Optional[_Iterable[int]] = ..., mlp_shape: _Optional[_Iterable[int]] = ..., heads: _Optional[_Iterable[_Union[HeadSummary, _Mapping]]] = ..., residual_norm: _Optional[float] = ..., attn_output_norm: _Optional[float] = ..., mlp_output_norm: _Optional[float] = ..., logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., duration_ms: _Optional[float] = ..., attention: _Optional[_Iterable[float]] = ..., logit_lens_positions: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ..., base_residual_shift: _Optional[float] = ..., base_attn_shift: _Optional[float] = ..., base_mlp_shift: _Optional[float] = ..., base_logit_lens: _Optional[_Iterable[_Union[TokenProb, _Mapping]]] = ...) -> None: ...
 
 class HeadSummary(_message.Message):
     __slots__ = ("entropy", "max_weight", "top_position", "top_token_id", "top_token", "first_token_weight", "previous_token_score")

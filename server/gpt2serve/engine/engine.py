@@ -308,24 +308,36 @@ class Engine:
     def _traced(self, asks: Sequence[PromptAsk], plans: list[RowPlan] | None, started: float,
                 started_ns: int) -> BatchOutput:
         """Every prompt whole, as rows of one right-padded forward (engine.step_forward.padded_forward)
-        with the probe's taps on the traced rows; with `plans`, full blocks go into the prefix cache."""
-        prompts, top_ks = [a.prompt for a in asks], [a.top_k for a in asks]
+        with the probe's taps on the traced rows; with `plans`, full blocks go into the prefix cache.
+        A traced row under an adapter that asks compare_base gets a twin row after the batch's:
+        its prompt under the base, in the same forward, which the probe sets beside it block by block."""
+        n = len(asks)
         traces = {row: a.trace for row, a in enumerate(asks) if a.trace is not None and a.trace.layers_wanted}
+        twins = {row: n + i for i, row in enumerate(
+            row for row, trace in traces.items() if trace.compare_base and asks[row].adapter is not None)}
+        prompts = [a.prompt for a in asks] + [asks[row].prompt for row in twins]  # R = n + twins rows
+        top_ks = [a.top_k for a in asks]
         ids = right_padded(prompts, self.pad_token_id, self.device)  # (R, T)
         probe = None
         if traces:
-            probe = LayerProbe(self.model, list(traces), [len(prompts[r]) for r in traces], ids,
+            traced_rows = [*traces, *twins.values()]
+            probe = LayerProbe(self.model, traced_rows, [len(prompts[r]) for r in traced_rows], ids,
                                self.loaded.tokenizer.token_text, [r for r, t in traces.items() if t.attention_maps],
-                               [r for r, t in traces.items() if t.last_row_maps])
+                               [r for r, t in traces.items() if t.last_row_maps], twins=twins)
             probe.start()
         hidden = padded_forward(self.model, prompts, ids, self.prefix_cache, plans or (), taps=probe,
-                                adapters=[a.adapter for a in asks])  # (R, T, C)
+                                adapters=[a.adapter for a in asks] + [None] * len(twins))  # (R, T, C)
         ends = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # (R,) each row's last column
         last = hidden[torch.arange(len(prompts), device=self.device), ends]  # (R, C)
         logits = self.model.head(last)  # (R, V): only the last position is decoded
         if probe is not None:
             probe.unembedded(last, logits)
-        top, failed = top_k_rows(torch.log_softmax(logits.float(), dim=-1), top_ks)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+        top, failed = top_k_rows(logprobs[:n], top_ks)
+        base_top = {}
+        if twins:
+            twin_top, _ = top_k_rows(logprobs[n:], [top_ks[row] for row in twins])
+            base_top = {row: twin_top[i] for i, row in enumerate(twins)}
         spans = [ScoredSpan(row, 0, len(a.prompt), a.prompt_logprobs) for row, a in enumerate(asks)
                  if a.prompt_logprobs is not None]
         scores = {} if not spans else dict(zip([s.row for s in spans], score_prompts(
@@ -340,7 +352,7 @@ class Engine:
             controlled = dict(zip(rows, views))
         return BatchOutput(top, time.perf_counter() - started, ids.shape[1], started_ns, time.time_ns(),
                            probe=probe, failed_rows=failed, prompt_scores=scores, controlled=controlled,
-                           cached_tokens=[0] * len(asks) if plans is not None else [])  # no hit is read
+                           cached_tokens=[0] * n if plans is not None else [], base_top=base_top)  # no hit is read
 
     def last_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) left-padded inputs -> (B, V) fp32 log-probs of the next token. What CUDA graphs capture."""
@@ -352,9 +364,9 @@ class Engine:
     def layer_reports(self, output: BatchOutput) -> BatchOutput:
         """The traced rows' per-layer reports, logit lens decoded here: called after the answers
         went out, since decoding every block costs about one more unembedding of n_layer rows."""
-        per_row, timeline = output.probe.reports(self.model.lm_head)
+        layers, timeline = output.probe.reports(self.model.lm_head)
         walkthrough = traced_walkthrough(output.probe, self.model)
-        return replace(output, layers=dict(zip(output.probe.rows, per_row)), timeline=timeline, probe=None,
+        return replace(output, layers=layers, timeline=timeline, probe=None,
                        walkthrough=walkthrough)
 
 

@@ -85,6 +85,7 @@ class BatchOutput:
     prompt_scores: dict[int, PromptScores] = field(default_factory=dict)  # scored row -> its positions 1..L-1
     cached_tokens: list[int] = field(default_factory=list)  # per row, prompt tokens read from the prefix cache
     controlled: dict[int, tuple[TopScores, int]] = field(default_factory=dict)  # row -> controlled_view's
+    base_top: dict[int, TopScores] = field(default_factory=dict)  # compare_base row -> the base model's top
     timeline: ForwardTimeline | None = None  # stage times, when any row was traced
     probe: LayerProbe | None = None  # set until Engine.layer_reports() has turned it into `layers`
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -69,7 +69,8 @@ class LayerProbe(ShapeRecorder):
     layer summaries and the timeline, and the recorded shapes give the walk-through."""
 
     def __init__(self, model: TappedModel, rows: Sequence[int], lengths: Sequence[int], input_ids: torch.Tensor,
-                 token_text: Callable[[int], str], mapped_rows: Sequence[int] = (), last_row_rows: Sequence[int] = ()):
+                 token_text: Callable[[int], str], mapped_rows: Sequence[int] = (), last_row_rows: Sequence[int] = (),
+                 twins: dict[int, int] | None = None):
         super().__init__()
         self.model = model
         self.token_text = token_text
@@ -78,6 +79,7 @@ class LayerProbe(ShapeRecorder):
         self._ends = [length - 1 for length in self.lengths]  # each traced row's last real column
         self.mapped_rows = set(mapped_rows)  # traced rows that also want full attention maps and lens
         self.last_row_rows = set(last_row_rows)  # of those, rows that want each map's last query row alone
+        self.twins = twins or {}  # compare_base: traced row -> its twin, the same prompt under the base
         self.input_ids = input_ids  # (B, T), right-padded
         self.n_head = model.config.n_head
         self.clock = _Clock(input_ids.device)
@@ -161,9 +163,10 @@ class LayerProbe(ShapeRecorder):
                  "logit_lens_positions": [TokenProb(i, self.token_text(i), p) for i, p in zip(ids[layer], probs[layer])]}
                 for layer in range(len(best))]
 
-    def reports(self, unembed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[list[LayerReport]],
+    def reports(self, unembed: Callable[[torch.Tensor], torch.Tensor]) -> tuple[dict[int, list[LayerReport]],
                                                                              ForwardTimeline]:
-        """Per traced row (in `rows` order), one LayerReport per block; and the stage timeline.
+        """Per traced row, one LayerReport per block (a row with a twin: set beside the base's,
+        `_beside_base`; the twins themselves are not reported); and the stage timeline.
         Call after `finish()`. `unembed` is the model's lm_head: every block's logit lens is
         decoded in one product (one per block would stream the unembedding matrix n_layer times)."""
         n_rows = len(self.rows)
@@ -208,7 +211,31 @@ class LayerProbe(ShapeRecorder):
                     **(maps[r][index] if r in maps else {}),
                 ))
             per_row.append(layers)
-        return per_row, timeline
+        reported = dict(zip(self.rows, per_row))
+        if self.twins:
+            reported = self._beside_base(reported)
+        return reported, timeline
+
+    def _beside_base(self, reported: dict[int, list[LayerReport]]) -> dict[int, list[LayerReport]]:
+        """Each row with a twin, its reports given how far the adapter moved each block from the
+        base: ||adapter - base|| / ||base|| at the last position, of the residual stream after the
+        block and of the block's attention and MLP outputs; and the base's logit lens beside its own."""
+        index = {row: r for r, row in enumerate(self.rows)}
+        own = torch.tensor([index[row] for row in self.twins], device=self.input_ids.device)  # (P,)
+        twin = torch.tensor([index[t] for t in self.twins.values()], device=self.input_ids.device)  # (P,)
+        shifts = []
+        for captured in (self._hidden_last, self._attn_last, self._mlp_last):
+            stacked = torch.stack(captured).float()  # (n_layer, R, d)
+            base = stacked[:, twin]  # (n_layer, P, d)
+            shifts.append((stacked[:, own] - base).norm(dim=-1) / base.norm(dim=-1).clamp_min(1e-12))  # (n_layer, P)
+        shifts = torch.stack(shifts, dim=-1).tolist()  # (n_layer, P, 3): one host copy
+        beside = {}
+        for p, (row, twin_row) in enumerate(self.twins.items()):
+            beside[row] = [replace(report, base_residual_shift=shifts[layer][p][0], base_attn_shift=shifts[layer][p][1],
+                                   base_mlp_shift=shifts[layer][p][2], base_logit_lens=base.logit_lens)
+                           for layer, (report, base) in enumerate(zip(reported[row], reported[twin_row]))]
+        twin_rows = set(self.twins.values())
+        return {row: beside.get(row, reports) for row, reports in reported.items() if row not in twin_rows}
 
     def finish(self) -> None:
         """Mark the end of the forward's last stage (after its outputs reached the host)."""

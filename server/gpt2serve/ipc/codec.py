@@ -71,13 +71,13 @@ def _prompt_scores(x: Any) -> PromptScores | None:
 
 def _pack_trace(t: TraceContext | None) -> list | None:
     return None if t is None else [t.traceparent, t.sampled, t.layers_wanted, t.layer_spans, t.layers_in_response,
-                                   t.attention_maps, t.last_row_maps]
+                                   t.attention_maps, t.last_row_maps, t.compare_base]
 
 
 def _trace(x: Any) -> TraceContext | None:
     if x is None:
         return None
-    traceparent, *flags = as_fields(x, 7)
+    traceparent, *flags = as_fields(x, 8)
     return TraceContext(as_str(traceparent), *map(as_bool, flags))
 
 
@@ -99,7 +99,8 @@ def _pack_output(o: NextTokenOutput) -> list:
     return [_pack_scores(o.top), o.queue_s, o.forward_s, o.batch_size, o.enqueued_ns, o.batch_started_ns,
             None if o.layers is None else [asdict(r) for r in o.layers],
             None if o.walkthrough is None else [asdict(s) for s in o.walkthrough], _pack_prompt_scores(o.prompt_logprobs),
-            o.cached_tokens, None if o.controlled_top is None else _pack_scores(o.controlled_top), o.allowed_tokens]
+            o.cached_tokens, None if o.controlled_top is None else _pack_scores(o.controlled_top), o.allowed_tokens,
+            None if o.base_top is None else _pack_scores(o.base_top)]
 
 
 def _walkthrough(x: Any) -> list[ShapeStep] | None:
@@ -110,10 +111,11 @@ def _walkthrough(x: Any) -> list[ShapeStep] | None:
 
 def _output(x: Any) -> NextTokenOutput:
     (top, queue_s, forward_s, batch_size, enqueued_ns, started_ns, layers, walkthrough, scores, cached,
-     controlled_top, allowed) = as_fields(x, 12)
+     controlled_top, allowed, base_top) = as_fields(x, 13)
     return NextTokenOutput(_scores(top), as_float(queue_s), as_float(forward_s), as_int(batch_size),
                            as_int(enqueued_ns), as_int(started_ns), _layers(layers), _walkthrough(walkthrough),
-                           _prompt_scores(scores), as_int(cached), optional(_scores, controlled_top), as_int(allowed))
+                           _prompt_scores(scores), as_int(cached), optional(_scores, controlled_top), as_int(allowed),
+                           optional(_scores, base_top))
 
 
 def _pack_params(p: SamplingParams) -> list:

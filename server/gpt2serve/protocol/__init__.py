@@ -55,6 +55,7 @@ class TraceContext:
     layers_in_response: bool = False  # the answer waits for the reports (include_layers)
     attention_maps: bool = False  # the reports carry full attention maps and the all-position lens
     last_row_maps: bool = False  # with attention_maps: each map's last query row alone (service.step_trace)
+    compare_base: bool = False  # under an adapter: the base model's forward beside it (engine.engine._traced)
 
 
 # PER_REQUEST: the types made per request (requests, answers, IPC messages) are slotted dataclasses,
@@ -97,12 +98,13 @@ class NextTokenOutput:
     # tokens they left possible (the vocabulary when nothing masks).
     controlled_top: Sequence[TokenScore] | None = None
     allowed_tokens: int = 0
+    base_top: Sequence[TokenScore] | None = None  # with compare_base: the base model's top tokens
 
     @property
     def plain(self) -> bool:
         """Only its top tokens, timings and cached count: what Answers and a Result's columns carry."""
         return (self.layers is None and self.walkthrough is None and self.prompt_logprobs is None
-                and self.controlled_top is None and not self.allowed_tokens)
+                and self.controlled_top is None and not self.allowed_tokens and self.base_top is None)
 
 
 # Temperatures below this are greedy (as in vLLM): the distribution is one-hot in float32 anyway.

@@ -147,7 +147,7 @@ class Outputs:
                 output.top[row], started - request.arrived, output.forward_s, len(batch), request.arrived_ns,
                 started_ns, output.layers.get(row), output.walkthrough if row in output.layers else None,
                 output.prompt_scores.get(row), output.cached_tokens[row] if output.cached_tokens else 0,
-                controlled_top, allowed))
+                controlled_top, allowed, output.base_top.get(row)))
         if plain:  # in one call, in columns: per front end, its answers of this batch are one message
             plain[0].output.answer_tops(plain, plain_rows, output.top, started, output.cached_tokens, output.forward_s,
                                         len(batch), started_ns)

@@ -30,6 +30,8 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
         k = validator.top_k(top_k)
         scored_k = validator.prompt_logprobs(prompt_logprobs)
         adapter = validator.adapter(adapter)
+        if options.compare_base and adapter is None:
+            raise InvalidArgument("compare_base: set an adapter to compare with the base model")
         request.adapter_chosen(adapter)
         token_ids = [await validator.prompt(p, where=f"prompts[{i}]" if len(prompts) > 1 else "prompt")
                      for i, p in enumerate(prompts)]
@@ -65,6 +67,7 @@ def build_result(service: CallContext, prompt_token_ids: list[int], out: NextTok
         prompt_tokens=[token_text(t) for t in prompt_token_ids] if include_layers else [],
         walkthrough=(out.walkthrough or []) if include_layers else [],
         prompt_logprobs=prompt_token_logprobs(token_text, prompt_token_ids, out.prompt_logprobs),
+        base_top=[TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in out.base_top or ()],
     )
 
 

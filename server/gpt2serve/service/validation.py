@@ -237,4 +237,4 @@ class Validator:
         layer_spans = sampled and (options.trace_layers or self.trace_layers_mode == "always")
         return TraceContext(request.traceparent, sampled=sampled, layers_wanted=layer_spans or in_response,
                             layer_spans=layer_spans, layers_in_response=in_response,
-                            attention_maps=options.attention_maps)
+                            attention_maps=options.attention_maps, compare_base=options.compare_base)

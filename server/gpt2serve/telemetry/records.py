@@ -30,12 +30,13 @@ class RequestOptions:
     trace_layers: bool = False
     include_layers: bool = False
     attention_maps: bool = False  # full attention maps and all-position logit lens (implies include_layers)
+    compare_base: bool = False  # under an adapter: the base's forward beside it (implies include_layers)
     trace_steps: bool = False  # generation: how each token was chosen (service.step_trace)
     deadline: float | None = None  # time.monotonic() by which the caller gives up (gRPC deadline)
 
     @property
     def layers_in_response(self) -> bool:
-        return self.include_layers or self.attention_maps
+        return self.include_layers or self.attention_maps or self.compare_base
 
 
 @dataclass(slots=True)  # not frozen: made per request (see protocol.PER_REQUEST)

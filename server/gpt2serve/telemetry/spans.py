@@ -73,6 +73,9 @@ def span_context(traceparent: str) -> SpanContext:
 def layer_attributes(report: LayerReport, row: int) -> dict:
     """About 25 plain attributes: the SDK keeps 128 a span and silently drops tensors."""
     heads = report.heads
+    beside_base = {} if report.base_residual_shift is None else {  # compare_base: the adapter against the base
+        "gpt2.adapter.residual_shift": report.base_residual_shift, "gpt2.adapter.attn_shift": report.base_attn_shift,
+        "gpt2.adapter.mlp_shift": report.base_mlp_shift, "gpt2.base.logit_lens.token": [t.token for t in report.base_logit_lens]}
     return {
         "gpt2.layer.index": report.index,
         "gpt2.batch.row": row,
@@ -97,6 +100,7 @@ def layer_attributes(report: LayerReport, row: int) -> dict:
         "gpt2.logit_lens.token": [t.token for t in report.logit_lens],
         "gpt2.logit_lens.token_id": [t.token_id for t in report.logit_lens],
         "gpt2.logit_lens.prob": [t.prob for t in report.logit_lens],
+        **beside_base,
     }
 
 

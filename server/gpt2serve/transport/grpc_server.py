@@ -118,6 +118,7 @@ def request_options(method: str, request, context: grpc.aio.ServicerContext) -> 
         attributes={"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method},
         trace_layers=request.trace_layers, include_layers=getattr(request, "include_layers", False),
         attention_maps=getattr(request, "attention_maps", False),  # NextToken only
+        compare_base=getattr(request, "compare_base", False),  # NextToken only
         trace_steps=getattr(request, "trace_steps", False),  # Generate only
         deadline=None if remaining is None else time.monotonic() + remaining,
     )

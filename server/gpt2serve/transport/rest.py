@@ -98,6 +98,8 @@ class NextTokenBody(Body):
                                                           "lens at every position, per layer (at most 128 tokens)")
     prompt_logprobs: StrictInt | None = PROMPT_LOGPROBS_FIELD
     adapter: StrictStr | None = ADAPTER_FIELD
+    compare_base: StrictBool = Field(False, description="With an adapter: the base model beside it in the same "
+                                     "forward, per layer (base_* fields) and its top-k (base_top)")
 
 
 class NextTokenBatchBody(Body):
@@ -145,13 +147,12 @@ class BatchResults(BaseModel):
     results: list[NextTokenResult]
 
 
-
-
 def request_options(head: CallHead, route: str, method: str,
                     body: NextTokenBody | NextTokenBatchBody) -> RequestOptions:
     """The next-token routes' options: what the body asked to see."""
     return call_options(head, route, method, trace_layers=body.trace_layers, include_layers=body.include_layers,
-                        attention_maps=getattr(body, "attention_maps", False))  # /v1/next-token only
+                        attention_maps=getattr(body, "attention_maps", False),  # these two: /v1/next-token only
+                        compare_base=getattr(body, "compare_base", False))
 
 
 async def collect(chunks) -> list:
