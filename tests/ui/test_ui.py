@@ -340,3 +340,36 @@ def test_the_api_docs_render_offline(server, tmp_path, path, rendered):
     assert "cdn" not in page.lower() and "https://" not in page  # nothing from outside
     html = dom(tmp_path, f"{server.http_url}{path}")
     assert re.search(rendered, html), html[-3000:]
+
+
+def test_an_adapter_is_drawn_beside_the_base_as_peft_measures_it(tmp_path, tokenizer):
+    """The adapter chosen on the page (a deep link's &adapter=): both top-k lists and, per block,
+    how far the adapter moved it from the base, equal to peft's own forward with and without it."""
+    from support.generation import LIVELY
+    from support.lora import make_adapter, peft_blocks, peft_model, peft_shifts
+
+    transformers_random_model(seed=3, **LIVELY).save_pretrained(tmp_path / "ckpt")
+    adapter = make_adapter(tmp_path / "ckpt", tmp_path / "coder", 8, ["c_attn", "c_proj", "c_fc"], 16, False, seed=1)
+    judge, ids = peft_model(tmp_path / "ckpt", adapter), tokenizer.encode(PROMPT)
+    srv = launch_server(tmp_path, "--model", str(tmp_path / "ckpt"), "--lora-modules", f"coder={adapter}")
+    try:
+        html = dom(tmp_path, f"{deep_link(srv)}&adapter=coder")
+        assert re.search(r'<label id="adapter-label" title', html)  # shown (not hidden): the server serves one
+        rows = re.findall(r'<tr class="beside-top-row"><td>\d+</td><td class="tok">([^<]*)</td><td>([\d.]+)</td>'
+                          r'<td class="tok">([^<]*)</td><td>([\d.]+)</td></tr>', html)
+        adapted, base = peft_blocks(judge, ids, base=False)[1], peft_blocks(judge, ids, base=True)[1]
+        for (got_token, got_p, base_token, base_p), (p, i), (bp, bi) in zip(
+                rows, zip(*adapted.softmax(-1).topk(5)), zip(*base.softmax(-1).topk(5))):
+            assert float(got_p) == pytest.approx(p.item(), abs=2e-4) and float(base_p) == pytest.approx(bp.item(), abs=2e-4)
+        assert len(rows) == 5 and unescape(rows[0][0]) == visible(tokenizer.token_text(adapted.argmax().item()))
+        assert unescape(rows[0][2]) == visible(tokenizer.token_text(base.argmax().item()))
+        drawn_shifts = [tuple(float(v) for v in found) for found in re.findall(
+            r'data-residual="([^"]+)".*?data-attn="([^"]+)".*?data-mlp="([^"]+)"', html)]
+        assert drawn_shifts == [pytest.approx(w, rel=1e-3, abs=1e-5) for w in peft_shifts(judge, ids)]
+        assert len(re.findall(r'class="shift-row"', html)) == judge.config.n_layer
+        assert "one of them this prompt under the base model" in html  # the walk-through's batch of 2, explained
+        # Without an adapter the section stays hidden and the request asks for no base.
+        plain = dom(tmp_path, deep_link(srv))
+        assert re.search(r'<section id="beside-base" hidden', plain) and "beside-top-row" not in plain
+    finally:
+        srv.stop()

@@ -22,7 +22,7 @@ from ..introspection.architectures import PRESETS, published_summary
 from ..introspection.params import count
 from ..introspection.walkthrough import preset_walkthrough
 
-SCRIPTS = ("common.js", "walkthrough.js", "app.js", "generate.js", "shapes.js", "score.js")
+SCRIPTS = ("common.js", "walkthrough.js", "app.js", "generate.js", "shapes.js", "score.js", "adapters.js")
 FILES = {"/ui": ("index.html", "text/html; charset=utf-8"),
          "/ui/style.css": ("style.css", "text/css; charset=utf-8"),
          **{f"/ui/{name}": (name, "text/javascript; charset=utf-8") for name in SCRIPTS}}

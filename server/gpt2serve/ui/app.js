@@ -1,6 +1,6 @@
 // The viewer's entry and its "Next token" view: one request with attention_maps, drawn as the
 // shape walk-through, tables and SVG. Deep links render at once:
-//   /ui?prompt=...&layer=...&head=...&click=STEP        (next token)
+//   /ui?prompt=...&layer=...&head=...&click=STEP        (next token; &adapter=NAME: beside the base, adapters.js)
 //   /ui?view=generate&prompt=...&max_tokens=8&step=3   (generate.js; &chat=1: as a chat message)
 //       &repetition_penalty=1.3&constraint=choice|regex|json&constraint_text=yes|no: sampling controls
 //   /ui?view=shapes&preset=llama-3-8b&tokens=5         (shapes.js)
@@ -51,6 +51,7 @@ async function loadModel() {
   const response = await fetch("/v1/model", { headers: headers() });
   if (!response.ok) return;
   const info = state.model = await response.json();
+  fillAdapters(info.adapters || [], new URLSearchParams(location.search).get("adapter"));
   $("model").textContent = `${info.model} (${info.weights} weights, ${info.dtype} on ${info.device})`;
   if (state.view === "next") renderParams(info);
 }
@@ -76,6 +77,7 @@ async function run() {
   const layersOn = state.config.trace_layers !== "never";
   const body = { prompt: $("prompt").value, top_k: Number($("top-k").value) || 5,
                  attention_maps: layersOn, trace_layers: layersOn && Boolean(state.config.trace_ui_url) };
+  if ($("adapter").value) Object.assign(body, { adapter: $("adapter").value, compare_base: layersOn });
   const data = await post("/v1/next-token", body);
   if (!data) { $("results").hidden = true; return; }
   state.result = data;
@@ -88,6 +90,7 @@ function render() {
   const r = state.result;
   $("results").hidden = false;
   renderAnswer(r);
+  renderBeside(r);
   for (const id of ["heads", "heatmaps", "lens", "layers", "walkthrough"]) $(id).replaceChildren();
   $("layer-index").textContent = "";
   if (!r.layers.length) return;
@@ -118,7 +121,8 @@ function renderWalk(r) {
     `to 1024: this forward ran at ${length} positions (the prompt's own length; a batch pads each prompt only to its longest). ` +
     `Only the last row goes through the final norm and the LM head, so the logits are [${batch}, ${vocab}], not ` +
     `[${batch}, ${length}, ${vocab}] as in the seeds' batch example: a server never needs the other positions' predictions. ` +
-    (batch > 1 ? `It shared its forward with ${batch - 1} other prompt(s): the first dimension is the batch.` : "The first dimension is the batch: 1 here.");
+    (batch > 1 ? `It shared its forward with ${batch - 1} other row(s)${r.base_top && r.base_top.length ? ", one of them this " +
+      "prompt under the base model, set beside it above" : ""}: the first dimension is the batch.` : "The first dimension is the batch: 1 here.");
   $("walk-layer").replaceChildren(...r.layers.map((l) => el("option", { value: l.index }, String(l.index))));
   $("walk-layer").value = String(state.layer);
   $("walk-layer-label").hidden = false;
