@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-import logging
 from typing import Mapping
 
-from .config_env import ENV_ERRORS, ENV_PREFIX, EnvDefaults, auto_float, auto_or_int, env_bool, env_name, parse_bool
+from .config_env import (ENV_ERRORS, ENV_PREFIX, EnvDefaults, auto_float, auto_or_int, env_bool, env_name, lora_modules,
+                         parse_bool, traces_exporter_configured)
 
 __all__ = ["ENV_ERRORS", "ENV_PREFIX", "EnvDefaults", "ServeConfig", "add_serve_arguments", "auto_float",
            "auto_or_int", "config_from_args", "env_name", "parse_bool", "validate"]
-log = logging.getLogger(__name__)
 DEVICES_HELP = "auto (CUDA when present, else CPU), cpu, cuda, cuda:N"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_MODES = ("none", "int8", "fp16")  # engine.quantize.MODES
@@ -129,29 +128,12 @@ class ServeConfig:
     # LoRA adapters beside the base, each "name=path" (a peft directory), chosen per request by name.
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 16
+    max_loras: int | None = None  # distinct adapters one step may hold (vLLM's); None: every one loaded
+    max_cpu_loras: int | None = None  # adapters whose weights stay in memory, least recently used out; None: all
     allow_runtime_lora_updating: bool = False  # adapters loaded and unloaded while serving
 
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
-
-
-def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
-    """Which exporter the OTEL_* variables ask for: "otlp", "console", or None (tracing off).
-
-    The OTel default exporter is OTLP to localhost:4317; a server that nobody pointed at a
-    collector should not log export failures forever, so an endpoint or an explicit
-    OTEL_TRACES_EXPORTER is required."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if exporter in ("none", "console", "otlp"):
-        return None if exporter == "none" else exporter
-    if exporter:
-        log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none); tracing is off", exporter)
-        return None
-    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-        return "otlp"
-    return None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -294,6 +276,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "chosen by the OpenAI `model` or `adapter` on gRPC and REST (the variable: entries space-separated)")
     env.add("--max-lora-rank", type=int, default=d.max_lora_rank,
             help="largest LoRA rank an adapter may have; a higher one is refused at load")
+    env.add("--max-loras", type=int, default=d.max_loras,
+            help="distinct LoRA adapters one step may hold (vLLM's); requests under others wait for a later step; "
+                 "default: --max-cpu-loras where set, else every adapter loaded")
+    env.add("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+            help="LoRA adapters whose weights stay in memory (vLLM's; at least --max-loras): the least recently used "
+                 "beyond it are dropped and read again from their directory when next used; default: all")
     env.add("--allow-runtime-lora-updating", type=parse_bool,
             default=d.allow_runtime_lora_updating or environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
             in ("1", "true", "yes", "on"),
@@ -306,16 +294,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser, environ: Mapping[str, s
                  "at about 150 us of CPU a call (600 with --grpc-server grpcio), at most the cores less 2 for "
                  "the engine (logged)")
     parser.set_defaults(otel_traces_exporter=traces_exporter_configured(environ))
-
-
-def lora_modules(value: str) -> tuple[str, ...]:
-    """name=path entries: one from the command line, or the variable's, separated by spaces."""
-    entries = tuple(value.split())
-    for entry in entries:
-        name, _, path = entry.partition("=")
-        if not name or not path:
-            raise argparse.ArgumentTypeError(f"{entry!r} is not name=path")
-    return entries
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -388,6 +366,9 @@ def validate(config: ServeConfig) -> None:
         problems.append("--lora-modules: each adapter needs a name of its own")
     if not 1 <= config.max_lora_rank <= 512:
         problems.append("--max-lora-rank must be within 1..512")
+    loras = 1 if config.max_loras is None else config.max_loras
+    if loras < 1 or (config.max_cpu_loras is not None and config.max_cpu_loras < loras):
+        problems.append("--max-loras must be >= 1, and --max-cpu-loras >= --max-loras")
     if config.stream_interval < 1:
         problems.append("--stream-interval must be >= 1")
     if config.shutdown_grace_s < 0:

@@ -1,12 +1,15 @@
-"""Flags whose defaults may come from the environment (`EnvDefaults`), and the parsers their
-values share; config.py builds the server's flags with them, cli.py the client commands'."""
+"""Flags whose defaults may come from the environment (`EnvDefaults`), the parsers their values
+share, and the trace exporter the OTEL_* variables ask for; config.py builds the server's flags
+with them, cli.py the client commands'."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Mapping
 
 ENV_PREFIX = "GPT2SERVE_"
+log = logging.getLogger("gpt2serve.config")
 
 
 def auto_or_int(text: str) -> int | None:
@@ -70,3 +73,32 @@ def env_bool(environ: Mapping[str, str], flag: str, default: bool) -> bool:
         return parse_bool(environ[env_name(flag)])
     except (KeyError, argparse.ArgumentTypeError):
         return default
+
+
+def lora_modules(value: str) -> tuple[str, ...]:
+    """name=path entries: one from the command line, or the variable's, separated by spaces."""
+    entries = tuple(value.split())
+    for entry in entries:
+        name, _, path = entry.partition("=")
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"{entry!r} is not name=path")
+    return entries
+
+
+def traces_exporter_configured(environ: Mapping[str, str]) -> str | None:
+    """Which exporter the OTEL_* variables ask for: "otlp", "console", or None (tracing off).
+
+    The OTel default exporter is OTLP to localhost:4317; a server that nobody pointed at a
+    collector should not log export failures forever, so an endpoint or an explicit
+    OTEL_TRACES_EXPORTER is required."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter in ("none", "console", "otlp"):
+        return None if exporter == "none" else exporter
+    if exporter:
+        log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none); tracing is off", exporter)
+        return None
+    if environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return "otlp"
+    return None

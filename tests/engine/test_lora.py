@@ -13,7 +13,7 @@ import torch
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
 from gpt2serve.engine.loading import load_model
-from gpt2serve.engine.lora import AdapterError, load_adapter
+from gpt2serve.engine.lora import AdapterError, AdapterRows, load_adapter
 from gpt2serve.engine.steps import Ask
 from gpt2serve.protocol import GenerateRequest, TraceContext
 from gpt2serve.scheduling.core import EngineCore, new_engine_thread
@@ -289,3 +289,44 @@ def test_compare_base_sets_each_block_beside_the_base_as_peft_measures_it(setup,
         again = engine.next_token([Ask(prompt, 3, adapter=adapters["coder"])])
         assert again.cached_tokens == [32]
         assert_matches_reference(judge(setup, "coder"), as_result(prompt, again.top[0]), prompt, 3)
+
+
+@pytest.mark.parametrize("max_loras", [1, None])
+def test_max_loras_bounds_a_forwards_adapters_and_max_cpu_loras_the_ones_in_memory(setup, monkeypatch, max_loras):
+    """vLLM's --max-loras and --max-cpu-loras through the engine core: streams under three adapters
+    and the base, each equal to peft's; with max_loras 1 no forward holds two adapters (without it
+    one does); with two of three kept in memory the third is read back from its directory when used."""
+    engine, _ = engine_with_adapters(setup)
+    _, _, dirs, _ = setup
+    engine.adapters.max_resident = 2
+    for name in ("poet", "coder", "critic"):
+        engine.adapters.load(name, dirs[name])
+    assert engine.adapters.resident == ["coder", "critic"] and engine.adapters.resolve("poet").weights is None
+    seen = []  # the distinct adapters of every forward that had any
+    real_of = AdapterRows.of.__func__
+    monkeypatch.setattr(AdapterRows, "of", classmethod(lambda cls, adapters, lengths, device: (
+        seen.append(len({a for a in adapters if a is not None})), real_of(cls, adapters, lengths, device))[1]))
+    names = ["poet", "coder", None, "critic", "poet", "coder"]
+    requests = [GenerateRequest(PROMPTS[i % 4], GREEDY, 5, adapter=name) for i, name in enumerate(names)]
+    core = EngineCore(Generator(engine, slots=8), max_batch_size=64, max_batch_delay_s=0.001, max_queue=64,
+                      max_batch_tokens=4096, engine_thread=new_engine_thread(), adapters=engine.adapters,
+                      max_loras=max_loras)
+
+    async def run():
+        core.start()
+        try:
+            async def one(request):
+                return [event.token.token_id async for event in events(core, request)]
+            return await asyncio.gather(*(one(r) for r in requests))
+        finally:
+            await core.stop()
+
+    for request, name, tokens in zip(requests, names, asyncio.run(run())):
+        assert tokens == transformers_greedy(judge(setup, name), request.prompt, 5), name
+    assert max(seen) == (1 if max_loras == 1 else 3)
+    assert engine.adapters.reads >= 1  # poet, read back from its directory
+    if max_loras is None:  # a forward keeps all of its adapters, over the limit for that time
+        return
+    assert len(engine.adapters.resident) == 2
+    dropped = [n for n in ("poet", "coder", "critic") if n not in engine.adapters.resident]
+    assert [engine.adapters.resolve(n).weights for n in dropped] == [None]

@@ -194,3 +194,36 @@ def test_the_scheduler_fills_one_budget_decode_rows_then_the_chunk_then_admitted
     cached.schedule(0.0)
     cached.add(generations(8, 700, 100))
     assert len(cached.schedule(0.0).admitted) == 8  # 60 tokens to compute each
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_passed_over_requests_keep_their_place():
+    """vLLM's --max-loras: a generation or prompt under an adapter the step has no room for is
+    passed over (others behind it may go), and goes first when room comes free."""
+    a, b, c = object(), object(), object()  # three adapters (the scheduler only compares them)
+    limited = Scheduler(slots=32, capacity_blocks=10_000, n_ctx=1024, max_batch_size=64, max_batch_tokens=4096,
+                        max_batch_delay_s=0.0, fixed_cost_tokens=0, step_tokens=512, max_loras=2)
+    waiting = generations(6, 4, 0)
+    for request, adapter in zip(waiting, [a, b, c, None, a, c]):
+        request.adapter = adapter
+    limited.add(waiting)
+    step = limited.schedule(0.0)
+    assert [r.request_id for r in step.admitted] == [0, 1, 3, 4]  # c's two passed over: a and b fill the step
+    assert [r.request_id for r in limited.waiting] == [2, 5]  # in their order, first in line
+    prompts = [EngineRequest([1, 2], request_id=10 + i) for i in range(3)]
+    for request, adapter in zip(prompts, [c, a, None]):
+        request.adapter = adapter
+    limited.add(prompts)
+    step = limited.schedule(1.0)  # the running a and b hold the step's two: c's prompt waits too
+    assert step.admitted == [] and [r.request_id for r in step.prompts] == [11, 12]
+    assert [r.request_id for r in limited.prompts] == [10]
+    for request in limited.running.values():
+        request.state = "done"  # a and b finish: c's generations and prompt go next, in one step
+    step = limited.schedule(2.0)
+    assert [r.request_id for r in step.admitted] == [2, 5] and [r.request_id for r in step.prompts] == [10]
+
+    unlimited = scheduler(512)  # the default: any number of adapters a step
+    more = generations(3, 4, 20)
+    for request, adapter in zip(more, [a, b, c]):
+        request.adapter = adapter
+    unlimited.add(more)
+    assert len(unlimited.schedule(0.0).admitted) == 3

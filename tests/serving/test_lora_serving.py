@@ -300,3 +300,30 @@ def test_an_adapter_that_cannot_be_served_stops_the_start_in_one_line(tmp_path, 
     lines = [line for line in (done.stdout + done.stderr).splitlines() if "cannot start" in line]
     assert len(lines) == 1 and f"--lora-modules {entry}" in lines[0] and why in lines[0], done.stdout + done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_max_loras_and_max_cpu_loras_serve_every_adapter_as_peft_does(tmp_path, lora):
+    """vLLM's flags on a served model: one adapter a step, two of three in memory; concurrent calls
+    under all three and the base each get peft's answer, the gauge's max_lora is the limit, and a
+    limit that cannot hold (--max-cpu-loras under --max-loras) stops the start in one line."""
+    _, ckpt, dirs, judges, hf = lora
+    modules = [f"{name}={path}" for name, path in dirs.items()]
+    srv = launch_server(tmp_path, "--model", str(ckpt), "--lora-modules", *modules, "--max-lora-rank", "8",
+                        "--max-loras", "1", "--max-cpu-loras", "2")
+    try:
+        names = [None, "poet", "coder", "critic"] * 3
+        prompts = [[(5 * i + j) % 50257 for j in range(3 + i % 4)] for i in range(len(names))]
+
+        async def run():
+            async with AsyncClient(srv.grpc_target) as client:
+                return await asyncio.gather(*(client.generate(p, max_tokens=3, temperature=0, adapter=n)
+                                              for p, n in zip(prompts, names)))
+
+        for prompt, name, result in zip(prompts, names, asyncio.run(run())):
+            assert [t.token_id for t in result.tokens] == transformers_greedy(judges[name] if name else hf, prompt, 3)
+        assert lora_readings(srv.http_url)[0][1]["max_lora"] == "1"
+    finally:
+        srv.stop()
+    done = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "serve", "--model", "random:tiny", "--max-loras", "2",
+                           "--max-cpu-loras", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--max-cpu-loras >= --max-loras" in done.stderr and "Traceback" not in done.stderr

@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -46,19 +47,21 @@ class AdapterError(InvalidArgument):
     """An adapter that cannot be served: the message names the file, field or module at fault."""
 
 
-@dataclass(frozen=True, eq=False)  # compared by identity: two loads of one directory are two adapters
+@dataclass(eq=False)  # compared by identity: two loads of one directory are two adapters
 class LoraAdapter:
     name: str
     path: str
     rank: int  # the largest of its modules'
-    # (layer, our module name) -> (A (r, in), B (out, r) times its scale), fp32
-    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer, our module name) -> (A (r, in), B (out, r) times its scale), fp32; None: out of
+    # memory (--max-cpu-loras), read again from `path` when next used (LoraRegistry.ready)
+    weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None
     targets: tuple[str, ...]  # peft's module names it adapts, e.g. ("c_attn", "c_fc")
     uid: int = field(default_factory=lambda: next(_uids))  # its prefix-cache root (engine.prefix_cache)
+    keeper: LoraRegistry | None = None  # the registry that keeps it in memory, or drops it
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(a.nbytes + b.nbytes for a, b in (self.weights or {}).values())
 
     def __str__(self) -> str:  # for the log: what was loaded, and from where
         return (f"LoRA adapter {self.name!r}: rank {self.rank} on {', '.join(self.targets)}, "
@@ -201,10 +204,12 @@ class AdapterRows:
         end; None when no row has one."""
         if not any(adapters):
             return None
+        distinct = list(dict.fromkeys(a for a in adapters if a is not None))
+        if distinct[0].keeper is not None:
+            distinct[0].keeper.ready(distinct)
         if len(set(adapters)) == 1:  # one adapter for every token: nothing to mask
             return cls([adapters[0]], None)
         counts = [lengths] * len(adapters) if isinstance(lengths, int) else lengths
-        distinct = list(dict.fromkeys(a for a in adapters if a is not None))
         column = {a: k for k, a in enumerate(distinct)}
         owner = torch.tensor([column[a] if a is not None else -1 for a in adapters]).repeat_interleave(
             torch.tensor(counts))  # (N,) each token's adapter, -1: the base
@@ -259,11 +264,17 @@ class AdapterRows:
 class LoraRegistry:
     """The adapters requests may name, by name. Loaded in the engine thread, read from the callers'
     threads: each change swaps in a new dict (one reference assignment), never edits the one in use.
-    An adapter's requests hold its LoraAdapter, so one unloaded mid-flight still finishes them."""
+    An adapter's requests hold its LoraAdapter, so one unloaded mid-flight still finishes them.
+    With `max_resident` (--max-cpu-loras), at most that many keep their weights in memory: before a
+    forward (AdapterRows.of, the engine thread) its adapters are read back where dropped, and the
+    least recently used beyond the limit, none of this forward's, are dropped (vLLM's LRU cache)."""
 
-    def __init__(self, config: GPT2Config | None, max_rank: int = DEFAULT_MAX_RANK, device: torch.device | str = "cpu"):
-        self.config, self.max_rank, self.device = config, max_rank, device
+    def __init__(self, config: GPT2Config | None, max_rank: int = DEFAULT_MAX_RANK, device: torch.device | str = "cpu",
+                 max_resident: int | None = None):
+        self.config, self.max_rank, self.device, self.max_resident = config, max_rank, device, max_resident
         self._by_name: dict[str, LoraAdapter] = {}
+        self._resident: OrderedDict[LoraAdapter, None] = OrderedDict()  # weights in memory, least recent first
+        self.reads = 0  # adapters read back into memory (tests and the log)
 
     @classmethod
     def empty(cls) -> LoraRegistry:
@@ -273,13 +284,20 @@ class LoraRegistry:
     def names(self) -> list[str]:
         return list(self._by_name)
 
+    @property
+    def resident(self) -> list[str]:
+        """The adapters with their weights in memory, least recently used first."""
+        return [adapter.name for adapter in self._resident]
+
     def load(self, name: str, path: str | Path) -> LoraAdapter:
         if not name or "=" in name:
             raise AdapterError(f"adapter name {name!r}: empty or with '='")
         if name in self._by_name:
             raise AdapterError(f"adapter {name!r} is loaded already; unload it first")
         adapter = load_adapter(name, path, self.config, self.max_rank, self.device)
+        adapter.keeper = self
         self._by_name = {**self._by_name, name: adapter}
+        self.ready([adapter])
         return adapter
 
     def unload(self, name: str) -> None:
@@ -296,3 +314,23 @@ class LoraRegistry:
             loaded = ", ".join(self._by_name) or "none"
             raise NotFound(f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", param="adapter")
         return adapter
+
+    def ready(self, adapters: Sequence[LoraAdapter]) -> None:
+        """`adapters` (one forward's) in memory, read again where dropped; then the least recently
+        used beyond max_resident dropped, and those unloaded that no forward uses now."""
+        for adapter in adapters:
+            if adapter.weights is None:
+                adapter.weights = load_adapter(adapter.name, adapter.path, self.config, self.max_rank,
+                                               self.device).weights
+                self.reads += 1
+            self._resident[adapter] = None
+            self._resident.move_to_end(adapter)
+        served, now = set(self._by_name.values()), set(adapters)
+        for adapter in [a for a in self._resident if a not in served and a not in now]:
+            del self._resident[adapter]  # unloaded: its last requests hold it until they finish
+        while self.max_resident is not None and len(self._resident) > self.max_resident:
+            oldest = next((a for a in self._resident if a not in now), None)
+            if oldest is None:  # all of this forward's: kept, over the limit for now
+                break
+            del self._resident[oldest]
+            oldest.weights = None

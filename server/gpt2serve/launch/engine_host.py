@@ -128,7 +128,7 @@ def measure_prompt_rate(engine: Engine, prompt_tokens: int = 8, forwards: int = 
 
 def load_adapters(adapters: LoraRegistry, config: ServeConfig) -> None:
     """--lora-modules, each name=path, into the registry; the first that cannot be served stops the start."""
-    adapters.max_rank = config.max_lora_rank
+    adapters.max_rank, adapters.max_resident = config.max_lora_rank, config.max_cpu_loras
     for entry in config.lora_modules:
         name, _, path = entry.partition("=")
         try:
@@ -205,7 +205,7 @@ class EngineHost:
             max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
             max_batch_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s,
             eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry,
-            adapters=engine.adapters)
+            adapters=engine.adapters, max_loras=config.max_loras or config.max_cpu_loras)
         self.core.start()
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
@@ -218,7 +218,9 @@ class EngineHost:
                             prefix_cache_bytes=prefix_cache_bytes(engine))
         info = self.info
         telemetry.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
-                                           info.architecture.vocab_size, len(info.adapters)),
+                                           info.architecture.vocab_size,
+                                           len(info.adapters) and (config.max_loras or config.max_cpu_loras
+                                                                   or len(info.adapters))),
                                self.stats, device_memory_probe(loaded.device), config.metrics_compat)
         self.stats_log = StatsLog(config.log_stats_interval_s, self.stats, self.core.runner.counts.totals)
         self.stats_log.start()

@@ -61,11 +61,12 @@ class EngineCore:
                  max_batch_delay_s: float, max_queue: int, max_batch_tokens: int, max_queue_wait_s: float = 60.0,
                  eos_token_id: int | None = None, engine_thread: ThreadPoolExecutor | None = None,
                  observer: Observer | None = None, overlap: bool | None = None,
-                 adapters: LoraRegistry | None = None):
+                 adapters: LoraRegistry | None = None, max_loras: int | None = None):
         """overlap: launch each decode step, and each plain next-token batch, before reading the
         last one's answers (default: where the device runs on by itself, cuda); on a CPU the
         launch is the whole step, so it only makes each token a step later (tests force it on
-        there). adapters: the LoRA adapters requests may name (engine.lora); None: none."""
+        there). adapters: the LoRA adapters requests may name (engine.lora); None: none. max_loras:
+        distinct adapters one step may hold (scheduling.scheduler.Scheduler)."""
         self.generator, self.adapters = generator, adapters or LoraRegistry.empty()
         self.outputs = Outputs(observer)  # the callers' side: answers, on their loop
         self.max_batch_size, self.max_queue, self.max_queue_wait_s = max_batch_size, max_queue, max_queue_wait_s
@@ -75,7 +76,7 @@ class EngineCore:
                                    max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
                                    max_batch_delay_s=max_batch_delay_s, fixed_cost_tokens=generator.fixed_cost_tokens,
                                    step_tokens=step_tokens if generator.takes_riders else None,
-                                   uncached=generator.uncached_tokens)
+                                   uncached=generator.uncached_tokens, max_loras=max_loras)
         self._executor = engine_thread or new_engine_thread()
         self._intake: list[EngineRequest] = []
         self._lock = threading.Lock()  # the intake and the waiting counts, shared with the callers' thread

@@ -151,11 +151,14 @@ class Step:
 class Scheduler:
     def __init__(self, *, slots: int, capacity_blocks: int, n_ctx: int, max_batch_size: int, max_batch_tokens: int,
                  max_batch_delay_s: float, fixed_cost_tokens: float, step_tokens: int | None = None,
-                 uncached: Callable[[list[int], object], int] = lambda prompt, adapter: len(prompt)):
+                 uncached: Callable[[list[int], object], int] = lambda prompt, adapter: len(prompt),
+                 max_loras: int | None = None):
         """`step_tokens`: the token budget of a step whose prompts share the decode rows' forward;
         None where they never do (admission then fills prefills of their own). `uncached(prompt, adapter)`:
-        the tokens reading it computes, past what the prefix cache holds (vLLM's computed tokens)."""
-        self.uncached = uncached
+        the tokens reading it computes, past what the prefix cache holds (vLLM's computed tokens).
+        `max_loras`: distinct LoRA adapters a step may hold (None: any number); as vLLM's scheduler
+        does, a request under another one is passed over, keeping its place, until a step has room."""
+        self.uncached, self.max_loras = uncached, max_loras
         self.slots, self.capacity_blocks, self.n_ctx = slots, capacity_blocks, n_ctx
         self.max_batch_size, self.max_batch_tokens, self.step_tokens = max_batch_size, max_batch_tokens, step_tokens
         self.max_batch_delay_s, self.fixed_cost_tokens = max_batch_delay_s, fixed_cost_tokens
@@ -213,14 +216,15 @@ class Scheduler:
             budget -= step.chunk
         else:
             step.chunk = chunk_waiting
+        loras = {r.adapter for r in staying if r.adapter is not None}  # the step's adapters (max_loras)
         if self.waiting:
-            step.admitted, step.admitted_tokens = self._admit(staying, budget, step.chunk)
+            step.admitted, step.admitted_tokens = self._admit(staying, budget, step.chunk, loras)
         step.decode = bool(staying or step.admitted)
         busy = step.decode or step.admitted
         if self.prompts:
             wake = None if busy else self._fill_until(now)
             if wake is None:
-                step.prompts = self._take_prompts()
+                step.prompts = self._take_prompts(loras)
             elif step.empty:
                 return wake
         return None if step.empty else step
@@ -230,15 +234,29 @@ class Scheduler:
         them where steps do not pack prompts with decode rows, else what is left, SMALLEST_CHUNK at least."""
         return waiting if self.step_tokens is None else min(waiting, max(budget, SMALLEST_CHUNK))
 
-    def _admit(self, staying: list[EngineRequest], budget: int, chunk: int) -> tuple[list[EngineRequest], list[int]]:
+    def _lora_fits(self, adapter: object, loras: set) -> bool:
+        """Whether a request under `adapter` may join a step holding `loras` (which it joins)."""
+        if adapter is None or adapter in loras:
+            return True
+        if self.max_loras is not None and len(loras) >= self.max_loras:
+            return False
+        loras.add(adapter)
+        return True
+
+    def _admit(self, staying: list[EngineRequest], budget: int, chunk: int,
+               loras: set) -> tuple[list[EngineRequest], list[int]]:
         """The oldest waiting generations, while slots, blocks and `budget` tokens to compute last
-        (the first one even over it, unless a chunk is read this step), and what each computes."""
+        (the first one even over it, unless a chunk is read this step), and what each computes.
+        One under an adapter the step has no room for (`loras`, max_loras) is passed over."""
         self.waiting = [r for r in self.waiting if not r.cancelled and r.state == "waiting"]
         free = self.slots - len(staying)
-        admitted, costs, tokens = [], [], 0
+        admitted, costs, tokens, passed = [], [], 0, 0
         longest = self._longest(staying)
-        while self.waiting and len(admitted) < free:
-            request = self.waiting[0]
+        while passed < len(self.waiting) and len(admitted) < free:
+            request = self.waiting[passed]
+            if request.adapter is not None and not self._lora_fits(request.adapter, set(loras)):
+                passed += 1  # keeps its place in the queue
+                continue
             cost = self.uncached(request.prompt, request.adapter)
             if (admitted or chunk) and tokens + cost > budget:
                 break
@@ -246,7 +264,8 @@ class Scheduler:
             if blocks_needed(len(staying) + len(admitted) + 1, with_it) > self.capacity_blocks:
                 break  # oldest first: a long one is not passed by shorter ones behind it
             longest = with_it
-            self.waiting.pop(0)
+            self._lora_fits(request.adapter, loras)
+            self.waiting.pop(passed)
             request.state = "running"
             self.running[request.request_id] = request
             admitted.append(request)
@@ -280,7 +299,7 @@ class Scheduler:
         """How long after their answers closed-loop callers may still be coming back."""
         return max(STREAMING_WAIT_FACTOR * self.max_batch_delay_s, STREAMING_WAIT_SHARE_OF_FORWARD * self._last_forward_s)
 
-    def _take_prompts(self) -> list[EngineRequest]:
+    def _take_prompts(self, loras: set) -> list[EngineRequest]:
         if len(self.prompts) <= self.max_batch_size:  # all of them: one pass, not a pop each
             candidates = [r for r in self.prompts if not r.cancelled]
             self.prompts.clear()
@@ -290,6 +309,11 @@ class Scheduler:
                 request = self.prompts.popleft()
                 if not request.cancelled:
                     candidates.append(request)
+        if self.max_loras is not None and any(r.adapter is not None for r in candidates):
+            fits = [self._lora_fits(r.adapter, loras) for r in candidates]
+            # Under adapters this step has no room for: back to the front, in order.
+            self.prompts.extendleft(reversed([r for r, fit in zip(candidates, fits) if not fit]))
+            candidates = [r for r, fit in zip(candidates, fits) if fit]
         self._window_started = None
         if not candidates:
             return []

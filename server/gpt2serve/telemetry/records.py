@@ -84,7 +84,7 @@ class ModelLoaded:
     device: str
     weights: str
     vocab_size: int
-    adapters: int = 0  # LoRA adapters served (vllm:lora_requests_info's max_lora)
+    adapters: int = 0  # --max-loras, else the LoRA adapters served (vllm:lora_requests_info's max_lora); 0: none
 
 
 @dataclass(frozen=True)
