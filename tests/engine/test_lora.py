@@ -301,6 +301,8 @@ def test_max_loras_bounds_a_forwards_adapters_and_max_cpu_loras_the_ones_in_memo
     engine.adapters.max_resident = 2
     for name in ("poet", "coder", "critic"):
         engine.adapters.load(name, dirs[name])
+    assert engine.adapters.resident == ["poet", "coder", "critic"]  # a load drops nothing: not the engine thread
+    engine.adapters.ready([])  # as the server's start does once all are read
     assert engine.adapters.resident == ["coder", "critic"] and engine.adapters.resolve("poet").weights is None
     seen = []  # the distinct adapters of every forward that had any
     real_of = AdapterRows.of.__func__

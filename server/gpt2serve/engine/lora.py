@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,13 +268,16 @@ class LoraRegistry:
     An adapter's requests hold its LoraAdapter, so one unloaded mid-flight still finishes them.
     With `max_resident` (--max-cpu-loras), at most that many keep their weights in memory: before a
     forward (AdapterRows.of, the engine thread) its adapters are read back where dropped, and the
-    least recently used beyond the limit, none of this forward's, are dropped (vLLM's LRU cache)."""
+    least recently used beyond the limit, none of this forward's, are dropped (vLLM's LRU cache).
+    Only `ready` drops weights, and only the engine thread calls it once serving, so no forward
+    loses an adapter's weights while it runs; a run-time load (another thread) only adds one."""
 
     def __init__(self, config: GPT2Config | None, max_rank: int = DEFAULT_MAX_RANK, device: torch.device | str = "cpu",
                  max_resident: int | None = None):
         self.config, self.max_rank, self.device, self.max_resident = config, max_rank, device, max_resident
         self._by_name: dict[str, LoraAdapter] = {}
         self._resident: OrderedDict[LoraAdapter, None] = OrderedDict()  # weights in memory, least recent first
+        self._lock = threading.Lock()  # _resident: the engine thread's ready() and a run-time load()
         self.reads = 0  # adapters read back into memory (tests and the log)
 
     @classmethod
@@ -297,7 +301,8 @@ class LoraRegistry:
         adapter = load_adapter(name, path, self.config, self.max_rank, self.device)
         adapter.keeper = self
         self._by_name = {**self._by_name, name: adapter}
-        self.ready([adapter])
+        with self._lock:
+            self._resident[adapter] = None  # the most recent; the limit applies at the next ready()
         return adapter
 
     def unload(self, name: str) -> None:
@@ -318,6 +323,10 @@ class LoraRegistry:
     def ready(self, adapters: Sequence[LoraAdapter]) -> None:
         """`adapters` (one forward's) in memory, read again where dropped; then the least recently
         used beyond max_resident dropped, and those unloaded that no forward uses now."""
+        with self._lock:
+            self._ready(adapters)
+
+    def _ready(self, adapters: Sequence[LoraAdapter]) -> None:
         for adapter in adapters:
             if adapter.weights is None:
                 adapter.weights = load_adapter(adapter.name, adapter.path, self.config, self.max_rank,

@@ -136,6 +136,7 @@ def load_adapters(adapters: LoraRegistry, config: ServeConfig) -> None:
         except AdapterError as exc:
             raise StartupError(f"--lora-modules {entry}: {exc.message}") from exc
         log.info("%s", adapter)
+    adapters.ready([])  # --max-cpu-loras: each was read once (so a bad one stops the start); keep the newest
 
 
 def load_engine(config: ServeConfig) -> tuple[Engine, Generator, float]:

@@ -216,7 +216,7 @@ class Scheduler:
             budget -= step.chunk
         else:
             step.chunk = chunk_waiting
-        loras = {r.adapter for r in staying if r.adapter is not None}  # the step's adapters (max_loras)
+        loras = set() if self.max_loras is None else {r.adapter for r in staying if r.adapter is not None}
         if self.waiting:
             step.admitted, step.admitted_tokens = self._admit(staying, budget, step.chunk, loras)
         step.decode = bool(staying or step.admitted)
@@ -235,10 +235,11 @@ class Scheduler:
         return waiting if self.step_tokens is None else min(waiting, max(budget, SMALLEST_CHUNK))
 
     def _lora_fits(self, adapter: object, loras: set) -> bool:
-        """Whether a request under `adapter` may join a step holding `loras` (which it joins)."""
-        if adapter is None or adapter in loras:
+        """Whether a request under `adapter` may join a step holding `loras` (the step's adapters
+        under max_loras; which it joins)."""
+        if adapter is None or self.max_loras is None or adapter in loras:
             return True
-        if self.max_loras is not None and len(loras) >= self.max_loras:
+        if len(loras) >= self.max_loras:
             return False
         loras.add(adapter)
         return True
