@@ -51,6 +51,8 @@ def format_next_token(result) -> str:
     lines.append(f"queue {t.queue_ms:.1f} ms, forward {t.forward_ms:.1f} ms, total {t.total_ms:.1f} ms, batch of {result.batch_size}")
     if result.layers:
         lines += ["", format_layers(result)]
+    if result.base_top:
+        lines += ["", format_beside_base(result)]
     if result.trace_id:
         lines.append(f"trace id: {result.trace_id}")
     return "\n".join(lines)
@@ -74,6 +76,20 @@ def format_layers(result) -> str:
     return "\n".join(lines)
 
 
+def format_beside_base(result) -> str:
+    """--compare-base: both top-k lists, then per block how far the adapter moved it from the base."""
+    p = lambda t: f"{math.exp(t.logprob):.4f}"  # noqa: E731
+    rows = [("rank", "with the adapter", "prob", "base", "prob")]
+    rows += [(str(rank), repr(visible(t.token))[1:-1], p(t), repr(visible(b.token))[1:-1], p(b))
+             for rank, (t, b) in enumerate(zip(result.top, result.base_top), 1)]
+    shifts = [("block", "residual moved", "attention moved", "MLP moved", "lens (adapter)", "lens (base)")]
+    shifts += [(str(layer.index), f"{layer.base_residual_shift:.1%}", f"{layer.base_attn_shift:.1%}",
+                f"{layer.base_mlp_shift:.1%}", repr(visible(layer.logit_lens[0].token)),
+                repr(visible(layer.base_logit_lens[0].token))) for layer in result.layers]
+    return "\n".join(["beside the base (the same prompt, a row of the same forward; moved: |adapter - base| / |base|,"
+                      " last position):", *table(rows, "<<><>"), "", *table(shifts, "<>>><<")])
+
+
 def table(rows: list[tuple[str, ...]], align: str) -> list[str]:
     """Columns as wide as their widest cell, two spaces apart, a rule under the header row;
     `align` has one of "<" or ">" per column."""
@@ -91,7 +107,7 @@ def cmd_next(args: argparse.Namespace) -> int:
     try:
         with Client(args.target, timeout=args.timeout) as client:
             result = client.next_token(args.prompt, top_k=args.top_k, trace_layers=args.trace,
-                                       include_layers=args.trace, adapter=args.adapter)
+                                       include_layers=args.trace, adapter=args.adapter, compare_base=args.compare_base)
     except Gpt2ServeError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
@@ -226,6 +242,8 @@ def build_parser(environ=os.environ) -> argparse.ArgumentParser:
     env.add("--adapter", default=None, help="a LoRA adapter the server serves (GetModelInfo's adapters), by name; "
                                             "default: the base model")
     nxt.add_argument("--trace", action="store_true", help="trace this request's layers: print a per-layer table and the trace id")
+    nxt.add_argument("--compare-base", action="store_true", help="with --adapter: the base model beside it, its top-k "
+                                                                 "and how far the adapter moved each block")
     nxt.set_defaults(func=cmd_next)
 
     score = sub.add_parser("score", help="score a text: each token's log-probability and rank, the model's choice "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -220,6 +221,12 @@ def test_the_cli_generates_through_an_adapter(lora, tokenizer):
     assert done.returncode == 0, done.stderr
     want = tokenizer.decode(transformers_greedy(judges["coder"], tokenizer.encode(text), 5))
     assert done.stdout == want + "\n"
+    beside = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "next", text, "--target", srv.grpc_target,
+                             "--adapter", "coder", "--compare-base"], capture_output=True, text=True, timeout=60)
+    assert beside.returncode == 0, beside.stderr
+    shift_rows = [line.split() for line in beside.stdout.splitlines() if re.match(r"\d+\s+[\d.]+%", line)]
+    want = peft_shifts(judges["coder"], tokenizer.encode(text))
+    assert [float(row[1].rstrip("%")) for row in shift_rows] == [pytest.approx(100 * w[0], abs=0.06) for w in want]
     refused = subprocess.run([sys.executable, "-m", "gpt2serve.cli", "next", text, "--target", srv.grpc_target,
                               "--adapter", "pirate"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr and "pirate" in refused.stderr

@@ -24,7 +24,7 @@ function renderBeside(r) {
   const shifts = r.layers.flatMap((l) => [l.base_residual_shift, l.base_attn_shift, l.base_mlp_shift]);
   const most = Math.max(...shifts, 1e-9);  // bars share one scale: the largest shift fills its cell
   const bar = (name, v) => el("td", { class: `shift ${name}`, [`data-${name}`]: String(v), title: `${name}: ${v.toPrecision(4)}` },
-    el("span", { class: "bar", style: `width:${(100 * v / most).toFixed(1)}%` }), el("small", {}, `${(100 * v).toFixed(1)}%`));
+    el("span", { class: "bar", style: `width:calc(${(v / most).toFixed(4)} * (100% - 12px))` }), el("small", {}, `${(100 * v).toFixed(1)}%`));
   const lens = (t) => `${visible(t.token)} ${t.prob.toFixed(2)}`;
   $("beside-layers").replaceChildren(el("tr", {}, ...["block", "residual stream moved", "attention output moved",
     "MLP output moved", `lens with ${adapter}`, "lens of the base"].map((h) => el("th", {}, h))),
