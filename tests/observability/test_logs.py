@@ -17,7 +17,8 @@ from gpt2serve_client import Client, Gpt2ServeError, RestClient
 
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) gpt2serve\.requests: (?P<route>\S+(?: /\S+)?) "
                   r"(?P<status>[A-Z_]+)(?: (?P<http>\d{3}))? (?P<ms>[\d.]+)ms prompt_tokens=(?P<prompt>\d+) "
-                  r"output_tokens=(?P<output>\d+) request_id=(?P<id>\S+)(?: trace_id=(?P<trace>[0-9a-f]{32}))?"
+                  r"output_tokens=(?P<output>\d+) request_id=(?P<id>\S+)(?: adapter=(?P<adapter>\S+))?"
+                  r"(?: trace_id=(?P<trace>[0-9a-f]{32}))?"
                   r"(?: reason=(?P<reason>.+))?$")
 
 

@@ -165,6 +165,9 @@ def test_spans_carry_the_adapter_and_metrics_count_requests_by_adapter(lora):
                    if s.name == "gpt2serve.v1.Gpt2Serve/NextToken"]
     assert "gpt2serve.adapter" not in base_span.attributes
     assert metric_value(srv.http_url, "gpt2serve_lora_requests_total", counted) == before + 2
+    # The request log names the adapter (the base's lines name none).
+    wait_for(lambda: f"adapter=critic trace_id={traced.trace_id}" in srv.log(), timeout=10, what="the request line")
+    assert f"trace_id={base.trace_id}" in srv.log() and f"adapter=critic trace_id={base.trace_id}" not in srv.log()
 
 
 def lora_readings(http_url: str) -> list[tuple[float, dict]]:

@@ -106,15 +106,17 @@ class RequestLog:
         self.pid = os.getpid()
 
     def request(self, route: str, api: str, status: str, seconds: float, prompt_tokens: int, output_tokens: int,
-                request_id: str | None, trace_id: str, reason: str = "", http: int | None = None) -> None:
+                request_id: str | None, trace_id: str, reason: str = "", http: int | None = None,
+                adapter: str = "") -> None:
         """`status`: the gRPC status name; `http`: the HTTP status sent (REST, OpenAI), when not the
-        status's usual one; `request_id`: the caller's, or None for one of ours. The values are
+        status's usual one; `request_id`: the caller's, or None for one of ours; `adapter`: the LoRA
+        adapter it ran under ("": the base). The values are
         kept as they are and the lines made at the flush, together: made one by one among a
         call's other work, they cost about three times as much (docs/benchmarks.md)."""
         if status == "OK" and not self.every:
             return
         self.pending.append((time.time(), route, api, status, seconds, prompt_tokens, output_tokens,
-                             request_id or next(self.ids), trace_id, reason, http))
+                             request_id or next(self.ids), trace_id, reason, http, adapter))
         if len(self.pending) >= FLUSH_LINES:
             self.flush()
         elif self.flush_at is None:
@@ -126,7 +128,8 @@ class RequestLog:
     def lines(self, pending: list[tuple]) -> str:
         """The lines of `pending`, made in one loop (a call a line would cost a fifth more)."""
         out, heads, json_format, prefix = [], self.heads, self.json, self.id_prefix
-        for now, route, api, status, seconds, prompt_tokens, output_tokens, request_id, trace_id, reason, http in pending:
+        for (now, route, api, status, seconds, prompt_tokens, output_tokens, request_id, trace_id, reason, http,
+             adapter) in pending:
             if type(request_id) is int:
                 request_id = f"{prefix}-{request_id:x}"
             second = int(now)
@@ -144,11 +147,13 @@ class RequestLog:
                 out.append(f'{{"time":"{self.second_text}.{int((now - second) * 1000):03d}Z",{head},'
                            f'"latency_ms":{seconds * 1000:.3f},"prompt_tokens":{prompt_tokens},'
                            f'"output_tokens":{output_tokens},"request_id":{json.dumps(request_id)}'
+                           f'{f",{chr(34)}adapter{chr(34)}:{json.dumps(adapter)}" if adapter else ""}'
                            f'{f",{chr(34)}trace_id{chr(34)}:{chr(34)}{trace_id}{chr(34)}" if trace_id else ""}'
                            f'{f",{chr(34)}reason{chr(34)}:{json.dumps(reason, ensure_ascii=False)}" if reason else ""}}}')
             else:
                 out.append(f"{self.second_text},{int((now - second) * 1000):03d} {head} {seconds * 1000:.1f}ms "
                            f"prompt_tokens={prompt_tokens} output_tokens={output_tokens} request_id={request_id}"
+                           f"{f' adapter={adapter}' if adapter else ''}"
                            f"{f' trace_id={trace_id}' if trace_id else ''}{f' reason={reason!r}' if reason else ''}")
         return "\n".join(out) + "\n"
 

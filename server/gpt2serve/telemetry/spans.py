@@ -227,7 +227,8 @@ class RequestTelemetry:
                     http = known.openai_http if options.api == "openai" else known.http
             request_id = carrier.get(REQUEST_ID_HEADER) if carrier else None
             request_log.request(options.span_name, options.api, status, seconds, prompt_tokens, output_tokens,
-                                request_id and safe_field(request_id, 128), self.trace_id, reason, http)
+                                request_id and safe_field(request_id, 128), self.trace_id, reason, http,
+                                self.adapter and safe_field(self.adapter, 128))
 
     @property
     def traceparent(self) -> str:
