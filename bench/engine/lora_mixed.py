@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine.traced_decode import ADAPTER_TRACE_AFTER
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.lora import load_adapter, shapes
 from gpt2serve.engine.steps import Ask
@@ -64,7 +65,8 @@ def decode_steps(engine: Engine, prompts: list[list[int]], adapters: list, steps
     """Seconds a decode step, after one prefill, of these streams under these adapters."""
     generator = Generator(engine, slots=len(prompts))
     generator.prefill([NewSequence(i, p, GREEDY, i, adapter=a) for i, (p, a) in enumerate(zip(prompts, adapters))])
-    generator.decode()  # the first decode step (a trace's first runs, first allocations) is not timed
+    for _ in range(ADAPTER_TRACE_AFTER):  # untimed: the steps before and at a trace's recording (base or adapters)
+        generator.decode()
     seconds = timed(lambda: [generator.decode() for _ in range(steps)]) / steps
     generator.remove({r.seq_id for r in generator.running})
     return seconds

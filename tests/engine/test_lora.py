@@ -12,6 +12,7 @@ import pytest
 import torch
 from gpt2serve.engine.engine import Engine
 from gpt2serve.engine.generator import Generator, NewSequence
+from gpt2serve.engine import traced_decode
 from gpt2serve.engine.loading import load_model
 from gpt2serve.engine.lora import AdapterError, AdapterRows, load_adapter
 from gpt2serve.engine.steps import Ask
@@ -332,3 +333,45 @@ def test_max_loras_bounds_a_forwards_adapters_and_max_cpu_loras_the_ones_in_memo
     assert len(engine.adapters.resident) == 2
     dropped = [n for n in ("poet", "coder", "critic") if n not in engine.adapters.resident]
     assert [engine.adapters.resolve(n).weights for n in dropped] == [None]
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_a_cpu_decode_trace_takes_the_adapters_as_inputs_so_another_set_of_that_shape_answers_as_peft(
+        setup, tmp_path, monkeypatch, quantize):
+    """engine.traced_decode: decode steps with adapter rows run a trace once their signature
+    (adapters' count, rank, targets) recurs; the adapters' weights and mask are its inputs, so a
+    twin of the coder (same rank and targets, other weights) replays the coder's trace with its own
+    answers: the eager steps' token for token, and peft's (fp32; int8 is within its own error of
+    peft, test_int8_adapter_rows_stay_within_int8s_own_error)."""
+    engine, adapters = engine_with_adapters(setup, quantize)
+    _, ckpt, dirs, _ = setup
+    rank, targets, alpha, rslora = ADAPTERS["coder"]
+    twin_dir = make_adapter(ckpt, tmp_path / "twin", rank, targets, alpha, rslora, seed=11)
+    adapters["twin"] = load_adapter("twin", twin_dir, engine.model.config)
+    judges = {None: judge(setup, None), "coder": judge(setup, "coder"), "twin": peft_model(ckpt, twin_dir)}
+
+    def generate(generator: Generator, names: list, first_id: int) -> list[list[int]]:
+        generator.prefill([NewSequence(first_id + i, p, GREEDY, i, adapter=adapters.get(n))
+                           for i, (p, n) in enumerate(zip(PROMPTS, names))])
+        tokens = {first_id + i: [] for i in range(len(names))}
+        for _ in range(8):
+            for i, token in generator.decode([]).tokens.items():
+                tokens[i].append(token.token_id)
+        generator.remove(list(tokens))
+        return list(tokens.values())
+
+    # One adapter beside the base, then two (in both places): the second set of each shape
+    # replays the trace the first recorded, with its own adapters as inputs.
+    sets = ([None, "coder", "coder"], [None, "twin", "twin"], [None, "coder", "twin"], [None, "twin", "coder"])
+    monkeypatch.setattr(traced_decode, "ADAPTER_TRACE_AFTER", 10**9)  # never: eager
+    eager_generator = Generator(engine, slots=4)
+    eager = [generate(eager_generator, names, 10 * k) for k, names in enumerate(sets)]
+    assert eager_generator.traces.adapter_traces == {}
+    monkeypatch.setattr(traced_decode, "ADAPTER_TRACE_AFTER", 3)
+    generator = Generator(engine, slots=4)
+    for k, names in enumerate(sets):
+        got = generate(generator, names, 10 * k)
+        assert len(generator.traces.adapter_traces) == 1 + k // 2  # a second set of a shape records none
+        assert got == eager[k], names
+        if quantize == "none":
+            assert got == [transformers_greedy(judges[n], p, 9)[1:] for p, n in zip(PROMPTS, names)], names

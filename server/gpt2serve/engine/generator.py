@@ -8,9 +8,9 @@ The scheduler (scheduling.scheduler) decides who runs; this module runs each ste
   slot, not computed (engine.step_forward); out of memory, it leaves no row behind. On cuda,
   prompts that need nothing from the prefix cache replay a graph (engine.cuda_graphs);
 - decode: one token for every running sequence, each fed its last token at its own position;
-  replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU (engine.traced_decode),
-  eager where a row takes a LoRA adapter (engine.lora); with prompt rows (riders, joining prompts, a
-  chunk), one eager forward for all (engine.step_forward). Compaction refills slots (engine.kv_cache).
+  replayed as a CUDA graph (engine.cuda_graphs) or a TorchScript trace on a CPU (engine.traced_decode;
+  rows under LoRA adapters, engine.lora: a trace that takes them, eager on cuda); with prompt rows
+  (riders, joining prompts, a chunk), one eager forward for all (engine.step_forward). Compaction refills slots (engine.kv_cache).
 
 Every step ends in one copy to the host: per row [token, logprob, top logprobs, top ids]. The
 sampled ids also stay on the device (`last_ids`, one per slot), where the next decode step reads
@@ -245,15 +245,15 @@ class Generator:
             device_started.record()
         last = self.last_ids[:B]  # (B,) on the device
         logits, packed, adapters = None, None, [r.adapter for r in rows]
-        replay = not any(adapters)  # graphs and traces are recorded without LoRA adapters: eager
+        replay = not any(adapters)  # CUDA graphs are recorded without LoRA adapters: eager
         if not plan.decode_only:
             logits, packed = self._packed_step(last, lengths, needed, riders, chunk, joining, adapters)
         elif replay and self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
             logits = self.graphs.run_decode(last, lengths)
-        elif replay and self.traces is not None:  # cpu: one trace per span, any number of rows
+        elif self.traces is not None:  # cpu: a trace per span (and adapters' signature), any number of rows
             span = self.cache.span_for(B, needed)
             self.cache.reserve(B, span)
-            logits = self.traces.run(last, torch.tensor(lengths), span)
+            logits = self.traces.run(last, torch.tensor(lengths), span, None if replay else AdapterRows.of(adapters, 1, device))
         if logits is None:  # eager, at the exact batch
             span = self.cache.eager_span(B, needed)
             logits = self._decode_logits(last, to_device(lengths, device), span, AdapterRows.of(adapters, 1, device))

@@ -218,6 +218,29 @@ class AdapterRows:
         mask = (torch.arange(len(distinct) * rank)[:, None] // rank == owner[None, :]).float()  # (K r, N)
         return cls(distinct, mask.to(device))
 
+    def trace_inputs(self, n_layer: int, dtype: torch.dtype) -> tuple[tuple, list[torch.Tensor]]:
+        """What a decode trace takes of this forward (engine.traced_decode): its signature (the
+        adapters' count and rank, the projections any targets, a mask or not), the same for every
+        set of adapters alike, and its tensors, the mask (if any) then each projection's stacks."""
+        keys = [(layer, module, dtype) for layer in range(n_layer) for module in TARGETS.values()]
+        present = [key for key in keys if self._stacks_for(*key) is not None]
+        tensors = [t for key in present for t in self.stacks[key]]
+        signature = (len(self.adapters), self.rank, tuple(present), self.mask is not None)
+        return signature, ([self.mask] if self.mask is not None else []) + tensors
+
+    @classmethod
+    def traced(cls, signature: tuple, n_layer: int, tensors: Sequence[torch.Tensor]) -> AdapterRows:
+        """The rows of a trace's forward, from trace_inputs' signature and tensors (the trace's
+        inputs): the stacks and mask come in as they are, nothing is stacked or looked up."""
+        count, rank, present, masked = signature
+        rows = cls.__new__(cls)
+        rows.adapters, rows.rank = (None,) * count, rank
+        rows.mask, tensors = (tensors[0], tensors[1:]) if masked else (None, tensors)
+        dtype = present[0][2]  # every stack's: the forward's
+        rows.stacks = {(layer, module, dtype): None for layer in range(n_layer) for module in TARGETS.values()}
+        rows.stacks.update({key: (tensors[2 * i], tensors[2 * i + 1]) for i, key in enumerate(present)})
+        return rows
+
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (..., in) the projection's input, y (..., out) its output (the caller's own, changed in
         place) -> y plus each token's adapter term (the shrink in fp32, the expand in y's dtype)."""
