@@ -31,7 +31,7 @@ from .cuda_graphs import BucketedForward
 from .head import ScoredSpan, score_prompts, top_k_rows
 from .constraints import Grammars
 from .loading import LoadedModel
-from .lora import LoraRegistry
+from .lora_registry import LoraRegistry
 from .logits_controls import controlled_view
 from .prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache, RowPlan, root_for
 from .padding import CPU_FORWARD_TOKENS, Buckets, forward_parts, right_padded

@@ -25,23 +25,30 @@ import itertools
 import json
 import math
 import re
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
-from ..errors import InvalidArgument, NotFound
+from ..errors import InvalidArgument
 from .gpt2 import GPT2Config
 
 # peft's module name -> ours (engine.gpt2)
 TARGETS = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
 TARGET_NAMES = ("c_attn", "c_proj", "c_fc")
 DEFAULT_MAX_RANK = 64
+# A forward whose adapter tokens lie in runs this long on average (prompt rows) adds each adapter
+# on its own run; shorter (decode steps, one token a row) adds every adapter to every token, masked.
+RUN_TOKENS = 8
 _KEY = re.compile(r"(?:^|\.)h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 _uids = itertools.count(1)
+
+
+class Keeper(Protocol):
+    """What keeps adapters in memory (engine.lora_registry.LoraRegistry): `ready` before a forward."""
+
+    def ready(self, adapters: Sequence[LoraAdapter]) -> None: ...
 
 
 class AdapterError(InvalidArgument):
@@ -58,7 +65,7 @@ class LoraAdapter:
     weights: Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None
     targets: tuple[str, ...]  # peft's module names it adapts, e.g. ("c_attn", "c_fc")
     uid: int = field(default_factory=lambda: next(_uids))  # its prefix-cache root (engine.prefix_cache)
-    keeper: LoraRegistry | None = None  # the registry that keeps it in memory, or drops it
+    keeper: Keeper | None = None  # the registry that keeps it in memory, or drops it
 
     @property
     def nbytes(self) -> int:
@@ -178,21 +185,38 @@ def _scale(settings: dict, module: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
 
 
+def _runs(adapters: Sequence[LoraAdapter | None], counts: Sequence[int]) -> list[tuple[int, int, LoraAdapter]]:
+    """Tokens [start, end) under one adapter each, neighbouring rows of one adapter merged."""
+    runs, start = [], 0
+    for adapter, count in zip(adapters, counts):
+        if adapter is not None:
+            if runs and runs[-1][2] is adapter and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], start + count, adapter)
+            else:
+                runs.append((start, start + count, adapter))
+        start += count
+    return runs
+
+
 class AdapterRows:
     """Which tokens of one forward take which adapter, and their terms. engine.gpt2 calls `add`
     after each targeted projection.
 
-    For each projection, each adapter's A shrinks every token into its r rows of (K r, N), masked
-    to each token's own adapter; one GEMM then adds every B side by side (out, K r) times that to
-    the output, in place: Punica's shrink and expand as dense GEMMs. K adapters cost K times the
-    shrink's few FLOPs, and the output is passed over once whatever K: a pass per adapter, or a
-    term tensor added after, cost more on a CPU than the adapters' arithmetic
-    (bench/engine/lora_mixed.py; docs/benchmarks.md, "LoRA adapters")."""
+    Where each adapter's tokens lie in long runs (prompt rows), each run takes its adapter's A and
+    B on its own tokens (`_add_runs`). Otherwise (decode steps: a token a row) each adapter's A
+    shrinks every token into its r rows of (K r, N), masked to each token's own adapter; one GEMM
+    then adds every B side by side (out, K r) times that to the output, in place: Punica's shrink
+    and expand as dense GEMMs, K times the shrink's few FLOPs, in a handful of calls whatever the
+    rows, and tensors a decode trace can take as inputs (`trace_inputs`). A pass per adapter over
+    the whole output, or a term tensor added after, cost more on a CPU than the adapters'
+    arithmetic (bench/engine/lora_mixed.py; docs/benchmarks.md, "LoRA adapters")."""
 
     _stacks: tuple[tuple, dict] = ((), {})  # the last forward's adapters and their stacks: decode steps repeat
 
-    def __init__(self, adapters: Sequence[LoraAdapter], mask: torch.Tensor | None):
+    def __init__(self, adapters: Sequence[LoraAdapter], mask: torch.Tensor | None,
+                 runs: Sequence[tuple[int, int, LoraAdapter]] = ()):
         self.adapters, self.mask = tuple(adapters), mask  # mask (K r, N): 1 in each token's adapter's rows
+        self.runs = runs  # or, tokens [start, end) under one adapter each (the rest: the base)
         self.rank = max(a.rank for a in adapters)
         if AdapterRows._stacks[0] != self.adapters:
             AdapterRows._stacks = (self.adapters, {})
@@ -211,6 +235,9 @@ class AdapterRows:
         if len(set(adapters)) == 1:  # one adapter for every token: nothing to mask
             return cls([adapters[0]], None)
         counts = [lengths] * len(adapters) if isinstance(lengths, int) else lengths
+        runs = _runs(adapters, counts)
+        if len(distinct) > 1 and sum(e - s for s, e, _ in runs) >= RUN_TOKENS * len(runs):
+            return cls(distinct, None, runs)  # long runs (prompt rows): each adapter on its own tokens
         column = {a: k for k, a in enumerate(distinct)}
         owner = torch.tensor([column[a] if a is not None else -1 for a in adapters]).repeat_interleave(
             torch.tensor(counts))  # (N,) each token's adapter, -1: the base
@@ -234,7 +261,7 @@ class AdapterRows:
         inputs): the stacks and mask come in as they are, nothing is stacked or looked up."""
         count, rank, present, masked = signature
         rows = cls.__new__(cls)
-        rows.adapters, rows.rank = (None,) * count, rank
+        rows.adapters, rows.rank, rows.runs = (None,) * count, rank, ()
         rows.mask, tensors = (tensors[0], tensors[1:]) if masked else (None, tensors)
         dtype = present[0][2]  # every stack's: the forward's
         rows.stacks = {(layer, module, dtype): None for layer in range(n_layer) for module in TARGETS.values()}
@@ -244,6 +271,8 @@ class AdapterRows:
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (..., in) the projection's input, y (..., out) its output (the caller's own, changed in
         place) -> y plus each token's adapter term (the shrink in fp32, the expand in y's dtype)."""
+        if self.runs:
+            return self._add_runs(layer, module, x, y)
         stacks = self._stacks_for(layer, module, y.dtype)
         if stacks is None:  # no adapter here targets this projection
             return y
@@ -262,6 +291,27 @@ class AdapterRows:
             out.T.addmm_(b, h)
         else:
             out.addmm_(h.T, b.T)
+        return out.reshape(y.shape)
+
+    def _add_runs(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Each run's adapter on the run's own tokens, r rows of GEMM each: what S-LoRA's segments
+        compute, without a gather (a run's tokens are a slice) or a scatter (its part of the
+        output is a strided view BLAS writes in place). K adapters in one forward cost one
+        adapter's FLOPs, not K times them as the mask does; it takes runs long enough that a
+        GEMM's call is not the cost (RUN_TOKENS)."""
+        out = y.reshape(-1, y.shape[-1])  # (N, out)
+        rows = x.reshape(-1, x.shape[-1])  # (N, in)
+        transposed = out.T.is_contiguous()  # Linear's output on a CPU: (out, N) in memory
+        for start, end, adapter in self.runs:
+            pair = adapter.weights.get((layer, module))
+            if pair is None:  # this adapter leaves the projection alone
+                continue
+            a, b = pair  # (r, in) fp32, (out, r) fp32, scaled
+            h = (a @ rows[start:end].float().T).to(y.dtype)  # (r, n)
+            if transposed:
+                out.T[:, start:end].addmm_(b.to(y.dtype), h)  # (out, n): a view with row stride N
+            else:
+                out[start:end].addmm_(h.T, b.to(y.dtype).T)
         return out.reshape(y.shape)
 
     def _stacks_for(self, layer: int, module: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -283,86 +333,3 @@ class AdapterRows:
                 stacked = (a, b)
             self.stacks[key] = stacked
         return self.stacks[key]
-
-
-class LoraRegistry:
-    """The adapters requests may name, by name. Loaded in the engine thread, read from the callers'
-    threads: each change swaps in a new dict (one reference assignment), never edits the one in use.
-    An adapter's requests hold its LoraAdapter, so one unloaded mid-flight still finishes them.
-    With `max_resident` (--max-cpu-loras), at most that many keep their weights in memory: before a
-    forward (AdapterRows.of, the engine thread) its adapters are read back where dropped, and the
-    least recently used beyond the limit, none of this forward's, are dropped (vLLM's LRU cache).
-    Only `ready` drops weights, and only the engine thread calls it once serving, so no forward
-    loses an adapter's weights while it runs; a run-time load (another thread) only adds one."""
-
-    def __init__(self, config: GPT2Config | None, max_rank: int = DEFAULT_MAX_RANK, device: torch.device | str = "cpu",
-                 max_resident: int | None = None):
-        self.config, self.max_rank, self.device, self.max_resident = config, max_rank, device, max_resident
-        self._by_name: dict[str, LoraAdapter] = {}
-        self._resident: OrderedDict[LoraAdapter, None] = OrderedDict()  # weights in memory, least recent first
-        self._lock = threading.Lock()  # _resident: the engine thread's ready() and a run-time load()
-        self.reads = 0  # adapters read back into memory (tests and the log)
-
-    @classmethod
-    def empty(cls) -> LoraRegistry:
-        return cls(None)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._by_name)
-
-    @property
-    def resident(self) -> list[str]:
-        """The adapters with their weights in memory, least recently used first."""
-        return [adapter.name for adapter in self._resident]
-
-    def load(self, name: str, path: str | Path) -> LoraAdapter:
-        if not name or "=" in name:
-            raise AdapterError(f"adapter name {name!r}: empty or with '='")
-        if name in self._by_name:
-            raise AdapterError(f"adapter {name!r} is loaded already; unload it first")
-        adapter = load_adapter(name, path, self.config, self.max_rank, self.device)
-        adapter.keeper = self
-        self._by_name = {**self._by_name, name: adapter}
-        with self._lock:
-            self._resident[adapter] = None  # the most recent; the limit applies at the next ready()
-        return adapter
-
-    def unload(self, name: str) -> None:
-        """Not served from now on; requests that hold it finish with it."""
-        self.resolve(name)  # NotFound when it is not loaded
-        self._by_name = {n: a for n, a in self._by_name.items() if n != name}
-
-    def resolve(self, name: str | None) -> LoraAdapter | None:
-        """The adapter a request names (None: the base); NotFound for a name not loaded."""
-        if name is None:
-            return None
-        adapter = self._by_name.get(name)
-        if adapter is None:
-            loaded = ", ".join(self._by_name) or "none"
-            raise NotFound(f"the LoRA adapter {name!r} is not loaded (loaded: {loaded})", param="adapter")
-        return adapter
-
-    def ready(self, adapters: Sequence[LoraAdapter]) -> None:
-        """`adapters` (one forward's) in memory, read again where dropped; then the least recently
-        used beyond max_resident dropped, and those unloaded that no forward uses now."""
-        with self._lock:
-            self._ready(adapters)
-
-    def _ready(self, adapters: Sequence[LoraAdapter]) -> None:
-        for adapter in adapters:
-            if adapter.weights is None:
-                adapter.weights = load_adapter(adapter.name, adapter.path, self.config, self.max_rank,
-                                               self.device).weights
-                self.reads += 1
-            self._resident[adapter] = None
-            self._resident.move_to_end(adapter)
-        served, now = set(self._by_name.values()), set(adapters)
-        for adapter in [a for a in self._resident if a not in served and a not in now]:
-            del self._resident[adapter]  # unloaded: its last requests hold it until they finish
-        while self.max_resident is not None and len(self._resident) > self.max_resident:
-            oldest = next((a for a in self._resident if a not in now), None)
-            if oldest is None:  # all of this forward's: kept, over the limit for now
-                break
-            del self._resident[oldest]
-            oldest.weights = None

@@ -28,7 +28,8 @@ from ..engine.kv_cache import BLOCK, KVCache, blocks_for
 from ..engine.loading import LoadedModel, load_model
 from ..engine.prefix_cache import BLOCK as PREFIX_BLOCK, PrefixCache
 from ..engine.model_info import architecture
-from ..engine.lora import AdapterError, LoraRegistry
+from ..engine.lora import AdapterError
+from ..engine.lora_registry import LoraRegistry
 from ..errors import ModelLoadError, StartupError
 from ..ipc.engine_server import EngineServer
 from ..ipc.inproc_client import InprocEngineClient

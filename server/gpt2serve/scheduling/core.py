@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from ..engine.kv_cache import BLOCK, blocks_for
-from ..engine.lora import LoraRegistry
+from ..engine.lora_registry import LoraRegistry
 from ..engine.padding import CPU_FORWARD_TOKENS
 from ..errors import InvalidArgument, ResourceExhausted, ShuttingDown, Unavailable
 from ..protocol import GenerateRequest, NextTokenOutput, StepControls, TokenSink, TraceContext
