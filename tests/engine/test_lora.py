@@ -375,3 +375,17 @@ def test_a_cpu_decode_trace_takes_the_adapters_as_inputs_so_another_set_of_that_
         assert got == eager[k], names
         if quantize == "none":
             assert got == [transformers_greedy(judges[n], p, 9)[1:] for p, n in zip(PROMPTS, names)], names
+
+
+def test_prompt_rows_take_their_adapters_by_runs_and_decode_rows_by_the_mask_a_trace_takes(setup):
+    """AdapterRows.of: long runs of one adapter's tokens (prompt rows, a length each) go by runs;
+    decode rows (one length for all) always by the mask, even in long runs, since their traces
+    take the mask as an input and a trace without it would give every row every adapter."""
+    _, adapters = engine_with_adapters(setup)
+    coder, critic = adapters["coder"], adapters["critic"]
+    by_runs = AdapterRows.of([coder, coder, None, critic], [16, 16, 4, 16], torch.device("cpu"))
+    assert by_runs.runs == [(0, 32, coder), (36, 52, critic)] and by_runs.mask is None
+    decode = AdapterRows.of([coder] * 10 + [critic] * 10, 1, torch.device("cpu"))
+    assert decode.runs == () and decode.mask.shape == (2 * 8, 20)
+    short = AdapterRows.of([coder, critic, coder], [2, 3, 1], torch.device("cpu"))  # runs too short: masked
+    assert short.runs == () and short.mask is not None

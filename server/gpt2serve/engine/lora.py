@@ -226,7 +226,8 @@ class AdapterRows:
     def of(cls, adapters: Sequence[LoraAdapter | None], lengths: Sequence[int] | int,
            device: torch.device) -> AdapterRows | None:
         """Row i's `lengths[i]` tokens (an int: every row's) take `adapters[i]`, rows laid end to
-        end; None when no row has one."""
+        end; None when no row has one. By runs only with a length each (prompt rows), so decode
+        steps (an int) always have the mask their traces take."""
         if not any(adapters):
             return None
         distinct = list(dict.fromkeys(a for a in adapters if a is not None))
@@ -235,8 +236,8 @@ class AdapterRows:
         if len(set(adapters)) == 1:  # one adapter for every token: nothing to mask
             return cls([adapters[0]], None)
         counts = [lengths] * len(adapters) if isinstance(lengths, int) else lengths
-        runs = _runs(adapters, counts)
-        if len(distinct) > 1 and sum(e - s for s, e, _ in runs) >= RUN_TOKENS * len(runs):
+        runs = [] if isinstance(lengths, int) else _runs(adapters, counts)  # an int: decode rows or a padded batch
+        if len(distinct) > 1 and runs and sum(e - s for s, e, _ in runs) >= RUN_TOKENS * len(runs):
             return cls(distinct, None, runs)  # long runs (prompt rows): each adapter on its own tokens
         column = {a: k for k, a in enumerate(distinct)}
         owner = torch.tensor([column[a] if a is not None else -1 for a in adapters]).repeat_interleave(
@@ -248,7 +249,9 @@ class AdapterRows:
     def trace_inputs(self, n_layer: int, dtype: torch.dtype) -> tuple[tuple, list[torch.Tensor]]:
         """What a decode trace takes of this forward (engine.traced_decode): its signature (the
         adapters' count and rank, the projections any targets, a mask or not), the same for every
-        set of adapters alike, and its tensors, the mask (if any) then each projection's stacks."""
+        set of adapters alike, and its tensors, the mask (if any) then each projection's stacks.
+        Decode rows only (`of` with an int length): runs are never traced."""
+        assert not self.runs, "a forward by runs has no mask a trace could take"
         keys = [(layer, module, dtype) for layer in range(n_layer) for module in TARGETS.values()]
         present = [key for key in keys if self._stacks_for(*key) is not None]
         tensors = [t for key in present for t in self.stacks[key]]
