@@ -27,8 +27,9 @@ from .lora import AdapterRows
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 TOKENS, POSITIONS = 0, 1
 # A step with adapter rows is traced once its signature (span, the adapters' count, rank and
-# targets) came this many times, so a set of adapters seen once costs no trace; at most this many.
-ADAPTER_TRACE_AFTER, MAX_ADAPTER_TRACES = 3, 16
+# targets) came this many times, so a set of adapters seen once costs no trace; at most this many
+# (each holds about 35 MiB for GPT-2 small, as a base trace does; past them, such steps run eagerly).
+ADAPTER_TRACE_AFTER, MAX_ADAPTER_TRACES = 3, 8
 
 
 class _Step(nn.Module):
