@@ -132,6 +132,11 @@ class ServeConfig:
     max_cpu_loras: int | None = None  # adapters whose weights stay in memory, least recently used out; None: all
     allow_runtime_lora_updating: bool = False  # adapters loaded and unloaded while serving
 
+    @property
+    def step_loras(self) -> int | None:
+        """Distinct adapters a step may hold: --max-loras, else --max-cpu-loras (None: any number)."""
+        return self.max_loras or self.max_cpu_loras
+
     def max_batch_size_on(self, device_type: str) -> int:
         return self.max_batch_size or AUTO_MAX_BATCH_SIZE.get(device_type, AUTO_MAX_BATCH_SIZE["cpu"])
 

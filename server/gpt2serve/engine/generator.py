@@ -246,6 +246,7 @@ class Generator:
         last = self.last_ids[:B]  # (B,) on the device
         logits, packed, adapters = None, None, [r.adapter for r in rows]
         replay = not any(adapters)  # CUDA graphs are recorded without LoRA adapters: eager
+        lora = None if replay or not plan.decode_only else AdapterRows.of(adapters, 1, device)  # trace's or eager's
         if not plan.decode_only:
             logits, packed = self._packed_step(last, lengths, needed, riders, chunk, joining, adapters)
         elif replay and self.graphs is not None:  # cuda: the whole cache is there; the bucket pads rows and span
@@ -253,10 +254,9 @@ class Generator:
         elif self.traces is not None:  # cpu: a trace per span (and adapters' signature), any number of rows
             span = self.cache.span_for(B, needed)
             self.cache.reserve(B, span)
-            logits = self.traces.run(last, torch.tensor(lengths), span, None if replay else AdapterRows.of(adapters, 1, device))
+            logits = self.traces.run(last, torch.tensor(lengths), span, lora)
         if logits is None:  # eager, at the exact batch
-            span = self.cache.eager_span(B, needed)
-            logits = self._decode_logits(last, to_device(lengths, device), span, AdapterRows.of(adapters, 1, device))
+            logits = self._decode_logits(last, to_device(lengths, device), self.cache.eager_span(B, needed), lora)
         chosen = self._sample(logits, rows, 0, decode=True) if B else torch.zeros(0)  # (B, 3 + 2n)
         if done is not None:
             chosen = to_host(chosen, done)

@@ -218,6 +218,8 @@ class AdapterRows:
         self.adapters, self.mask = tuple(adapters), mask  # mask (K r, N): 1 in each token's adapter's rows
         self.runs = runs  # or, tokens [start, end) under one adapter each (the rest: the base)
         self.rank = max(a.rank for a in adapters)
+        if runs:  # no stacks: the decode steps' cached ones stay for the next step
+            return
         if AdapterRows._stacks[0] != self.adapters:
             AdapterRows._stacks = (self.adapters, {})
         self.stacks = AdapterRows._stacks[1]  # (layer, module, dtype) -> (A's (K r, in), B's (out, K r))

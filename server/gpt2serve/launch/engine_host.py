@@ -207,7 +207,7 @@ class EngineHost:
             max_batch_delay_s=config.max_batch_delay_ms / 1000, max_queue=config.max_queue,
             max_batch_tokens=config.max_batch_tokens, max_queue_wait_s=config.max_queue_wait_s,
             eos_token_id=engine.loaded.tokenizer.eos_token_id, engine_thread=engine_thread, observer=telemetry,
-            adapters=engine.adapters, max_loras=config.max_loras or config.max_cpu_loras)
+            adapters=engine.adapters, max_loras=config.step_loras)
         self.core.start()
         loaded = engine.loaded
         self.tokenizer = loaded.tokenizer
@@ -221,8 +221,7 @@ class EngineHost:
         info = self.info
         telemetry.model_loaded(ModelLoaded(info.model, info.dtype, info.device, info.weights,
                                            info.architecture.vocab_size,
-                                           len(info.adapters) and (config.max_loras or config.max_cpu_loras
-                                                                   or len(info.adapters))),
+                                           len(info.adapters) and (config.step_loras or len(info.adapters))),
                                self.stats, device_memory_probe(loaded.device), config.metrics_compat)
         self.stats_log = StatsLog(config.log_stats_interval_s, self.stats, self.core.runner.counts.totals)
         self.stats_log.start()

@@ -234,15 +234,9 @@ class Scheduler:
         them where steps do not pack prompts with decode rows, else what is left, SMALLEST_CHUNK at least."""
         return waiting if self.step_tokens is None else min(waiting, max(budget, SMALLEST_CHUNK))
 
-    def _lora_fits(self, adapter: object, loras: set) -> bool:
-        """Whether a request under `adapter` may join a step holding `loras` (the step's adapters
-        under max_loras; which it joins)."""
-        if adapter is None or self.max_loras is None or adapter in loras:
-            return True
-        if len(loras) >= self.max_loras:
-            return False
-        loras.add(adapter)
-        return True
+    def _has_room(self, adapter: object, loras: set) -> bool:
+        """Whether a request under `adapter` may join a step holding the adapters `loras` (max_loras)."""
+        return adapter is None or self.max_loras is None or adapter in loras or len(loras) < self.max_loras
 
     def _admit(self, staying: list[EngineRequest], budget: int, chunk: int,
                loras: set) -> tuple[list[EngineRequest], list[int]]:
@@ -255,7 +249,7 @@ class Scheduler:
         longest = self._longest(staying)
         while passed < len(self.waiting) and len(admitted) < free:
             request = self.waiting[passed]
-            if request.adapter is not None and not self._lora_fits(request.adapter, set(loras)):
+            if not self._has_room(request.adapter, loras):
                 passed += 1  # keeps its place in the queue
                 continue
             cost = self.uncached(request.prompt, request.adapter)
@@ -265,7 +259,8 @@ class Scheduler:
             if blocks_needed(len(staying) + len(admitted) + 1, with_it) > self.capacity_blocks:
                 break  # oldest first: a long one is not passed by shorter ones behind it
             longest = with_it
-            self._lora_fits(request.adapter, loras)
+            if request.adapter is not None:
+                loras.add(request.adapter)
             self.waiting.pop(passed)
             request.state = "running"
             self.running[request.request_id] = request
@@ -311,10 +306,14 @@ class Scheduler:
                 if not request.cancelled:
                     candidates.append(request)
         if self.max_loras is not None and any(r.adapter is not None for r in candidates):
-            fits = [self._lora_fits(r.adapter, loras) for r in candidates]
-            # Under adapters this step has no room for: back to the front, in order.
-            self.prompts.extendleft(reversed([r for r, fit in zip(candidates, fits) if not fit]))
-            candidates = [r for r, fit in zip(candidates, fits) if fit]
+            taken, passed = [], []
+            for request in candidates:
+                room = self._has_room(request.adapter, loras)
+                (taken if room else passed).append(request)
+                if room and request.adapter is not None:
+                    loras.add(request.adapter)
+            self.prompts.extendleft(reversed(passed))  # no room this step: back to the front, in order
+            candidates = taken
         self._window_started = None
         if not candidates:
             return []

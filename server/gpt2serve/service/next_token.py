@@ -57,7 +57,8 @@ async def next_token_batch(service: CallContext, prompts: Sequence[PromptInput],
 def build_result(service: CallContext, prompt_token_ids: list[int], out: NextTokenOutput, total_ms: float,
                  trace_id: str, include_layers: bool) -> NextTokenResult:
     token_text = service.validator.tokenizer.token_text
-    top = [TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in out.top]
+    texted = lambda scores: [TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in scores]  # noqa: E731
+    top = texted(out.top)
     return NextTokenResult(
         token_id=top[0].token_id, token=top[0].token, logprob=top[0].logprob, top=top,
         prompt_token_ids=prompt_token_ids,
@@ -67,7 +68,7 @@ def build_result(service: CallContext, prompt_token_ids: list[int], out: NextTok
         prompt_tokens=[token_text(t) for t in prompt_token_ids] if include_layers else [],
         walkthrough=(out.walkthrough or []) if include_layers else [],
         prompt_logprobs=prompt_token_logprobs(token_text, prompt_token_ids, out.prompt_logprobs),
-        base_top=[TokenLogprob(s.token_id, token_text(s.token_id), s.logprob) for s in out.base_top or ()],
+        base_top=texted(out.base_top or ()),
     )
 
 
