@@ -1,7 +1,7 @@
 """Decode steps on a CPU, run as TorchScript traces: the same ops, called from C++.
 
 A decode step of GPT-2 small is about 1500 small torch ops, and on a CPU calling them from
-Python was a third of an int8 step (8 of 25 ms at one row, 2-core AVX2 machine). CUDA graphs
+Python was a third of an int8 step (docs/benchmarks-history.md, "TorchScript"). CUDA graphs
 (engine.cuda_graphs) do not exist there, but `torch.jit.trace` records the step once and
 replays its ops without Python. The recorded graph gives the same numbers bit for bit.
 
@@ -28,7 +28,7 @@ DecodeForward = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 TOKENS, POSITIONS = 0, 1
 # A step with adapter rows is traced once its signature (span, the adapters' count, rank and
 # targets) came this many times, so a set of adapters seen once costs no trace; at most this many
-# (each holds about 35 MiB for GPT-2 small, as a base trace does; past them, such steps run eagerly).
+# (each holds about what a base trace does, docs/fine-tuned.md; past them, such steps run eagerly).
 ADAPTER_TRACE_AFTER, MAX_ADAPTER_TRACES = 3, 8
 
 
